@@ -1,0 +1,80 @@
+"""Small building blocks shared by the RAT modules: initialisers, linear, conv, MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+Dtype = Any
+
+
+def trunc_normal_init(std: float = 0.02):
+    """Normal(0, std) truncated at +-2 std, as ``torch.nn.init.trunc_normal_(std, a=-2std, b=2std)``.
+
+    (``jax.nn.initializers.truncated_normal`` rescales to unit variance after truncation, which the
+    reference does not.)
+    """
+
+    def init(key: Array, shape: Sequence[int], dtype: Dtype = jnp.float32) -> Array:
+        return (std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)).astype(dtype)
+
+    return init
+
+
+def torch_default_uniform(fan_in: int):
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): PyTorch's default for conv/linear weights and biases."""
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key: Array, shape: Sequence[int], dtype: Dtype = jnp.float32) -> Array:
+        return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+    return init
+
+
+def linear(din: int, dout: int, *, use_bias: bool = True, dtype: Dtype, rngs: nnx.Rngs, init: str = "trunc") -> nnx.Linear:
+    """Dense layer with the reference's transformer init ("trunc") or PyTorch's default ("torch")."""
+    kernel_init = trunc_normal_init() if init == "trunc" else torch_default_uniform(din)
+    bias_init = nnx.initializers.zeros_init() if init == "trunc" else torch_default_uniform(din)
+    return nnx.Linear(din, dout, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init,
+                      dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def conv(
+    din: int,
+    dout: int,
+    kernel_size: Sequence[int],
+    *,
+    strides: Sequence[int] | int = 1,
+    padding: Any = "SAME",
+    dtype: Dtype,
+    rngs: nnx.Rngs,
+) -> nnx.Conv:
+    """Channels-last convolution with PyTorch's default init (the reference's convs keep it)."""
+    fan_in = din * int(math.prod(kernel_size))
+    return nnx.Conv(din, dout, tuple(kernel_size), strides=strides, padding=padding,
+                    kernel_init=torch_default_uniform(fan_in), bias_init=torch_default_uniform(fan_in),
+                    dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # use_fast_variance=False: E[(x-mu)^2] like PyTorch, not E[x^2]-mu^2.
+    return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class Mlp(nnx.Module):
+    """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout."""
+
+    def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype, rngs: nnx.Rngs) -> None:
+        self.fc1 = linear(dim, hidden, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.fc2 = linear(hidden, dim, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.drop1 = nnx.Dropout(dropout, rngs=rngs)
+        self.drop2 = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:
+        x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
+        return self.drop2(self.fc2(x))
