@@ -63,7 +63,7 @@ class WorldInfo:
         ids = "all" if self.local_device_ids is None else ",".join(map(str, self.local_device_ids))
         return (
             f"launcher={self.launcher} process={self.process_index}/{self.process_count} "
-            f"local_devices={self.local_device_count} (ids {ids}) "
+            f"local_devices={self.local_device_count} local_device_ids={ids} "
             f"global_devices={self.global_device_count} coordinator={self.coordinator or '-'}"
         )
 

@@ -396,7 +396,7 @@ def test_plain_dict_config_works():
 
 def test_summary_line_names_everything():
     info = D.WorldInfo("slurm", 1, 2, "vm:61453", (0, 1), 2, 4)
-    assert info.summary() == ("launcher=slurm process=1/2 local_devices=2 (ids 0,1) global_devices=4 "
+    assert info.summary() == ("launcher=slurm process=1/2 local_devices=2 local_device_ids=0,1 global_devices=4 "
                               "coordinator=vm:61453")
 
 

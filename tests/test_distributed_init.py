@@ -81,6 +81,6 @@ def test_two_processes_meet_and_log_one_line_each():
     results = [finish(p) for p in procs]
     for i, (rc, out) in enumerate(results):
         assert rc == 0, out
-        assert f"launcher=explicit process={i}/2 local_devices=2 (ids all) global_devices=4 " \
+        assert f"launcher=explicit process={i}/2 local_devices=2 local_device_ids=all global_devices=4 " \
                f"coordinator=127.0.0.1:{port}" in out
         assert "TOTAL 6.0" in out  # (0+1) + (2+3): every process saw both processes' data

@@ -1,0 +1,173 @@
+"""The job-script renderer: content, shell syntax, user errors, submission through a fake sbatch,
+and that the example scripts in launch/ are exactly what the renderer produces."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from jaxrat import launch as L
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)  # --config paths are relative to the repository root
+
+
+def render(*argv: str, scheduler: str = "slurm") -> str:
+    spec, _ = L.parse_args(["--config", "configs/isic.py", *argv])
+    return L.render(spec, scheduler)
+
+
+def bash_syntax_ok(text: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.sh"
+    path.write_text(text)
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+def directives(text: str, prefix: str = "#SBATCH") -> list[str]:
+    return [line.split(None, 1)[1] for line in text.splitlines() if line.startswith(prefix + " ")]
+
+
+def test_templates_are_package_data():
+    for name in ("slurm.sbatch", "lsf.bsub"):
+        assert resources.files("jaxrat").joinpath("launch_templates", name).is_file()
+
+
+def test_one_process_per_gpu_by_default(tmp_path):
+    text = render("--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj",
+                  "--time", "12:00:00")
+    d = directives(text)
+    for expected in ["--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=gpu",
+                     "--account=proj", "--time=12:00:00", "--requeue", "--signal=B:USR1@300",
+                     "--open-mode=append", "--job-name=jaxrat-isic", "--output=runs/isic/slurm-%j.out"]:
+        assert expected in d, (expected, d)
+    assert 'srun --kill-on-bad-exit=1 "$PYTHON" -m jaxrat.main --config="$CONFIG" --workdir="$WORKDIR" &' in text
+    assert 'export JAX_COMPILATION_CACHE_DIR="$(dirname "$WORKDIR")/jax_cache"' in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    bash_syntax_ok(text, tmp_path)
+
+
+def test_one_process_per_node_and_cpu_only():
+    assert "--ntasks-per-node=1" in directives(render("--gpus-per-node", "8", "--one-process-per-node"))
+    cpu = directives(render("--tasks-per-node", "2"))
+    assert "--ntasks-per-node=2" in cpu and not any(x.startswith("--gpus") for x in cpu)
+
+
+def test_staging_setup_cache_and_passthrough(tmp_path):
+    text = render("--stage-data", "/shared/ISIC 2018", "--setup", "module load cuda/12", "--cache-dir",
+                  "/shared/cache", "--signal-lead", "600", "--directive=--constraint=a100",
+                  "--", "--config.data.batch_size=64", "--config.model.name=rat small")
+    assert "module load cuda/12\n" in text
+    assert 'LOCAL_DATA="${TMPDIR:-/tmp}/jaxrat-data-$SLURM_JOB_ID"' in text
+    assert "'/shared/ISIC 2018' \"$LOCAL_DATA\"" in text
+    assert "export JAX_COMPILATION_CACHE_DIR=/shared/cache" in text
+    assert '--config.data.data_dir="$LOCAL_DATA" --config.data.batch_size=64 \'--config.model.name=rat small\' &' \
+        in text
+    assert "--signal=B:USR1@600" in directives(text) and "--constraint=a100" in directives(text)
+    bash_syntax_ok(text, tmp_path)
+
+
+def test_lsf_script(tmp_path):
+    text = render("--nodes", "2", "--gpus-per-node", "4", "--time", "1-02:30:00", "--partition", "gpuq",
+                  "--stage-data", "/data", scheduler="lsf")
+    d = directives(text, "#BSUB")
+    for expected in ["-n 8", '-R "span[ptile=4]"', '-gpu "num=4:mode=exclusive_process"', "-W 26:30",
+                     "-q gpuq", "-r", "-wa USR1", "-wt 5"]:
+        assert expected in d, (expected, d)
+    assert 'blaunch -u "$LSB_DJOB_HOSTFILE" "$PYTHON" -m jaxrat.main' in text
+    bash_syntax_ok(text, tmp_path)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--nodes", "0"], "--nodes 0"),
+    (["--gpus-per-node", "8", "--tasks-per-node", "3"], "split evenly"),
+    (["--time", "tomorrow"], "--time 'tomorrow'"),
+    (["--signal-lead", "10"], "too short"),
+    (["--local-data", "/tmp/x"], "--stage-data"),
+])
+def test_impossible_requests_fail_with_a_sentence(argv, needle):
+    spec, _ = L.parse_args(["--config", "configs/isic.py", *argv])
+    with pytest.raises(L.UserError, match=needle):
+        L.render(spec, "slurm")
+
+
+def test_missing_config_file_and_unknown_scheduler():
+    spec, _ = L.parse_args(["--config", "configs/nope.py:smoke"])
+    with pytest.raises(L.UserError, match="does not exist"):
+        L.render(spec)
+    spec, _ = L.parse_args(["--config", "configs/isic.py"])
+    with pytest.raises(L.UserError, match="pbs"):
+        L.render(spec, "pbs")
+
+
+def fake_bin(tmp_path: Path, name: str, body: str) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    exe = bindir / name
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return bindir
+
+
+def run_cli(args: list[str], path: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": path}
+    return subprocess.run([sys.executable, "-m", "jaxrat.launch", *args], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=REPO)
+
+
+def test_scheduler_detection_from_path(tmp_path):
+    base = str(tmp_path / "empty")  # a PATH without sbatch or bsub (this machine may have Slurm)
+    none = run_cli(["--config", "configs/isic.py"], base)  # no scheduler: a dry run still prints SLURM
+    assert none.returncode == 0 and "#SBATCH --nodes=1" in none.stdout
+    lsf = run_cli(["--config", "configs/isic.py"], f"{fake_bin(tmp_path, 'bsub', 'exit 0')}:{base}")
+    assert lsf.returncode == 0 and "#BSUB -n 1" in lsf.stdout, lsf.stderr
+    nowhere = run_cli(["--config", "configs/isic.py", "--submit"], base)
+    assert nowhere.returncode == 2 and "neither sbatch nor bsub" in nowhere.stderr
+
+
+def test_submit_through_a_fake_sbatch(tmp_path):
+    log = tmp_path / "sbatch_args"
+    bindir = fake_bin(tmp_path, "sbatch", f'echo "$@" > {log}\necho "4242;cluster"\n')
+    workdir = tmp_path / "run"
+    proc = run_cli(["--config", "configs/isic.py:smoke", "--workdir", str(workdir), "--submit"],
+                   f"{bindir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    assert proc.returncode == 0, proc.stderr
+    assert "submitted job 4242" in proc.stdout
+    script = workdir / "jaxrat-isic-smoke.sbatch"
+    assert script.is_file() and log.read_text().split() == ["--parsable", str(script)]
+    assert f"WORKDIR={workdir}" in script.read_text()
+
+
+def test_refused_submission_is_reported(tmp_path):
+    bindir = fake_bin(tmp_path, "sbatch", 'echo "sbatch: error: invalid partition specified: gpux" >&2\nexit 1\n')
+    proc = run_cli(["--config", "configs/isic.py", "--workdir", str(tmp_path / "r"), "--submit"],
+                   f"{bindir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    assert proc.returncode == 2
+    assert "sbatch refused the job: sbatch: error: invalid partition specified: gpux" in proc.stderr
+
+
+def test_wait_needs_submit():
+    proc = run_cli(["--config", "configs/isic.py", "--wait"], os.environ["PATH"])
+    assert proc.returncode == 2 and "--wait needs --submit" in proc.stderr
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "launch").glob("*.sbatch")) + sorted((REPO / "launch").glob("*.bsub")),
+                         ids=lambda p: p.name)
+def test_examples_in_launch_dir_match_the_renderer(example, tmp_path):
+    text = example.read_text()
+    command = text.splitlines()[1].removeprefix("# Generated by: ")
+    argv = shlex.split(command)[3:]  # drop "python -m jaxrat.launch"
+    spec, args = L.parse_args(argv)
+    assert L.render(spec, args.scheduler) == text, f"regenerate {example.name} with: {command} > launch/{example.name}"
+    bash_syntax_ok(text, tmp_path)

@@ -1,0 +1,220 @@
+"""Against a real single-node SLURM cluster (Debian slurmctld/slurmd/munge, 4 fake GPUs).
+
+The cluster comes from scripts/slurm_cluster.sh: CI brings it up before the tests; otherwise the
+fixture brings it up itself when it can (root with apt-get) and down again afterwards. Only
+outside CI, without root or apt-get, are these tests skipped. Every srun/sbatch runs under a
+timeout and a Slurm time limit, and leftover test jobs are cancelled by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
+JOB_NAME = "jaxrat-pytest"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def cluster_works() -> bool:
+    if not shutil.which("srun"):
+        return False
+    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A working cluster for this module; started (and later stopped) here if it was not up."""
+    if cluster_works():
+        yield
+        subprocess.run(["scancel", f"--name={JOB_NAME}"], capture_output=True, timeout=30)
+        return
+    if not (os.geteuid() == 0 and shutil.which("apt-get")):
+        if in_ci():
+            pytest.fail("CI must run the SLURM tests, but the runner is neither root with apt-get nor has a "
+                        "cluster up; run `scripts/slurm_cluster.sh up` as root before pytest.")
+        pytest.skip("no SLURM cluster and no root/apt-get to start one (scripts/slurm_cluster.sh up)")
+    up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        if in_ci():
+            pytest.fail(f"scripts/slurm_cluster.sh up failed:\n{up.stderr}")
+        pytest.skip(f"could not start a SLURM cluster here: {up.stderr.strip().splitlines()[-1:]}")
+    try:
+        yield
+    finally:
+        subprocess.run(["scancel", f"--name={JOB_NAME}"], capture_output=True, timeout=30)
+        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
+
+
+def task_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without launcher variables (srun exports it to the tasks)."""
+    drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=task_env(**env), cwd=REPO)
+    except subprocess.TimeoutExpired as err:
+        subprocess.run(["scancel", f"--name={JOB_NAME}"], capture_output=True, timeout=30)
+        pytest.fail(f"{' '.join(cmd[:6])} ... did not finish in {timeout} s:\n{err.stdout}\n{err.stderr}")
+
+
+def srun(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return run(["srun", f"--job-name={JOB_NAME}", "--time=5", "--kill-on-bad-exit=1", *args], timeout, **env)
+
+
+def job_field(job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    m = re.search(rf"\b{field}=(\S+)", out)
+    return m.group(1) if m else ""
+
+
+def wait_for(predicate, timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    pytest.fail(f"timed out after {timeout} s waiting for {what}\n{tail}")
+
+
+WORLD = textwrap.dedent("""
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from jaxrat.distributed import initialize
+    info = initialize(None)
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    total = multihost_utils.process_allgather(jnp.ones(2) * (info.process_index + 1)).sum()
+    print("RESULT", info.process_index, info.process_count, info.coordinator, float(total), flush=True)
+""")
+
+
+def results(out: str) -> list[list[str]]:
+    return sorted(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
+
+
+def test_srun_two_tasks_find_each_other_and_split_fake_gpus(slurm):
+    proc = srun("-n2", "--gpus-per-node=2", sys.executable, "-c", WORLD, JAX_NUM_CPU_DEVICES="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = results(proc.stdout)
+    assert [r[:2] for r in res] == [["0", "2"], ["1", "2"]]
+    assert res[0][2] == res[1][2] and int(res[0][2].rsplit(":", 1)[1]) >= 61440
+    assert all(float(r[3]) == 6.0 for r in res)  # 2*1 + 2*2 from both processes
+    log = proc.stdout + proc.stderr
+    # One task per GPU: each process was given its own (fake) GPU, 2 CPU devices each, 4 in all.
+    assert "process=0/2 local_devices=2 local_device_ids=0 global_devices=4" in log
+    assert "process=1/2 local_devices=2 local_device_ids=1 global_devices=4" in log
+
+
+def test_srun_four_tasks_on_two_cores(slurm):
+    proc = srun("-n4", sys.executable, "-c", WORLD, JAX_NUM_CPU_DEVICES="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r[:2] for r in results(proc.stdout)] == [[str(i), "4"] for i in range(4)]
+
+
+def test_two_concurrent_steps_in_one_allocation(slurm, tmp_path):
+    script = tmp_path / "two_steps.sh"
+    world = tmp_path / "world.py"
+    world.write_text(WORLD)
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        srun -n2 --exact {sys.executable} {world} > {tmp_path}/a.out 2>&1 &
+        srun -n2 --exact {sys.executable} {world} > {tmp_path}/b.out 2>&1 &
+        wait %1 && wait %2
+    """))
+    proc = run(["sbatch", "--wait", f"--job-name={JOB_NAME}", "--time=5", "-n4", f"--output={tmp_path}/job.out",
+                str(script)], 180, JAX_NUM_CPU_DEVICES="1")
+    a, b = (results((tmp_path / f"{x}.out").read_text()) for x in "ab")
+    assert proc.returncode == 0, (tmp_path / "a.out").read_text() + (tmp_path / "b.out").read_text()
+    assert len(a) == len(b) == 2
+    assert a[0][2] != b[0][2]  # same job id, different steps: different coordinator ports
+
+
+def test_batch_script_without_srun_explains(slurm, tmp_path):
+    proc = run(["sbatch", "--wait", f"--job-name={JOB_NAME}", "--time=5", "-n2", f"--output={tmp_path}/job.out",
+                f"--wrap={sys.executable} -c 'from jaxrat.distributed import initialize; initialize(None)'"], 120)
+    log = (tmp_path / "job.out").read_text()
+    assert proc.returncode != 0
+    assert "not inside a job step; start it with `srun python -m jaxrat.main ...`" in log
+
+
+STUB_TRAIN = textwrap.dedent("""
+    # A stand-in trainer that uses the same contract as jaxrat.main: distributed.initialize,
+    # a collective per step, and JAX's preemption sync point (SIGTERM) to checkpoint and stop.
+    import argparse, json, os, sys, time
+    from pathlib import Path
+    from jaxrat.distributed import initialize
+    p = argparse.ArgumentParser(); p.add_argument("--config"); p.add_argument("--workdir")
+    args, _ = p.parse_known_args()
+    info = initialize(None)
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    wd = Path(args.workdir); ckpt = wd / "ckpt.json"
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    step = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+    (wd / f"started-{info.process_index}-{restart}").write_text(str(step))
+    target = step + 5 if restart != "0" else 10**9
+    while step < target:
+        step += 1
+        multihost_utils.process_allgather(jnp.array(step))
+        time.sleep(0.05)
+        if multihost_utils.reached_preemption_sync_point(step):
+            if info.process_index == 0:
+                ckpt.write_text(json.dumps({"step": step}))
+            print(f"preempted: checkpoint at step {step}", flush=True)
+            sys.exit(0)
+    if info.process_index == 0:
+        (wd / "done.json").write_text(json.dumps({"step": step}))
+""")
+
+
+def test_launch_submit_preempt_requeue_resume(slurm, tmp_path):
+    """The rendered sbatch script end to end: USR1 before the limit -> SIGTERM to the tasks -> JAX
+    preemption sync point -> checkpoint -> requeue -> the rerun resumes from the checkpoint."""
+    (tmp_path / "stub_train.py").write_text(STUB_TRAIN)
+    workdir = tmp_path / "run"
+    proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--nodes", "1",
+                "--tasks-per-node", "2", "--time", "00:10:00", "--job-name", JOB_NAME, "--workdir", str(workdir),
+                "--module", "stub_train", "--setup", f"export PYTHONPATH={tmp_path}", "--submit"], 60,
+               JAX_NUM_CPU_DEVICES="1")
+    assert proc.returncode == 0, proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log = workdir / f"slurm-{job}.out"
+    wait_for(lambda: all((workdir / f"started-{i}-0").exists() for i in range(2)), 120, "both tasks to start", log)
+    time.sleep(1)
+    # What Slurm does --signal-lead seconds before the time limit:
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30)
+    wait_for(lambda: job_field(job, "Restarts") == "1" and job_field(job, "JobState") == "PENDING", 120,
+             "the job to requeue itself", log)
+    saved = json.loads((workdir / "ckpt.json").read_text())["step"]
+    assert saved > 0
+    text = log.read_text()
+    assert text.count("preempted: checkpoint at step") == 2 and "requeueing job" in text
+    # A requeued job waits ~2 min before it is eligible again; make it eligible now, but not in
+    # the same second as the requeue, or slurmd rejects the new start ("Job credential revoked").
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+    wait_for(lambda: job_field(job, "JobState") == "COMPLETED", 120, "the requeued run to complete", log)
+    assert (workdir / "started-0-1").read_text() == str(saved)  # resumed where the checkpoint was
+    assert json.loads((workdir / "done.json").read_text())["step"] == saved + 5
+    assert "restart 1" in log.read_text()
