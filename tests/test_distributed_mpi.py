@@ -1,0 +1,50 @@
+"""Two real processes started by Open MPI's mpirun find each other through jaxrat.distributed.
+
+Needs `mpirun` (Debian: openmpi-bin). CI installs it; elsewhere the test is skipped without it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORLD = """
+import logging
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from jaxrat.distributed import initialize
+info = initialize(None)
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+total = multihost_utils.process_allgather(jnp.ones(2) * (info.process_index + 1)).sum()
+print("RESULT", info.process_index, info.process_count, float(total), flush=True)
+"""
+
+
+def test_mpirun_two_processes():
+    if not shutil.which("mpirun"):
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI must run the Open MPI test: apt-get install --no-install-recommends openmpi-bin")
+        pytest.skip("mpirun not installed (apt-get install openmpi-bin)")
+    drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    cmd = ["mpirun", "--oversubscribe", "-np", "2", "-x", "JAX_NUM_CPU_DEVICES", "-x", "JAX_PLATFORMS",
+           "-x", "PYTHONUNBUFFERED", sys.executable, "-c", WORLD]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"mpirun did not finish in 180 s:\n{err.stdout}\n{err.stderr}")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT")) == [
+        ["0", "2", "6.0"], ["1", "2", "6.0"]]
+    for i in range(2):
+        assert f"launcher=mpi process={i}/2 local_devices=2 local_device_ids=all global_devices=4" in log
