@@ -181,9 +181,7 @@ def _contradiction(launcher: str, what: str) -> UserError:
 # ------------------------------------------------------------------------------- device split
 
 
-def _local_device_ids(
-    env: _Env, tasks_here: int | None, local_rank: int, *, already_bound: bool = False
-) -> tuple[int, ...] | None:
+def _local_device_ids(env: _Env, tasks_here: int | None, local_rank: int) -> tuple[int, ...] | None:
     """Which visible GPUs this process drives when ``tasks_here`` processes share a node.
 
     Returns None (use every visible device) when there is one process per node, when the launcher
@@ -197,7 +195,7 @@ def _local_device_ids(
     on_node_n = int(on_node) if on_node and on_node.isdigit() else None
     if visible is None and on_node_n is not None:
         visible = on_node_n
-    if not visible or not tasks_here or tasks_here <= 1 or already_bound:
+    if not visible or not tasks_here or tasks_here <= 1:
         return None
     if env.get("SLURM_GPUS_PER_TASK") or (on_node_n is not None and visible < on_node_n):
         return None  # SLURM gave each task its own GPUs already
@@ -259,9 +257,8 @@ def _detect_slurm(e: _Env) -> ClusterSpec:
         raise _contradiction("slurm", f"SLURM_LOCALID={localid} but this node runs {tasks_here} tasks")
     # Concurrent steps of one allocation share SLURM_JOB_ID: fold the step id in so their
     # coordinators do not collide (step 0 keeps jax's own choice, job_id % 4096 + 61440).
-    step_n = int(step) if step.isdigit() else zlib.crc32(step.encode())
-    port = _PORT_BASE + (int(job) if job.isdigit() else zlib.crc32(job.encode())) % _PORT_SPAN
-    port = _PORT_BASE + (port - _PORT_BASE + 1031 * step_n) % _PORT_SPAN
+    job_n, step_n = (int(x) if x.isdigit() else zlib.crc32(x.encode()) for x in (job, step))
+    port = _PORT_BASE + (job_n + 1031 * step_n) % _PORT_SPAN  # 1031 is odd: 4096 steps, 4096 ports
     return ClusterSpec(
         "slurm", ntasks, procid, f"{nodes[0]}:{port}", _local_device_ids(e, tasks_here, localid)
     )
