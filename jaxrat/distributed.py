@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -605,3 +606,38 @@ def initialize(dist_config: Any = None) -> WorldInfo:
     )
     logger.info("%s", info.summary())
     return info
+
+
+# ----------------------------------------------------------------------------------- preemption
+
+_sigterm = threading.Event()
+_handler_installed = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if _sigterm.is_set():  # a second SIGTERM: the trainer is not listening, so die as usual
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    _sigterm.set()
+
+
+def preemption_requested(step: int) -> bool:
+    """True at the step where every process should save a checkpoint and stop (SIGTERM received).
+
+    Call it at every training step with the same step number in all processes. With several
+    processes it is JAX's preemption sync point (any process's SIGTERM, agreed step for all).
+    A single process has no JAX preemption service; the first call installs a SIGTERM handler
+    that sets a flag instead (a second SIGTERM still terminates), so the job scripts' TERM
+    before the time limit checkpoints here too.
+    """
+    global _handler_installed
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point(step)
+    if not _handler_installed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _handler_installed = True
+    return _sigterm.is_set()

@@ -84,3 +84,24 @@ def test_two_processes_meet_and_log_one_line_each():
         assert f"launcher=explicit process={i}/2 local_devices=2 local_device_ids=all global_devices=4 " \
                f"coordinator=127.0.0.1:{port}" in out
         assert "TOTAL 6.0" in out  # (0+1) + (2+3): every process saw both processes' data
+
+
+PREEMPT = """
+import os, signal, sys, time
+from jaxrat.distributed import initialize, preemption_requested
+initialize(None)
+for step in range(1, 10_000):
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)  # what the job script sends before the time limit
+    if preemption_requested(step):
+        print("STOP", step, flush=True)
+        sys.exit(0)
+    time.sleep(0.01)
+"""
+
+
+def test_single_process_preemption_stops_at_the_next_step():
+    proc = subprocess.run([sys.executable, "-c", PREEMPT], env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["STOP", "5"]

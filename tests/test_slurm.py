@@ -160,10 +160,11 @@ def test_batch_script_without_srun_explains(slurm, tmp_path):
 
 STUB_TRAIN = textwrap.dedent("""
     # A stand-in trainer that uses the same contract as jaxrat.main: distributed.initialize,
-    # a collective per step, and JAX's preemption sync point (SIGTERM) to checkpoint and stop.
+    # a collective per step, and distributed.preemption_requested (JAX's preemption sync point,
+    # triggered by SIGTERM) to checkpoint and stop.
     import argparse, json, os, sys, time
     from pathlib import Path
-    from jaxrat.distributed import initialize
+    from jaxrat.distributed import initialize, preemption_requested
     p = argparse.ArgumentParser(); p.add_argument("--config"); p.add_argument("--workdir")
     args, _ = p.parse_known_args()
     info = initialize(None)
@@ -178,7 +179,7 @@ STUB_TRAIN = textwrap.dedent("""
         step += 1
         multihost_utils.process_allgather(jnp.array(step))
         time.sleep(0.05)
-        if multihost_utils.reached_preemption_sync_point(step):
+        if preemption_requested(step):
             if info.process_index == 0:
                 ckpt.write_text(json.dumps({"step": step}))
             print(f"preempted: checkpoint at step {step}", flush=True)
