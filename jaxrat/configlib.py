@@ -1,0 +1,169 @@
+"""Config defaults shared by every jaxrat experiment, and config validation.
+
+A config file's ``get_config(arg)`` starts from :func:`base_config` and overrides what it needs.
+Every field a user may override on the command line must exist here (ml_collections refuses
+unknown keys), with a value of the right type or a typed placeholder.
+"""
+
+from __future__ import annotations
+
+import ml_collections as mlc
+
+from jaxrat.errors import ConfigError
+
+
+def base_config() -> mlc.ConfigDict:
+    """Defaults for every section; experiment configs override fields."""
+    c = mlc.ConfigDict()
+    c.seed = 0
+    c.num_train_steps = 1000
+    # Start from another run's weights: "PATH" or "PATH:STEP" (a workdir or a checkpoint dir).
+    c.init_from = ""
+
+    c.data = mlc.ConfigDict()
+    c.data.name = "isic2018"
+    c.data.data_dir = ""  # empty: the dataset's default location (see the dataset's error message)
+    c.data.synthetic = False  # generate a synthetic dataset in the official layout under the workdir
+    c.data.synthetic_train = 256
+    c.data.synthetic_val = 64
+    c.data.image_size = 256
+    c.data.batch_size = 8  # global batch over all devices and hosts
+    c.data.eval_batch_size = 8  # global
+    c.data.random_flip = True
+    c.data.num_threads = 2  # Grain reader threads per process
+    c.data.prefetch_buffer = 4
+    c.data.on_bad_file = "fail"  # "fail" or "skip"
+
+    c.model = mlc.ConfigDict()
+    c.model.name = "unet"
+
+    c.task = mlc.ConfigDict()
+    c.task.name = "segmentation"
+    c.task.bce_weight = 0.5
+    c.task.dice_weight = 0.5
+    c.task.threshold = 0.5
+
+    c.optimizer = mlc.ConfigDict()
+    c.optimizer.learning_rate = 1e-3
+    c.optimizer.end_learning_rate_factor = 0.01
+    c.optimizer.warmup_steps = 100
+    c.optimizer.weight_decay = 1e-4
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.999
+    c.optimizer.clip_norm = 1.0  # 0 disables global-norm clipping
+    c.optimizer.grad_accum_steps = 1  # micro-batches per step: batch_size must divide by it
+
+    c.train = mlc.ConfigDict()
+    c.train.compute_dtype = "float32"  # or "bfloat16"; params stay float32
+    c.train.log_every = 10
+    c.train.eval_every = 200
+    c.train.checkpoint_every = 200
+    c.train.keep_checkpoints = 3
+    c.train.async_checkpointing = True
+    c.train.eval_at_end = True
+    c.train.log_images = True
+
+    c.mesh = mlc.ConfigDict()
+    # (axis name, size) pairs; -1 takes the remaining devices. Batches shard over every axis.
+    c.mesh.axes = (("data", -1), ("fsdp", 1))
+
+    c.sharding = mlc.ConfigDict()
+    # ZeRO stage: 0 replicated, 1 shard optimizer state, 2 also gradients, 3 also parameters.
+    c.sharding.zero = 0
+    c.sharding.axis = "fsdp"  # mesh axis (or "data,fsdp") that ZeRO/FSDP shards over
+    c.sharding.min_size = 2**14  # arrays smaller than this stay replicated
+
+    c.distributed = mlc.ConfigDict()
+    c.distributed.launcher = "auto"
+    c.distributed.coordinator_address = ""
+    c.distributed.num_processes = -1
+    c.distributed.process_id = -1
+    c.distributed.local_device_ids = ""
+    c.distributed.initialization_timeout = 300
+    c.distributed.heartbeat_timeout = 100
+    c.distributed.coordinator_port = -1
+    return c
+
+
+def _load_config_file(spec: str) -> mlc.ConfigDict:
+    """Load ``path[:variant]`` the way ml_collections' config flag does."""
+    import importlib.util
+    import os
+
+    path, _, variant = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"Config file {path} does not exist; pass e.g. --config configs/isic.py:demo.")
+    module_spec = importlib.util.spec_from_file_location("_jaxrat_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    try:
+        return module.get_config(variant) if variant else module.get_config()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+def _check_value(key: str, current: object, raw: str | None) -> None:
+    if raw is None or current is None:
+        return
+    kind = type(current)
+    if kind not in _KIND_NAMES:
+        return
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+        elif kind is int:
+            int(raw)
+        elif kind is float:
+            float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"--config.{key}={raw} is not {_KIND_NAMES[kind]} (the field's default is {current!r}); "
+            f"pass {_KIND_NAMES[kind]}."
+        ) from None
+
+
+def check_override_args(argv: list[str]) -> None:
+    """Fail with one sentence on an unknown ``--config.KEY`` or a value of the wrong type.
+
+    ml_collections reports unknown keys with a KeyError traceback; we check first and name the
+    closest existing key instead.
+    """
+    import difflib
+
+    spec, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config=") or arg == "--config":
+            spec = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+        elif arg.startswith("--config."):
+            key, eq, value = arg[len("--config."):].partition("=")
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+            overrides.append((key, value if (eq or value) else None))
+        i += 1
+    if not spec or not overrides:
+        return
+    config = _load_config_file(spec)
+    flat = _flatten(config)
+    for key, value in overrides:
+        if key.startswith("no") and key[2:] in flat and isinstance(flat[key[2:]], bool):
+            continue
+        if key not in flat:
+            close = difflib.get_close_matches(key, list(flat), n=1)
+            hint = f"did you mean --config.{close[0]}?" if close else "see the config file for valid keys."
+            raise ConfigError(f"Unknown config key --config.{key}; {hint}")
+        _check_value(key, flat[key], value)
+
+
+def _flatten(config: mlc.ConfigDict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in config.items():
+        if isinstance(v, mlc.ConfigDict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,1 @@
+"""Datasets, transforms and Grain pipelines. Nothing here imports models or training code."""

@@ -1,0 +1,69 @@
+"""Entry point: ``python -m jaxrat.main --config configs/isic.py[:variant] --workdir DIR``.
+
+The same command runs on a laptop and under ``srun``/``mpirun``/``torchrun`` on many nodes.
+Config fields can be overridden with ``--config.a.b=value``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxrat.configlib import check_override_args
+from jaxrat.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :variant.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the resolved config go.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    """Initialise the distributed runtime, then train and evaluate."""
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from jaxrat import distributed  # before anything that touches JAX devices
+
+    if not flags.FLAGS["verbosity"].present:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_QuietLibraries())
+    config = _CONFIG.value
+    try:
+        distributed.initialize(config.distributed)
+        from jaxrat import train
+
+        try:
+            train.train_and_evaluate(config, _WORKDIR.value)
+        except train.Preempted as e:
+            logging.warning("%s", e)
+            sys.exit(train.PREEMPTED_EXIT_CODE)
+    except UserError as e:
+        _fail(str(e))
+
+
+class _QuietLibraries(logging.Filter):
+    """Keep INFO lines from jaxrat only; libraries (Orbax logs a dozen lines per save) from WARNING up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "/jaxrat/" in record.pathname.replace("\\", "/")
+
+
+def _fail(message: str) -> None:
+    print(f"jaxrat: error: {message}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.exit(2)
+
+
+def run() -> None:
+    """Console entry point (also ``python -m jaxrat.main``)."""
+    try:
+        check_override_args(sys.argv[1:])
+    except UserError as e:
+        _fail(str(e))
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

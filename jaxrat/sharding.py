@@ -1,0 +1,69 @@
+"""Shardings for batches, parameters and optimizer state, decided on abstract shapes.
+
+ZeRO presets: 0 replicates everything; 1 shards optimizer state; 2 also reduce-scatters
+gradients into that sharding; 3 also shards parameters (FSDP). An array is sharded over the
+ZeRO axis along its largest dimension divisible by the axis size, when it has at least
+``min_size`` elements; otherwise it is replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrat.errors import ConfigError
+
+
+def batch_spec(mesh: Mesh) -> P:
+    """Batches split their leading dimension over every mesh axis."""
+    return P(tuple(mesh.axis_names))
+
+
+def zero_axes(mesh: Mesh, axis: str) -> tuple[str, ...]:
+    """Mesh axes named by ``config.sharding.axis`` ("fsdp" or "data,fsdp")."""
+    names = tuple(a.strip() for a in axis.split(",") if a.strip())
+    for n in names:
+        if n not in mesh.axis_names:
+            raise ConfigError(f"config.sharding.axis names {n!r}, not a mesh axis of {mesh.axis_names}.")
+    return names
+
+
+def fsdp_spec(shape: tuple[int, ...], axes: tuple[str, ...], axis_size: int, min_size: int) -> P:
+    """Shard the largest dimension divisible by ``axis_size``; replicate small or indivisible arrays."""
+    if axis_size <= 1 or int(np.prod(shape, dtype=np.int64)) < min_size:
+        return P()
+    for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[dim] % axis_size == 0:
+            spec = [None] * len(shape)
+            spec[dim] = axes if len(axes) > 1 else axes[0]
+            return P(*spec)
+    return P()
+
+
+def tree_shardings(abstract: Any, mesh: Mesh, *, shard: bool, axis: str, min_size: int) -> Any:
+    """NamedShardings for every leaf of ``abstract`` (ShapeDtypeStructs or arrays)."""
+    axes = zero_axes(mesh, axis)
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+
+    def one(x: Any) -> NamedSharding:
+        spec = fsdp_spec(tuple(x.shape), axes, size, min_size) if shard else P()
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(one, abstract)
+
+
+def log_shardings(tree: Any, shardings: Any, name: str) -> None:
+    """Sharding of every leaf at debug level; bytes per device at info level."""
+    total = 0
+    for (path, x), (_, s) in zip(
+        jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree_util.tree_flatten_with_path(shardings)[0]
+    ):
+        nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        shard_shape = s.shard_shape(tuple(x.shape))
+        total += int(np.prod(shard_shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        logging.debug("%s%s %s %s -> %s", name, jax.tree_util.keystr(path), x.shape, s.spec, nbytes)
+    logging.info("%s: %.2f MiB per device", name, total / 2**20)
