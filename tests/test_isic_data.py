@@ -1,0 +1,115 @@
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxrat.data import isic, pipeline, synthetic
+from jaxrat.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("isic"))
+    synthetic.write_dataset(d, num_train=12, num_val=5, image_size=16, seed=3)
+    return d
+
+
+def test_synthetic_layout_is_the_official_one(data_dir):
+    pairs = isic.find_pairs(data_dir, "train")
+    assert len(pairs) == 12 and len(isic.find_pairs(data_dir, "validation")) == 5
+    img, mask = pairs[0]
+    assert img.endswith(os.path.join("ISIC2018_Task1-2_Training_Input", "ISIC_0000000.jpg"))
+    assert mask.endswith(os.path.join("ISIC2018_Task1_Training_GroundTruth", "ISIC_0000000_segmentation.png"))
+    m = np.asarray(Image.open(mask))
+    assert set(np.unique(m)) <= {0, 255} and m.max() == 255
+
+
+def test_missing_dataset_names_the_folder_and_the_demo(tmp_path):
+    with pytest.raises(DataError) as e:
+        isic.find_pairs(str(tmp_path), "train")
+    msg = str(e.value)
+    assert "ISIC2018_Task1-2_Training_Input" in msg and str(tmp_path) in msg and "demo" in msg
+
+
+def test_missing_mask_names_the_image(tmp_path):
+    synthetic.write_dataset(str(tmp_path), 3, 1, 16)
+    victim = os.path.join(tmp_path, "ISIC2018_Task1_Training_GroundTruth", "ISIC_0000001_segmentation.png")
+    os.remove(victim)
+    with pytest.raises(DataError, match="ISIC_0000001.jpg"):
+        isic.find_pairs(str(tmp_path), "train")
+
+
+def test_stray_files_are_ignored_and_png_images_accepted(tmp_path):
+    synthetic.write_dataset(str(tmp_path), 3, 1, 16)
+    img_dir = os.path.join(tmp_path, "ISIC2018_Task1-2_Training_Input")
+    open(os.path.join(img_dir, "README.txt"), "w").write("hello")
+    open(os.path.join(img_dir, "LICENSE"), "w").write("cc")
+    jpg = os.path.join(img_dir, "ISIC_0000002.jpg")
+    Image.open(jpg).convert("L").save(jpg.replace(".jpg", ".png"))  # grayscale PNG instead of JPEG
+    os.remove(jpg)
+    pairs = isic.find_pairs(str(tmp_path), "train")
+    assert [os.path.basename(p[0]) for p in pairs] == ["ISIC_0000000.jpg", "ISIC_0000001.jpg", "ISIC_0000002.png"]
+    ex = pipeline.LoadResize(8).map(pairs[2])
+    assert ex["image"].shape == (8, 8, 3) and ex["mask"].shape == (8, 8)
+
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated"])
+def test_corrupt_image_fails_with_its_name(data_dir, tmp_path, content):
+    pairs = isic.find_pairs(data_dir, "train")
+    bad = str(tmp_path / "ISIC_0000099.jpg")
+    if content == "truncated":
+        content = open(pairs[0][0], "rb").read()[:200]
+    open(bad, "wb").write(content)
+    with pytest.raises(DataError, match="ISIC_0000099.jpg"):
+        pipeline.LoadResize(8).map((bad, pairs[0][1]))
+
+
+def test_mask_size_mismatch_names_both_files(data_dir, tmp_path):
+    img, _ = isic.find_pairs(data_dir, "train")[0]
+    mask = str(tmp_path / "m_segmentation.png")
+    Image.fromarray(np.zeros((3, 3), np.uint8)).save(mask)
+    with pytest.raises(DataError, match="must match"):
+        pipeline.LoadResize(8).map((img, mask))
+
+
+def _batches(pairs, n, **kw):
+    it = pipeline.train_iterator(pairs, image_size=8, seed=0, num_threads=0, **kw)
+    return [next(it) for _ in range(n)]
+
+
+def test_hosts_split_the_global_batch_and_the_stream_is_deterministic(data_dir):
+    pairs = isic.find_pairs(data_dir, "train")
+    one = _batches(pairs, 5, local_batch=4, process_index=0, process_count=1)
+    again = _batches(pairs, 5, local_batch=4, process_index=0, process_count=1)
+    h0 = _batches(pairs, 5, local_batch=2, process_index=0, process_count=2)
+    h1 = _batches(pairs, 5, local_batch=2, process_index=1, process_count=2)
+    for b, b2, x0, x1 in zip(one, again, h0, h1):
+        np.testing.assert_array_equal(b["image"], b2["image"])
+        # The global batch is the same set of examples whatever the number of hosts.
+        merged = np.concatenate([x0["image"], x1["image"]])
+        key = lambda a: sorted(map(bytes, a.reshape(len(a), -1)))  # noqa: E731
+        assert key(merged) == key(b["image"])
+    # Epochs (12 images, batch 4: 3 steps each) are reshuffled, not repeated.
+    assert not np.array_equal(one[0]["image"], one[3]["image"])
+
+
+def test_start_example_resumes_the_stream(data_dir):
+    pairs = isic.find_pairs(data_dir, "train")
+    full = _batches(pairs, 6, local_batch=4, process_index=0, process_count=1)
+    resumed = _batches(pairs, 3, local_batch=4, process_index=0, process_count=1, start_example=12)
+    for a, b in zip(full[3:], resumed):
+        np.testing.assert_array_equal(a["image"], b["image"])
+        np.testing.assert_array_equal(a["mask"], b["mask"])
+
+
+def test_eval_pads_to_whole_batches_and_marks_padding(data_dir):
+    pairs = isic.find_pairs(data_dir, "validation")
+    hosts = [list(pipeline.eval_batches(pairs, image_size=8, global_batch=4, process_index=p, process_count=2,
+                                        num_threads=0)) for p in range(2)]
+    assert len(hosts[0]) == len(hosts[1]) == 2
+    valid = sum(float(b["valid"].sum()) for h in hosts for b in h)
+    assert valid == 5
+    first = hosts[0][0]
+    assert first["image"].shape == (2, 8, 8, 3) and first["image"].dtype == np.float32
+    assert first["mask"].shape == (2, 8, 8, 1) and set(np.unique(first["mask"])) <= {0.0, 1.0}

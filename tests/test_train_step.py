@@ -1,0 +1,53 @@
+"""The jitted train step in-process on 8 simulated devices."""
+
+import jax
+import numpy as np
+
+from jaxrat import train
+from jaxrat.mesh import make_mesh
+
+
+def _setup():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("isic_cfg", "configs/isic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    config = mod.get_config("smoke")
+    mesh = make_mesh(config.mesh.axes)
+    s = train.Setup(config, mesh)
+    state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    return config, s, state
+
+
+def test_state_is_born_sharded_and_nonfinite_step_changes_nothing():
+    config, s, state = _setup()
+    assert jax.device_count() == 8
+    size = config.data.image_size
+    batch = {
+        "image": np.full((8, size, size, 3), np.nan, np.float32),
+        "mask": np.zeros((8, size, size, 1), np.float32),
+    }
+    before = jax.device_get(state["params"])
+    step = train.make_train_step(s)
+    new_state, metrics = step(state, train.to_global(batch, s.batch_sharding))
+    assert float(metrics["train/nonfinite"]) == 1.0
+    assert int(new_state["step"]) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(new_state["params"]))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batch_size_errors_name_the_fix():
+    import pytest
+    from jaxrat.errors import ConfigError
+
+    config, _, _ = _setup()
+    with config.unlocked():
+        config.data.batch_size = 12
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        train.check_batch_sizes(config, 8, 1)
+    with config.unlocked():
+        config.data.batch_size = 16
+        config.optimizer.grad_accum_steps = 3
+    with pytest.raises(ConfigError, match="grad_accum_steps=3"):
+        train.check_batch_sizes(config, 8, 1)
