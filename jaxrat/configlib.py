@@ -72,6 +72,9 @@ def base_config() -> mlc.ConfigDict:
     c.sharding.zero = 0
     c.sharding.axis = "fsdp"  # mesh axis (or "data,fsdp") that ZeRO/FSDP shards over
     c.sharding.min_size = 2**14  # arrays smaller than this stay replicated
+    # (regex on the parameter path, spec) pairs, first match wins; spec is "replicate", "fsdp" or
+    # per-dimension axes like "(None, 'fsdp')". Unmatched arrays follow the ZeRO preset.
+    c.sharding.rules = ()
 
     c.distributed = mlc.ConfigDict()
     c.distributed.launcher = "auto"

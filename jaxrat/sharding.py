@@ -44,16 +44,75 @@ def fsdp_spec(shape: tuple[int, ...], axes: tuple[str, ...], axis_size: int, min
     return P()
 
 
-def tree_shardings(abstract: Any, mesh: Mesh, *, shard: bool, axis: str, min_size: int) -> Any:
-    """NamedShardings for every leaf of ``abstract`` (ShapeDtypeStructs or arrays)."""
+def path_str(path: tuple) -> str:
+    """``('down', 0, 'conv1', 'kernel')`` key path -> ``"down/0/conv1/kernel"``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def parse_rule_spec(spec: Any, mesh: Mesh) -> str | P:
+    """A rule's spec: "replicate", "fsdp", or per-dimension axes such as ``(None, "fsdp")``."""
+    if spec in ("replicate", "fsdp"):
+        return spec
+    if isinstance(spec, str):
+        import ast
+
+        try:
+            spec = ast.literal_eval(spec)
+        except (ValueError, SyntaxError):
+            raise ConfigError(
+                f"Sharding rule spec {spec!r} is not 'replicate', 'fsdp' or a tuple like (None, 'fsdp')."
+            ) from None
+    dims = tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
+    for d in dims:
+        for a in (d if isinstance(d, (tuple, list)) else (d,)):
+            if a is not None and a not in mesh.axis_names:
+                raise ConfigError(f"Sharding rule spec {spec!r} names {a!r}, not a mesh axis of {mesh.axis_names}.")
+    return P(*dims)
+
+
+def tree_shardings(
+    abstract: Any, mesh: Mesh, *, shard: bool, axis: str, min_size: int, rules: Any = ()
+) -> Any:
+    """NamedShardings for every leaf of ``abstract`` (ShapeDtypeStructs or arrays).
+
+    ``rules`` are ``(regex, spec)`` pairs matched (``re.search``) against the leaf's path, e.g.
+    ``"conv1/kernel"`` or ``"mu/.*/kernel$"``; the first match wins, and unmatched leaves follow
+    the ZeRO preset (``shard``). Optimizer-state paths contain the parameter path, so one rule
+    covers a parameter and its moments.
+    """
+    import re
+
     axes = zero_axes(mesh, axis)
     size = int(np.prod([mesh.shape[a] for a in axes]))
+    compiled = [(re.compile(r), parse_rule_spec(sp, mesh)) for r, sp in rules]
 
-    def one(x: Any) -> NamedSharding:
-        spec = fsdp_spec(tuple(x.shape), axes, size, min_size) if shard else P()
+    def one(path: tuple, x: Any) -> NamedSharding:
+        name = path_str(path)
+        spec: Any = "fsdp" if shard else "replicate"
+        for regex, rule in compiled:
+            if regex.search(name):
+                spec = rule
+                break
+        if spec == "fsdp":
+            spec = fsdp_spec(tuple(x.shape), axes, size, min_size)
+        elif spec == "replicate":
+            spec = P()
+        elif len(spec) > len(x.shape) or any(
+            d is not None and x.shape[i] % int(np.prod([mesh.shape[a] for a in (d if isinstance(d, tuple) else (d,))]))
+            for i, d in enumerate(spec)
+        ):
+            raise ConfigError(f"Sharding rule {spec} does not fit {name} of shape {tuple(x.shape)}; fix config.sharding.rules.")
         return NamedSharding(mesh, spec)
 
-    return jax.tree.map(one, abstract)
+    return jax.tree_util.tree_map_with_path(one, abstract)
 
 
 def log_shardings(tree: Any, shardings: Any, name: str) -> None:

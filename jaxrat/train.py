@@ -139,7 +139,8 @@ class Setup:
         zero, sc = config.sharding.zero, config.sharding
         if zero not in (0, 1, 2, 3):
             raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
-        shard = lambda tree, on: sharding.tree_shardings(tree, mesh, shard=on, axis=sc.axis, min_size=sc.min_size)  # noqa: E731
+        shard = lambda tree, on: sharding.tree_shardings(
+            tree, mesh, shard=on, axis=sc.axis, min_size=sc.min_size, rules=sc.rules)  # noqa: E731
         rep = NamedSharding(mesh, P())
         self.state_shardings = {
             "step": rep,
