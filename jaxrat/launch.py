@@ -25,6 +25,8 @@ from pathlib import Path
 from jaxrat.errors import UserError
 
 SCHEDULERS = ("slurm", "lsf")
+# jaxrat.train.PREEMPTED_EXIT_CODE (not imported: that would load JAX just to print a script).
+PREEMPTED_EXIT_CODE = 42
 _TEMPLATES = {"slurm": "slurm.sbatch", "lsf": "lsf.bsub"}
 _TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2})(?::(\d{2}))?$")
 
@@ -154,6 +156,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "stage": stage,
         "module": spec.module,
         "data_flag": data_flag,
+        "preempted_exit_code": str(PREEMPTED_EXIT_CODE),
         "extra": "".join(" " + _q(a) for a in spec.extra_args),
     }
     text = re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)

@@ -55,6 +55,7 @@ def test_one_process_per_gpu_by_default(tmp_path):
     assert 'srun --kill-on-bad-exit=1 "$PYTHON" -m jaxrat.main --config="$CONFIG" --workdir="$WORKDIR" &' in text
     assert 'export JAX_COMPILATION_CACHE_DIR="$(dirname "$WORKDIR")/jax_cache"' in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "if [[ $preempted == 1 || $status == 42 ]]; then" in text
     bash_syntax_ok(text, tmp_path)
 
 
@@ -171,3 +172,9 @@ def test_examples_in_launch_dir_match_the_renderer(example, tmp_path):
     spec, args = L.parse_args(argv)
     assert L.render(spec, args.scheduler) == text, f"regenerate {example.name} with: {command} > launch/{example.name}"
     bash_syntax_ok(text, tmp_path)
+
+
+def test_preempted_exit_code_matches_the_trainer():
+    from jaxrat import train
+
+    assert L.PREEMPTED_EXIT_CODE == train.PREEMPTED_EXIT_CODE

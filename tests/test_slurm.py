@@ -219,3 +219,33 @@ def test_launch_submit_preempt_requeue_resume(slurm, tmp_path):
     assert (workdir / "started-0-1").read_text() == str(saved)  # resumed where the checkpoint was
     assert json.loads((workdir / "done.json").read_text())["step"] == saved + 5
     assert "restart 1" in log.read_text()
+
+
+def test_srun_trains_the_smoke_config(slurm, tmp_path):
+    """`srun -n2 python -m jaxrat.main --config configs/isic.py:smoke` trains and checkpoints."""
+    workdir = tmp_path / "smoke"
+    proc = srun("-n2", "--time=10", sys.executable, "-m", "jaxrat.main", "--config", "configs/isic.py:smoke",
+                "--workdir", str(workdir), timeout=600, JAX_NUM_CPU_DEVICES="2")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    for i in range(2):
+        assert f"launcher=slurm process={i}/2 local_devices=2 local_device_ids=all global_devices=4" in log
+    assert (workdir / "checkpoints" / "6").is_dir()
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 6
+
+
+def test_launch_submit_runs_to_a_checkpoint(slurm, tmp_path):
+    """`python -m jaxrat.launch ... --submit --wait`: one task per (fake) GPU, trains, checkpoints."""
+    workdir = tmp_path / "job"
+    proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--nodes", "1",
+                "--gpus-per-node", "2", "--time", "00:10:00", "--job-name", JOB_NAME, "--workdir", str(workdir),
+                "--submit", "--wait", "--wait-timeout", "600"], 660, JAX_NUM_CPU_DEVICES="2")
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log = (workdir / f"slurm-{job}.out").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert "launcher=slurm process=0/2 local_devices=2 local_device_ids=0 global_devices=4" in log
+    assert "launcher=slurm process=1/2 local_devices=2 local_device_ids=1 global_devices=4" in log
+    assert (workdir / "checkpoints" / "6").is_dir()
+    assert (workdir / "jaxrat-pytest.sbatch").is_file()
+    assert list((workdir.parent / "jax_cache").iterdir())  # the persistent compilation cache was used

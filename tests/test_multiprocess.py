@@ -1,0 +1,131 @@
+"""Real multi-process training on 127.0.0.1: `python -m jaxrat.main` started 2 and 4 times with
+explicit coordinator flags (gloo CPU collectives, several CPU devices per process).
+
+* The per-step training losses equal those of one process with the same global batch and the
+  same total device count (8), to 1e-5.
+* A checkpoint written by 2 processes restores in 1 process on another device count (2), and
+  the continued steps reproduce the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICES = 8  # global device count of every run compared here
+STEPS = 8
+# Checkpoints at 3, 6 and 8; no evaluation in the middle (it only costs time here).
+OVERRIDES = [f"--config.num_train_steps={STEPS}", "--config.train.checkpoint_every=3",
+             "--config.train.eval_every=1000", "--config.train.eval_at_end=False"]
+TIMEOUT = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with(devices: int) -> dict[str, str]:
+    drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "LSF_", "JSM_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
+    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in names}
+    env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return env
+
+
+def train(workdir: Path, processes: int, devices: int = DEVICES) -> list[str]:
+    """Run jaxrat.main in `processes` processes sharing `devices` CPU devices; return their logs."""
+    port = free_port()
+    procs = []
+    for i in range(processes):
+        cmd = [sys.executable, "-m", "jaxrat.main", "--config", "configs/isic.py:smoke", "--workdir", str(workdir),
+               *OVERRIDES]
+        if processes > 1:
+            cmd += [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                    f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
+        log = open(workdir.parent / f"{workdir.name}-{i}.log", "w+")
+        env = env_with(devices // processes)
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    logs = []
+    try:
+        for proc, log in procs:
+            proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            logs.append(log.read())
+            log.close()
+    for i, ((proc, _), text) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {i}/{processes} exited {proc.returncode}:\n{text[-4000:]}"
+    return logs
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:
+    diffs = {step: abs(got[step] - want[step]) for step in steps}
+    print(f"max |loss - reference| over steps {list(steps)}: {max(diffs.values()):.2e}")
+    for step in steps:
+        assert diffs[step] <= 1e-5, (step, got[step], want[step])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """One process with all 8 devices."""
+    workdir = tmp_path_factory.mktemp("mp") / "one"
+    train(workdir, 1)
+    result = losses(workdir)
+    assert sorted(result) == list(range(1, STEPS + 1))
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("mp") / "two"
+    logs = train(workdir, 2)
+    for i, text in enumerate(logs):
+        assert f"launcher=explicit process={i}/2 local_devices=4 local_device_ids=all global_devices=8" in text
+    return workdir
+
+
+def test_two_processes_match_one(reference, two_process_run):
+    assert_close(losses(two_process_run), reference, range(1, STEPS + 1))
+    assert {p.name for p in (two_process_run / "checkpoints").iterdir()} >= {"3", "6", "8"}
+
+
+def test_four_processes_match_one(reference, tmp_path):
+    logs = train(tmp_path / "four", 4)
+    assert "launcher=explicit process=3/4 local_devices=2 local_device_ids=all global_devices=8" in logs[3]
+    assert_close(losses(tmp_path / "four"), reference, range(1, STEPS + 1))
+
+
+def test_checkpoint_from_two_processes_resumes_in_one_process_on_two_devices(reference, two_process_run, tmp_path):
+    workdir = tmp_path / "resumed"
+    shutil.copytree(two_process_run, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "8")  # as if the 2-process run had stopped after step 6
+    (workdir / "metrics.jsonl").unlink()
+    logs = train(workdir, 1, devices=2)
+    assert "resumed from step 6" in logs[0]
+    assert "global_devices=2" in logs[0]
+    got = losses(workdir)
+    assert sorted(got) == [7, 8]
+    assert_close(got, reference, [7, 8])
