@@ -51,3 +51,22 @@ def test_batch_size_errors_name_the_fix():
         config.optimizer.grad_accum_steps = 3
     with pytest.raises(ConfigError, match="grad_accum_steps=3"):
         train.check_batch_sizes(config, 8, 1)
+
+
+def test_bfloat16_compute_keeps_float32_params():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("isic_cfg", "configs/isic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    config = mod.get_config("smoke")
+    config.train.compute_dtype = "bfloat16"
+    s = train.Setup(config, make_mesh(config.mesh.axes))
+    state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    size = config.data.image_size
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(8, size, size, 3)).astype(np.float32),
+             "mask": (rng.random((8, size, size, 1)) < 0.3).astype(np.float32)}
+    new_state, metrics = train.make_train_step(s)(state, train.to_global(batch, s.batch_sharding))
+    assert np.isfinite(float(metrics["train/loss"])) and float(metrics["train/nonfinite"]) == 0.0
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(new_state["params"]))
