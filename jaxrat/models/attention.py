@@ -4,8 +4,8 @@ Both never hold the whole (batch, heads, queries, keys) tensor. The (batch x hea
 processed one ``slice_batch`` at a time (``lax.map``), and inside a slice the keys are processed
 in chunks when ``queries x keys`` exceeds ``max_block_elements``. A ``jax.custom_vjp`` recomputes
 the probabilities in the backward pass from small saved statistics, so the backward is as lean as
-the forward. With one chunk (the common case up to 96x96 inputs) a slice is materialised once per
-pass, which measured fastest on CPU (benchmarks/rat_sga_kernels.py, docs/rat.md).
+the forward. Cache-sized key chunks (about 2 MB per block) measured fastest on CPU, ahead of
+materialising each slice whole (benchmarks/rat_sga_kernels.py, docs/rat.md).
 
 Grouping attention (``normalise_columns=True``), per slice with queries Q (groups) and keys K:
 
@@ -36,8 +36,9 @@ Array = jax.Array
 
 # float32 machine epsilon: the reference adds finfo(float32).eps to the column sums.
 EPS = float(np.finfo(np.float32).eps)
-# Default slice budget: 16 Mi float32 elements (64 MB) per (query x key-chunk) block.
-DEFAULT_BLOCK_ELEMENTS = 1 << 24
+# Default block: 512 Ki float32 elements (2 MB, cache-sized) per (queries x key-chunk) block;
+# measured fastest on CPU (docs/rat.md), and it bounds the memory at any resolution.
+DEFAULT_BLOCK_ELEMENTS = 1 << 19
 
 
 class _Chunking(NamedTuple):
@@ -46,7 +47,7 @@ class _Chunking(NamedTuple):
 
 
 def _chunking(num_queries: int, num_keys: int, max_block_elements: int) -> _Chunking:
-    chunk = max(128, max_block_elements // max(num_queries, 1))
+    chunk = max(64, max_block_elements // max(num_queries, 1))
     if chunk >= num_keys:
         return _Chunking(1, num_keys)
     n = math.ceil(num_keys / chunk)
@@ -55,6 +56,11 @@ def _chunking(num_queries: int, num_keys: int, max_block_elements: int) -> _Chun
 
 def _logits(q: Array, k: Array) -> Array:
     return jnp.einsum("qd,kd->qk", q, k, preferred_element_type=jnp.float32)
+
+
+def _t_matmul(a: Array, b: Array) -> Array:
+    """``(a^T @ b)^T``: (n, m) x (n, k) -> (k, m), the fast output layout on XLA:CPU."""
+    return jnp.einsum("nk,nm->km", b, a)
 
 
 # --------------------------------------------------------------------------- one slice, one block
@@ -79,19 +85,21 @@ def _block_bwd(q, k, v, r, c, u, du, normalise_columns):
     if normalise_columns:
         inv = 1.0 / (c + EPS)
         w = v * inv[:, None]
-        dw = p.T @ du
-        dv = dw * inv[:, None]
-        dc = -jnp.sum(dw * w, axis=1) * inv
+        dwt = _t_matmul(p, du)
+        dv = (dwt * inv[None, :]).T
+        dc = -jnp.sum(dwt * w.T, axis=0) * inv
         delta = jnp.sum(du * u, axis=1) + p @ dc
         dl = p * (du @ w.T + dc[None, :] - delta[:, None])
     else:
-        dv = p.T @ du
+        dv = _t_matmul(p, du).T
         delta = jnp.sum(du * u, axis=1)
         dl = p * (du @ v.T - delta[:, None])
-    return dl @ k, dl.T @ q, dv
+    return dl @ k, _t_matmul(dl, q).T, dv
 
 
 # --------------------------------------------------------------------------- one slice, key chunks
+# Key-side results are produced transposed, (dh, chunk): XLA:CPU runs "(dh x queries) @
+# (queries x chunk)" several times faster than "(chunk x queries) @ (queries x dh)".
 
 
 def _chunked(k, v, ch: _Chunking):
@@ -146,30 +154,32 @@ def _chunked_bwd(q, k, v, r, c, u, du, normalise_columns, ch):
             kk, vv, ok, c_ = xs
             p = _chunk_probs(q, kk, ok, r)
             inv = 1.0 / (c_ + EPS)
-            w = vv * inv[:, None]
-            dw = p.T @ du
-            dc = -jnp.sum(dw * w, axis=1) * inv
-            return acc + p @ dc, (dw * inv[:, None], dc)
+            dwt = _t_matmul(p, du)  # (dh, chunk)
+            dc = -jnp.sum(dwt * vv.T, axis=0) * inv * inv
+            return acc + p @ dc, (dwt * inv[None, :], dc)
 
-        pdc, (dvc, dcc) = jax.lax.scan(pass1, jnp.zeros_like(delta), (kc, vc, valid, cc))
+        pdc, (dvt, dcc) = jax.lax.scan(pass1, jnp.zeros_like(delta), (kc, vc, valid, cc))
         delta = delta + pdc
         wc = vc / (cc + EPS)[..., None]
     else:
-        wc, dcc, dvc = vc, jnp.zeros_like(cc), None
+        wc, dcc, dvt = vc, jnp.zeros_like(cc), None
 
     def pass2(dq, xs):
         kk, ww, ok, dc = xs
         p = _chunk_probs(q, kk, ok, r)
         dl = p * (du @ ww.T + dc[None, :] - delta[:, None])
-        out = (dl.T @ q,) if normalise_columns else (dl.T @ q, p.T @ du)
+        out = (_t_matmul(dl, q),) if normalise_columns else (_t_matmul(dl, q), _t_matmul(p, du))
         return dq + dl @ kk, out
 
     dq, outs = jax.lax.scan(pass2, jnp.zeros_like(q), (kc, wc, valid, dcc))
-    dk = outs[0]
+    dkt = outs[0]
     if not normalise_columns:
-        dvc = outs[1]
+        dvt = outs[1]
     n = k.shape[0]
-    return dq, dk.reshape(-1, k.shape[1])[:n], dvc.reshape(-1, v.shape[1])[:n]
+    # (chunks, dh, chunk) -> (keys, dh)
+    dk = dkt.transpose(0, 2, 1).reshape(-1, k.shape[1])[:n]
+    dv = dvt.transpose(0, 2, 1).reshape(-1, v.shape[1])[:n]
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------- all slices
@@ -194,11 +204,26 @@ def _slice_bwd(q, k, v, r, c, u, du, normalise_columns, max_block_elements):
     return _chunked_bwd(q, k, v, r, c, u, du, normalise_columns, ch)
 
 
+def _map_slices(f, args, num_slices, slices_per_step):
+    """Apply ``f`` slice-wise: all at once (vmap) when they fit one step, else ``lax.map``."""
+    if slices_per_step >= num_slices:
+        return jax.vmap(f)(*args)
+    return jax.lax.map(lambda a: f(*a), args, batch_size=slices_per_step)
+
+
+def _slices_per_step(q, k, max_block_elements, slice_batch):
+    per_slice = q.shape[1] * k.shape[1]
+    if per_slice <= max_block_elements:  # small slices: batch several into one block
+        return max(slice_batch, max_block_elements // per_slice)
+    return slice_batch
+
+
 def _attention_fwd(q, k, v, normalise_columns, max_block_elements, slice_batch):
     dtype = q.dtype
     f = functools.partial(_slice_fwd, normalise_columns=normalise_columns, max_block_elements=max_block_elements)
     q32, k32, v32 = (a.astype(jnp.float32) for a in (q, k, v))
-    u, r, c = jax.lax.map(lambda a: f(*a), (q32, k32, v32), batch_size=slice_batch)
+    step = _slices_per_step(q, k, max_block_elements, slice_batch)
+    u, r, c = _map_slices(f, (q32, k32, v32), q.shape[0], step)
     return u.astype(dtype), (q, k, v, r, c, u)
 
 
@@ -206,7 +231,8 @@ def _attention_bwd(normalise_columns, max_block_elements, slice_batch, res, du):
     q, k, v, r, c, u = res
     f = functools.partial(_slice_bwd, normalise_columns=normalise_columns, max_block_elements=max_block_elements)
     args = tuple(a.astype(jnp.float32) for a in (q, k, v)) + (r, c, u, du.astype(jnp.float32))
-    dq, dk, dv = jax.lax.map(lambda a: f(*a), args, batch_size=slice_batch)
+    step = _slices_per_step(q, k, max_block_elements, slice_batch)
+    dq, dk, dv = _map_slices(f, args, q.shape[0], step)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -70,44 +70,101 @@ def strided_grid(grid_shape: Sequence[int], kernel: Sequence[int], stride: Seque
 
 
 def window_indices(grid_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """For each output group, the flat input indices of its conv window and their validity.
+    """Each output group's window taps as flat input indices, in the layout of :func:`_windows`.
 
-    Returns (N_out, prod(kernel)) int32 indices (invalid taps point at 0) and a bool mask.
+    A window is read as ``ceil(k/s)`` whole stride-blocks per axis, so it has ``ceil(k/s)*s >= k``
+    taps per axis; taps beyond the kernel or outside the image are invalid. Returns
+    (N_out, taps) int32 indices (invalid taps point at 0) and the bool validity.
     """
-    out_grid = strided_grid(grid_shape, kernel, stride)
-    axes_idx, axes_ok = [], []
-    for n, o, k, s in zip(grid_shape, out_grid, kernel, stride):
-        pos = np.arange(o)[:, None] * s - (k - 1) // 2 + np.arange(k)[None, :]  # (o, k)
-        axes_idx.append(pos)
-        axes_ok.append((pos >= 0) & (pos < n))
+    out = strided_grid(grid_shape, kernel, stride)
+    nb = [-(-k // s) for k, s in zip(kernel, stride)]
+    per_axis_idx, per_axis_ok = [], []
+    for n, o, k, s, b in zip(grid_shape, out, kernel, stride, nb):
+        offset = np.arange(b)[:, None] * s + np.arange(s)[None, :]  # (nb, s) tap offset in the window
+        pos = np.arange(o)[:, None, None] * s - (k - 1) // 2 + offset[None]  # (o, nb, s)
+        per_axis_idx.append(pos)
+        per_axis_ok.append((offset[None] < k) & (pos >= 0) & (pos < n))
     sd = len(grid_shape)
-    flat = np.zeros(out_grid + tuple(kernel), np.int64)
-    ok = np.ones(out_grid + tuple(kernel), bool)
     strides_in = np.cumprod((1,) + tuple(grid_shape[::-1]))[:-1][::-1]
-    for j in range(sd):
-        shape = [1] * (2 * sd)
-        shape[j], shape[sd + j] = out_grid[j], kernel[j]
-        flat = flat + np.clip(axes_idx[j], 0, grid_shape[j] - 1).reshape(shape) * strides_in[j]
-        ok = ok & axes_ok[j].reshape(shape)
-    n_out, taps = int(np.prod(out_grid)), int(np.prod(kernel))
-    ok = ok.reshape(n_out, taps)
-    return np.where(ok, flat.reshape(n_out, taps), 0).astype(np.int32), ok
+    flat = np.zeros((), np.int64)
+    ok = np.ones((), bool)
+    for d in range(sd):
+        # layout (o_1..o_sd, nb_1..nb_sd, s_1..s_sd)
+        shape = [1] * (3 * sd)
+        shape[d], shape[sd + d], shape[2 * sd + d] = out[d], nb[d], stride[d]
+        flat = flat + np.clip(per_axis_idx[d], 0, grid_shape[d] - 1).reshape(shape) * strides_in[d]
+        ok = ok & per_axis_ok[d].reshape(shape)
+    n_out = int(np.prod(out))
+    ok = ok.reshape(n_out, -1)
+    return np.where(ok, flat.reshape(n_out, -1), 0).astype(np.int32), ok
 
 
-def sparse_grouping(q: Array, k: Array, v: Array, idx: np.ndarray, ok: np.ndarray, normalise_columns: bool = True) -> tuple[Array, Array, Array]:
-    """Windowed SGA: q (B,H,No,dh), k/v (B,H,Ni,dh) -> (update, A_q, A_k) with A as (B,H,No,taps)."""
-    kw = jnp.take(k, idx, axis=2)  # (B, H, No, taps, dh)
-    vw = jnp.take(v, idx, axis=2)
-    logits = jnp.einsum("bhod,bhotd->bhot", q, kw, preferred_element_type=jnp.float32)
-    logits = jnp.where(ok, logits, -jnp.inf)
-    a_k = jax.nn.softmax(logits, axis=-1)
+def _windows(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
+    """(N, *grid, C) -> (N, N_out, taps, C), taps laid out as in :func:`window_indices`.
+
+    The input is padded and cut into stride-blocks; a window is ``ceil(k/s)`` consecutive blocks
+    per axis, i.e. a few plain slices. On CPU this, and its transpose (a few pads), is much faster
+    than gathers (scatter gradients), patch convolutions or one strided slice per tap.
+    """
+    n_img, grid, c = x.shape[0], x.shape[1:-1], x.shape[-1]
+    sd = len(grid)
+    out = strided_grid(grid, kernel, stride)
+    nb = [-(-k // s) for k, s in zip(kernel, stride)]
+    cfg = [(0, 0, 0)]
+    for n, o, k, s, b in zip(grid, out, kernel, stride, nb):
+        lo = (k - 1) // 2
+        cfg.append((lo, (o + b - 1) * s - n - lo, 0))  # negative high padding crops unused pixels
+    cfg.append((0, 0, 0))
+    xp = jax.lax.pad(x, jnp.zeros((), x.dtype), cfg)
+    blocked_shape = [n_img]
+    for o, s, b in zip(out, stride, nb):
+        blocked_shape += [o + b - 1, s]
+    xb = xp.reshape(*blocked_shape, c)
+    # (N, B_1, s_1, ..., B_sd, s_sd, C) -> (N, B_1..B_sd, s_1..s_sd, C)
+    perm = [0] + [1 + 2 * d for d in range(sd)] + [2 + 2 * d for d in range(sd)] + [1 + 2 * sd]
+    xb = xb.transpose(perm)
+    parts = []
+    for j in np.ndindex(*nb):
+        sl = (slice(None),) + tuple(slice(jd, jd + od) for jd, od in zip(j, out))
+        parts.append(xb[sl])  # (N, o_1..o_sd, s_1..s_sd, C)
+    w = jnp.stack(parts, axis=1 + sd)  # (N, o.., nbprod, s.., C)
+    return w.reshape(n_img, int(np.prod(out)), -1, c)
+
+
+def sparse_grouping(
+    q: Array,
+    k: Array,
+    v: Array,
+    grid_shape: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    normalise_columns: bool = True,
+) -> tuple[Array, Array, Array]:
+    """Windowed SGA: each group attends to the k^sd inputs its strided conv window covers.
+
+    q (B, H, No, dh), k/v (B, H, Ni, dh) -> (update (B,H,No,dh), A_q, A_k), the maps as
+    (B, H, No, taps) in the layout of :func:`window_indices`. The column sums are the transpose of
+    the window extraction, so neither direction needs a gather or scatter.
+    """
+    b, h, n_in, dh = k.shape
+    n_out = q.shape[2]
+    to_img = lambda a: a.reshape(b * h, *grid_shape, a.shape[-1])
+    _, ok = window_indices(grid_shape, kernel, stride)  # (No, taps) static validity
+    kw = _windows(to_img(k), kernel, stride)  # (BH, No, taps, dh)
+    vw = _windows(to_img(v), kernel, stride)
+    qf = q.reshape(b * h, n_out, dh)
+    logits = jnp.einsum("nod,notd->not", qf, kw, preferred_element_type=jnp.float32)
+    a_k = jax.nn.softmax(jnp.where(ok, logits, -jnp.inf), axis=-1)
     if normalise_columns:
-        col = jnp.zeros(k.shape[:3], jnp.float32).at[:, :, idx].add(a_k)
-        a_q = a_k / (jnp.take(col, idx, axis=2) + EPS)
+        zeros = jnp.zeros((b * h, *grid_shape, 1), jnp.float32)
+        _, transpose = jax.vjp(lambda z: _windows(z, kernel, stride), zeros)
+        col = transpose(a_k[..., None])[0]  # (BH, *grid, 1): each input's mass over its groups
+        a_q = a_k / (_windows(col, kernel, stride)[..., 0] + EPS)
     else:
         a_q = a_k
-    u = jnp.einsum("bhot,bhotd->bhod", a_q, vw.astype(jnp.float32))
-    return u.astype(q.dtype), a_q, a_k
+    u = jnp.einsum("not,notd->nod", a_q, vw.astype(jnp.float32)).astype(q.dtype)
+    shape = (b, h, n_out, a_k.shape[-1])
+    return u.reshape(b, h, n_out, dh), a_q.reshape(shape), a_k.reshape(shape)
 
 
 def scatter_window_map(a: Array, idx: np.ndarray, ok: np.ndarray, num_inputs: int) -> Array:
@@ -226,8 +283,6 @@ class SpatialGroupingAttention(nnx.Module):
         k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing) * self.temp[...].astype(k.dtype)
         k = k.transpose(0, 2, 1, 3)
         v = self._split_heads(v, self.reference_compat)
-        if self.attention == "sparse":
-            idx, ok = window_indices(grid_shape, self.kernel_size, self.stride)
 
         q = None
         for _ in range(self.iters):
@@ -237,7 +292,7 @@ class SpatialGroupingAttention(nnx.Module):
             elif self.attention == "standard":
                 u = softmax_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
             else:
-                u = sparse_grouping(q, k, v, idx, ok)[0]
+                u = sparse_grouping(q, k, v, grid_shape, self.kernel_size, self.stride)[0]
             xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
             xo = xo + self.norm3(self.mlp(xo))
 
@@ -246,7 +301,8 @@ class SpatialGroupingAttention(nnx.Module):
             if q is None:
                 raise ValueError("grouping maps need iters >= 1 (the reference returns uninitialised memory)")
             if self.attention == "sparse":
-                _, aq, ak = sparse_grouping(q, k, v, idx, ok)
+                _, aq, ak = sparse_grouping(q, k, v, grid_shape, self.kernel_size, self.stride)
+                idx, ok = window_indices(grid_shape, self.kernel_size, self.stride)
                 attn_q, attn_k = (scatter_window_map(a, idx, ok, n_in) for a in (aq, ak))
             elif self.attention == "standard":
                 attn_k = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32), -1)

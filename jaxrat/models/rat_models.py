@@ -1,0 +1,152 @@
+"""Registered RAT task models (``config.model.name = "rat"``).
+
+:class:`RATSegmenter` turns one channels-last image batch into per-pixel logits: it builds the
+image pyramid itself (``scales``), runs the RAT backbone and a segmentation head. Ablation
+switches are plain config fields; docs/rat.md lists them with the reference behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrat.errors import ConfigError
+from jaxrat.models import register
+from jaxrat.models.attention import DEFAULT_BLOCK_ELEMENTS
+from jaxrat.models.heads import MultiLevelDecoderHead, ReferenceSegmentationHead
+from jaxrat.models.rat import ResolutionAwareTransformer
+
+Array = jax.Array
+POSITIONAL_ENCODINGS = ("rose", "rope", "absolute", "none")
+HEADS = ("decoder", "reference")
+
+
+def positional_kwargs(positional_encoding: str, rose_scaling: Optional[str], rotary_ratio: float) -> dict[str, Any]:
+    """Backbone arguments for a positional-encoding ablation.
+
+    rose: learnable frequencies and spacing transform (initial mode ``rose_scaling``, "log" as in
+      the reference). rope: learnable frequencies on grid-index coordinates ("index" init; the
+      reference's "rope" init rotates nothing, flaw 4) at unit spacing. absolute: a learned
+      absolute embedding and no rotation (the reference's "absolute" is identical to "none").
+      none: no positional information.
+    """
+    if positional_encoding == "rose":
+        return dict(rotary_ratio=rotary_ratio, rose_initial_scaling=rose_scaling or "log")
+    if positional_encoding == "rope":
+        return dict(rotary_ratio=rotary_ratio, rose_initial_scaling=rose_scaling or "index")
+    if positional_encoding in ("absolute", "none"):
+        return dict(rotary_ratio=0.0, rose_initial_scaling=rose_scaling or "log")
+    raise ConfigError(f"model.positional_encoding must be one of {POSITIONAL_ENCODINGS}, got {positional_encoding!r}.")
+
+
+class RATSegmenter(nnx.Module):
+    """RAT backbone + segmentation head; ``model(images)`` -> logits at the input resolution.
+
+    Args:
+      num_classes: output channels (1 for binary lesion masks).
+      in_channels: image channels.
+      feature_dims, num_blocks, num_heads, iters, mlp_ratio, dropout, sga_kernel_size, stride,
+        proj_kernel_size, rotary_ratio: backbone dimensions (reference names; ``dropout`` is the
+        MLP dropout).
+      attention: "dense" | "sparse" | "mixed" | "standard", or one of dense/sparse/standard per block.
+      positional_encoding: "rose" | "rope" | "absolute" | "none" (see :func:`positional_kwargs`).
+      rose_scaling: initial RoSE spacing transform; None picks the encoding's default.
+      scales: None for a single image, or pyramid sizes such as (256, 128, 64): level i is the input
+        resized by scales[i] / scales[0] (so any input size works).
+      pyramid_spacing: "relative" (level spacing scales[0]/scales[i], the physical pixel size) or
+        "unit" (spacing 1 at every level, as the reference experiments).
+      head: "decoder" (multi-level decoder, default) or "reference" (final-grid MLP head).
+      decoder_dim: channels of the decoder head.
+      abs_grid: table grid of the absolute embedding (resized to every scale).
+      reference_compat: reproduce the reference backbone exactly (SGA head reshaping).
+      max_block_elements, slice_batch: attention kernel knobs.
+      dtype: compute dtype; rngs: init and dropout randomness.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_classes: int = 1,
+        in_channels: int = 3,
+        feature_dims: int = 128,
+        num_blocks: int = 4,
+        num_heads: int = 8,
+        iters: int = 3,
+        mlp_ratio: float = 4,
+        dropout: float = 0.1,
+        sga_kernel_size: int = 7,
+        stride: Optional[int] = None,
+        proj_kernel_size: int = 7,
+        rotary_ratio: float = 0.5,
+        attention: str | Sequence[str] = "dense",
+        positional_encoding: str = "rose",
+        rose_scaling: Optional[str] = None,
+        scales: Optional[Sequence[int]] = None,
+        pyramid_spacing: str = "relative",
+        head: str = "decoder",
+        decoder_dim: int = 32,
+        abs_grid: Sequence[int] = (32, 32),
+        reference_compat: bool = False,
+        max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        slice_batch: int = 1,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if head not in HEADS:
+            raise ConfigError(f"model.head must be one of {HEADS}, got {head!r}.")
+        if pyramid_spacing not in ("relative", "unit"):
+            raise ConfigError(f"model.pyramid_spacing must be 'relative' or 'unit', got {pyramid_spacing!r}.")
+        self.scales = tuple(int(s) for s in scales) if scales else None
+        self.pyramid_spacing = pyramid_spacing
+        self.head_type = head
+        self.spatial_dims = 2
+        pe = positional_kwargs(positional_encoding, rose_scaling, rotary_ratio)
+        try:
+            self.backbone = ResolutionAwareTransformer(
+                spatial_dims=2, input_features=in_channels, proj_kernel_size=proj_kernel_size,
+                feature_dims=feature_dims, num_blocks=num_blocks, sga_attention_type=attention,
+                sga_kernel_size=sga_kernel_size, stride=stride, num_heads=num_heads, iters=iters,
+                mlp_ratio=mlp_ratio, mlp_dropout=dropout, reference_compat=reference_compat,
+                absolute_pos_grid=tuple(abs_grid) if positional_encoding == "absolute" else None,
+                max_block_elements=max_block_elements, slice_batch=slice_batch, dtype=dtype, rngs=rngs, **pe,
+            )
+        except ValueError as e:
+            raise ConfigError(f"invalid RAT config: {e}") from None
+        if head == "decoder":
+            self.head = MultiLevelDecoderHead(feature_dims, num_blocks + 1, num_classes, decoder_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.head = ReferenceSegmentationHead(feature_dims, num_classes, dtype=dtype, rngs=rngs)
+
+    def pyramid(self, images: Array) -> tuple[list[Array], list[tuple[float, float]]]:
+        """The input pyramid and per-level spacing for an image batch (B, H, W, C)."""
+        if not self.scales:
+            return [images], [(1.0, 1.0)]
+        b, h, w, c = images.shape
+        levels, spacings = [], []
+        for s in self.scales:
+            f = s / self.scales[0]
+            size = (max(1, round(h * f)), max(1, round(w * f)))
+            levels.append(images if size == (h, w) else jax.image.resize(images, (b, *size, c), "linear", antialias=True))
+            sp = (h / size[0], w / size[1]) if self.pyramid_spacing == "relative" else (1.0, 1.0)
+            spacings.append(sp)
+        return levels, spacings
+
+    def __call__(self, images: Array) -> Array:
+        """(B, H, W, C) float images -> (B, H, W, num_classes) logits."""
+        levels, spacings = self.pyramid(images)
+        decoder = self.head_type == "decoder"
+        outs = self.backbone(levels, input_spacing=spacings, return_features=decoder)
+        first = outs[0]
+        out_grid = images.shape[1:3]
+        if decoder:
+            return self.head(first.features, first.feature_grids, out_grid)
+        return self.head(first.tokens, first.grid_shape, out_grid)
+
+
+@register("rat")
+def rat(**kwargs: Any) -> RATSegmenter:
+    """Factory for ``config.model.name = "rat"`` (fields as :class:`RATSegmenter`)."""
+    return RATSegmenter(**kwargs)

@@ -1,0 +1,77 @@
+"""Rotary spatial embeddings: coordinates per scaling mode, partial rotation, relative phase."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrat.models.rose import RoSEBuffer, RotarySpatialEmbedding
+
+
+def make(mode, **kw):
+    args = dict(feature_dims=16, num_heads=2, spatial_dims=2, rotary_ratio=1.0, learnable_scale=True, initial_scaling=mode)
+    args.update(kw)
+    return RotarySpatialEmbedding(**args, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "mode,spacing,expected",
+    [
+        ("log", (3.0, 9.0), lambda i, s: i * np.log(s)),
+        ("identity", (3.0, 0.5), lambda i, s: i * s),
+        ("index", (3.0, 0.5), lambda i, s: i * np.ones_like(s)),
+        ("rope", (3.0, 0.5), lambda i, s: 0 * i),
+    ],
+)
+def test_positions_per_mode(mode, spacing, expected):
+    pos = np.asarray(make(mode).positions((3, 4), spacing))
+    idx = np.stack(np.unravel_index(np.arange(12), (3, 4)), -1).astype(np.float64)
+    np.testing.assert_allclose(pos, expected(idx, np.asarray(spacing)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,spacing", [("log", (1.0, 1.0)), ("rope", (2.0, 5.0))])
+def test_reference_modes_start_without_rotation(mode, spacing):
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 12, 2, 8))
+    np.testing.assert_allclose(make(mode)(x, (3, 4), spacing), x, atol=1e-6)
+
+
+def test_partial_rotation_leaves_other_heads_untouched():
+    rose = make("index", num_heads=4, rotary_ratio=0.5)
+    assert rose.num_rotary_heads == 2 and rose.freqs.shape == (2, 2, 2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 12, 4, 4))
+    y = rose(x, (3, 4), (1.0, 1.0))
+    np.testing.assert_array_equal(y[:, :, 2:], x[:, :, 2:])
+    assert not np.allclose(y[:, :, :2], x[:, :, :2])
+    # rotation preserves each plane's norm
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_dot_products_depend_only_on_relative_position():
+    rose = make("index")
+    vec = jax.random.normal(jax.random.PRNGKey(1), (1, 1, 2, 8))
+    x = jnp.broadcast_to(vec, (1, 30, 2, 8))
+    y = np.asarray(rose(x, (5, 6), (1.0, 1.0)))[0]
+    dots = np.einsum("nhd,mhd->hnm", y, y)
+    # tokens (0,0)-(1,2) and (2,3)-(3,5) have the same offset (1, 2)
+    np.testing.assert_allclose(dots[:, 0, 1 * 6 + 2], dots[:, 2 * 6 + 3, 3 * 6 + 5], rtol=1e-5)
+
+
+def test_frozen_variant_has_no_trainable_parameters():
+    rose = make("log", learnable=False, learnable_scale=False)
+    assert isinstance(rose.freqs, RoSEBuffer) and isinstance(rose.scale_a, RoSEBuffer)
+    assert not jax.tree.leaves(nnx.state(rose, nnx.Param))
+
+
+def test_no_rotary_heads_is_identity():
+    rose = make("identity", rotary_ratio=0.0)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 12, 2, 8))
+    np.testing.assert_array_equal(rose(x, (3, 4), (1.0, 1.0)), x)
+    assert rose.freqs is None
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="initial_scaling"):
+        make("bogus")

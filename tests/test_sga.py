@@ -1,0 +1,133 @@
+"""Attention kernels and SGA variants against naive, fully materialised formulas."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrat.models import attention as A
+from jaxrat.models.sga import SpatialGroupingAttention, scatter_window_map, sparse_grouping, strided_grid, window_indices
+
+
+def _qkv(shape_q, shape_k, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], shape_q)
+    k = jax.random.normal(ks[1], shape_k)
+    v = jax.random.normal(ks[2], shape_k)
+    g = jax.random.normal(ks[3], shape_q)
+    return q, k, v, g
+
+
+def _value_and_vjp(f):
+    """Jitted (f(q, k, v), vjp(g)): one compilation instead of op-by-op dispatch."""
+
+    @jax.jit
+    def run(q, k, v, g):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(g)
+
+    return run
+
+
+def _naive_softmax(q, k, v):
+    return jax.nn.softmax(jnp.einsum("...qd,...kd->...qk", q, k), -1) @ v
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+@pytest.mark.parametrize("block,slice_batch", [(1 << 24, 1), (40 * 64, 1), (40 * 64, 3)])
+def test_kernel_matches_naive_values_and_gradients(normalise, block, slice_batch):
+    # 700 keys with a 40 x 64 block -> 11 key chunks with padding: exercises the streamed path.
+    q, k, v, g = _qkv((2, 3, 40, 8), (2, 3, 700, 8))
+    if normalise:
+        fast = lambda q, k, v: A.grouping_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
+        naive = A.grouping_attention_reference
+    else:
+        fast = lambda q, k, v: A.softmax_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
+        naive = _naive_softmax
+    out, grads = _value_and_vjp(fast)(q, k, v, g)
+    ref, ref_grads = _value_and_vjp(naive)(q, k, v, g)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_never_holds_full_attention_tensor():
+    q, k, v, _ = _qkv((2, 4, 256, 16), (2, 4, 4096, 16))
+    full = 2 * 4 * 256 * 4096 * 4  # one (B, H, groups, pixels) float32 tensor
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(A.grouping_attention(q, k, v, max_block_elements=256 * 512) ** 2), argnums=(0, 1, 2)))
+    temp = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    assert temp < full / 4, (temp, full)
+
+
+def test_grouping_maps_properties():
+    q, k, _, _ = _qkv((1, 2, 5, 4), (1, 2, 30, 4))
+    a_q, a_k = A.grouping_maps(q, k)
+    np.testing.assert_allclose(a_k.sum(-1), 1.0, rtol=1e-6)
+    col = a_k.sum(-2)
+    np.testing.assert_allclose(a_q.sum(-2), col / (col + A.EPS), rtol=1e-5)  # each pixel's mass split over groups
+
+
+@pytest.mark.parametrize(
+    "grid,kernel,stride",
+    [((11, 9), (7, 7), (3, 3)), ((10,), (5,), (2,)), ((5, 6, 7), (3, 3, 3), (2, 1, 2)), ((8, 8), (3, 3), (1, 1)), ((9, 9), (4, 4), (1, 1))],
+)
+def test_sparse_matches_windowed_dense(grid, kernel, stride):
+    out = strided_grid(grid, kernel, stride)
+    n_out, n_in = int(np.prod(out)), int(np.prod(grid))
+    q, k, v, g = _qkv((2, 3, n_out, 4), (2, 3, n_in, 4))
+    idx, ok = window_indices(grid, kernel, stride)
+    allowed = np.zeros((n_out, n_in), bool)
+    for o in range(n_out):
+        allowed[o, idx[o][ok[o]]] = True
+    assert (allowed.sum(1) <= np.prod(kernel)).all() and allowed.any(1).all()
+
+    def dense(q, k, v):
+        a_k = jax.nn.softmax(jnp.where(allowed, jnp.einsum("bhqd,bhkd->bhqk", q, k), -jnp.inf), -1)
+        return (a_k / (a_k.sum(-2, keepdims=True) + A.EPS)) @ v
+
+    sparse = lambda q, k, v: sparse_grouping(q, k, v, grid, kernel, stride)[0]
+    out_s, grads_s = _value_and_vjp(sparse)(q, k, v, g)
+    out_d, grads_d = _value_and_vjp(dense)(q, k, v, g)
+    np.testing.assert_allclose(out_s, out_d, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_s, grads_d):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    _, a_q, a_k = jax.jit(lambda q, k, v: sparse_grouping(q, k, v, grid, kernel, stride))(q, k, v)
+    col = scatter_window_map(a_k, idx, ok, n_in).sum(-2)
+    # each pixel's mass is split over the groups that see it: column sums are c / (c + eps)
+    np.testing.assert_allclose(scatter_window_map(a_q, idx, ok, n_in).sum(-2), col / (col + A.EPS), rtol=1e-5)
+
+
+def test_window_covers_the_conv_receptive_field():
+    # The group at output (1, 1) with kernel 7 / stride 3 / pad 3 sees input rows and cols 0..6.
+    idx, ok = window_indices((12, 12), (7, 7), (3, 3))
+    out = strided_grid((12, 12), (7, 7), (3, 3))
+    cells = sorted(set(int(i) for i in idx[1 * out[1] + 1][ok[1 * out[1] + 1]]))
+    assert cells == sorted(r * 12 + c for r in range(7) for c in range(7))
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse", "standard"])
+def test_sga_layer_shapes_and_maps(attention):
+    layer = SpatialGroupingAttention(16, 2, 7, 4, iters=2, attention=attention, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 13 * 10, 16))
+    out = nnx.jit(lambda m, x: m(x, (13, 10), (1.0, 2.0), return_maps=True))(layer, x)
+    assert out.grid_shape == (5, 4) and out.spacing == (3.0, 6.0)
+    assert out.x.shape == (2, 20, 16)
+    assert out.attn_q.shape == out.attn_k.shape == (2, 4, 20, 130)
+    np.testing.assert_allclose(out.attn_k.sum(-1), 1.0, rtol=1e-5)
+    assert np.isfinite(np.asarray(out.x)).all()
+
+
+def test_reference_compat_changes_only_value_heads():
+    kw = dict(feature_dims=16, spatial_dims=2, kernel_size=7, num_heads=4, iters=1)
+    fixed = SpatialGroupingAttention(**kw, rngs=nnx.Rngs(0))
+    compat = SpatialGroupingAttention(**kw, reference_compat=True, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 81, 16))
+    run = nnx.jit(lambda m, x: m(x, (9, 9), (1.0, 1.0)).x)
+    assert not np.allclose(run(fixed, x), run(compat, x))  # same weights, different head handling
+    one_head = dict(kw, num_heads=1)
+    a = run(SpatialGroupingAttention(**one_head, rngs=nnx.Rngs(0)), x)
+    b = run(SpatialGroupingAttention(**one_head, reference_compat=True, rngs=nnx.Rngs(0)), x)
+    np.testing.assert_allclose(a, b, rtol=1e-6)  # with one head the reshapes coincide
