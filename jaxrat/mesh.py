@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Sequence
 
@@ -49,4 +50,20 @@ def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | N
     devices.sort(key=lambda d: (d.process_index, d.id))
     names, sizes = axis_sizes(axes, len(devices))
     arr = np.array(devices, dtype=object).reshape(sizes)
+    _warn_if_inner_axes_cross_hosts(arr, names)
     return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _warn_if_inner_axes_cross_hosts(arr: np.ndarray, names: tuple[str, ...]) -> None:
+    """Axes after the first should stay inside one process (one node's fast links); say so if not."""
+    if arr.ndim < 2:
+        return
+    for idx in np.ndindex(arr.shape[:1]):
+        procs = {d.process_index for d in arr[idx].flat}
+        if len(procs) > 1:
+            logging.warning(
+                "mesh axes %s span %d processes; collectives on them cross the network. Put the "
+                "cross-node parallelism on the first axis (%r) and keep the others within a node.",
+                names[1:], len(procs), names[0],
+            )
+            return
