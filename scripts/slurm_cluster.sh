@@ -38,14 +38,24 @@ pid_alive() {  # pid_alive PIDFILE -> true when the pid in it is a live (non-zom
   [[ -n $state && $state != Z* ]]
 }
 
+proc_alive() {  # proc_alive PID -> true for a live (non-zombie) process
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null || true)
+  [[ -n $state && $state != Z* ]]
+}
+
 stop_pidfile() {  # stop_pidfile PIDFILE NAME: TERM, wait up to 10 s, then KILL
   local pidfile=$1 name=$2 pid
   if pid_alive "$pidfile"; then
+    # Follow the pid, not the file: slurmd deletes its pidfile long before it has exited.
     pid=$(cat "$pidfile")
     log "stopping $name (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do pid_alive "$pidfile" || break; sleep 0.1; done
-    if pid_alive "$pidfile"; then kill -KILL "$pid" 2>/dev/null || true; fi
+    for _ in $(seq 100); do proc_alive "$pid" || break; sleep 0.1; done
+    if proc_alive "$pid"; then
+      log "$name (pid $pid) ignored TERM for 10 s: killing it"
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
   fi
   rm -f "$pidfile"
 }
@@ -197,8 +207,15 @@ cmd_up() {
 }
 
 cmd_down() {
-  if command -v scancel >/dev/null && pid_alive /run/slurmctld.pid; then
-    timeout 10 scancel --full --quiet --state=RUNNING 2>/dev/null || true
+  if command -v squeue >/dev/null && pid_alive /run/slurmctld.pid && pid_alive /run/munge/munged.pid; then
+    # Cancel every job first so that no slurmstepd outlives slurmd (it would hang without munge).
+    local jobs
+    jobs=$(timeout 10 squeue -h -o %i 2>/dev/null || true)
+    if [[ -n $jobs ]]; then
+      log "cancelling jobs: $(echo $jobs)"
+      timeout 10 scancel --full $jobs 2>/dev/null || true
+      for _ in $(seq 30); do [[ -z $(timeout 5 squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.5; done
+    fi
   fi
   stop_pidfile /run/slurmd.pid slurmd
   stop_pidfile /run/slurmctld.pid slurmctld

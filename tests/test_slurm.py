@@ -1,13 +1,16 @@
 """Against a real single-node SLURM cluster (Debian slurmctld/slurmd/munge, 4 fake GPUs).
 
-The cluster comes from scripts/slurm_cluster.sh: CI brings it up before the tests; otherwise the
-fixture brings it up itself when it can (root with apt-get) and down again afterwards. Only
-outside CI, without root or apt-get, are these tests skipped. Every srun/sbatch runs under a
-timeout and a Slurm time limit, and leftover test jobs are cancelled by name.
+The cluster comes from scripts/slurm_cluster.sh: the fixture brings it up when it is not (root
+with apt-get: ~10 s on a fresh Debian, seconds with the packages present) and the last test
+session using it brings it down again. Only outside CI (CI=true), without root or apt-get, are
+these tests skipped. Every srun/sbatch runs under a timeout and a Slurm time limit, and leftover
+jobs of this session are cancelled by their name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -24,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
-JOB_NAME = "jaxrat-pytest"
+JOB_NAME = f"jaxrat-pytest-{os.getpid()}"  # per session: teardown cancels only ours
 
 
 def in_ci() -> bool:
@@ -37,28 +40,70 @@ def cluster_works() -> bool:
     return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, timeout=60).returncode == 0
 
 
+# Several pytest sessions may share this machine's one cluster. Each registers a lease (its pid)
+# under a lock; the cluster is brought down only by the last session, and only if a test session
+# started it (a cluster someone brought up by hand or in CI stays up).
+LEASES = Path("/run/jaxrat-slurm-tests")
+
+
+@contextlib.contextmanager
+def leases_locked():
+    LEASES.mkdir(exist_ok=True)
+    with open(LEASES / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def live_leases() -> list[Path]:
+    live = []
+    for lease in LEASES.glob("pid-*"):
+        try:
+            os.kill(int(lease.name[4:]), 0)
+            live.append(lease)
+        except (ProcessLookupError, ValueError):
+            lease.unlink(missing_ok=True)
+    return live
+
+
 @pytest.fixture(scope="module")
 def slurm():
-    """A working cluster for this module; started (and later stopped) here if it was not up."""
-    if cluster_works():
-        yield
-        subprocess.run(["scancel", f"--name={JOB_NAME}"], capture_output=True, timeout=30)
-        return
-    if not (os.geteuid() == 0 and shutil.which("apt-get")):
+    """A working cluster for this module; started here if needed, stopped by the last user."""
+    if os.geteuid() != 0:
+        if cluster_works():
+            yield
+            return
         if in_ci():
-            pytest.fail("CI must run the SLURM tests, but the runner is neither root with apt-get nor has a "
-                        "cluster up; run `scripts/slurm_cluster.sh up` as root before pytest.")
-        pytest.skip("no SLURM cluster and no root/apt-get to start one (scripts/slurm_cluster.sh up)")
-    up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
-    if up.returncode != 0:
-        if in_ci():
-            pytest.fail(f"scripts/slurm_cluster.sh up failed:\n{up.stderr}")
-        pytest.skip(f"could not start a SLURM cluster here: {up.stderr.strip().splitlines()[-1:]}")
+            pytest.fail("CI must run the SLURM tests, but the runner is not root and no cluster is up; run "
+                        "`scripts/slurm_cluster.sh up` as root before pytest.")
+        pytest.skip("no SLURM cluster and no root to start one (scripts/slurm_cluster.sh up)")
+    lease = LEASES / f"pid-{os.getpid()}"
+    with leases_locked():
+        lease.touch()
+        if not cluster_works():
+            if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+                lease.unlink()
+                if in_ci():
+                    pytest.fail("CI must run the SLURM tests but cannot install Slurm here (no apt-get).")
+                pytest.skip("no SLURM cluster and no apt-get to install one (scripts/slurm_cluster.sh up)")
+            up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
+            if up.returncode != 0:
+                lease.unlink()
+                if in_ci():
+                    pytest.fail(f"scripts/slurm_cluster.sh up failed:\n{up.stderr}")
+                pytest.skip(f"could not start a SLURM cluster here: {up.stderr.strip().splitlines()[-1:]}")
+            (LEASES / "started-by-tests").touch()
     try:
         yield
     finally:
-        subprocess.run(["scancel", f"--name={JOB_NAME}"], capture_output=True, timeout=30)
-        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
+        subprocess.run(["scancel", f"--name={JOB_NAME}", f"--user={os.getuid()}"], capture_output=True, timeout=30)
+        with leases_locked():
+            lease.unlink(missing_ok=True)
+            if (LEASES / "started-by-tests").exists() and not live_leases():
+                subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
+                (LEASES / "started-by-tests").unlink()
 
 
 def task_env(**extra: str) -> dict[str, str]:
@@ -247,5 +292,5 @@ def test_launch_submit_runs_to_a_checkpoint(slurm, tmp_path):
     assert "launcher=slurm process=0/2 local_devices=2 local_device_ids=0 global_devices=4" in log
     assert "launcher=slurm process=1/2 local_devices=2 local_device_ids=1 global_devices=4" in log
     assert (workdir / "checkpoints" / "6").is_dir()
-    assert (workdir / "jaxrat-pytest.sbatch").is_file()
+    assert (workdir / f"{JOB_NAME}.sbatch").is_file()
     assert list((workdir.parent / "jax_cache").iterdir())  # the persistent compilation cache was used
