@@ -103,6 +103,11 @@ def validate(spec: JobSpec, scheduler: str) -> None:
         raise UserError(f"--time {spec.time!r} is not a duration; write HH:MM:SS or D-HH:MM:SS, e.g. 24:00:00.")
     if spec.signal_lead < 60:
         raise UserError(f"--signal-lead {spec.signal_lead} s is too short to save a checkpoint; use 60 or more.")
+    if re.search(r"[\s$'\"]", spec.run_dir):
+        raise UserError(
+            f"--workdir {spec.run_dir!r} contains spaces, quotes or '$', which #SBATCH/#BSUB lines cannot "
+            "expand or quote; pass the plain expanded path (e.g. --workdir \"$SCRATCH/runs/isic\" in your shell)."
+        )
     if spec.local_data and not spec.stage_data:
         raise UserError("--local-data only makes sense with --stage-data SRC; add the dataset source to copy.")
 
@@ -159,8 +164,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "preempted_exit_code": str(PREEMPTED_EXIT_CODE),
         "extra": "".join(" " + _q(a) for a in spec.extra_args),
     }
-    text = re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
-    return text
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
 
 
 def _stage_block(spec: JobSpec, scheduler: str) -> str:

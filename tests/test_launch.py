@@ -96,6 +96,8 @@ def test_lsf_script(tmp_path):
     (["--time", "tomorrow"], "--time 'tomorrow'"),
     (["--signal-lead", "10"], "too short"),
     (["--local-data", "/tmp/x"], "--stage-data"),
+    (["--workdir", "$SCRATCH/run"], "cannot expand"),
+    (["--workdir", "my run"], "contains spaces"),
 ])
 def test_impossible_requests_fail_with_a_sentence(argv, needle):
     spec, _ = L.parse_args(["--config", "configs/isic.py", *argv])
