@@ -32,7 +32,22 @@ def base_config() -> mlc.ConfigDict:
     c.data.random_flip = True
     c.data.num_threads = 2  # Grain reader threads per process
     c.data.prefetch_buffer = 4
-    c.data.on_bad_file = "fail"  # "fail" or "skip"
+    c.data.on_bad_file = "fail"  # "fail" or "skip" (skipped files listed in WORKDIR/skipped_files.txt)
+    c.data.source = "files"  # "files" (official folders) or "tfds" (ArrayRecord from jaxrat.data.tfds_isic)
+    c.data.split_file = ""  # JSON {split: [image ids or indices]} re-splitting all labelled images
+    c.data.stage_to_local_dir = ""  # copy data_dir to this node-local folder before training
+    c.data.num_workers = 0  # worker processes; -1: from CPU cores and worker_ram_budget_gb
+    c.data.worker_ram_budget_gb = 0.0  # for num_workers=-1; 0: a quarter of the available RAM
+    # Augmentations (training only); each is off at its neutral value.
+    c.data.keep_aspect_ratio = False  # resize to fit and zero-pad instead of stretching
+    c.data.random_crop_scale = (1.0, 1.0)  # RandomResizedCrop area range, e.g. (0.5, 1.0)
+    c.data.scale_jitter = (1.0, 1.0)  # rescale range then crop/pad back, e.g. (0.8, 1.25)
+    c.data.rotation_degrees = 0.0  # uniform in [-x, x]
+    c.data.color_jitter = 0.0  # brightness/contrast/saturation in [1-x, 1+x], hue in [-x/2, x/2]
+    c.data.elastic_prob = 0.0  # probability of an elastic deformation per image
+    c.data.elastic_alpha = 34.0  # its largest displacement, pixels
+    c.data.elastic_sigma = 4.0  # its smoothness, pixels
+    c.data.pyramid_scales = ()  # extra levels for multi-scale models, e.g. (0.5, 0.25)
 
     c.model = mlc.ConfigDict()
     c.model.name = "unet"

@@ -1,4 +1,10 @@
-"""Decoding images and masks from disk into numpy, with errors that name the file."""
+"""Decoding images and masks from disk into numpy, with errors that name the file.
+
+Odd but valid files are converted, never rejected: grayscale, palette, CMYK, RGBA, 16-bit and
+float images all come back as uint8 RGB; PNG and JPEG are both fine whatever the extension says.
+Broken files raise :class:`BadFileError` (a :class:`DataError`) naming the file and the problem,
+so the bad-file policy (``jaxrat.data.badfiles``) can fail or skip them.
+"""
 
 from __future__ import annotations
 
@@ -9,40 +15,94 @@ from PIL import Image, UnidentifiedImageError
 
 from jaxrat.errors import DataError
 
-_FIX = "replace or delete the file (or re-download the dataset)"
+_FIX = "replace or delete the file (or re-download the dataset), or set --config.data.on_bad_file=skip"
+# Modes that carry more than 8 bits per sample: rescaled to 8 bits rather than clipped.
+_WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
-def _open(path: str) -> Image.Image:
+class BadFileError(DataError):
+    """A dataset file that cannot be used: ``path`` and a short ``problem`` for the skip list."""
+
+    def __init__(self, path: str, problem: str, fix: str = _FIX):
+        self.path, self.problem = path, problem
+        super().__init__(f"{path}: {problem}; {fix}.")
+
+
+def _size_problem(path: str) -> str | None:
+    if not os.path.exists(path):
+        return "file not found"
+    if os.path.getsize(path) == 0:
+        return "file is empty"
+    return None
+
+
+def _open(path: str, draft_to: tuple[int, int] | None = None) -> tuple[Image.Image, tuple[int, int]]:
+    """Open and fully decode ``path``; returns (image, size as stored on disk (w, h))."""
+    problem = _size_problem(path)
+    if problem:
+        raise BadFileError(path, problem)
     try:
         img = Image.open(path)
+        size = img.size
+        if draft_to is not None and img.format == "JPEG":
+            # JPEG can decode at 1/2, 1/4 or 1/8 scale for free; draft keeps the result >= draft_to.
+            img.draft("RGB", draft_to)
         img.load()  # decode now so truncated files fail here, not later
-        return img
-    except FileNotFoundError:
-        raise DataError(f"File not found: {path}; check the dataset folder and --config.data.data_dir.") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        what = "is empty" if size == 0 else f"is not a readable image ({e})"
-        raise DataError(f"Image file {path} {what}; {_FIX}.") from None
+        return img, size
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise BadFileError(path, f"not a readable image ({type(e).__name__}: {e})") from None
 
 
-def load_rgb(path: str) -> np.ndarray:
-    """Load any PIL-readable image (grayscale, palette, CMYK, 16-bit, RGBA) as uint8 RGB (H, W, 3)."""
-    img = _open(path)
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16/32-bit grayscale: rescale to 8 bits rather than clip.
+def probe(path: str) -> tuple[int, int]:
+    """(width, height) from the file header only; raises BadFileError for missing, empty or non-image
+    files. Cheap (no pixel decoding), so a whole dataset can be checked before training."""
+    problem = _size_problem(path)
+    if problem:
+        raise BadFileError(path, problem)
+    try:
+        with Image.open(path) as img:
+            return img.size
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise BadFileError(path, f"not a readable image ({type(e).__name__}: {e})") from None
+
+
+def to_rgb(img: Image.Image) -> np.ndarray:
+    """Any PIL image as uint8 RGB (H, W, 3)."""
+    if img.mode in _WIDE_MODES:
         arr = np.asarray(img, dtype=np.float64)
-        hi = arr.max() if arr.size and arr.max() > 0 else 1.0
-        arr = (arr / hi * 255.0).round().astype(np.uint8)
+        lo, hi = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 1.0)
+        # Integer images keep 0 as black (an 8-bit image stored in 16 bits stays dark); float
+        # images are stretched over their own range.
+        lo = lo if img.mode == "F" else 0.0
+        arr = ((arr - lo) / max(hi - lo, 1e-12) * 255.0).round().astype(np.uint8)
         return np.repeat(arr[..., None], 3, axis=-1)
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")  # PIL warns when a palette with transparency goes straight to RGB
     if img.mode != "RGB":
         img = img.convert("RGB")
     return np.asarray(img, dtype=np.uint8)
 
 
+def load_rgb_with_size(path: str, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """Decode ``path`` as uint8 RGB; with ``at_least=(w, h)`` a JPEG may be decoded at a reduced
+    scale that is still at least that large (much faster for big photos resized for training).
+    Returns (pixels, original (w, h))."""
+    img, size = _open(path, at_least)
+    return to_rgb(img), size
+
+
+def load_rgb(path: str) -> np.ndarray:
+    """Load any PIL-readable image (grayscale, palette, CMYK, 16-bit, RGBA) as uint8 RGB (H, W, 3)."""
+    return load_rgb_with_size(path)[0]
+
+
 def load_mask(path: str) -> np.ndarray:
-    """Load a binary segmentation mask as uint8 (H, W) with values {0, 1} (foreground > 127)."""
-    img = _open(path)
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+    """Load a binary segmentation mask as uint8 (H, W) with values {0, 1}.
+
+    Foreground is > 127 for 8-bit masks (official ISIC masks are 0/255) and > 0 for 16-bit ones.
+    """
+    img, _ = _open(path)
+    if img.mode in _WIDE_MODES:
         arr = np.asarray(img) > 0
     else:
         arr = np.asarray(img.convert("L")) > 127

@@ -1,16 +1,25 @@
-"""ISIC 2018 Task 1 in its official folder layout.
+"""ISIC 2018 Task 1 in its official folder layout, with an optional split file.
 
-    DATA_DIR/ISIC2018_Task1-2_Training_Input/ISIC_0000000.jpg
-    DATA_DIR/ISIC2018_Task1_Training_GroundTruth/ISIC_0000000_segmentation.png
-    DATA_DIR/ISIC2018_Task1-2_Validation_Input/...
-    DATA_DIR/ISIC2018_Task1_Validation_GroundTruth/...
+    DATA_DIR/ISIC2018_Task1-2_Training_Input/ISIC_0000000.jpg      (or .png; README etc. ignored)
+    DATA_DIR/ISIC2018_Task1_Training_GroundTruth/ISIC_0000000_segmentation.png   (0/255)
+    DATA_DIR/ISIC2018_Task1-2_Validation_Input/...    DATA_DIR/ISIC2018_Task1_Validation_GroundTruth/...
+    DATA_DIR/ISIC2018_Task1-2_Test_Input/...          DATA_DIR/ISIC2018_Task1_Test_GroundTruth/...
+
+A split file (``config.data.split_file``) re-splits every labelled image found in those folders:
+a JSON object mapping a split name to a list of image ids (``"ISIC_0000000"``) or of integer
+indices into the sorted list of all labelled images (the reference code's ``splits.json``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from typing import Sequence
 
+from jaxrat.data import imageio
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError
 from jaxrat.errors import DataError
 
 SPLIT_FOLDERS = {
@@ -29,35 +38,118 @@ def default_data_dir() -> str:
 
 def _missing_message(data_dir: str, folder: str) -> str:
     return (
-        f"ISIC 2018 data not found: looked for {os.path.join(data_dir, folder)}; download ISIC 2018 "
-        f"Task 1 from https://challenge.isic-archive.com/data/#2018 and unzip it there (or pass "
+        f"ISIC 2018 data not found: looked for {os.path.join(data_dir, folder)}; download it with "
+        f"`python -m jaxrat.data.download isic2018 --dest {data_dir}` (or pass "
         f"--config.data.data_dir=DIR), or train on synthetic data with --config configs/isic.py:demo."
     )
 
 
-def find_pairs(data_dir: str, split: str) -> list[tuple[str, str]]:
-    """Return sorted (image_path, mask_path) pairs of ``split``; raise DataError naming what is missing."""
-    if split not in SPLIT_FOLDERS:
-        raise DataError(f"Unknown ISIC split {split!r}; use one of {sorted(SPLIT_FOLDERS)}.")
+def _folder_pairs(data_dir: str, split: str, policy: BadFilePolicy, required: bool) -> list[tuple[str, str]]:
     img_folder, mask_folder = SPLIT_FOLDERS[split]
-    img_dir = os.path.join(data_dir, img_folder)
-    mask_dir = os.path.join(data_dir, mask_folder)
-    if not os.path.isdir(img_dir):
-        raise DataError(_missing_message(data_dir, img_folder))
-    if not os.path.isdir(mask_dir):
-        raise DataError(_missing_message(data_dir, mask_folder))
+    img_dir, mask_dir = os.path.join(data_dir, img_folder), os.path.join(data_dir, mask_folder)
+    for d, folder in ((img_dir, img_folder), (mask_dir, mask_folder)):
+        if not os.path.isdir(d):
+            if required:
+                raise DataError(_missing_message(data_dir, folder))
+            return []
     pairs = []
     for name in sorted(os.listdir(img_dir)):
         m = _IMAGE_RE.match(name)
-        if not m:  # README, LICENSE, metadata CSVs and superpixel files live here too
+        if not m:  # README, LICENSE, ATTRIBUTION, metadata CSVs and superpixel files live here too
             continue
         mask = os.path.join(mask_dir, f"{m.group(1)}_segmentation.png")
         if not os.path.isfile(mask):
-            raise DataError(
-                f"Mask missing for image {os.path.join(img_dir, name)}: expected {mask}; "
-                f"restore the ground-truth folder or remove the image."
-            )
+            policy.handle(BadFileError(
+                os.path.join(img_dir, name), f"its mask {mask} is missing",
+                "restore the ground-truth folder or remove the image, or set --config.data.on_bad_file=skip",
+            ))
+            continue
         pairs.append((os.path.join(img_dir, name), mask))
-    if not pairs:
+    if required and not pairs and not any(_IMAGE_RE.match(n) for n in os.listdir(img_dir)):
         raise DataError(f"No ISIC_*.jpg or ISIC_*.png images in {img_dir}; check --config.data.data_dir.")
     return pairs
+
+
+def check_pair(image_path: str, mask_path: str) -> None:
+    """Raise BadFileError unless both files have readable headers and the same size."""
+    isize = imageio.probe(image_path)
+    msize = imageio.probe(mask_path)
+    if isize != msize:
+        raise BadFileError(
+            mask_path, f"mask is {msize[0]}x{msize[1]} but its image {image_path} is {isize[0]}x{isize[1]}",
+            "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
+        )
+
+
+def check_pairs(pairs: Sequence[tuple[str, str]], policy: BadFilePolicy, where: str) -> list[tuple[str, str]]:
+    """The pairs whose headers are sound (see :mod:`jaxrat.data.badfiles`); raise if none is left."""
+    good = []
+    for img, mask in pairs:
+        try:
+            check_pair(img, mask)
+            good.append((img, mask))
+        except BadFileError as e:
+            policy.handle(e)
+    if pairs and not good:
+        raise DataError(f"Every image/mask pair in {where} is bad (see the warnings above); fix the dataset.")
+    return good
+
+
+def _load_split_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"Split file {path} does not exist; fix --config.data.split_file.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"Split file {path} is not valid JSON ({e}); write an object split -> list of ids.") from None
+    if not isinstance(spec, dict) or not all(isinstance(v, list) for v in spec.values()):
+        raise DataError(f"Split file {path} must be a JSON object mapping a split name to a list of image ids.")
+    return spec
+
+
+def _pairs_from_split_file(data_dir: str, split: str, split_file: str, policy: BadFilePolicy) -> list[tuple[str, str]]:
+    spec = _load_split_file(split_file)
+    if split not in spec:
+        raise DataError(f"Split file {split_file} has no {split!r} entry (it has {sorted(spec)}); add it.")
+    pool = sorted(
+        (p for s in SPLIT_FOLDERS for p in _folder_pairs(data_dir, s, policy, required=False)),
+        key=lambda p: os.path.basename(p[0]),
+    )
+    if not pool:
+        raise DataError(_missing_message(data_dir, SPLIT_FOLDERS["train"][0]))
+    by_id = {_IMAGE_RE.match(os.path.basename(p[0])).group(1): p for p in pool}
+    out = []
+    for entry in spec[split]:
+        if isinstance(entry, int) and not isinstance(entry, bool):
+            if not 0 <= entry < len(pool):
+                raise DataError(f"Split file {split_file}: index {entry} is outside the {len(pool)} labelled images.")
+            out.append(pool[entry])
+        elif isinstance(entry, str) and os.path.splitext(os.path.basename(entry))[0] in by_id:
+            out.append(by_id[os.path.splitext(os.path.basename(entry))[0]])
+        elif isinstance(entry, str) and policy.skip:
+            policy.handle(BadFileError(entry, f"listed in {split_file} but not found in {data_dir}"))
+        else:
+            raise DataError(f"Split file {split_file}: {entry!r} in {split!r} is not an image in {data_dir}; fix the split file.")
+    return out
+
+
+def find_pairs(
+    data_dir: str, split: str, *, split_file: str = "", policy: BadFilePolicy | None = None, check: bool = True
+) -> list[tuple[str, str]]:
+    """Sorted (image_path, mask_path) pairs of ``split``; raise DataError naming what is missing.
+
+    With ``check`` every pair's headers are checked (cheap) and bad pairs fail or are skipped
+    according to ``policy`` (default: fail).
+    """
+    policy = policy or BadFilePolicy()
+    if split_file:
+        pairs = _pairs_from_split_file(data_dir, split, split_file, policy)
+    elif split not in SPLIT_FOLDERS:
+        raise DataError(f"Unknown ISIC split {split!r}; use one of {sorted(SPLIT_FOLDERS)} or a split file.")
+    else:
+        pairs = _folder_pairs(data_dir, split, policy, required=True)
+    where = f"ISIC {split} split of {data_dir}"
+    if not pairs:
+        raise DataError(f"No usable image/mask pairs in the {where}; fix the dataset.")
+    return check_pairs(pairs, policy, where) if check else pairs

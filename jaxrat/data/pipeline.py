@@ -1,27 +1,41 @@
 """Grain pipelines for segmentation: per-host, deterministic, resumable from the step.
 
-The training stream is one global sequence: shuffle (reshuffled each epoch) -> repeat ->
-random augmentation seeded by the element's *global* index. Host ``p`` of ``P`` reads elements
+The training stream is one global sequence: shuffle (reshuffled each epoch) -> repeat -> decode
+-> random augmentation seeded by the element's *global* index. Host ``p`` of ``P`` reads elements
 ``p, p+P, p+2P, ...`` so the global batch of step ``s`` is always global elements
 ``[s*B, (s+1)*B)`` whatever the number of hosts: a run resumed on another process count sees
 exactly the examples an uninterrupted run would have seen.
+
+Worker processes (``num_workers``) take elements round-robin *before* batching, so batches are
+the same for any worker count. The iterator's checkpoint state is just the next global element,
+so a run may also resume with another worker count. Bad files: see :mod:`jaxrat.data.badfiles`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+import json
+import logging
+import math
+import os
+from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import numpy as np
-from PIL import Image
 
-from jaxrat.data.imageio import load_mask, load_rgb
-from jaxrat.errors import DataError
+from jaxrat.data import transforms as T
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size
+from jaxrat.errors import ConfigError, DataError
 
-IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
-IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
+IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
+IMAGENET_STD = np.array(T.IMAGENET_STD, np.float32)
+# Consecutive bad elements tolerated under "skip" before giving up: a dataset that is mostly
+# broken should stop the run, not spin.
+MAX_CONSECUTIVE_BAD = 64
 
+
+# -------------------------------------------------------------------------------- sources
 
 @dataclasses.dataclass(frozen=True)
 class PairSource:
@@ -37,50 +51,250 @@ class PairSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadResize(grain.transforms.Map):
-    """Decode an (image, mask) pair and resize both to ``size`` x ``size``."""
+class DecodePair(grain.transforms.Map):
+    """(image path, mask path) -> {"image": uint8 RGB, "mask": uint8 {0,1}}; the sizes must match.
 
-    size: int
+    ``at_least=(w, h)`` lets JPEGs decode at a reduced scale no smaller than that (the mask is
+    then resized to the decoded image, as the following resize would do anyway)."""
 
-    def map(self, pair: tuple[str, str]) -> dict[str, np.ndarray]:
+    at_least: tuple[int, int] | None = None
+
+    def map(self, pair: tuple[str, str]) -> T.Example:
         img_path, mask_path = pair
-        image, mask = load_rgb(img_path), load_mask(mask_path)
-        if image.shape[:2] != mask.shape:
-            raise DataError(
-                f"Mask {mask_path} is {mask.shape[1]}x{mask.shape[0]} but image {img_path} is "
-                f"{image.shape[1]}x{image.shape[0]}; the mask must match its image."
+        image, (w, h) = load_rgb_with_size(img_path, self.at_least)
+        mask = load_mask(mask_path)
+        if (h, w) != mask.shape:
+            raise BadFileError(
+                mask_path, f"mask is {mask.shape[1]}x{mask.shape[0]} but image {img_path} is {w}x{h}",
+                "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
             )
-        image = np.asarray(Image.fromarray(image).resize((self.size, self.size), Image.BILINEAR))
-        mask = np.asarray(Image.fromarray(mask).resize((self.size, self.size), Image.NEAREST))
+        if image.shape[:2] != mask.shape:
+            mask = T._pil_resize(mask, image.shape[0], image.shape[1], nearest=True)
         return {"image": image, "mask": mask}
 
 
 @dataclasses.dataclass(frozen=True)
-class RandomFlip(grain.transforms.RandomMap):
-    """Horizontal and vertical flips, each with probability 1/2 (lesions have no orientation)."""
+class SegmentationData:
+    """A segmentation split: random-access ``records``, a ``loader`` turning one record into
+    {"image", "mask"} (raising BadFileError for a broken file) and the bad-file ``policy``."""
 
-    def random_map(self, ex: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
-        for axis in (0, 1):
-            if rng.random() < 0.5:
-                ex = {k: np.flip(v, axis=axis) for k, v in ex.items()}
-        return ex
+    records: Sequence[Any]
+    loader: Any = dataclasses.field(default_factory=DecodePair)
+    policy: BadFilePolicy = dataclasses.field(default_factory=BadFilePolicy)
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.records)
 
 
-def normalize(ex: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """uint8 image -> ImageNet-normalised float32; {0,1} mask -> float32 (H, W, 1)."""
-    image = (ex["image"].astype(np.float32) - IMAGENET_MEAN) / IMAGENET_STD
-    out = {"image": image, "mask": ex["mask"].astype(np.float32)[..., None]}
-    if "valid" in ex:
-        out["valid"] = ex["valid"]
-    return out
+def as_data(data: SegmentationData | Sequence[tuple[str, str]]) -> SegmentationData:
+    """Accept a plain list of (image, mask) paths as well."""
+    return data if isinstance(data, SegmentationData) else SegmentationData(list(data))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResize(grain.transforms.Map):
+    """Decode an (image, mask) pair and resize both to ``size`` x ``size``."""
+
+    size: int
+    keep_aspect: bool = False
+
+    def map(self, pair: tuple[str, str]) -> T.Example:
+        return T.Resize(self.size, self.keep_aspect).map(DecodePair((self.size, self.size)).map(pair))
+
+
+class _LoadWithFallback(grain.MapDataset):
+    """Element ``i`` = loader(parent[i]); under "skip" a bad record is replaced by parent[i+1],
+    parent[i+2], ... (deterministic: depends on the index and the files only)."""
+
+    def __init__(self, parent: grain.MapDataset, loader: Any, policy: BadFilePolicy):
+        super().__init__(parent)
+        self._loader, self._policy = loader, policy
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        for k in range(MAX_CONSECUTIVE_BAD):
+            try:
+                return self._loader.map(self._parent[(index + k) % len(self._parent)])
+            except BadFileError as e:
+                self._policy.handle(e)  # raises under "fail"
+        raise DataError(
+            f"{MAX_CONSECUTIVE_BAD} bad files in a row in the training stream (see skipped_files.txt); "
+            f"the dataset looks broken: fix or re-download it."
+        )
+
+
+# ------------------------------------------------------------------------------- options
+
+def augment_ops(
+    image_size: int,
+    *,
+    random_flip: bool = True,
+    keep_aspect_ratio: bool = False,
+    random_crop_scale: Sequence[float] = (1.0, 1.0),
+    scale_jitter: Sequence[float] = (1.0, 1.0),
+    rotation_degrees: float = 0.0,
+    color_jitter: float = 0.0,
+    elastic_prob: float = 0.0,
+    elastic_alpha: float = 34.0,
+    elastic_sigma: float = 4.0,
+    pyramid_scales: Sequence[float] = (),
+    train: bool = True,
+) -> list:
+    """The op list (after decoding) for segmentation; each switch adds exactly its op."""
+    crop_lo, crop_hi = (float(x) for x in random_crop_scale)
+    if not 0 < crop_lo <= crop_hi <= 1:
+        raise ConfigError(f"config.data.random_crop_scale={tuple(random_crop_scale)}; use (min, max) with 0 < min <= max <= 1.")
+    if train and crop_lo < 1:
+        ops: list = [T.RandomResizedCrop(image_size, scale=(crop_lo, crop_hi))]
+    else:
+        ops = [T.Resize(image_size, keep_aspect=keep_aspect_ratio)]
+    if train:
+        jit_lo, jit_hi = (float(x) for x in scale_jitter)
+        if not 0 < jit_lo <= jit_hi:
+            raise ConfigError(f"config.data.scale_jitter={tuple(scale_jitter)}; use (min, max) with 0 < min <= max.")
+        if (jit_lo, jit_hi) != (1.0, 1.0):
+            ops.append(T.ScaleJitter(image_size, scale=(jit_lo, jit_hi)))
+        if random_flip:
+            ops.append(T.RandomFlip())
+        if rotation_degrees:
+            ops.append(T.RandomRotation(float(rotation_degrees)))
+        if elastic_prob:
+            ops.append(T.ElasticDeform(alpha=float(elastic_alpha), sigma=float(elastic_sigma), prob=float(elastic_prob)))
+        if color_jitter:
+            x = float(color_jitter)
+            ops.append(T.ColorJitter(brightness=x, contrast=x, saturation=x, hue=x / 2))
+    if pyramid_scales:
+        ops.append(T.Pyramid(tuple(float(s) for s in pyramid_scales)))
+    ops.append(T.Normalize())
+    return ops
+
+
+def _cfg(data_cfg: Any, name: str, default: Any) -> Any:
+    return data_cfg.get(name, default) if hasattr(data_cfg, "get") else getattr(data_cfg, name, default)
+
+
+def train_options(data_cfg: Any) -> dict[str, Any]:
+    """Keyword arguments of :func:`train_iterator` from a ``config.data`` section."""
+    keys = ("random_flip", "keep_aspect_ratio", "random_crop_scale", "scale_jitter", "rotation_degrees",
+            "color_jitter", "elastic_prob", "elastic_alpha", "elastic_sigma", "pyramid_scales")
+    kw = {k: _cfg(data_cfg, k, None) for k in keys}
+    ops = augment_ops(data_cfg.image_size, **{k: v for k, v in kw.items() if v is not None}, train=True)
+    return {
+        "ops": ops,
+        "num_workers": _cfg(data_cfg, "num_workers", 0),
+        "worker_ram_budget_gb": _cfg(data_cfg, "worker_ram_budget_gb", 0.0),
+        "num_threads": _cfg(data_cfg, "num_threads", 2),
+        "prefetch": _cfg(data_cfg, "prefetch_buffer", 4),
+    }
+
+
+def eval_options(data_cfg: Any) -> dict[str, Any]:
+    """Keyword arguments of :func:`eval_batches` from a ``config.data`` section."""
+    ops = augment_ops(
+        data_cfg.image_size, keep_aspect_ratio=_cfg(data_cfg, "keep_aspect_ratio", False),
+        pyramid_scales=_cfg(data_cfg, "pyramid_scales", ()), train=False,
+    )
+    return {"ops": ops, "num_threads": _cfg(data_cfg, "num_threads", 2)}
+
+
+def _decode_target(image_size: int, ops: Sequence[Any]) -> tuple[int, int]:
+    """Smallest decode size that loses nothing for ``ops`` (JPEG draft decoding)."""
+    factor = 1.0
+    for op in ops:
+        if isinstance(op, T.RandomResizedCrop):
+            factor *= 1 / math.sqrt(op.scale[0])
+        elif isinstance(op, T.ScaleJitter):
+            factor *= max(1.0, op.scale[1])
+    side = int(math.ceil(image_size * factor))
+    return side, side
+
+
+def _available_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+# A worker is a Python process with numpy, PIL and grain imported (~0.3 GiB resident, measured
+# in benchmarks/data_pipeline.py) plus its output buffer.
+WORKER_BASE_BYTES = 300 << 20
+
+
+def resolve_num_workers(num_workers: int, ram_budget_gb: float, example_bytes: int, buffer_elements: int) -> int:
+    """``num_workers >= 0`` is used as given; ``-1`` picks as many as the CPU cores (one left for
+    the train step) and the RAM budget (``ram_budget_gb``, or a quarter of available RAM) allow."""
+    if num_workers >= 0:
+        return int(num_workers)
+    if num_workers != -1:
+        raise ConfigError(f"config.data.num_workers={num_workers}; use 0 (in-process), N, or -1 (auto).")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    budget = ram_budget_gb * (1 << 30) if ram_budget_gb > 0 else _available_ram_bytes() / 4
+    per_worker = WORKER_BASE_BYTES + buffer_elements * example_bytes
+    n = max(0, min(cores - 1, int(budget // per_worker)))
+    logging.info("data: %d worker processes (%d cores, RAM budget %.1f GiB, ~%.0f MiB each)",
+                 n, cores, budget / (1 << 30), per_worker / (1 << 20))
+    return n
 
 
 def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=max(num_threads, 0), prefetch_buffer_size=max(prefetch, 0))
 
 
+# ---------------------------------------------------------------------------- training stream
+
+class StreamIterator:
+    """This host's batches; its checkpoint state is the next *global* element (JSON bytes), so it
+    restores under any worker count. The underlying Grain iterator is built lazily."""
+
+    def __init__(self, build: Callable[[int], Iterator], start_example: int, global_batch: int, process_count: int):
+        self._build, self._next, self._gb, self._pc = build, start_example, global_batch, process_count
+        self._it: Iterator | None = None
+
+    def __iter__(self) -> StreamIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._it is None:
+            self._it = self._build(self._next)
+        batch = next(self._it)
+        self._next += self._gb
+        return batch
+
+    @property
+    def next_example(self) -> int:
+        """Global index of the first element of the next batch."""
+        return self._next
+
+    def get_state(self) -> bytes:
+        return json.dumps({"next_example": self._next}).encode()
+
+    def set_state(self, state: bytes | str | dict) -> None:
+        if isinstance(state, (bytes, str)):
+            state = json.loads(state)
+        if "next_example" in state:
+            self._next = int(state["next_example"])
+        else:  # a Grain dataset iterator's state from before StreamIterator: elements of this host
+            self._next = int(state["next_index"]) * self._pc
+        self._it = None
+
+    def start_prefetch(self) -> None:
+        """Called by Grain's checkpoint handler after a restore; prefetch starts on first next()."""
+
+    def close(self) -> None:
+        close = getattr(self._it, "close", None)
+        if close:
+            close()
+        self._it = None
+
+
 def train_iterator(
-    pairs: Sequence[tuple[str, str]],
+    data: SegmentationData | Sequence[tuple[str, str]],
     *,
     image_size: int,
     local_batch: int,
@@ -89,46 +303,102 @@ def train_iterator(
     process_count: int,
     start_example: int = 0,
     random_flip: bool = True,
+    ops: Sequence[Any] | None = None,
+    num_workers: int = 0,
+    worker_ram_budget_gb: float = 0.0,
     num_threads: int = 2,
     prefetch: int = 4,
-) -> grain.DatasetIterator:
+) -> StreamIterator:
     """Infinite iterator of this host's training batches, starting at global element ``start_example``.
 
     ``start_example`` must be a multiple of the global batch (``local_batch * process_count``).
+    ``ops`` (default: resize + ``random_flip``) run after decoding; see :func:`augment_ops`.
     """
-    ds = grain.MapDataset.source(PairSource(pairs)).seed(seed).shuffle().repeat(None)
-    ds = ds.map(LoadResize(image_size))
-    if random_flip:
-        ds = ds.random_map(RandomFlip())
-    ds = ds.map(normalize)
-    ds = ds[start_example + process_index :: process_count]
-    it = ds.to_iter_dataset(_read_options(num_threads, prefetch)).batch(local_batch, drop_remainder=True)
-    return iter(it)
+    data = as_data(data)
+    if not len(data):
+        raise DataError("The training set is empty; check --config.data.data_dir.")
+    ops = list(ops) if ops is not None else augment_ops(image_size, random_flip=random_flip)
+    loader = data.loader
+    if isinstance(loader, DecodePair) and loader.at_least is None:
+        loader = DecodePair(_decode_target(image_size, ops))
+    gb = local_batch * process_count
+    example_bytes = image_size * image_size * 4 * 4 * (2 if any(isinstance(o, T.Pyramid) for o in ops) else 1)
+    workers = resolve_num_workers(num_workers, worker_ram_budget_gb, example_bytes, prefetch * local_batch)
+
+    def build(start: int) -> Iterator:
+        ds = grain.MapDataset.source(data.records).seed(seed).shuffle().repeat(None)
+        ds = _LoadWithFallback(ds, loader, data.policy)
+        for op in ops:
+            ds = ds.random_map(op) if isinstance(op, grain.transforms.RandomMap) else ds.map(op)
+        ds = ds[start + process_index :: process_count]
+        it = ds.to_iter_dataset(_read_options(num_threads, prefetch))
+        if workers > 0:
+            _allow_grain_flags()
+            per_worker = max(2, -(-prefetch * local_batch // workers))
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=per_worker))
+        return iter(it.batch(local_batch, drop_remainder=True))
+
+    return StreamIterator(build, start_example, gb, process_count)
+
+
+def _allow_grain_flags() -> None:
+    # Grain workers read absl flags; outside absl.app.run (tests, notebooks) they are unparsed.
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+# ------------------------------------------------------------------------------------- eval
+
+@dataclasses.dataclass(frozen=True)
+class _EvalFetch(grain.transforms.Map):
+    data: SegmentationData
+    ops: tuple
+
+    def map(self, i: int) -> T.Example:
+        n = len(self.data)
+        valid = i < n
+        try:
+            ex = self.data.loader.map(self.data.records[min(i, n - 1)])
+        except BadFileError as e:
+            self.data.policy.handle(e)  # raises under "fail"
+            ex, valid = {"image": np.zeros((8, 8, 3), np.uint8), "mask": np.zeros((8, 8), np.uint8)}, False
+        for op in self.ops:
+            ex = op.map(ex)
+        ex["valid"] = np.float32(valid)
+        return ex
 
 
 def eval_batches(
-    pairs: Sequence[tuple[str, str]],
+    data: SegmentationData | Sequence[tuple[str, str]],
     *,
     image_size: int,
     global_batch: int,
     process_index: int,
     process_count: int,
     num_threads: int = 2,
+    ops: Sequence[Any] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """This host's eval batches; the set is padded to whole global batches and ``valid`` marks real
-    examples, so every host runs the same number of eval steps and padding never counts."""
-    n = len(pairs)
+    examples, so every host runs the same number of eval steps and padding never counts. Under
+    ``skip`` an undecodable file also counts as padding."""
+    data = as_data(data)
+    if not len(data):
+        raise DataError("The evaluation set is empty; check --config.data.data_dir.")
+    ops = tuple(ops) if ops is not None else tuple(augment_ops(image_size, train=False))
+    if any(isinstance(o, grain.transforms.RandomMap) for o in ops):
+        raise ConfigError("Evaluation ops must be deterministic; remove random augmentations from them.")
+    if isinstance(data.loader, DecodePair) and data.loader.at_least is None:
+        data = dataclasses.replace(data, loader=DecodePair(_decode_target(image_size, ops)))
+    n = len(data)
     padded = -(-n // global_batch) * global_batch
-    ds = grain.MapDataset.range(padded)
-
-    load = LoadResize(image_size)
-
-    def fetch(i: int) -> dict[str, np.ndarray]:
-        ex = load.map(pairs[min(i, n - 1)])
-        ex["valid"] = np.float32(i < n)
-        return normalize(ex)
-
-    ds = ds[process_index::process_count].map(fetch)
+    ds = grain.MapDataset.range(padded)[process_index::process_count].map(_EvalFetch(data, ops))
     local_batch = global_batch // process_count
     it = ds.to_iter_dataset(_read_options(num_threads, 2)).batch(local_batch, drop_remainder=True)
     return iter(it)
+
+
+def normalize(ex: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """uint8 image -> ImageNet-normalised float32; {0,1} mask -> float32 (H, W, 1)."""
+    return T.Normalize().map(ex)

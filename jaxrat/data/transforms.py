@@ -1,0 +1,339 @@
+"""Seeded Grain transforms on example dicts, aware of masks and boxes.
+
+An example is a dict with ``image`` (uint8 H x W x 3) and optionally ``mask`` (uint8 H x W,
+nearest-neighbour resampled), ``boxes`` (float32 N x 4, normalised ``x1, y1, x2, y2`` in [0, 1])
+with per-box arrays (``labels``, ``is_crowd``, ``area``) kept in step with them. Any other key
+is passed through. Every geometric op moves the mask and the boxes with the image, so the same op
+serves segmentation and detection; random ops draw only from the ``rng`` Grain gives them (seeded
+by the dataset seed and the element's global index), so a stream is reproducible exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import grain
+import numpy as np
+from PIL import Image
+
+from jaxrat.errors import ConfigError
+
+Example = dict[str, np.ndarray]
+PER_BOX_KEYS = ("boxes", "labels", "is_crowd", "area")
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+def _hw(size: int | Sequence[int]) -> tuple[int, int]:
+    return (int(size), int(size)) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
+
+
+def _pil_resize(a: np.ndarray, h: int, w: int, nearest: bool) -> np.ndarray:
+    if a.shape[:2] == (h, w):
+        return a
+    mode = Image.NEAREST if nearest else Image.BILINEAR
+    return np.asarray(Image.fromarray(a).resize((w, h), mode))
+
+
+def _filter_boxes(ex: Example, keep: np.ndarray) -> Example:
+    for k in PER_BOX_KEYS:
+        if k in ex:
+            ex[k] = ex[k][keep]
+    return ex
+
+
+def resize(ex: Example, h: int, w: int) -> Example:
+    """Resize image and mask to (h, w), ignoring the aspect ratio; normalised boxes are unchanged."""
+    ex = dict(ex)
+    ex["image"] = _pil_resize(ex["image"], h, w, nearest=False)
+    if "mask" in ex:
+        ex["mask"] = _pil_resize(ex["mask"], h, w, nearest=True)
+    return ex
+
+
+def crop(ex: Example, y0: int, x0: int, h: int, w: int) -> Example:
+    """Crop [y0, y0+h) x [x0, x0+w) (inside the image); boxes are clipped and empty ones dropped."""
+    ex = dict(ex)
+    H, W = ex["image"].shape[:2]
+    ex["image"] = ex["image"][y0 : y0 + h, x0 : x0 + w]
+    if "mask" in ex:
+        ex["mask"] = ex["mask"][y0 : y0 + h, x0 : x0 + w]
+    if "boxes" in ex and len(ex["boxes"]):
+        px = ex["boxes"] * np.array([W, H, W, H], np.float32) - np.array([x0, y0, x0, y0], np.float32)
+        px = np.clip(px, 0, np.array([w, h, w, h], np.float32))
+        keep = (px[:, 2] > px[:, 0]) & (px[:, 3] > px[:, 1])
+        ex["boxes"] = (px / np.array([w, h, w, h], np.float32)).astype(np.float32)
+        ex = _filter_boxes(ex, keep)
+    return ex
+
+
+def pad(ex: Example, h: int, w: int) -> Example:
+    """Pad bottom/right with zeros (mask: background) to (h, w); boxes stay on their pixels."""
+    ex = dict(ex)
+    H, W = ex["image"].shape[:2]
+    if (H, W) == (h, w):
+        return ex
+    img = np.zeros((h, w, 3), ex["image"].dtype)
+    img[:H, :W] = ex["image"]
+    ex["image"] = img
+    if "mask" in ex:
+        m = np.zeros((h, w), ex["mask"].dtype)
+        m[:H, :W] = ex["mask"]
+        ex["mask"] = m
+    if "boxes" in ex:
+        ex["boxes"] = (ex["boxes"] * np.array([W / w, H / h, W / w, H / h], np.float32)).astype(np.float32)
+    return ex
+
+
+@dataclasses.dataclass(frozen=True)
+class Resize(grain.transforms.Map):
+    """Resize to ``size`` (int or (h, w)). ``keep_aspect``: scale to fit inside, then pad the
+    bottom/right with zeros (background for masks) instead of distorting the image."""
+
+    size: int | tuple[int, int]
+    keep_aspect: bool = False
+
+    def map(self, ex: Example) -> Example:
+        h, w = _hw(self.size)
+        if not self.keep_aspect:
+            return resize(ex, h, w)
+        H, W = ex["image"].shape[:2]
+        s = min(h / H, w / W)
+        nh, nw = max(1, min(h, round(H * s))), max(1, min(w, round(W * s)))
+        return pad(resize(ex, nh, nw), h, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomResizedCrop(grain.transforms.RandomMap):
+    """Crop a random region covering ``scale`` of the area with aspect ratio in ``ratio`` (log-
+    uniform), then resize it to ``size`` (the Inception/torchvision recipe)."""
+
+    size: int | tuple[int, int]
+    scale: tuple[float, float] = (0.5, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        H, W = ex["image"].shape[:2]
+        h, w = _hw(self.size)
+        for _ in range(10):
+            area = H * W * rng.uniform(*self.scale)
+            r = math.exp(rng.uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+            cw, ch = round(math.sqrt(area * r)), round(math.sqrt(area / r))
+            if 0 < cw <= W and 0 < ch <= H:
+                y0, x0 = int(rng.integers(0, H - ch + 1)), int(rng.integers(0, W - cw + 1))
+                return resize(crop(ex, y0, x0, ch, cw), h, w)
+        return resize(ex, h, w)  # no valid crop drawn (extreme aspect): the whole image
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomCrop(grain.transforms.RandomMap):
+    """A random ``size`` crop; smaller images are zero-padded (bottom/right) first."""
+
+    size: int | tuple[int, int]
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        h, w = _hw(self.size)
+        H, W = ex["image"].shape[:2]
+        if H < h or W < w:
+            ex = pad(ex, max(H, h), max(W, w))
+            H, W = ex["image"].shape[:2]
+        y0, x0 = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
+        return crop(ex, y0, x0, h, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleJitter(grain.transforms.RandomMap):
+    """Rescale by a random factor in ``scale`` (aspect kept), then random-crop or zero-pad back to
+    ``size``: objects appear larger or smaller while the output shape stays fixed."""
+
+    size: int | tuple[int, int]
+    scale: tuple[float, float] = (0.8, 1.25)
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        h, w = _hw(self.size)
+        H, W = ex["image"].shape[:2]
+        s = rng.uniform(*self.scale) * min(h / H, w / W)
+        ex = resize(ex, max(1, round(H * s)), max(1, round(W * s)))
+        return RandomCrop((h, w)).random_map(ex, rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomFlip(grain.transforms.RandomMap):
+    """Flip left-right with probability ``horizontal`` and up-down with probability ``vertical``."""
+
+    horizontal: float = 0.5
+    vertical: float = 0.5
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        ex = dict(ex)
+        for axis, p in ((1, self.horizontal), (0, self.vertical)):
+            if rng.random() < p:
+                ex["image"] = np.flip(ex["image"], axis=axis)
+                if "mask" in ex:
+                    ex["mask"] = np.flip(ex["mask"], axis=axis)
+                if "boxes" in ex:
+                    b = ex["boxes"].copy()
+                    i, j = (0, 2) if axis == 1 else (1, 3)
+                    b[:, i], b[:, j] = 1.0 - ex["boxes"][:, j], 1.0 - ex["boxes"][:, i]
+                    ex["boxes"] = b
+        return ex
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomRotation(grain.transforms.RandomMap):
+    """Rotate about the centre by an angle uniform in [-degrees, degrees] (counter-clockwise
+    positive), same size, corners filled with zeros. Boxes become the axis-aligned box around
+    their rotated corners, clipped to the image."""
+
+    degrees: float
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        angle = float(rng.uniform(-self.degrees, self.degrees))
+        return rotate(ex, angle)
+
+
+def rotate(ex: Example, angle: float) -> Example:
+    """Deterministic rotation by ``angle`` degrees counter-clockwise (see RandomRotation)."""
+    ex = dict(ex)
+    H, W = ex["image"].shape[:2]
+    ex["image"] = np.asarray(Image.fromarray(ex["image"]).rotate(angle, Image.BILINEAR, fillcolor=(0, 0, 0)))
+    if "mask" in ex:
+        ex["mask"] = np.asarray(Image.fromarray(ex["mask"]).rotate(angle, Image.NEAREST, fillcolor=0))
+    if "boxes" in ex and len(ex["boxes"]):
+        b = ex["boxes"] * np.array([W, H, W, H], np.float32)
+        corners = np.stack([b[:, [0, 1]], b[:, [2, 1]], b[:, [0, 3]], b[:, [2, 3]]], axis=1)  # N,4,2
+        c = np.array([W / 2, H / 2], np.float32)
+        t = math.radians(angle)
+        # Counter-clockwise on screen is clockwise in (x right, y down) coordinates.
+        rot = np.array([[math.cos(t), math.sin(t)], [-math.sin(t), math.cos(t)]], np.float32)
+        p = (corners - c) @ rot.T + c
+        nb = np.concatenate([p.min(axis=1), p.max(axis=1)], axis=1)
+        nb = np.clip(nb, 0, np.array([W, H, W, H], np.float32))
+        keep = (nb[:, 2] > nb[:, 0]) & (nb[:, 3] > nb[:, 1])
+        ex["boxes"] = (nb / np.array([W, H, W, H], np.float32)).astype(np.float32)
+        ex = _filter_boxes(ex, keep)
+    return ex
+
+
+@dataclasses.dataclass(frozen=True)
+class ColorJitter(grain.transforms.RandomMap):
+    """Random brightness, contrast and saturation factors in [1-x, 1+x] and a hue shift in
+    [-hue, hue] (fraction of the colour wheel). Image only: masks and boxes are untouched."""
+
+    brightness: float = 0.1
+    contrast: float = 0.1
+    saturation: float = 0.1
+    hue: float = 0.05
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        ex = dict(ex)
+        img = ex["image"].astype(np.float32)
+        f = lambda x: rng.uniform(max(0.0, 1 - x), 1 + x)  # noqa: E731
+        b, c, s = f(self.brightness), f(self.contrast), f(self.saturation)
+        h = rng.uniform(-self.hue, self.hue)
+        img = img * b
+        gray = img @ np.array([0.299, 0.587, 0.114], np.float32)
+        img = (img - gray.mean()) * c + gray.mean()
+        gray = img @ np.array([0.299, 0.587, 0.114], np.float32)
+        img = (img - gray[..., None]) * s + gray[..., None]
+        img = np.clip(img, 0, 255).astype(np.uint8)
+        if self.hue:
+            hsv = np.asarray(Image.fromarray(img).convert("HSV")).copy()
+            hsv[..., 0] = (hsv[..., 0].astype(np.int32) + round(h * 255)) % 256
+            img = np.asarray(Image.fromarray(hsv, "HSV").convert("RGB"))
+        ex["image"] = img
+        return ex
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticDeform(grain.transforms.RandomMap):
+    """Elastic deformation (Simard et al. 2003), applied with probability ``prob``: a random
+    displacement field smoothed by a Gaussian of ``sigma`` pixels, scaled to ``alpha`` pixels;
+    image bilinear, mask nearest. Segmentation only (boxes cannot follow a non-rigid warp)."""
+
+    alpha: float = 34.0
+    sigma: float = 4.0
+    prob: float = 1.0
+
+    def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
+        from scipy import ndimage
+
+        if "boxes" in ex:
+            raise ConfigError("ElasticDeform cannot move boxes; disable elastic deformation for detection.")
+        if rng.random() >= self.prob:
+            return ex
+        ex = dict(ex)
+        H, W = ex["image"].shape[:2]
+        dy, dx = (ndimage.gaussian_filter(rng.uniform(-1, 1, (H, W)), self.sigma, mode="constant") for _ in range(2))
+        # Normalise so the largest displacement is alpha pixels whatever sigma is.
+        scale = self.alpha / max(np.abs(dy).max(), np.abs(dx).max(), 1e-12)
+        yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+        coords = [yy + dy * scale, xx + dx * scale]
+        ex["image"] = np.stack(
+            [ndimage.map_coordinates(ex["image"][..., ch], coords, order=1, mode="reflect") for ch in range(3)], -1
+        ).astype(np.uint8)
+        if "mask" in ex:
+            ex["mask"] = ndimage.map_coordinates(ex["mask"], coords, order=0, mode="reflect").astype(np.uint8)
+        return ex
+
+
+@dataclasses.dataclass(frozen=True)
+class Pyramid(grain.transforms.Map):
+    """Add coarser levels for multi-scale models: ``image_k``/``mask_k`` resized (antialiased) from
+    level 0 by ``scales[k-1]``, and ``spacing_k`` (float32 (2,), y then x), the level's pixel size
+    in level-0 pixels, exact for the rounded level size (e.g. (2, 2) at scale 0.5). ``spacing`` is
+    level 0's (1, 1). Boxes are normalised, so they hold for every level."""
+
+    scales: tuple[float, ...] = (0.5, 0.25)
+
+    def map(self, ex: Example) -> Example:
+        ex = dict(ex)
+        H, W = ex["image"].shape[:2]
+        ex["spacing"] = np.ones(2, np.float32)
+        for k, (h, w) in enumerate(self.level_shapes(H, W), start=1):
+            ex[f"image_{k}"] = np.asarray(Image.fromarray(ex["image"]).resize((w, h), Image.BOX))
+            if "mask" in ex:
+                ex[f"mask_{k}"] = _pil_resize(ex["mask"], h, w, nearest=True)
+            ex[f"spacing_{k}"] = np.array([H / h, W / w], np.float32)
+        return ex
+
+    def level_shapes(self, h: int, w: int) -> list[tuple[int, int]]:
+        """(h, w) of levels 1.. for a level-0 image of (h, w)."""
+        return [(max(1, round(h * s)), max(1, round(w * s))) for s in self.scales]
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalize(grain.transforms.Map):
+    """uint8 ``image*`` -> float32 (x - mean) / std; ``mask*`` -> float32 (H, W, 1) in {0, 1}."""
+
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+    def map(self, ex: Example) -> Example:
+        mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
+        out = {}
+        for k, v in ex.items():
+            if k == "image" or k.startswith("image_"):
+                out[k] = (v.astype(np.float32) - mean) / std
+            elif k == "mask" or k.startswith("mask_"):
+                out[k] = v.astype(np.float32)[..., None]
+            else:
+                out[k] = v
+        return out
+
+
+def pad_boxes(ex: Example, max_boxes: int) -> Example:
+    """Fixed-size box arrays for batching: the first ``max_boxes`` boxes, zero-padded, with
+    ``box_valid`` (float32) marking real ones."""
+    ex = dict(ex)
+    n = min(len(ex["boxes"]), max_boxes)
+    for k in PER_BOX_KEYS:
+        if k in ex:
+            v = ex[k]
+            out = np.zeros((max_boxes, *v.shape[1:]), v.dtype)
+            out[:n] = v[:n]
+            ex[k] = out
+    ex["box_valid"] = (np.arange(max_boxes) < n).astype(np.float32)
+    return ex
