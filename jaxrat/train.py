@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrat import distributed, sharding
 from jaxrat.checkpoint import Checkpointer
-from jaxrat.data import isic, pipeline, synthetic
+from jaxrat.data import datasets, pipeline
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.mesh import make_mesh
 from jaxrat.models import build_model
@@ -65,19 +65,9 @@ def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: i
 
 # ------------------------------------------------------------------------------------------ data
 
-def resolve_data(config: mlc.ConfigDict, workdir: str) -> tuple[list, list]:
-    """(train pairs, validation pairs); writes the synthetic dataset first when asked."""
-    if config.data.name != "isic2018":
-        raise ConfigError(f"Unknown dataset config.data.name={config.data.name!r}; use 'isic2018'.")
-    data_dir = config.data.data_dir
-    if config.data.synthetic:
-        # One copy per process on its own disk: correct whether or not the workdir is shared.
-        data_dir = data_dir or os.path.join(workdir, "synthetic_data", f"process_{jax.process_index()}")
-        synthetic.write_dataset(
-            data_dir, config.data.synthetic_train, config.data.synthetic_val, config.data.image_size, config.seed
-        )
-    data_dir = data_dir or isic.default_data_dir()
-    return isic.find_pairs(data_dir, "train"), isic.find_pairs(data_dir, "validation")
+def resolve_data(config: mlc.ConfigDict, workdir: str) -> tuple[pipeline.SegmentationData, pipeline.SegmentationData]:
+    """(train, validation) data; writes the synthetic dataset or stages to local disk first when asked."""
+    return datasets.resolve_segmentation(config.data, workdir, seed=config.seed, process_index=jax.process_index())
 
 
 def to_global(batch: dict[str, np.ndarray], spec: NamedSharding) -> dict[str, jax.Array]:
@@ -272,7 +262,7 @@ def evaluate(s: Setup, eval_step, params, val_pairs) -> tuple[dict[str, float], 
     images: dict[str, np.ndarray] = {}
     for batch in pipeline.eval_batches(
         val_pairs, image_size=cfg.data.image_size, global_batch=cfg.data.eval_batch_size,
-        process_index=jax.process_index(), process_count=jax.process_count(), num_threads=cfg.data.num_threads,
+        process_index=jax.process_index(), process_count=jax.process_count(), **pipeline.eval_options(cfg.data),
     ):
         sums, probs = eval_step(params, to_global(batch, s.batch_sharding))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -317,8 +307,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
         return pipeline.train_iterator(
             train_pairs, image_size=config.data.image_size, local_batch=local_batch, seed=config.seed,
             process_index=jax.process_index(), process_count=jax.process_count(),
-            start_example=start_example, random_flip=config.data.random_flip,
-            num_threads=config.data.num_threads, prefetch=config.data.prefetch_buffer,
+            start_example=start_example, **pipeline.train_options(config.data),
         )
 
     s = Setup(config, mesh)
@@ -347,9 +336,10 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     last_eval: dict[str, float] = {}
     pending: list[tuple[int, dict]] = []
     t_start, t_last, steps_since = time.perf_counter(), time.perf_counter(), 0
+    data_wait = 0.0  # seconds the loop spent waiting for the input pipeline since the last log
 
     def flush_train_metrics(step: int) -> None:
-        nonlocal t_last, steps_since
+        nonlocal t_last, steps_since, data_wait
         fetched = jax.device_get([m for _, m in pending])
         bad = [st for (st, _), m in zip(pending, fetched) if m["train/nonfinite"] > 0]
         if bad:
@@ -365,11 +355,12 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
         scalars["train/learning_rate"] = float(fetched[-1]["train/learning_rate"])
         scalars["train/steps_per_sec"] = steps_since / max(now - t_last, 1e-9)
         scalars["train/images_per_sec"] = scalars["train/steps_per_sec"] * gb
+        scalars["train/data_wait_fraction"] = data_wait / max(now - t_last, 1e-9)
         writer.write_scalars(step, scalars)
         if is_main:
             logging.info("%s", format_progress(step, total, scalars, now - t_start, step - start))
         pending.clear()
-        t_last, steps_since = now, 0
+        t_last, steps_since, data_wait = now, 0, 0.0
 
     def run_eval(step: int) -> None:
         nonlocal last_eval
@@ -387,7 +378,10 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
 
     try:
         for step in range(start, total):
-            batch = to_global(next(data_it), s.batch_sharding)
+            t_wait = time.perf_counter()
+            local_batch_np = next(data_it)
+            data_wait += time.perf_counter() - t_wait
+            batch = to_global(local_batch_np, s.batch_sharding)
             state, metrics = train_step(state, batch)
             pending.append((step + 1, metrics))
             steps_since += 1
