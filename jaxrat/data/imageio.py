@@ -71,10 +71,14 @@ def to_rgb(img: Image.Image) -> np.ndarray:
     if img.mode in _WIDE_MODES:
         arr = np.asarray(img, dtype=np.float64)
         lo, hi = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 1.0)
-        # Integer images keep 0 as black (an 8-bit image stored in 16 bits stays dark); float
-        # images are stretched over their own range.
-        lo = lo if img.mode == "F" else 0.0
-        arr = ((arr - lo) / max(hi - lo, 1e-12) * 255.0).round().astype(np.uint8)
+        if img.mode == "F":  # no nominal range: stretch over the image's own
+            arr = (arr - lo) / max(hi - lo, 1e-12)
+        else:
+            # Scale by the smallest common bit depth that holds the data (8, 10, 12, 16, 32 bits),
+            # so 8-bit data stored in 16 bits is unchanged and 12-bit scans are not left dark.
+            full = next((2.0**b - 1 for b in (8, 10, 12, 16, 32) if hi <= 2.0**b - 1), hi)
+            arr = np.clip(arr, 0, None) / full
+        arr = (arr * 255.0).round().astype(np.uint8)
         return np.repeat(arr[..., None], 3, axis=-1)
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")  # PIL warns when a palette with transparency goes straight to RGB
