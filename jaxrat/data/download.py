@@ -1,0 +1,300 @@
+"""Download and extract official dataset archives: resumable, checksummed, into the official layout.
+
+    python -m jaxrat.data.download isic2018 --dest DIR [--splits train,validation,test]
+    python -m jaxrat.data.download coco2017 --dest DIR
+
+Each archive is fetched to ``DEST/downloads/NAME.part`` and resumed with an HTTP ``Range``
+request after an interruption (``If-Range`` on the ETag, so a changed file restarts from zero).
+Before extraction it is checked: the byte count against ``Content-Length``; its MD5 against the
+ETag when the server's ETag is a plain MD5 (S3 and most static servers for single-part
+uploads); its SHA-256 against a pinned value (the registry below or ``--checksums FILE``); and
+every zip member's CRC. Extraction goes to a temporary folder renamed into place, and
+``DEST/.jaxrat_downloads.json`` records the SHA-256 of each archive extracted, so a rerun skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+
+from jaxrat.errors import DataError, UserError
+
+_STATE = ".jaxrat_downloads.json"
+_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Archive:
+    """One archive: file name, URL relative to the dataset's base URL, split, and its SHA-256 if
+    pinned (None: not pinned here; the ETag MD5 and the zip CRCs still check it)."""
+
+    name: str
+    split: str
+    sha256: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    base_url: str
+    archives: tuple[Archive, ...]
+
+
+DATASETS = {
+    "isic2018": Dataset(
+        "https://isic-challenge-data.s3.amazonaws.com/2018/",
+        (
+            Archive("ISIC2018_Task1-2_Training_Input.zip", "train"),
+            Archive("ISIC2018_Task1_Training_GroundTruth.zip", "train"),
+            Archive("ISIC2018_Task1-2_Validation_Input.zip", "validation"),
+            Archive("ISIC2018_Task1_Validation_GroundTruth.zip", "validation"),
+            Archive("ISIC2018_Task1-2_Test_Input.zip", "test"),
+            Archive("ISIC2018_Task1_Test_GroundTruth.zip", "test"),
+        ),
+    ),
+    "coco2017": Dataset(
+        "http://images.cocodataset.org/",
+        (
+            Archive("annotations/annotations_trainval2017.zip", "annotations"),
+            Archive("zips/train2017.zip", "train"),
+            Archive("zips/val2017.zip", "validation"),
+        ),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------- fetching
+
+def _file_digest(path: str, algo: str) -> str:
+    h = hashlib.new(algo)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _open(url: str, headers: dict[str, str], timeout: float):
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+
+
+def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backoff: float = 1.0) -> dict:
+    """Download ``url`` to ``path``, resuming ``path + '.part'``; returns {"etag", "size"}.
+
+    Retries network errors up to ``retries`` times, each time continuing where it stopped."""
+    part, meta_path = path + ".part", path + ".part.json"
+    meta = {}
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+    last_error = None
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * attempt)
+        have = os.path.getsize(part) if os.path.exists(part) else 0
+        headers = {"User-Agent": "jaxrat-download"}
+        if have and meta.get("etag"):
+            headers.update({"Range": f"bytes={have}-", "If-Range": meta["etag"]})
+        try:
+            with _open(url, headers, timeout) as resp:
+                etag = resp.headers.get("ETag")
+                if resp.status == 206:
+                    total = int(resp.headers["Content-Range"].rsplit("/", 1)[1])
+                    mode = "ab"
+                    logging.info("resuming %s at %.1f of %.1f MB", url, have / 1e6, total / 1e6)
+                else:  # 200: a fresh start (no partial file, no Range support, or the file changed)
+                    total = int(resp.headers.get("Content-Length", -1))
+                    mode, have = "wb", 0
+                meta = {"etag": etag, "size": total}
+                with open(meta_path, "w") as f:
+                    json.dump(meta, f)
+                with open(part, mode) as out:
+                    for chunk in iter(lambda: resp.read(_CHUNK), b""):
+                        out.write(chunk)
+                        have += len(chunk)
+            if total >= 0 and have != total:
+                raise ConnectionError(f"got {have} of {total} bytes")
+            os.replace(part, path)
+            os.remove(meta_path)
+            return meta
+        except urllib.error.HTTPError as e:
+            if e.code == 416:  # our partial file is not a prefix of the server's: start over
+                os.remove(part)
+                last_error = e
+                continue
+            if e.code in (403, 404, 410):
+                raise DataError(f"Download of {url} failed: HTTP {e.code} {e.reason}; check the URL or --base-url.") from None
+            last_error = e
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            last_error = e
+        logging.warning("download of %s interrupted (%s); retrying (%d/%d)", url, last_error, attempt + 1, retries)
+    raise DataError(
+        f"Download of {url} failed after {retries + 1} attempts ({last_error}); run the same command "
+        f"again to resume from {part}."
+    )
+
+
+def verify(path: str, *, etag: str | None, sha256: str | None) -> str:
+    """Check ``path`` against the ETag MD5 (when it is one), a pinned SHA-256 and its zip CRCs;
+    returns its SHA-256. A corrupt archive is deleted so the next run downloads it again."""
+    name = os.path.basename(path)
+    digest = _file_digest(path, "sha256")
+    tag = (etag or "").strip('"')
+    problems = []
+    if re.fullmatch(r"[0-9a-f]{32}", tag) and _file_digest(path, "md5") != tag:
+        problems.append(f"its MD5 differs from the server's ETag {tag}")
+    if sha256 and digest != sha256.lower():
+        problems.append(f"its SHA-256 {digest} is not the expected {sha256}")
+    if not problems:
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            if bad:
+                problems.append(f"member {bad} fails its CRC check")
+        except zipfile.BadZipFile as e:
+            problems.append(f"it is not a valid zip ({e})")
+    if problems:
+        os.remove(path)
+        raise DataError(f"Archive {name} is corrupt: {'; '.join(problems)}; it was deleted, run the command again.")
+    return digest
+
+
+def extract(archive: str, dest: str) -> None:
+    """Unzip into ``dest`` (through a temporary folder). Members outside ``dest`` are refused."""
+    tmp = os.path.join(dest, f".extract-{os.path.basename(archive)}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(archive) as z:
+        for member in z.namelist():
+            target = os.path.normpath(os.path.join(tmp, member))
+            if not target.startswith(tmp + os.sep) and target != tmp:
+                raise DataError(f"Archive {archive} has an unsafe member path {member!r}; refusing to extract it.")
+        z.extractall(tmp)
+    for entry in sorted(os.listdir(tmp)):
+        src, dst = os.path.join(tmp, entry), os.path.join(dest, entry)
+        if os.path.isdir(src) and os.path.isdir(dst):
+            for root, _, files in os.walk(src):  # merge (COCO's annotations folder, reruns)
+                rel = os.path.relpath(root, src)
+                os.makedirs(os.path.join(dst, rel), exist_ok=True)
+                for f in files:
+                    os.replace(os.path.join(root, f), os.path.join(dst, rel, f))
+        else:
+            if os.path.isdir(dst):
+                shutil.rmtree(dst)
+            os.replace(src, dst)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- driver
+
+def _load_state(dest: str) -> dict:
+    path = os.path.join(dest, _STATE)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def _save_state(dest: str, state: dict) -> None:
+    path = os.path.join(dest, _STATE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def download(
+    dataset: str,
+    dest: str,
+    *,
+    splits: tuple[str, ...] | None = None,
+    base_url: str | None = None,
+    checksums: dict[str, str] | None = None,
+    keep_archives: bool = False,
+    retries: int = 5,
+    timeout: float = 60.0,
+    backoff: float = 1.0,
+) -> list[str]:
+    """Fetch, verify and extract ``dataset``'s archives (those of ``splits``) into ``dest``;
+    returns the names of the archives extracted by this call (already extracted ones are skipped)."""
+    if dataset not in DATASETS:
+        raise DataError(f"Unknown dataset {dataset!r}; use one of {sorted(DATASETS)}.")
+    spec = DATASETS[dataset]
+    known = sorted({a.split for a in spec.archives})
+    if splits:
+        unknown = set(splits) - set(known)
+        if unknown:
+            raise DataError(f"Unknown split(s) {sorted(unknown)} for {dataset}; use some of {known}.")
+    base = (base_url or spec.base_url).rstrip("/") + "/"
+    dest = os.path.abspath(dest)
+    downloads = os.path.join(dest, "downloads")
+    try:
+        os.makedirs(downloads, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"Cannot create {downloads} ({e.strerror}); choose another --dest.") from None
+    state = _load_state(dest)
+    done = []
+    for arc in spec.archives:
+        if splits and arc.split not in splits:
+            continue
+        fname = os.path.basename(arc.name)
+        pinned = (checksums or {}).get(fname) or arc.sha256
+        if fname in state and (not pinned or state[fname] == pinned):
+            logging.info("%s already extracted in %s", fname, dest)
+            continue
+        path = os.path.join(downloads, fname)
+        meta = {"etag": None}
+        if not os.path.exists(path):
+            logging.info("downloading %s", base + arc.name)
+            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff)
+        digest = verify(path, etag=meta.get("etag"), sha256=pinned)
+        extract(path, dest)
+        state[fname] = digest
+        _save_state(dest, state)
+        if not keep_archives:
+            os.remove(path)
+        logging.info("extracted %s (sha256 %s)", fname, digest)
+        done.append(fname)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point; user errors print one sentence and return 2."""
+    p = argparse.ArgumentParser(prog="python -m jaxrat.data.download", description=__doc__.split("\n")[0])
+    p.add_argument("dataset", choices=sorted(DATASETS))
+    p.add_argument("--dest", required=True, help="folder to extract into (the config's data.data_dir)")
+    p.add_argument("--splits", default="", help="comma-separated subset, e.g. train,validation")
+    p.add_argument("--base-url", default=None, help="a mirror serving the same file names")
+    p.add_argument("--checksums", default=None, help="JSON file {archive file name: sha256} to pin")
+    p.add_argument("--keep-archives", action="store_true", help="keep the zips after extraction")
+    p.add_argument("--retries", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds without data before a retry")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        checksums = None
+        if args.checksums:
+            try:
+                with open(args.checksums) as f:
+                    checksums = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise DataError(f"Cannot read --checksums {args.checksums} ({e}); pass a JSON object name -> sha256.") from None
+        splits = tuple(s for s in args.splits.split(",") if s) or None
+        done = download(args.dataset, args.dest, splits=splits, base_url=args.base_url, checksums=checksums,
+                        keep_archives=args.keep_archives, retries=args.retries, timeout=args.timeout)
+        print(f"{args.dataset}: {len(done)} archive(s) extracted into {os.path.abspath(args.dest)}")
+        return 0
+    except UserError as e:
+        print(f"jaxrat: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
