@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Sequence
 
 import grain
@@ -22,6 +23,7 @@ from jaxrat.errors import ConfigError
 
 Example = dict[str, np.ndarray]
 PER_BOX_KEYS = ("boxes", "labels", "is_crowd", "area")
+_LEVEL_KEY = re.compile(r"(image|mask)(_\d+)?")  # image, image_1, mask_2, ... (not image_id)
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
@@ -315,9 +317,9 @@ class Normalize(grain.transforms.Map):
         mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
         out = {}
         for k, v in ex.items():
-            if k == "image" or k.startswith("image_"):
+            if _LEVEL_KEY.fullmatch(k) and k.startswith("image"):
                 out[k] = (v.astype(np.float32) - mean) / std
-            elif k == "mask" or k.startswith("mask_"):
+            elif _LEVEL_KEY.fullmatch(k):
                 out[k] = v.astype(np.float32)[..., None]
             else:
                 out[k] = v

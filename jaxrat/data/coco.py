@@ -1,0 +1,218 @@
+"""COCO 2017 detection in its official layout, read through pycocotools.
+
+    ROOT/annotations/instances_train2017.json   ROOT/train2017/000000000009.jpg ...
+    ROOT/annotations/instances_val2017.json     ROOT/val2017/...
+
+Labels are contiguous ``0..K-1`` in ascending COCO category id (80 classes for COCO 2017);
+:attr:`CocoDetection.category_ids` keeps the mapping back for evaluation
+(:func:`to_coco_results`, :func:`evaluate`). Boxes are normalised ``x1, y1, x2, y2`` in [0, 1]
+(COCO stores pixel ``x, y, w, h``), clipped to the image; boxes with no area are dropped.
+
+Crowd annotations (``iscrowd=1``, one box over a group of objects) are handled as COCO does:
+they are not objects to detect, so they are left out of the training targets (DETR and
+detectron2 do the same) unless ``include_crowd`` asks for them with ``is_crowd=1``; COCOeval,
+given the original annotation file, ignores detections that fall on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from jaxrat.data import transforms as T
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError, load_rgb_with_size
+from jaxrat.errors import DataError
+
+SPLITS = {"train": "train2017", "validation": "val2017", "val": "val2017"}
+
+
+def annotation_file(root: str, split: str) -> str:
+    """Path of the official instances file of ``split``."""
+    return os.path.join(root, "annotations", f"instances_{SPLITS[split]}.json")
+
+
+def _load_coco(path: str):
+    from pycocotools.coco import COCO
+
+    if not os.path.isfile(path):
+        raise DataError(
+            f"COCO annotation file {path} not found; download COCO 2017 with `python -m jaxrat.data.download "
+            f"coco2017 --dest {os.path.dirname(os.path.dirname(path))}` or fix --config.data.data_dir."
+        )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+            return COCO(path)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"COCO annotation file {path} is not valid ({type(e).__name__}: {e}); re-download it.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCoco(grain.transforms.Map):
+    """Record -> {"image", "boxes" (normalised xyxy), "labels", "is_crowd", "area", "image_id"}."""
+
+    include_crowd: bool = False
+    at_least: tuple[int, int] | None = None
+
+    def map(self, rec: dict[str, Any]) -> T.Example:
+        image, (w, h) = load_rgb_with_size(rec["path"], self.at_least)
+        if (w, h) != (rec["width"], rec["height"]):
+            raise BadFileError(rec["path"], f"image is {w}x{h} but its annotations say {rec['width']}x{rec['height']}")
+        keep = np.ones(len(rec["labels"]), bool) if self.include_crowd else rec["is_crowd"] == 0
+        return {
+            "image": image,
+            "boxes": rec["boxes"][keep],
+            "labels": rec["labels"][keep],
+            "is_crowd": rec["is_crowd"][keep],
+            "area": rec["area"][keep],
+            "image_id": np.int64(rec["image_id"]),
+        }
+
+
+class CocoDetection:
+    """One split of COCO: ``records`` (random access, one per image), ``loader`` and the label map.
+
+    ``skip_empty`` leaves out images without a non-crowd object (for training). Image files that
+    are missing or empty are handled by ``policy`` before training; undecodable ones when read.
+    """
+
+    def __init__(self, root: str, split: str, *, policy: BadFilePolicy | None = None, skip_empty: bool = False,
+                 include_crowd: bool = False):
+        if split not in SPLITS:
+            raise DataError(f"Unknown COCO split {split!r}; use 'train' or 'validation'.")
+        self.policy = policy or BadFilePolicy()
+        self.annotation_file = annotation_file(root, split)
+        self.coco = _load_coco(self.annotation_file)
+        image_dir = os.path.join(root, SPLITS[split])
+        if not os.path.isdir(image_dir):
+            raise DataError(f"COCO image folder {image_dir} not found; download COCO 2017 or fix --config.data.data_dir.")
+        self.category_ids: list[int] = sorted(self.coco.getCatIds())
+        self.class_names: list[str] = [self.coco.cats[c]["name"] for c in self.category_ids]
+        to_label = {c: i for i, c in enumerate(self.category_ids)}
+        self.records: list[dict[str, Any]] = []
+        for image_id in sorted(self.coco.getImgIds()):
+            info = self.coco.imgs[image_id]
+            rec = _record(self.coco, info, image_dir, to_label)
+            if skip_empty and not (rec["is_crowd"] == 0).any():
+                continue
+            if self._usable(rec["path"]):
+                self.records.append(rec)
+        if not self.records:
+            raise DataError(f"No usable COCO images in {image_dir} for {self.annotation_file}; fix the dataset.")
+        self.loader = DecodeCoco(include_crowd=include_crowd)
+
+    def _usable(self, path: str) -> bool:
+        # Existence and size only: opening 118k headers would cost more than it finds.
+        problem = None if os.path.isfile(path) else "file not found"
+        if problem is None and os.path.getsize(path) == 0:
+            problem = "file is empty"
+        if problem:
+            self.policy.handle(BadFileError(path, problem))
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.category_ids)
+
+    def data(self, name: str = "coco2017"):
+        """This split as pipeline data (records + loader + policy) for ``pipeline.train_iterator``."""
+        from jaxrat.data.pipeline import SegmentationData
+
+        return SegmentationData(self.records, loader=self.loader, policy=self.policy, name=name)
+
+
+def _record(coco, info: dict, image_dir: str, to_label: dict[int, int]) -> dict[str, Any]:
+    w, h = float(info["width"]), float(info["height"])
+    boxes, labels, crowd, area = [], [], [], []
+    for ann in coco.imgToAnns.get(info["id"], []):
+        x, y, bw, bh = ann["bbox"]
+        x1, y1, x2, y2 = max(0.0, x), max(0.0, y), min(w, x + bw), min(h, y + bh)
+        if x2 <= x1 or y2 <= y1 or ann["category_id"] not in to_label:
+            continue  # degenerate or outside the image: nothing to learn
+        boxes.append([x1 / w, y1 / h, x2 / w, y2 / h])
+        labels.append(to_label[ann["category_id"]])
+        crowd.append(int(ann.get("iscrowd", 0)))
+        area.append(float(ann.get("area", bw * bh)))
+    return {
+        "path": os.path.join(image_dir, info["file_name"]),
+        "image_id": int(info["id"]),
+        "width": int(info["width"]),
+        "height": int(info["height"]),
+        "boxes": np.asarray(boxes, np.float32).reshape(-1, 4),
+        "labels": np.asarray(labels, np.int32),
+        "is_crowd": np.asarray(crowd, np.int32),
+        "area": np.asarray(area, np.float32),
+    }
+
+
+def detection_ops(
+    image_size: int, *, train: bool, max_boxes: int = 100, random_flip: bool = True,
+    scale_jitter: Sequence[float] = (1.0, 1.0), color_jitter: float = 0.0,
+) -> list:
+    """Box-aware ops: resize keeping the aspect (zero padding), optional scale jitter, left-right
+    flip, colour jitter, normalisation and fixed-size box arrays with ``box_valid``."""
+    ops: list = [T.Resize(image_size, keep_aspect=True)]
+    if train and tuple(scale_jitter) != (1.0, 1.0):
+        ops = [T.ScaleJitter(image_size, scale=tuple(float(s) for s in scale_jitter))]
+    if train and random_flip:
+        ops.append(T.RandomFlip(horizontal=0.5, vertical=0.0))  # scenes have an up; objects are not mirrored vertically
+    if train and color_jitter:
+        ops.append(T.ColorJitter(color_jitter, color_jitter, color_jitter, color_jitter / 2))
+    ops += [T.Normalize(), PadBoxes(max_boxes)]
+    return ops
+
+
+@dataclasses.dataclass(frozen=True)
+class PadBoxes(grain.transforms.Map):
+    """Fixed ``max_boxes`` per image so examples batch; ``box_valid`` marks real boxes."""
+
+    max_boxes: int = 100
+
+    def map(self, ex: T.Example) -> T.Example:
+        return T.pad_boxes(ex, self.max_boxes)
+
+
+def to_coco_results(
+    category_ids: Sequence[int], image_ids: np.ndarray, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
+    sizes: np.ndarray,
+) -> list[dict[str, Any]]:
+    """Detections (normalised xyxy, contiguous labels) as COCO result dicts (pixel xywh, category ids).
+
+    ``sizes`` holds each image's original (width, height); shapes are (N,), (N, 4), (N,), (N,), (N, 2)."""
+    out = []
+    for iid, b, s, lab, (w, h) in zip(image_ids, boxes, scores, labels, sizes):
+        x1, y1, x2, y2 = (float(v) for v in b * np.array([w, h, w, h]))
+        out.append({"image_id": int(iid), "category_id": int(category_ids[int(lab)]),
+                    "bbox": [x1, y1, x2 - x1, y2 - y1], "score": float(s)})
+    return out
+
+
+def evaluate(annotation_path: str, results: list[dict[str, Any]]) -> dict[str, float]:
+    """COCO box AP/AR of ``results`` against the official annotation file (crowd handled by COCOeval)."""
+    from pycocotools.cocoeval import COCOeval
+
+    gt = _load_coco(annotation_path)
+    if not results:
+        return {k: 0.0 for k in _STAT_NAMES}
+    with contextlib.redirect_stdout(io.StringIO()):
+        dt = gt.loadRes(results)
+        ev = COCOeval(gt, dt, "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return {k: float(v) for k, v in zip(_STAT_NAMES, ev.stats)}
+
+
+_STAT_NAMES = ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large",
+               "AR1", "AR10", "AR100", "AR_small", "AR_medium", "AR_large")
