@@ -1,0 +1,125 @@
+"""Generic classification sources: an image folder per class, or a CSV of image path + labels.
+
+    ROOT/<class name>/<image>          -> folder_records(ROOT)
+    CSV: path,diagnosis,site,...        -> csv_records(CSV, label_columns=("diagnosis", "site"))
+
+Each record is {"path", "labels"} with ``labels`` an int32 vector, one entry per label column
+(multi-head classification). Integer columns are used as they are; text columns are mapped to
+indices in sorted order of their values (the vocabularies are returned). An empty cell is -1
+(missing: a loss should ignore it). Non-image files (README, LICENSE, .csv) are ignored.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError, load_rgb_with_size
+from jaxrat.errors import DataError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+def _is_image_name(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
+
+
+def folder_records(root: str, *, policy: BadFilePolicy | None = None) -> tuple[list[dict], list[str]]:
+    """(records, class names) of ``root/<class>/<image>``; classes in sorted order."""
+    policy = policy or BadFilePolicy()
+    if not os.path.isdir(root):
+        raise DataError(f"Image folder {root} not found; fix --config.data.data_dir.")
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
+    records = []
+    for label, name in enumerate(classes):
+        for f in sorted(os.listdir(os.path.join(root, name))):
+            path = os.path.join(root, name, f)
+            if _is_image_name(f) and _usable(path, policy):
+                records.append({"path": path, "labels": np.array([label], np.int32)})
+    if not records:
+        raise DataError(f"No images in class sub-folders of {root}; expected ROOT/<class>/<image>.jpg.")
+    return records, classes
+
+
+def csv_records(
+    csv_path: str,
+    *,
+    image_column: str = "image",
+    label_columns: Sequence[str] = ("label",),
+    image_root: str | None = None,
+    policy: BadFilePolicy | None = None,
+) -> tuple[list[dict], dict[str, list]]:
+    """(records, vocabularies) from a CSV; relative image paths are under ``image_root`` (default:
+    the CSV's folder). Each vocabulary lists a column's values by label index (ints: empty)."""
+    policy = policy or BadFilePolicy()
+    image_root = image_root or os.path.dirname(os.path.abspath(csv_path))
+    try:
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except FileNotFoundError:
+        raise DataError(f"CSV file {csv_path} not found; fix the path in the config.") from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"CSV file {csv_path} cannot be read ({e}); save it as UTF-8 CSV.") from None
+    if not rows:
+        raise DataError(f"CSV file {csv_path} has no rows; add a header line and one row per image.")
+    missing = [c for c in (image_column, *label_columns) if c not in rows[0]]
+    if missing:
+        raise DataError(f"CSV file {csv_path} has no column(s) {missing} (it has {list(rows[0])}); fix the config.")
+    vocabs: dict[str, list] = {}
+    maps: dict[str, dict[str, int] | None] = {}
+    for col in label_columns:
+        values = sorted({r[col].strip() for r in rows if r[col].strip()})
+        if all(_is_int(v) for v in values):
+            maps[col], vocabs[col] = None, []
+        else:
+            maps[col], vocabs[col] = {v: i for i, v in enumerate(values)}, values
+    records = []
+    for line, r in enumerate(rows, start=2):
+        path = r[image_column].strip()
+        path = path if os.path.isabs(path) else os.path.join(image_root, path)
+        labels = []
+        for col in label_columns:
+            v = r[col].strip()
+            labels.append(-1 if not v else (int(v) if maps[col] is None else maps[col][v]))
+        if _usable(path, policy):
+            records.append({"path": path, "labels": np.array(labels, np.int32)})
+    if not records:
+        raise DataError(f"No usable images listed in {csv_path}; check the image column and --image_root.")
+    return records, vocabs
+
+
+def _is_int(v: str) -> bool:
+    try:
+        int(v)
+        return True
+    except ValueError:
+        return False
+
+
+def _usable(path: str, policy: BadFilePolicy) -> bool:
+    problem = None
+    if not os.path.isfile(path):
+        problem = "file not found"
+    elif os.path.getsize(path) == 0:
+        problem = "file is empty"
+    if problem:
+        policy.handle(BadFileError(path, problem))
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeClassification(grain.transforms.Map):
+    """Record -> {"image": uint8 RGB, "labels": int32 (heads,)}."""
+
+    at_least: tuple[int, int] | None = None
+
+    def map(self, rec: dict[str, Any]) -> dict[str, np.ndarray]:
+        image, _ = load_rgb_with_size(rec["path"], self.at_least)
+        return {"image": image, "labels": rec["labels"]}

@@ -1,0 +1,102 @@
+"""Folder/CSV classification sources and TFDS ArrayRecord (ISIC builder, generic reader) without TF."""
+
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxrat.data import folder, isic, pipeline, synthetic
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.errors import DataError
+
+
+def _img(path, value, size=(6, 5)):
+    Image.fromarray(np.full((*size, 3), value, np.uint8)).save(path)
+
+
+def test_folder_per_class(tmp_path):
+    for cls, v in (("nevus", 10), ("melanoma", 200)):
+        os.makedirs(tmp_path / cls)
+        for i in range(2):
+            _img(str(tmp_path / cls / f"{i}.png"), v)
+    (tmp_path / "nevus" / "README").write_text("not an image")
+    (tmp_path / "LICENSE").write_text("x")
+    records, classes = folder.folder_records(str(tmp_path))
+    assert classes == ["melanoma", "nevus"] and len(records) == 4
+    ex = folder.DecodeClassification().map(records[0])
+    assert ex["image"][0, 0, 0] == 200 and ex["labels"].tolist() == [0]
+    with pytest.raises(DataError, match="No images"):
+        folder.folder_records(str(tmp_path / "melanoma"))
+
+
+def test_csv_with_several_label_columns_and_bad_rows(tmp_path):
+    os.makedirs(tmp_path / "imgs")
+    for i in range(3):
+        _img(str(tmp_path / "imgs" / f"{i}.jpg"), 50 * i)
+    open(tmp_path / "imgs" / "empty.jpg", "wb").close()
+    (tmp_path / "labels.csv").write_text(
+        "image,diagnosis,grade\nimgs/0.jpg,nevus,2\nimgs/1.jpg,melanoma,\nimgs/2.jpg,nevus,0\nimgs/empty.jpg,nevus,1\n")
+    with pytest.raises(DataError, match="empty.jpg: file is empty"):
+        folder.csv_records(str(tmp_path / "labels.csv"), label_columns=("diagnosis", "grade"))
+    records, vocabs = folder.csv_records(str(tmp_path / "labels.csv"), label_columns=("diagnosis", "grade"),
+                                         policy=BadFilePolicy("skip"))
+    assert vocabs == {"diagnosis": ["melanoma", "nevus"], "grade": []}
+    assert [r["labels"].tolist() for r in records] == [[1, 2], [0, -1], [1, 0]]  # empty cell: -1
+    data = pipeline.SegmentationData(records, loader=folder.DecodeClassification())
+    ops = pipeline.augment_ops(4, random_flip=True)
+    batch = next(pipeline.train_iterator(data, image_size=4, local_batch=2, seed=0, process_index=0,
+                                         process_count=1, ops=ops, num_threads=0))
+    assert batch["image"].shape == (2, 4, 4, 3) and batch["labels"].shape == (2, 2)
+    with pytest.raises(DataError, match=r"no column\(s\) \['site'\]"):
+        folder.csv_records(str(tmp_path / "labels.csv"), label_columns=("site",))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from jaxrat.data import tfds_isic
+
+    src = str(tmp_path_factory.mktemp("isic"))
+    synthetic.write_dataset(src, num_train=6, num_val=3, image_size=16, seed=2)
+    out = str(tmp_path_factory.mktemp("tfds"))
+    tfds_isic.prepare(src, out)
+    return src, out
+
+
+def test_isic_arrayrecord_stream_equals_the_files_stream(prepared):
+    from jaxrat.data import datasets, tfds_isic
+
+    src, out = prepared
+    assert any(f.endswith(".array_record-00000-of-00001") or "array_record" in f
+               for _, _, fs in os.walk(out) for f in fs)
+    pairs = {os.path.basename(i).split(".")[0]: (i, m) for i, m in isic.find_pairs(src, "train")}
+    tf_train = tfds_isic.segmentation_data(out, "train", BadFilePolicy())
+    assert len(tf_train) == len(pairs) == 6
+    for k in range(len(tf_train)):  # the stored bytes decode to exactly what the files give
+        rec = tf_train.records[k]
+        a = pipeline.DecodePair().map(pairs[rec["image_id"].decode() if isinstance(rec["image_id"], bytes)
+                                            else rec["image_id"]])
+        b = tf_train.loader.map(rec)
+        np.testing.assert_array_equal(a["image"], b["image"])
+        np.testing.assert_array_equal(a["mask"], b["mask"])
+    batch = next(pipeline.train_iterator(tf_train, image_size=8, local_batch=3, seed=0, process_index=0,
+                                         process_count=1, num_threads=0))
+    assert batch["image"].shape == (3, 8, 8, 3) and batch["mask"].shape == (3, 8, 8, 1)
+
+    class Cfg(dict):
+        __getattr__ = dict.get
+
+    cfg = Cfg(name="isic2018", source="tfds", data_dir=out, synthetic=False, on_bad_file="fail", split_file="")
+    train, val = datasets.resolve_segmentation(cfg, out, seed=0, process_index=0)
+    assert (len(train), len(val)) == (6, 3)
+
+
+def test_generic_tfds_reader_and_missing_dataset(prepared, tmp_path):
+    from jaxrat.data import tfds_isic
+
+    _, out = prepared
+    data = tfds_isic.tfds_data(tfds_isic.NAME, "validation", out, mask_key="mask")
+    ex = data.loader.map(data.records[0])
+    assert ex["image"].dtype == np.uint8 and ex["image"].shape[-1] == 3 and set(np.unique(ex["mask"])) <= {0, 1}
+    with pytest.raises(DataError, match="not prepared as ArrayRecord"):
+        tfds_isic.tfds_data("jaxrat_no_such_dataset", "train", str(tmp_path))
