@@ -113,7 +113,7 @@ def run_reference(size: int, reps: int, pyramid: bool) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
-    fn = run_ours if args.impl == "jaxrat" else run_reference
+    fn = run_ours if args.child == "jaxrat" else run_reference
     print(json.dumps(fn(args.size, args.reps, args.pyramid)))
 
 

@@ -141,3 +141,22 @@ def test_masked_pixels_are_replaced():
     assert not np.allclose(a, b)
     dilated = model.dilate_mask(mask)
     assert int(dilated.sum()) == 16  # the 7x7 projection window around a corner pixel: 4x4 in-image
+
+
+@pytest.mark.parametrize("path", ["configs/isic.py", "configs/isic_multiscale.py"])
+def test_isic_configs_build_rat(path):
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(os.path.dirname(__file__), "..", path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    variants = (None, "demo", "smoke") if path.endswith("multiscale.py") else (None, "demo")  # isic smoke = U-Net
+    for variant in variants:
+        cfg = mod.get_config(variant)
+        assert cfg.model.name == "rat"
+        model = nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0)))
+        assert model.backbone.num_blocks == cfg.model.num_blocks
+        if path.endswith("multiscale.py"):
+            levels, spacings = model.pyramid(jnp.zeros((1, 256, 256, 3)))
+            assert [lv.shape[1] for lv in levels] == [256, 128, 64] and spacings[2] == (4.0, 4.0)

@@ -14,7 +14,7 @@ reference's ``"rope"`` mode which starts with no rotation at all (rat_reference.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,18 @@ _SCALE_INIT = {
 SCALING_MODES = tuple(k for k in _SCALE_INIT if k is not None)
 
 
-class RoSEBuffer(nnx.Variable):
-    """A fixed (non-trainable) RoSE tensor: frozen frequencies or spacing transform."""
+def _frozen(x: Any) -> tuple:
+    """A fixed tensor as nested tuples of floats: static, hashable, and not model state.
+
+    Frozen RoSE tensors are not parameters (the reference keeps them as non-persistent buffers);
+    storing them as constants keeps the model's state to parameters and RNG streams only.
+    """
+    return tuple(_frozen(v) for v in x) if np.ndim(x) else float(x)
+
+
+def _value(x: Any) -> jax.Array:
+    """A parameter's value or a frozen constant, as float32."""
+    return jnp.asarray(x[...] if isinstance(x, nnx.Variable) else x, jnp.float32)
 
 
 def rose_theta(base_theta: float, frequency_scaling: str, spatial_dims: int, feature_dims: int) -> float:
@@ -128,15 +138,17 @@ class RotarySpatialEmbedding(nnx.Module):
                     freqs = jnp.exp(jnp.clip(jnp.log(freqs) + eps, -10.0, 10.0))
                 self.freqs = nnx.Param(freqs)
             else:
-                self.freqs = RoSEBuffer(freqs)
+                self.freqs = _frozen(np.asarray(freqs))
         else:
             self.freqs = None
 
         if self.use_scale:
             init = _SCALE_INIT[initial_scaling]
-            kind = nnx.Param if learnable_scale else RoSEBuffer
             for name, value in zip(("scale_a", "scale_b", "scale_c", "scale_d"), init):
-                setattr(self, name, kind(jnp.full((spatial_dims,), value, jnp.float32)))
+                if learnable_scale:
+                    setattr(self, name, nnx.Param(jnp.full((spatial_dims,), value, jnp.float32)))
+                else:
+                    setattr(self, name, (float(value),) * spatial_dims)
 
     def positions(self, grid_shape: Sequence[int], spacing: Sequence[float]) -> Array:
         """(N, sd) float32 coordinates after the learnable spacing transform."""
@@ -147,10 +159,11 @@ class RotarySpatialEmbedding(nnx.Module):
         s = jnp.asarray(spacing_np)
         positive = s > 0
         safe = jnp.where(positive, s, 1.0)
-        d = jnp.maximum(self.scale_d[...], 1e-8)
+        a, b, c, d = (_value(getattr(self, n)) for n in ("scale_a", "scale_b", "scale_c", "scale_d"))
+        d = jnp.maximum(d, 1e-8)
         log_term = jnp.where(positive, jnp.log(safe / d), 0.0)
-        pow_term = jnp.where(positive, jnp.power(safe, self.scale_b[...]), 0.0)
-        scaled = self.scale_a[...] * pow_term + self.scale_c[...] * log_term
+        pow_term = jnp.where(positive, jnp.power(safe, b), 0.0)
+        scaled = a * pow_term + c * log_term
         # The reference rescales i*s by s'/s (not i by s'), falling back to 1 where undefined.
         factor = jnp.where(s != 0, scaled / jnp.where(s != 0, s, 1.0), 1.0)
         factor = jnp.where(jnp.isfinite(factor), factor, 1.0)
@@ -162,7 +175,7 @@ class RotarySpatialEmbedding(nnx.Module):
         if hr == 0:
             return x
         pos = self.positions(grid_shape, spacing)
-        phase = jnp.einsum("nd,hpd->nhp", pos, self.freqs[...].astype(jnp.float32))
+        phase = jnp.einsum("nd,hpd->nhp", pos, _value(self.freqs))
         cos, sin = jnp.cos(phase).astype(x.dtype), jnp.sin(phase).astype(x.dtype)
         rot = x[:, :, :hr].reshape(*x.shape[:2], hr, self.num_planes, 2)
         re, im = rot[..., 0], rot[..., 1]

@@ -1,0 +1,33 @@
+"""ISIC 2018 Task 1 with multi-scale RAT: a [256, 128, 64] image pyramid.
+
+The model builds the pyramid from the one input image (level i = input resized by
+scales[i] / scales[0], spacing scales[0] / scales[i]), so the data pipeline is the one of
+configs/isic.py. Variants are those of configs/isic.py (demo, smoke; smoke with a tiny RAT); the
+pyramid keeps the same relative factors at their smaller image sizes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import ml_collections as mlc
+
+
+def _isic_config(arg: str | None) -> mlc.ConfigDict:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
+    spec = importlib.util.spec_from_file_location("jaxrat_config_isic", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+    """Return the multi-scale ISIC config for ``arg`` in {None, "demo", "smoke"}."""
+    c = _isic_config(arg)
+    if c.model.name != "rat":  # the isic smoke variant uses a U-Net; here a tiny RAT instead
+        c.model = mlc.ConfigDict(dict(name="rat", num_classes=1, feature_dims=8, num_blocks=2, num_heads=2,
+                                      iters=1, decoder_dim=8))
+    c.model.scales = (256, 128, 64)
+    c.model.pyramid_spacing = "relative"
+    return c
