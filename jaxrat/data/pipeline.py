@@ -312,7 +312,7 @@ def train_iterator(
     """Infinite iterator of this host's training batches, starting at global element ``start_example``.
 
     ``start_example`` must be a multiple of the global batch (``local_batch * process_count``).
-    ``ops`` (default: resize + ``random_flip``) run after decoding; see :func:`augment_ops`.
+    ``prefetch`` is in batches. ``ops`` (default: resize + ``random_flip``) run after decoding; see :func:`augment_ops`.
     """
     data = as_data(data)
     if not len(data):
@@ -331,7 +331,9 @@ def train_iterator(
         for op in ops:
             ds = ds.random_map(op) if isinstance(op, grain.transforms.RandomMap) else ds.map(op)
         ds = ds[start + process_index :: process_count]
-        it = ds.to_iter_dataset(_read_options(num_threads, prefetch))
+        # ``prefetch`` counts batches; Grain's buffer counts elements. A buffer smaller than a
+        # batch lets the readers idle while the step runs, and the loop then waits for data.
+        it = ds.to_iter_dataset(_read_options(num_threads, prefetch * local_batch))
         if workers > 0:
             _allow_grain_flags()
             per_worker = max(2, -(-prefetch * local_batch // workers))

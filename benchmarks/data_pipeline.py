@@ -1,0 +1,175 @@
+"""ISIC training-pipeline throughput vs. the train step's consumption, and determinism.
+
+    python benchmarks/data_pipeline.py [--config configs/isic.py[:demo]] [--images 48]
+        [--width 1024 --height 768] [--seconds 15] [--workers 0,1,2] [--out results.json] [--skip-step]
+
+1. Writes ISIC-like JPEGs of a realistic size (default 1024x768; real ISIC 2018 photos range from
+   about 0.6 to 30 megapixels) in the official layout, once, under --cache.
+2. Images/s of the training pipeline (decode + resize to 256 + the augmentations the reference
+   configs list: flip, rotation 15, colour jitter 0.1, elastic 0.1) for each worker count, steady
+   state after the first batch, and per core used.
+3. Images/s the jitted train step of --config consumes (default configs/isic.py: U-Net, 256 px,
+   batch 16) on the same machine, from random batches (no input pipeline involved).
+4. Determinism: a hash of the first batches for two runs of each worker count.
+Prints a table and writes JSON; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxrat.data import isic, pipeline, synthetic  # noqa: E402
+
+
+def write_images(root: str, n: int, width: int, height: int) -> str:
+    """ISIC-layout JPEGs of ``width`` x ``height`` (upsampled synthetic lesions with fine noise)."""
+    marker = os.path.join(root, f"bench_{n}_{width}x{height}.done")
+    if os.path.exists(marker):
+        return root
+    rng = np.random.default_rng(0)
+    for split, count, first in (("train", n, 0), ("validation", max(2, n // 8), n)):
+        img_dir, mask_dir = (os.path.join(root, f) for f in isic.SPLIT_FOLDERS[split])
+        os.makedirs(img_dir, exist_ok=True)
+        os.makedirs(mask_dir, exist_ok=True)
+        for i in range(first, first + count):
+            img, mask = synthetic.make_example(rng, 192, 256)
+            big = np.asarray(Image.fromarray(img).resize((width, height), Image.BICUBIC), np.float32)
+            big = np.clip(big + rng.normal(0, 6, big.shape), 0, 255).astype(np.uint8)  # sensor-like detail
+            Image.fromarray(big).save(os.path.join(img_dir, f"ISIC_{i:07d}.jpg"), quality=92)
+            Image.fromarray(mask).resize((width, height), Image.NEAREST).save(
+                os.path.join(mask_dir, f"ISIC_{i:07d}_segmentation.png"))
+    open(marker, "w").close()
+    return root
+
+
+def bench_ops(image_size: int) -> list:
+    return pipeline.augment_ops(image_size, random_flip=True, rotation_degrees=15.0, color_jitter=0.1,
+                                elastic_prob=0.1)
+
+
+def pipeline_rate(pairs, workers: int, seconds: float, batch: int, image_size: int, threads: int) -> dict:
+    it = pipeline.train_iterator(pairs, image_size=image_size, local_batch=batch, seed=0, process_index=0,
+                                 process_count=1, ops=bench_ops(image_size), num_workers=workers,
+                                 num_threads=threads, prefetch=4)
+    t0 = time.perf_counter()
+    next(it)
+    first = time.perf_counter() - t0
+    n, t1 = 0, time.perf_counter()
+    while time.perf_counter() - t1 < seconds:
+        next(it)
+        n += batch
+    rate = n / (time.perf_counter() - t1)
+    it.close()
+    return {"workers": workers, "images_per_s": rate, "cores_used": max(1, workers),
+            "images_per_s_per_core": rate / max(1, workers), "first_batch_s": first}
+
+
+def batches_hash(pairs, workers: int, image_size: int, n: int = 3) -> str:
+    it = pipeline.train_iterator(pairs, image_size=image_size, local_batch=4, seed=7, process_index=0,
+                                 process_count=1, ops=bench_ops(image_size), num_workers=workers, num_threads=2)
+    h = hashlib.sha256()
+    for _ in range(n):
+        b = next(it)
+        for k in sorted(b):
+            h.update(np.ascontiguousarray(b[k]).tobytes())
+    it.close()
+    return h.hexdigest()[:16]
+
+
+def load_config(spec: str):
+    from jaxrat.configlib import _load_config_file
+
+    return _load_config_file(spec)
+
+
+def step_rate(spec: str, steps: int) -> dict:
+    """Images/s of the jitted train step of config ``spec`` on this machine's devices."""
+    import jax
+
+    from jaxrat import train
+    from jaxrat.mesh import make_mesh
+
+    cfg = load_config(spec)
+    mesh = make_mesh(cfg.mesh.axes)
+    s = train.Setup(cfg, mesh)
+    step = train.make_train_step(s)
+    state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    b, size = cfg.data.batch_size, cfg.data.image_size
+    rng = np.random.default_rng(0)
+    batch = train.to_global({"image": rng.normal(size=(b, size, size, 3)).astype(np.float32),
+                             "mask": (rng.random((b, size, size, 1)) > 0.5).astype(np.float32)}, s.batch_sharding)
+    state, m = step(state, batch)  # compile
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = step(state, batch)
+    jax.block_until_ready(m)
+    dt = (time.perf_counter() - t0) / steps
+    return {"batch": b, "image_size": size, "step_s": dt, "images_per_s": b / dt, "devices": mesh.size}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "jaxrat_bench_isic"))
+    p.add_argument("--images", type=int, default=48)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=768)
+    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                    "configs", "isic.py"),
+                   help="config[:variant] whose image size, batch and model are measured")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--workers", default="0,1,2")
+    p.add_argument("--threads", type=int, default=2, help="Grain reader threads per process")
+    p.add_argument("--step-steps", type=int, default=3)
+    p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--out", default="data_pipeline_results.json")
+    args = p.parse_args()
+
+    from absl import flags
+
+    flags.FLAGS.mark_as_parsed()
+    cfg = load_config(args.config)
+    args.image_size, args.batch = cfg.data.image_size, cfg.data.batch_size
+    root = write_images(args.cache, args.images, args.width, args.height)
+    pairs = isic.find_pairs(root, "train")
+    result = {"config": os.path.relpath(args.config), "batch": args.batch, "cpu_cores": len(os.sched_getaffinity(0)), "source_images": f"{args.width}x{args.height} JPEG",
+              "image_size": args.image_size, "augment": "flip, rotation 15, colour jitter 0.1, elastic p=0.1",
+              "pipeline": [], "determinism": {}}
+    for w in (int(x) for x in args.workers.split(",")):
+        r = pipeline_rate(pairs, w, args.seconds, args.batch, args.image_size, args.threads)
+        result["pipeline"].append(r)
+        print(f"workers={w}: {r['images_per_s']:.1f} img/s ({r['images_per_s_per_core']:.1f} per core), "
+              f"first batch {r['first_batch_s']:.2f} s", flush=True)
+        result["determinism"][str(w)] = [batches_hash(pairs, w, args.image_size) for _ in range(2)]
+    hashes = {h for v in result["determinism"].values() for h in v}
+    result["deterministic_across_runs_and_workers"] = len(hashes) == 1
+    if not args.skip_step:
+        result["train_step"] = step_rate(args.config, args.step_steps)
+
+    print("\n| workers | pipeline img/s | img/s per core | first batch (s) |")
+    print("|---|---|---|---|")
+    for r in result["pipeline"]:
+        print(f"| {r['workers']} | {r['images_per_s']:.1f} | {r['images_per_s_per_core']:.1f} | {r['first_batch_s']:.2f} |")
+    if "train_step" in result:
+        t = result["train_step"]
+        print(f"\ntrain step ({result['config']}, batch {t['batch']} at {t['image_size']} px, {t['devices']} device(s)): "
+              f"{t['step_s']:.2f} s/step = {t['images_per_s']:.1f} img/s consumed")
+    print(f"same batches across runs and worker counts: {result['deterministic_across_runs_and_workers']} "
+          f"({sorted(hashes)})")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
