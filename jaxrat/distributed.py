@@ -621,23 +621,37 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     _sigterm.set()
 
 
-def preemption_requested(step: int) -> bool:
-    """True at the step where every process should save a checkpoint and stop (SIGTERM received).
+def _on_sigusr1(signum: int, frame: Any) -> None:
+    # SLURM's `--signal=USR1@T` warning. JAX's preemption notifier only listens for SIGTERM, so with
+    # several processes pass it on as one; a single process treats it like a first SIGTERM.
+    import jax
 
-    Call it at every training step with the same step number in all processes. With several
-    processes it is JAX's preemption sync point (any process's SIGTERM, agreed step for all).
-    A single process has no JAX preemption service; the first call installs a SIGTERM handler
-    that sets a flag instead (a second SIGTERM still terminates), so the job scripts' TERM
-    before the time limit checkpoints here too.
+    if jax.process_count() > 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        _sigterm.set()
+
+
+def preemption_requested(step: int) -> bool:
+    """True at the call where every process should save a checkpoint and stop (SIGTERM or SIGUSR1).
+
+    Call it with the same consecutive numbers in all processes (once per training step, and more
+    often if the loop also checks inside the evaluation). With several processes it is JAX's
+    preemption sync point (any process's signal, agreed call for all). A single process has no JAX
+    preemption service; the first call installs a SIGTERM handler that sets a flag instead (a
+    second SIGTERM still terminates), so the job scripts' TERM before the time limit checkpoints
+    here too. SIGUSR1 is handled the same way in both cases.
     """
     global _handler_installed
     import jax
 
+    if not _handler_installed and threading.current_thread() is threading.main_thread():
+        if jax.process_count() == 1:  # with several, SIGTERM belongs to JAX's notifier
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGUSR1, _on_sigusr1)
+        _handler_installed = True
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         return multihost_utils.reached_preemption_sync_point(step)
-    if not _handler_installed and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        _handler_installed = True
     return _sigterm.is_set()
