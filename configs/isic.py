@@ -24,8 +24,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.optimizer.learning_rate = 1e-3
     c.optimizer.warmup_steps = 500
     c.train.eval_every = 1000
-    c.train.checkpoint_every = 1000
+    c.checkpoint.every_steps = 1000
     c.train.log_every = 50
+    c.checkpoint.best_metric = "eval/dice"
 
     # RAT at the ISIC dims of the reference (docs/rat.md). For the U-Net baseline use
     # --config.model.name=unet with a model section of name, features and num_classes.
@@ -55,7 +56,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.optimizer.learning_rate = 3e-3
         c.optimizer.warmup_steps = 40
         c.train.eval_every = 100
-        c.train.checkpoint_every = 100
+        c.checkpoint.every_steps = 100
         c.train.log_every = 20
         c.model.feature_dims = 32
         c.model.num_blocks = 3
@@ -74,7 +75,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.num_train_steps = 6
         c.optimizer.warmup_steps = 2
         c.train.eval_every = 3
-        c.train.checkpoint_every = 3
+        c.checkpoint.every_steps = 3
         c.train.log_every = 1
         c.train.log_images = False
         # The smoke variant keeps the tiny U-Net: it compiles in seconds and the framework tests

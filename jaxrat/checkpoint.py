@@ -1,61 +1,192 @@
-"""Orbax checkpoints of {train state, data iterator}: async, atomic, multi-host, resharding restore.
+"""Orbax checkpoints of {train state, data iterator}: save policy, preemption, best pointer, restore.
 
-Every process calls every method (saves are collective). Orbax writes ``<step>.orbax-checkpoint-tmp``
-and renames it when complete, so a killed save never yields a checkpoint that restore would pick;
-leftover temporary folders are removed when the manager starts.
+Every process calls every method (saves are collective). A save is invisible until it commits:
+Orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it, or, with
+``checkpoint.atomic_rename=False`` for filesystems without an atomic rename, writes ``<step>/`` in
+place and adds ``commit_success.txt`` last. Either way a killed save is never restored and its
+leftovers are deleted when the next run starts. Checkpoints hold arrays (OCDBT/Zarr) and JSON only;
+nothing is unpickled or executed on restore.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as ocm
+
+from jaxrat import checkpoints as reader
+from jaxrat import distributed
+from jaxrat.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """When to save and what to keep (``config.checkpoint``)."""
+
+    every_steps: int = 200
+    every_minutes: float = 0.0
+    keep: int = 3
+    keep_every: int = 0
+    best_metric: str = ""
+    best_mode: str = "max"
+    keep_best: int = 1
+    async_save: bool = True
+    atomic_rename: bool = True
+
+    @classmethod
+    def from_config(cls, c: Any) -> Policy:
+        """Validate ``config.checkpoint``; a bad value ends with one sentence naming the field."""
+        p = cls(**{f.name: c[f.name] for f in dataclasses.fields(cls)})
+        for name, value in (("every_steps", p.every_steps), ("keep_every", p.keep_every), ("keep_best", p.keep_best),
+                            ("every_minutes", p.every_minutes)):
+            if value < 0:
+                raise ConfigError(f"config.checkpoint.{name}={value} is negative; use 0 to turn it off or a positive value.")
+        if p.keep < 1:
+            raise ConfigError(f"config.checkpoint.keep={p.keep}; keep at least 1 (a resumed run restores the latest).")
+        if p.best_mode not in ("max", "min"):
+            raise ConfigError(f"config.checkpoint.best_mode={p.best_mode!r}; use 'max' (e.g. eval/dice) or 'min' (eval/loss).")
+        if p.best_metric and not p.best_metric.startswith("eval/"):
+            raise ConfigError(
+                f"config.checkpoint.best_metric={p.best_metric!r} is not an eval metric; use a name like 'eval/dice'."
+            )
+        return p
+
+    @property
+    def tracks_best(self) -> bool:
+        return bool(self.best_metric) and self.keep_best > 0
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, minus its own calls into JAX's preemption sync point."""
+
+    def reached_preemption(self, step: int) -> bool:
+        # The train loop owns JAX's sync point and feeds it one consecutive counter (train steps
+        # and eval batches); Orbax calling it with step numbers would move that counter and could
+        # make every process miss the agreed point.
+        return False
+
+
+def _preservation(p: Policy) -> ocm.AnyPreservationPolicy:
+    policies: list[Any] = [ocm.LatestN(n=p.keep)]
+    if p.keep_every:
+        policies.append(ocm.EveryNSteps(interval_steps=p.keep_every))
+    if p.tracks_best:
+        policies.append(ocm.BestN(get_metric_fn=_metric_fn(p), reverse=p.best_mode == "min", n=p.keep_best,
+                                  keep_checkpoints_without_metrics=False))
+    return ocm.AnyPreservationPolicy(policies)
+
+
+def _metric_fn(p: Policy):
+    worst = -math.inf if p.best_mode == "max" else math.inf
+    # Checkpoints saved without an eval (time or preemption saves) rank last, never best.
+    return lambda metrics: float(metrics.get(p.best_metric, worst))
 
 
 class Checkpointer:
-    """Saves and restores the train state and the Grain iterator under ``directory``."""
+    """Saves and restores the train state and the data iterator under ``directory``."""
 
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, policy: Policy | None = None):
         self.directory = os.path.abspath(directory)
+        self.policy = policy or Policy()
+        p = self.policy
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            enable_async_checkpointing=p.async_save,
+            cleanup_tmp_directories=True,  # a killed save's folder goes away at the next start
             create=True,
+            preservation_policy=_preservation(p),
+            best_fn=_metric_fn(p) if p.tracks_best else None,  # also makes Orbax store the metrics
+            best_mode=p.best_mode,
+            atomicity_options=ocp.options.AtomicityOptions(
+                mode=ocp.options.AtomicityMode.ATOMIC_RENAME if p.atomic_rename else ocp.options.AtomicityMode.COMMIT_FILE
+            ),
         )
-        self._mngr = ocp.CheckpointManager(self.directory, item_names=("state", "data"), options=options)
-        self.last_blocking_s = 0.0
+        self._mngr = _Manager(self.directory, item_names=("state", "data"), options=options)
+        self._inflight: int | None = None
+        self._metric: dict[int, float] = {}
+        if p.tracks_best:
+            for step in self._mngr.all_steps():
+                value = (reader.step_metadata(self.directory, step).get("metrics") or {}).get(p.best_metric)
+                if value is not None:
+                    self._metric[step] = float(value)
+        self.blocked_s: list[float] = []  # train-loop stall of each save, seconds
 
     def latest_step(self) -> int | None:
         """Newest complete checkpoint step, or None."""
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Every complete checkpoint step, ascending."""
+        """Every kept checkpoint step (the one being written included), ascending."""
         return sorted(self._mngr.all_steps())
 
-    def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None = None, *, force: bool = False) -> bool:
-        """Start saving ``state`` (and the iterator position) at ``step``; returns whether it saved."""
+    def save(self, step: int, state: Any, data_iter: Any = None, *, reason: str,
+             metrics: dict[str, float] | None = None, eval_pending: bool = False) -> float | None:
+        """Start saving ``state`` and the data position at ``step``; returns the seconds the caller was
+        blocked, or None when ``step`` is already saved.
+
+        ``metrics`` (eval metrics of this step, e.g. ``{"eval/dice": 0.8}``) rank the checkpoint for
+        ``best_metric``; ``eval_pending`` tells a resumed run to run this step's eval first.
+        """
+        if step in self._mngr.all_steps():
+            return None
         items = {"state": ocp.args.StandardSave(state)}
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        clean = {k: float(v) for k, v in (metrics or {}).items()}
+        meta = {"reason": reason, "eval_pending": eval_pending, "metrics": clean,
+                "process_count": jax.process_count(), "device_count": jax.device_count()}
+        if self.policy.tracks_best:
+            meta.update(best_metric=self.policy.best_metric, best_mode=self.policy.best_mode)
+            if self.policy.best_metric in clean:
+                self._metric[step] = clean[self.policy.best_metric]
         t0 = time.perf_counter()
-        saved = self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
-        self.last_blocking_s = time.perf_counter() - t0
-        if saved:
-            logging.info("checkpoint: saving step %d (train loop blocked %.3f s)", step, self.last_blocking_s)
-        return saved
+        self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
+                        metrics=clean if self.policy.tracks_best else None)
+        blocked = time.perf_counter() - t0
+        self.blocked_s.append(blocked)
+        # Orbax waited for the previous save before starting this one, so that one is committed.
+        self._inflight = step if self.policy.async_save else None
+        self._write_best_pointer()
+        logging.info("checkpoint: saving step %d (%s), train loop blocked %.3f s", step, reason, blocked)
+        return blocked
+
+    def _write_best_pointer(self) -> None:
+        """Point ``best.json`` at the best *committed* checkpoint (process 0 writes it)."""
+        if not self.policy.tracks_best or jax.process_index() != 0:
+            return
+        kept = set(self._mngr.all_steps()) - {self._inflight}
+        ranked = [(v if self.policy.best_mode == "max" else -v, s) for s, v in self._metric.items() if s in kept]
+        if not ranked:
+            return
+        step = max(ranked)[1]
+        pointer = {"step": step, "metric": self.policy.best_metric, "mode": self.policy.best_mode,
+                   "value": self._metric[step]}
+        path = os.path.join(self.directory, reader.BEST_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(pointer, f)
+        os.replace(path + ".tmp", path)  # readers re-rank from metadata if this is not atomic
+
+    def step_metadata(self, step: int) -> dict[str, Any]:
+        """What :meth:`save` stored with ``step`` (reason, metrics, eval_pending, topology)."""
+        return reader.step_metadata(self.directory, step)
 
     def _data_saved_for_this_topology(self, step: int) -> bool:
         name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
         return os.path.exists(os.path.join(self.directory, str(step), "data", name))
 
-    def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None = None) -> tuple[Any, bool]:
+    def restore(self, step: int, abstract_state: Any, data_iter: Any = None) -> tuple[Any, bool]:
         """Restore onto the shardings carried by ``abstract_state`` (any mesh, any process count).
 
         Returns (state, data_restored). The iterator is restored only when it was saved by the same
@@ -69,10 +200,142 @@ class Checkpointer:
         return restored["state"], data_ok
 
     def wait(self) -> None:
-        """Block until pending async saves are durable."""
+        """Block until pending async saves are durable, then update the best pointer."""
         self._mngr.wait_until_finished()
+        self._inflight = None
+        self._write_best_pointer()
 
     def close(self) -> None:
         """Finish pending saves and release resources."""
-        self._mngr.wait_until_finished()
+        self.wait()
         self._mngr.close()
+
+
+# ------------------------------------------------------------------------------ when to save
+
+class SaveSchedule:
+    """Decides at which steps the loop saves: every N steps, every M minutes, and the last step.
+
+    The time rule is checked at log steps only, where the host already waits for the device, and
+    process 0's clock decides for everyone (clocks of different hosts never agree exactly).
+    """
+
+    def __init__(self, policy: Policy, total_steps: int, clock=time.monotonic):
+        self.policy, self.total, self._clock = policy, total_steps, clock
+        self._last = clock()
+
+    def reason(self, step: int, *, log_step: bool) -> str | None:
+        """Why ``step`` should be saved ("steps", "time", "final"), or None."""
+        p = self.policy
+        if step == self.total:
+            return "final"
+        if p.every_steps and step % p.every_steps == 0:
+            return "steps"
+        if p.every_minutes and log_step and self._time_due():
+            return "time"
+        return None
+
+    def saved(self) -> None:
+        """Restart the time rule's clock (after any save, whatever its reason)."""
+        self._last = self._clock()
+
+    def _time_due(self) -> bool:
+        due = self._clock() - self._last >= 60.0 * self.policy.every_minutes
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        return due
+
+
+# -------------------------------------------------------------------------------- preemption
+
+class PreemptionWatch:
+    """Asks, at every train step and every eval batch, whether all processes should stop here.
+
+    With several processes this is JAX's preemption sync point, which agrees on the call after the
+    furthest process's current one; it only works when every process calls it with the same
+    consecutive numbers, so this class owns one counter for the whole run (Orbax's own calls are
+    disabled in :class:`_Manager`). With one process it reads the SIGTERM/SIGUSR1 flag.
+    """
+
+    def __init__(self) -> None:
+        self._calls = 0
+
+    def requested(self) -> bool:
+        """True exactly at the call where every process stops (same call in all of them)."""
+        self._calls += 1
+        return distributed.preemption_requested(self._calls)
+
+    def hold_signals(self) -> None:
+        """From now on, log SIGTERM/SIGUSR1 instead of dying (call once the loop stops to save).
+
+        A second signal would otherwise kill a single process mid-save (harmless to the files, but
+        the work since the last checkpoint is lost) or during its exit (losing the requeue exit
+        status). With several processes SIGTERM belongs to JAX's preemption notifier, where a
+        repeat is a no-op, so only SIGUSR1 is taken over there.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        sigs = [signal.SIGUSR1] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
+        for s in sigs:
+            signal.signal(s, _log_and_ignore)
+
+
+def _log_and_ignore(signum: int, frame: Any) -> None:
+    logging.warning("signal %d after the preemption notice: ignored, the checkpoint is being written", signum)
+
+
+# ------------------------------------------------------------------------------- init_from
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _paths(tree: Any) -> dict[str, Any]:
+    """``{"params/Conv_0/kernel": leaf}``: the same names whether a level is a dict, a list or a
+    namedtuple (Orbax's metadata turns optax's namedtuples into dicts)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dict[str, Any]:
+    """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
+
+    ``spec`` is ``PATH[:STEP|:best|:latest]``; arrays land on the shardings of ``abstract_state``.
+    A parameter whose shape differs, or that one side lacks, ends with a ConfigError naming it.
+    """
+    directory, step = reader.resolve(spec)
+    keys = ["params"] + (["opt_state"] if optimizer else [])
+    target = {k: abstract_state[k] for k in keys}
+    where = os.path.join(directory, str(step))
+    # The "state" item alone, read with the plain PyTree handler: no manager, nothing to clean up.
+    with ocp.PyTreeCheckpointer() as ckptr:
+        saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where) / "state").tree
+        _check_compatible(target, {k: saved[k] for k in keys if k in saved}, where, optimizer)
+        restored = ckptr.restore(os.path.join(where, "state"), args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+    logging.info("init_from: loaded %s from %s", " and ".join(keys), where)
+    return dict(restored)
+
+
+def _check_compatible(target: Any, saved: Any, where: str, optimizer: bool) -> None:
+    want, have = _paths(target), _paths(saved)
+    where = f"{os.path.dirname(where)} step {os.path.basename(where)}"
+    hint = ("; train from scratch, or pick a checkpoint of the same model"
+            + (" (or drop --config.checkpoint.init_optimizer)" if optimizer else ""))
+    for path, leaf in want.items():
+        if path not in have:
+            raise ConfigError(f"init_from: {path} of this model is missing from the checkpoint {where}{hint}.")
+        shape = tuple(getattr(have[path], "shape", ()))
+        if shape != tuple(leaf.shape):
+            raise ConfigError(
+                f"init_from: {path} has shape {shape} in the checkpoint {where} but {tuple(leaf.shape)} in "
+                f"this model{hint}."
+            )
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ConfigError(f"init_from: the checkpoint {where} has {extra[0]}, which this model lacks{hint}.")

@@ -17,7 +17,8 @@ def base_config() -> mlc.ConfigDict:
     c = mlc.ConfigDict()
     c.seed = 0
     c.num_train_steps = 1000
-    # Start from another run's weights: "PATH" or "PATH:STEP" (a workdir or a checkpoint dir).
+    # Start a new run from another run's weights: "PATH[:STEP|:best|:latest]" (a workdir, its checkpoints/
+    # folder or one step folder); params only unless checkpoint.init_optimizer. Ignored when resuming.
     c.init_from = ""
 
     c.data = mlc.ConfigDict()
@@ -72,11 +73,20 @@ def base_config() -> mlc.ConfigDict:
     c.train.compute_dtype = "float32"  # or "bfloat16"; params stay float32
     c.train.log_every = 10
     c.train.eval_every = 200
-    c.train.checkpoint_every = 200
-    c.train.keep_checkpoints = 3
-    c.train.async_checkpointing = True
     c.train.eval_at_end = True
     c.train.log_images = True
+
+    c.checkpoint = mlc.ConfigDict()
+    c.checkpoint.every_steps = 200  # 0: no step rule; the last step and preemptions always save
+    c.checkpoint.every_minutes = 0.0  # 0: off; checked at log steps (train.log_every)
+    c.checkpoint.keep = 3  # the latest K checkpoints
+    c.checkpoint.keep_every = 0  # also keep every P-th step for good (0: none)
+    c.checkpoint.best_metric = ""  # e.g. "eval/dice": keep the best keep_best by it, WORKDIR/checkpoints/best.json
+    c.checkpoint.best_mode = "max"  # "max" or "min" (e.g. for "eval/loss")
+    c.checkpoint.keep_best = 1
+    c.checkpoint.async_save = True  # write in the background; the loop only waits for the device-to-host copy
+    c.checkpoint.atomic_rename = True  # False: write in place + commit file (filesystems without atomic rename)
+    c.checkpoint.init_optimizer = False  # with init_from: also load the optimizer state
 
     c.mesh = mlc.ConfigDict()
     # (axis name, size) pairs; -1 takes the remaining devices. Batches shard over every axis.
@@ -119,6 +129,13 @@ def _load_config_file(spec: str) -> mlc.ConfigDict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
+
+# Fields that moved: old command lines get the new name instead of a fuzzy guess.
+_MOVED = {
+    "train.checkpoint_every": "checkpoint.every_steps",
+    "train.keep_checkpoints": "checkpoint.keep",
+    "train.async_checkpointing": "checkpoint.async_save",
+}
 
 _KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}
 
@@ -170,6 +187,8 @@ def check_override_args(argv: list[str]) -> None:
     for key, value in overrides:
         if key.startswith("no") and key[2:] in flat and isinstance(flat[key[2:]], bool):
             continue
+        if key in _MOVED:
+            raise ConfigError(f"--config.{key} is now --config.{_MOVED[key]}; rename it.")
         if key not in flat:
             close = difflib.get_close_matches(key, list(flat), n=1)
             hint = f"did you mean --config.{close[0]}?" if close else "see the config file for valid keys."

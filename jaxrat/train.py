@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrat import distributed, sharding
-from jaxrat.checkpoint import Checkpointer
+from jaxrat import sharding
+from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
 from jaxrat.data import datasets, pipeline
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.mesh import make_mesh
@@ -224,6 +224,8 @@ def make_train_step(s: Setup):
             "train/grad_norm": gnorm,
             "train/learning_rate": s.schedule(state["step"]),
             "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32),
+            # Exact in float32 (a sum of 0/1 pixels): a fingerprint of which examples a step saw.
+            "train/foreground_fraction": jnp.mean(batch["mask"]),
         }
         return new_state, metrics
 
@@ -255,8 +257,14 @@ def make_eval_step(s: Setup):
     )
 
 
-def evaluate(s: Setup, eval_step, params, val_pairs) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Metrics over the whole validation set and a few images (input, mask, prediction) to log."""
+def evaluate(
+    s: Setup, eval_step, params, val_pairs, interrupt: Callable[[], bool] | None = None
+) -> tuple[dict[str, float], dict[str, np.ndarray]] | None:
+    """Metrics over the whole validation set and a few images (input, mask, prediction) to log.
+
+    ``interrupt`` is asked before every batch (in every process alike); when it says yes the
+    evaluation stops and None is returned, so a preemption notice is honoured mid-evaluation.
+    """
     cfg = s.config
     totals = None
     images: dict[str, np.ndarray] = {}
@@ -264,6 +272,8 @@ def evaluate(s: Setup, eval_step, params, val_pairs) -> tuple[dict[str, float], 
         val_pairs, image_size=cfg.data.image_size, global_batch=cfg.data.eval_batch_size,
         process_index=jax.process_index(), process_count=jax.process_count(), **pipeline.eval_options(cfg.data),
     ):
+        if interrupt is not None and interrupt():
+            return None
         sums, probs = eval_step(params, to_global(batch, s.batch_sharding))
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         if not images and cfg.train.log_images:
@@ -313,21 +323,26 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     s = Setup(config, mesh)
     train_step = make_train_step(s)
     eval_step = make_eval_step(s)
-    ckpt = Checkpointer(
-        os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints,
-        async_save=config.train.async_checkpointing,
-    )
+    policy = Policy.from_config(config.checkpoint)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
 
     latest = ckpt.latest_step()
+    eval_pending = False  # the run stopped inside this step's evaluation: redo it first
     if latest is not None:
         data_it = train_iter(0)
         state, data_ok = ckpt.restore(latest, s.abstract_with_shardings(), data_it)
         if not data_ok:  # saved by another process count: the position follows from the step
             data_it = train_iter(latest * gb)
+        eval_pending = bool(ckpt.step_metadata(latest).get("eval_pending"))
         logging.info("resumed from step %d (%s)", latest, "iterator state" if data_ok else "position from step")
+        if config.init_from:
+            logging.info("init_from=%s ignored: this workdir already has checkpoints", config.init_from)
     else:
+        loaded: dict[str, Any] = {}
+        if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
+            loaded = load_init(config.init_from, s.abstract_with_shardings(), optimizer=config.checkpoint.init_optimizer)
         init = jax.jit(s.init_state, out_shardings=s.state_shardings)
-        state = init(jax.random.key_data(jax.random.key(config.seed)))
+        state = {**init(jax.random.key_data(jax.random.key(config.seed))), **loaded}
         data_it = train_iter(0)
     start = int(jax.device_get(state["step"]))
 
@@ -362,11 +377,39 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
         pending.clear()
         t_last, steps_since, data_wait = now, 0, 0.0
 
-    def run_eval(step: int) -> None:
+    watch = PreemptionWatch()
+    schedule = SaveSchedule(policy, total)
+
+    def save(step: int, reason: str, metrics: dict[str, float] | None = None, eval_pending: bool = False) -> None:
+        blocked = ckpt.save(step, state, data_it, reason=reason, metrics=metrics, eval_pending=eval_pending)
+        schedule.saved()
+        if blocked is not None:
+            writer.write_scalars(step, {"checkpoint/blocked_s": blocked})
+
+    def stop_for_preemption(step: int, eval_pending: bool) -> None:
+        if pending:
+            flush_train_metrics(step)
+        watch.hold_signals()  # a second signal must not cut this save short or change the exit status
+        save(step, "preemption", eval_pending=eval_pending)
+        ckpt.wait()
+        where = "during evaluation " if eval_pending else ""
+        raise Preempted(f"preempted {where}at step {step}: checkpoint saved, exit for requeue")
+
+    def run_eval(step: int) -> dict[str, float] | None:
+        """This step's eval metrics as ``{"eval/dice": ...}``, or None if a preemption cut it short."""
         nonlocal last_eval
-        metrics, images = evaluate(s, eval_step, state["params"], val_pairs)
+        result = evaluate(s, eval_step, state["params"], val_pairs, interrupt=watch.requested)
+        if result is None:
+            return None
+        metrics, images = result
+        named = {f"eval/{k}": v for k, v in metrics.items()}
+        if policy.best_metric and policy.best_metric not in named:
+            raise ConfigError(
+                f"config.checkpoint.best_metric={policy.best_metric!r} is not computed by this task; "
+                f"use one of {sorted(named)}."
+            )
         last_eval = metrics
-        writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        writer.write_scalars(step, named)
         if images:
             writer.write_images(step, images)
         if is_main:
@@ -375,8 +418,11 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
                 step, metrics["dice"], metrics["iou"], metrics["sensitivity"], metrics["specificity"],
                 metrics["accuracy"], metrics["loss"],
             )
+        return named
 
     try:
+        if eval_pending and run_eval(start) is None:
+            stop_for_preemption(start, eval_pending=True)
         for step in range(start, total):
             t_wait = time.perf_counter()
             local_batch_np = next(data_it)
@@ -386,19 +432,22 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
             pending.append((step + 1, metrics))
             steps_since += 1
             done = step + 1
-            if done % config.train.log_every == 0 or done == total:
+            log_step = done % config.train.log_every == 0 or done == total
+            if log_step:
                 flush_train_metrics(done)
-            if done % config.train.eval_every == 0 or (done == total and config.train.eval_at_end):
-                run_eval(done)
-            if done % config.train.checkpoint_every == 0 or done == total:
-                ckpt.save(done, state, data_it)
-            elif distributed.preemption_requested(done):
-                if pending:
-                    flush_train_metrics(done)
-                ckpt.save(done, state, data_it, force=True)
-                ckpt.wait()
-                raise Preempted(f"preempted at step {done}: checkpoint saved, exit for requeue")
+            eval_due = done % config.train.eval_every == 0 or (done == total and config.train.eval_at_end)
+            if watch.requested():
+                stop_for_preemption(done, eval_pending=eval_due)
+            evaluated = run_eval(done) if eval_due else None
+            if eval_due and evaluated is None:
+                stop_for_preemption(done, eval_pending=True)
+            reason = schedule.reason(done, log_step=log_step)
+            if reason:
+                save(done, reason, metrics=evaluated)
         ckpt.wait()
+        if ckpt.blocked_s:
+            logging.info("checkpoints: %d saves; train loop blocked %.3f s on average, %.3f s at most",
+                         len(ckpt.blocked_s), float(np.mean(ckpt.blocked_s)), max(ckpt.blocked_s))
     finally:
         writer.close()
         ckpt.close()

@@ -1,0 +1,228 @@
+"""Checkpointer in-process: keep policy, best pointer, killed saves, init_from, CLI, no pickle."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrat import checkpoints, distributed
+from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
+from jaxrat.errors import ConfigError, UserError
+
+
+def _mesh(n=8):
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def _state(step, mesh, kernel_shape=(8, 4)):
+    sh = NamedSharding(mesh, P("data"))
+    params = {"conv": {"kernel": jnp.arange(np.prod(kernel_shape), dtype=jnp.float32).reshape(kernel_shape) + step},
+              "head": {"bias": jnp.full((4,), float(step))}}
+    params = jax.device_put(params, {"conv": {"kernel": sh}, "head": {"bias": NamedSharding(mesh, P())}})
+    return {"step": jnp.int32(step), "params": params, "opt_state": optax.adam(1e-3).init(params)}
+
+
+def _abstract(state, mesh):
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+
+
+def test_keep_latest_every_pth_and_best_with_a_pointer(tmp_path):
+    mesh = _mesh()
+    policy = Policy(keep=2, keep_every=5, best_metric="eval/dice", keep_best=2)
+    ck = Checkpointer(str(tmp_path / "checkpoints"), policy)
+    dice = {2: 0.30, 4: 0.70, 6: 0.50, 8: 0.60, 10: 0.10}
+    for step in range(1, 13):
+        metrics = {"eval/dice": dice[step], "eval/loss": 1 - dice[step]} if step in dice else None
+        ck.save(step, _state(step, mesh), reason="steps", metrics=metrics)
+    ck.close()
+    # latest 2 (11, 12), every 5th (5, 10), best 2 by dice (4: 0.70, 8: 0.60)
+    assert checkpoints.committed_steps(ck.directory) == [4, 5, 8, 10, 11, 12]
+    assert json.load(open(tmp_path / "checkpoints" / "best.json")) == {
+        "step": 4, "metric": "eval/dice", "mode": "max", "value": 0.7}
+    info = checkpoints.describe(str(tmp_path))
+    assert info["latest"] == 12 and info["best"]["step"] == 4 and not info["incomplete"]
+    assert {r["step"]: r["reason"] for r in info["steps"]}[4] == "steps"
+    assert all(r["bytes"] > 0 for r in info["steps"])
+    # The pointer is only a shortcut: without it the metrics stored per step give the same answer.
+    os.remove(tmp_path / "checkpoints" / "best.json")
+    assert checkpoints.best_step(ck.directory)[0] == 4
+    assert checkpoints.resolve(f"{tmp_path}:best") == (ck.directory, 4)
+
+
+def test_min_mode_and_checkpoints_without_metrics_never_best(tmp_path):
+    mesh = _mesh()
+    ck = Checkpointer(str(tmp_path), Policy(keep=1, best_metric="eval/loss", best_mode="min", keep_best=1))
+    ck.save(1, _state(1, mesh), reason="steps", metrics={"eval/loss": 0.4})
+    ck.save(2, _state(2, mesh), reason="time")  # no eval at this step
+    ck.save(3, _state(3, mesh), reason="steps", metrics={"eval/loss": 0.2})
+    ck.save(4, _state(4, mesh), reason="preemption")
+    ck.close()
+    assert checkpoints.committed_steps(ck.directory) == [3, 4]
+    assert checkpoints.best_step(ck.directory)[0] == 3
+
+
+@pytest.mark.parametrize("atomic_rename", [True, False], ids=["atomic_rename", "commit_file"])
+def test_half_written_checkpoint_is_never_restored_and_is_cleaned_up(tmp_path, atomic_rename):
+    mesh = _mesh()
+    directory = str(tmp_path / "checkpoints")
+    policy = Policy(atomic_rename=atomic_rename)
+    ck = Checkpointer(directory, policy)
+    ck.save(1, _state(1, mesh), reason="steps")
+    ck.close()
+    # What a save killed before its commit leaves behind, in each mode.
+    partial = os.path.join(directory, "2.orbax-checkpoint-tmp-1700000000" if atomic_rename else "2")
+    shutil.copytree(os.path.join(directory, "1"), partial)
+    for root, _, files in os.walk(partial):
+        for name in files:
+            if name == "commit_success.txt":
+                os.remove(os.path.join(root, name))
+    assert checkpoints.committed_steps(directory) == [1]
+    assert checkpoints.incomplete_entries(directory) == [os.path.basename(partial)]
+
+    ck = Checkpointer(directory, policy)
+    assert ck.latest_step() == 1
+    state, _ = ck.restore(1, _abstract(_state(0, mesh), mesh))
+    np.testing.assert_array_equal(state["params"]["head"]["bias"], np.full(4, 1.0))
+    ck.save(3, _state(3, mesh), reason="steps")  # the manager finishes its start-up cleanup first
+    ck.close()
+    assert not os.path.exists(partial)
+    assert checkpoints.committed_steps(directory) == [1, 3]
+
+
+def test_init_from_loads_params_or_also_optimizer_onto_new_shardings(tmp_path):
+    ck = Checkpointer(str(tmp_path / "src" / "checkpoints"), Policy())
+    ck.save(7, _state(7, _mesh(8)), reason="final")
+    ck.close()
+    mesh4 = _mesh(4)
+    fresh = _state(0, mesh4)
+    loaded = load_init(str(tmp_path / "src"), _abstract(fresh, mesh4))
+    assert set(loaded) == {"params"}
+    np.testing.assert_array_equal(loaded["params"]["head"]["bias"], np.full(4, 7.0))
+    assert loaded["params"]["conv"]["kernel"].sharding.mesh.devices.size == 4
+    both = load_init(f"{tmp_path}/src/checkpoints/7", _abstract(fresh, mesh4), optimizer=True)
+    assert set(both) == {"params", "opt_state"}
+    assert jax.tree.structure(both["opt_state"]) == jax.tree.structure(fresh["opt_state"])
+
+
+def test_init_from_shape_mismatch_names_the_parameter(tmp_path):
+    ck = Checkpointer(str(tmp_path / "checkpoints"), Policy())
+    ck.save(1, _state(1, _mesh()), reason="final")
+    ck.close()
+    other = _state(0, _mesh(), kernel_shape=(8, 6))
+    with pytest.raises(ConfigError, match=r"params/conv/kernel has shape \(8, 4\) in the checkpoint .* step 1 but \(8, 6\) in this model"):
+        load_init(str(tmp_path), _abstract(other, _mesh()))
+    same = _state(0, _mesh())
+    renamed = dict(same, params={"conv": same["params"]["conv"], "neck": same["params"]["head"]})
+    with pytest.raises(ConfigError, match="params/neck/bias of this model is missing"):
+        load_init(str(tmp_path), _abstract(renamed, _mesh()))
+
+
+def test_resolve_names_what_is_missing(tmp_path):
+    with pytest.raises(UserError, match="No checkpoints at"):
+        checkpoints.resolve(str(tmp_path / "nope"))
+    ck = Checkpointer(str(tmp_path / "checkpoints"), Policy())
+    ck.save(2, _state(2, _mesh()), reason="final")
+    ck.close()
+    assert checkpoints.resolve(str(tmp_path)) == (ck.directory, 2)
+    assert checkpoints.resolve(f"{tmp_path}:latest") == (ck.directory, 2)
+    with pytest.raises(UserError, match="no complete checkpoint at step 5; available: 2"):
+        checkpoints.resolve(f"{tmp_path}:5")
+    with pytest.raises(UserError, match="no ranked checkpoint"):
+        checkpoints.resolve(f"{tmp_path}:best")
+
+
+def test_restore_unpickles_nothing(tmp_path, monkeypatch):
+    mesh = _mesh()
+    ck = Checkpointer(str(tmp_path), Policy(best_metric="eval/dice"))
+    ck.save(1, _state(1, mesh), reason="final", metrics={"eval/dice": 0.5})
+    ck.close()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint tried to unpickle something")
+
+    import _pickle
+
+    for mod in (pickle, _pickle):
+        for name in ("load", "loads", "Unpickler"):
+            monkeypatch.setattr(mod, name, refuse)
+    ck = Checkpointer(str(tmp_path), Policy(best_metric="eval/dice"))
+    state, _ = ck.restore(1, _abstract(_state(0, mesh), mesh))
+    ck.close()
+    assert int(state["step"]) == 1
+    assert load_init(f"{tmp_path}:best", _abstract(_state(0, mesh), mesh))["params"]["head"]["bias"][0] == 1.0
+
+
+def test_cli_lists_steps_sizes_metrics_latest_best_and_incomplete(tmp_path, capsys):
+    ck = Checkpointer(str(tmp_path / "checkpoints"), Policy(best_metric="eval/dice"))
+    ck.save(3, _state(3, _mesh()), reason="steps", metrics={"eval/dice": 0.25})
+    ck.save(6, _state(6, _mesh()), reason="preemption", eval_pending=True)
+    ck.close()
+    os.makedirs(tmp_path / "checkpoints" / "9.orbax-checkpoint-tmp-1")
+    assert checkpoints.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "latest: 6" in out and "best: 3 (eval/dice 0.2500, max)" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert "0.2500" in rows["3"] and "best" in rows["3"] and "KiB" in rows["3"]
+    assert "preemption" in rows["6"] and "latest,eval pending" in rows["6"]
+    assert "incomplete (never committed, deleted at the next start): 9.orbax-checkpoint-tmp-1" in out
+    assert checkpoints.main([str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["step"] == 3
+    assert checkpoints.main([str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("keep", 0, "keep at least 1"), ("best_mode", "highest", "use 'max'"), ("every_steps", -1, "negative"),
+    ("best_metric", "dice", "not an eval metric"),
+])
+def test_policy_errors_name_the_field(field, value, words):
+    from jaxrat.configlib import base_config
+
+    c = base_config().checkpoint
+    c[field] = value
+    with pytest.raises(ConfigError, match=f"config.checkpoint.{field}.*{words}"):
+        Policy.from_config(c)
+
+
+def test_save_schedule_steps_final_and_minutes():
+    now = [0.0]
+    sched = SaveSchedule(Policy(every_steps=4, every_minutes=1.0), total_steps=10, clock=lambda: now[0])
+    assert [s for s in range(1, 11) if sched.reason(s, log_step=False)] == [4, 8, 10]
+    now[0] = 59.0
+    assert sched.reason(5, log_step=True) is None
+    now[0] = 61.0
+    assert sched.reason(5, log_step=False) is None  # time is checked at log steps only
+    assert sched.reason(5, log_step=True) == "time"
+    sched.saved()
+    assert sched.reason(6, log_step=True) is None
+
+
+@pytest.fixture
+def fresh_signal_handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    distributed._sigterm.clear()
+    distributed._handler_installed = False
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+    distributed._sigterm.clear()
+    distributed._handler_installed = False
+
+
+def test_sigusr1_requests_preemption_and_later_signals_are_ignored(fresh_signal_handlers):
+    watch = PreemptionWatch()
+    assert not watch.requested()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert watch.requested()
+    watch.hold_signals()
+    os.kill(os.getpid(), signal.SIGTERM)  # a second signal: would end the process without the hold
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert watch.requested()
