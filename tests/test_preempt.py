@@ -1,0 +1,187 @@
+"""Preemption end to end: SIGUSR1/SIGTERM (also mid-evaluation, also twice) save, exit 42, resume.
+
+Each training runs in its own subprocess (``python -m jaxrat.main``); every wait is bounded.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from jaxrat import checkpoints
+from runner import REPO, env_with_devices, losses_by_step, main_cmd
+
+REQUEUE = 42  # train.PREEMPTED_EXIT_CODE, what launch/*.sbatch requeue on
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> str:
+    """One persistent XLA compilation cache for this session's relaunches (JAX writes it from
+    process 0 only, so two-process runs may share it)."""
+    return str(tmp_path_factory.getbasetemp() / "jax_compile_cache")
+
+
+def cached_env(devices: int, cache_dir: str) -> dict[str, str]:
+    """Simulated devices plus a persistent compilation cache: relaunches skip XLA compilation."""
+    env = env_with_devices(devices)
+    env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return env
+
+
+class Run:
+    """One ``jaxrat.main`` process with its output in a file."""
+
+    def __init__(self, workdir: str, args: list[str], env: dict[str, str], log: str):
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(main_cmd(workdir, *args), env=env, cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            raise AssertionError(f"run did not end within {timeout} s:\n{self.output()[-4000:]}")
+        finally:
+            self._log.close()
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self._log.close()
+
+
+def wait_until(cond, runs, timeout: float = TIMEOUT, what: str = "") -> None:
+    """Poll ``cond`` every 5 ms; fail if it takes too long or a run ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        for r in runs:
+            if r.proc.poll() is not None:
+                raise AssertionError(f"run ended ({r.proc.returncode}) before {what}:\n{r.output()[-4000:]}")
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def train_steps_logged(workdir: str) -> set[int]:
+    """Steps with a train line in metrics.jsonl so far (a line being written is skipped)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return set()
+    steps = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "train/loss" in row:
+                steps.add(row["step"])
+    return steps
+
+
+def save_started(directory: str, step: int) -> bool:
+    if not os.path.isdir(directory):
+        return False
+    return any(n == str(step) or n.startswith(f"{step}.orbax-checkpoint-tmp") for n in os.listdir(directory))
+
+
+def preempted_step(output: str) -> int:
+    m = re.search(r"preempted (?:during evaluation )?at step (\d+)", output)
+    assert m, output[-4000:]
+    return int(m.group(1))
+
+
+def assert_same_run(ref: str, wd: str) -> None:
+    """Per-step train losses and data fingerprints, and every eval, equal the uninterrupted run's."""
+    for key, atol in (("train/loss", 1e-6), ("train/foreground_fraction", 0.0), ("eval/dice", 1e-6), ("eval/loss", 1e-6)):
+        a, b = losses_by_step(ref, key), losses_by_step(wd, key)
+        assert sorted(a) == sorted(b) and a, (key, sorted(a), sorted(b))
+        np.testing.assert_allclose([b[k] for k in sorted(b)], [a[k] for k in sorted(a)], rtol=0, atol=atol, err_msg=key)
+
+
+# Eval every 20 of 40 steps over 400 validation images, so an evaluation lasts long enough to be hit.
+ARGS = ["--config.num_train_steps=40", "--config.train.eval_every=20", "--config.checkpoint.every_steps=1000",
+        "--config.data.synthetic_val=400", "--config.data.eval_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, compile_cache):
+    base = tmp_path_factory.mktemp("preempt")
+    cache = compile_cache
+    ref = str(base / "ref")
+    run = Run(ref, ARGS, cached_env(1, cache), str(base / "ref.log"))
+    assert run.wait() == 0, run.output()[-4000:]
+    return base, cache, ref
+
+
+def test_signals_save_exit_for_requeue_and_resume_exactly(reference, tmp_path):
+    base, cache, ref = reference
+    wd = str(tmp_path / "wd")
+    ckdir = os.path.join(wd, "checkpoints")
+
+    # 1. SIGUSR1 (SLURM's --signal warning) in the middle of training.
+    run = Run(wd, ARGS, cached_env(1, cache), str(tmp_path / "1.log"))
+    wait_until(lambda: len(train_steps_logged(wd)) >= 4, [run], what="4 train steps")
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.wait() == REQUEUE, run.output()[-4000:]
+    first = preempted_step(run.output())
+    assert 4 <= first < 20
+    assert checkpoints.committed_steps(ckdir) == [first]
+    meta = checkpoints.step_metadata(ckdir, first)
+    assert meta["reason"] == "preemption" and meta["eval_pending"] is False
+
+    # 2. SIGTERM while evaluating at step 20, and a second SIGTERM once the save has started.
+    run = Run(wd, ARGS, cached_env(1, cache), str(tmp_path / "2.log"))
+    wait_until(lambda: 20 in train_steps_logged(wd), [run], what="step 20 (then its evaluation)")
+    run.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: save_started(ckdir, 20) or run.proc.poll() is not None, [], what="the preemption save")
+    if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == REQUEUE, run.output()[-4000:]
+    out = run.output()
+    assert f"resumed from step {first}" in out
+    assert "preempted during evaluation at step 20" in out, out[-3000:]
+    assert checkpoints.committed_steps(ckdir) == [first, 20]
+    assert checkpoints.step_metadata(ckdir, 20)["eval_pending"] is True
+    assert 20 not in losses_by_step(wd, "eval/dice")  # the cut evaluation wrote nothing
+
+    # 3. Relaunch: the interrupted evaluation runs first, then training continues to the end.
+    run = Run(wd, ARGS, cached_env(1, cache), str(tmp_path / "3.log"))
+    assert run.wait() == 0, run.output()[-4000:]
+    out = run.output()
+    assert "resumed from step 20" in out and "eval step 20:" in out
+    assert_same_run(ref, wd)
+
+
+def test_init_from_best_starts_a_new_run_and_a_shape_mismatch_names_the_parameter(reference, tmp_path):
+    base, cache, ref = reference
+    best, pointer = checkpoints.best_step(os.path.join(ref, "checkpoints"))
+    assert pointer["metric"] == "eval/dice" and best in (20, 40)
+    args = [*ARGS, f"--config.init_from={ref}:best"]  # same shapes and schedule: compiled code is cached
+    run = Run(str(tmp_path / "new"), args, cached_env(1, cache), str(tmp_path / "new.log"))
+    assert run.wait() == 0, run.output()[-4000:]
+    assert f"init_from: loaded params from {ref}/checkpoints/{best}" in run.output()
+    # Trained weights (fresh optimizer, same data): the first loss is far below a fresh model's.
+    assert losses_by_step(str(tmp_path / "new"))[1] < losses_by_step(ref)[1] - 0.05
+
+    run = Run(str(tmp_path / "bad"), [*args, "--config.model.num_classes=2"], cached_env(1, cache),
+              str(tmp_path / "bad.log"))
+    assert run.wait() == 2
+    err = run.output().strip().splitlines()[-1]
+    assert err.startswith("jaxrat: error: init_from: params/") and "in this model" in err, err
