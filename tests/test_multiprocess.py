@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICES = 8  # global device count of every run compared here
 STEPS = 8
 # Checkpoints at 3, 6 and 8; no evaluation in the middle (it only costs time here).
-OVERRIDES = [f"--config.num_train_steps={STEPS}", "--config.train.checkpoint_every=3",
+OVERRIDES = [f"--config.num_train_steps={STEPS}", "--config.checkpoint.every_steps=3",
              "--config.train.eval_every=1000", "--config.train.eval_at_end=False"]
 TIMEOUT = 600
 
