@@ -221,8 +221,8 @@ def _available_ram_bytes() -> int:
         return 8 << 30
 
 
-# A worker is a Python process with numpy, PIL and grain imported (~0.3 GiB resident, measured
-# in benchmarks/data_pipeline.py) plus its output buffer.
+# A worker is a spawned Python process with numpy, PIL and grain imported (about 0.2 GiB resident
+# seen in a demo run; 0.3 GiB leaves headroom) plus its output buffer.
 WORKER_BASE_BYTES = 300 << 20
 
 
