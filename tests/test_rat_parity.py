@@ -149,3 +149,13 @@ def test_gradient_parity():
         worst = max(worst, rel_err(gx, np.moveaxis(t.grad.numpy(), 1, -1)))
         assert worst <= 1e-3
     print(f"parity gradients: worst rel err {worst:.1e}")
+
+
+def test_reference_head_upsampling_matches_torch_bilinear():
+    """The reference head upsamples with F.interpolate(bilinear, align_corners=False)."""
+    from jaxrat.models.heads import resize_to
+
+    x = np.random.default_rng(0).standard_normal((2, 4, 5, 3)).astype(np.float32)
+    want = torch.nn.functional.interpolate(torch.from_numpy(x).permute(0, 3, 1, 2), size=(64, 48),
+                                           mode="bilinear", align_corners=False).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(resize_to(jnp.asarray(x), (64, 48)), want, rtol=1e-5, atol=1e-5)
