@@ -1,12 +1,12 @@
 """Train-loop stall per checkpoint: async save blocking time vs a synchronous save, ISIC model state.
 
-    python benchmarks/checkpoint_stall.py                       # configs/isic.py (U-Net 32-256), 5 reps
-    python benchmarks/checkpoint_stall.py --config configs/isic.py:demo --reps 10
-    python benchmarks/checkpoint_stall.py --set model.features="(64, 128, 256, 512)"
+    python benchmarks/checkpoint_stall.py                 # configs/isic.py (its model: RAT), 5 reps
+    python benchmarks/checkpoint_stall.py --reps 10 --set model.num_blocks=8
 
 The state (params, AdamW moments, step, RNG) is built as training builds it (``train.Setup`` on
-the current devices), with random moments so the bytes written are those of a trained state. Each repetition makes the state ready on the device first (so the timing
-is the save's, not the last step's), then:
+the current devices), with random moments so the bytes written are those of a trained state.
+Each repetition makes the state ready on the device first (so the timing is the save's, not the
+last step's), then:
 
 - async: ``Checkpointer.save`` with ``checkpoint.async_save=True``; "blocked" is how long the
   train loop would wait; then ``wait()`` until the checkpoint is committed ("to durable").

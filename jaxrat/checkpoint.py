@@ -53,11 +53,15 @@ class Policy:
         for name, value in (("every_steps", p.every_steps), ("keep_every", p.keep_every), ("keep_best", p.keep_best),
                             ("every_minutes", p.every_minutes)):
             if value < 0:
-                raise ConfigError(f"config.checkpoint.{name}={value} is negative; use 0 to turn it off or a positive value.")
+                raise ConfigError(
+                    f"config.checkpoint.{name}={value} is negative; use 0 to turn it off or a positive value."
+                )
         if p.keep < 1:
             raise ConfigError(f"config.checkpoint.keep={p.keep}; keep at least 1 (a resumed run restores the latest).")
         if p.best_mode not in ("max", "min"):
-            raise ConfigError(f"config.checkpoint.best_mode={p.best_mode!r}; use 'max' (e.g. eval/dice) or 'min' (eval/loss).")
+            raise ConfigError(
+                f"config.checkpoint.best_mode={p.best_mode!r}; use 'max' (e.g. eval/dice) or 'min' (eval/loss)."
+            )
         if p.best_metric and not p.best_metric.startswith("eval/"):
             raise ConfigError(
                 f"config.checkpoint.best_metric={p.best_metric!r} is not an eval metric; use a name like 'eval/dice'."
@@ -102,6 +106,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.policy = policy or Policy()
         p = self.policy
+        modes = ocp.options.AtomicityMode
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=p.async_save,
             cleanup_tmp_directories=True,  # a killed save's folder goes away at the next start
@@ -110,7 +115,7 @@ class Checkpointer:
             best_fn=_metric_fn(p) if p.tracks_best else None,  # also makes Orbax store the metrics
             best_mode=p.best_mode,
             atomicity_options=ocp.options.AtomicityOptions(
-                mode=ocp.options.AtomicityMode.ATOMIC_RENAME if p.atomic_rename else ocp.options.AtomicityMode.COMMIT_FILE
+                mode=modes.ATOMIC_RENAME if p.atomic_rename else modes.COMMIT_FILE
             ),
         )
         self._mngr = _Manager(self.directory, item_names=("state", "data"), options=options)

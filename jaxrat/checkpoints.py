@@ -101,7 +101,8 @@ def best_step(directory: str) -> tuple[int, dict[str, Any]] | None:
         name, mode = meta.get("best_metric"), meta.get("best_mode", "max")
         value = (meta.get("metrics") or {}).get(name) if name else None
         if value is not None:
-            ranked.append((value if mode == "max" else -value, step, {"step": step, "metric": name, "mode": mode, "value": value}))
+            pointer = {"step": step, "metric": name, "mode": mode, "value": value}
+            ranked.append((value if mode == "max" else -value, step, pointer))
     if not ranked:
         return None
     _, step, pointer = max(ranked)
@@ -136,7 +137,9 @@ def resolve(spec: str) -> tuple[str, int]:
             )
         return directory, best[0]
     if int(step_spec) not in steps:
-        raise UserError(f"{directory} has no complete checkpoint at step {step_spec}; available: {', '.join(map(str, steps))}.")
+        raise UserError(
+            f"{directory} has no complete checkpoint at step {step_spec}; available: {', '.join(map(str, steps))}."
+        )
     return directory, int(step_spec)
 
 
@@ -190,19 +193,23 @@ def format_table(info: dict[str, Any]) -> str:
         lines.append("  (no complete checkpoint)")
     else:
         names = _columns(info)
-        lines.append("  " + "  ".join([f"{'step':>8}", f"{'size':>10}", f"{'saved for':<11}", *[f"{n:>12}" for n in names], "mark"]))
+        head = [f"{'step':>8}", f"{'size':>10}", f"{'saved for':<11}", *[f"{n:>12}" for n in names], "mark"]
+        lines.append("  " + "  ".join(head))
         best = info["best"]["step"] if info["best"] else None
         for r in info["steps"]:
             marks = [m for m, hit in (("latest", r["step"] == info["latest"]), ("best", r["step"] == best),
                                       ("eval pending", r["eval_pending"])) if hit]
             vals = [f"{r['metrics'][n]:>12.4f}" if n in r["metrics"] else f"{'-':>12}" for n in names]
-            lines.append("  " + "  ".join([f"{r['step']:>8}", f"{_human(r['bytes']):>10}", f"{r['reason']:<11}", *vals, ",".join(marks)]))
+            cells = [f"{r['step']:>8}", f"{_human(r['bytes']):>10}", f"{r['reason']:<11}", *vals, ",".join(marks)]
+            lines.append("  " + "  ".join(cells))
     lines.append(f"latest: {info['latest'] if info['latest'] is not None else '-'}")
     if info["best"]:
         b = info["best"]
-        lines.append(f"best: {b['step']} ({b['metric']} {b['value']:.4f}, {b['mode']}); restore with --config.init_from=WORKDIR:best")
+        lines.append(f"best: {b['step']} ({b['metric']} {b['value']:.4f}, {b['mode']}); "
+                     f"restore with --config.init_from=WORKDIR:best")
     else:
-        lines.append("best: - (set --config.checkpoint.best_metric, e.g. eval/dice, to rank checkpoints)")
+        lines.append("best: - (none ranked: needs checkpoint.best_metric, e.g. eval/dice, and an eval at a "
+                     "saved step)")
     if info["incomplete"]:
         lines.append(f"incomplete (never committed, deleted at the next start): {', '.join(info['incomplete'])}")
     return "\n".join(lines)

@@ -340,7 +340,9 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     else:
         loaded: dict[str, Any] = {}
         if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
-            loaded = load_init(config.init_from, s.abstract_with_shardings(), optimizer=config.checkpoint.init_optimizer)
+            loaded = load_init(
+                config.init_from, s.abstract_with_shardings(), optimizer=config.checkpoint.init_optimizer
+            )
         init = jax.jit(s.init_state, out_shardings=s.state_shardings)
         state = {**init(jax.random.key_data(jax.random.key(config.seed))), **loaded}
         data_it = train_iter(0)

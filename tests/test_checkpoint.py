@@ -118,7 +118,8 @@ def test_init_from_shape_mismatch_names_the_parameter(tmp_path):
     ck.save(1, _state(1, _mesh()), reason="final")
     ck.close()
     other = _state(0, _mesh(), kernel_shape=(8, 6))
-    with pytest.raises(ConfigError, match=r"params/conv/kernel has shape \(8, 4\) in the checkpoint .* step 1 but \(8, 6\) in this model"):
+    message = r"params/conv/kernel has shape \(8, 4\) in the checkpoint .* step 1 but \(8, 6\) in this model"
+    with pytest.raises(ConfigError, match=message):
         load_init(str(tmp_path), _abstract(other, _mesh()))
     same = _state(0, _mesh())
     renamed = dict(same, params={"conv": same["params"]["conv"], "neck": same["params"]["head"]})
@@ -226,3 +227,11 @@ def test_sigusr1_requests_preemption_and_later_signals_are_ignored(fresh_signal_
     os.kill(os.getpid(), signal.SIGTERM)  # a second signal: would end the process without the hold
     os.kill(os.getpid(), signal.SIGUSR1)
     assert watch.requested()
+
+
+def test_moved_config_fields_name_their_new_place():
+    from jaxrat.configlib import check_override_args
+    from runner import SMOKE
+
+    with pytest.raises(ConfigError, match=r"--config.train.checkpoint_every is now --config.checkpoint.every_steps"):
+        check_override_args([f"--config={SMOKE}", "--config.train.checkpoint_every=5"])

@@ -109,7 +109,8 @@ def preempted_step(output: str) -> int:
 
 def assert_same_run(ref: str, wd: str) -> None:
     """Per-step train losses and data fingerprints, and every eval, equal the uninterrupted run's."""
-    for key, atol in (("train/loss", 1e-6), ("train/foreground_fraction", 0.0), ("eval/dice", 1e-6), ("eval/loss", 1e-6)):
+    tolerances = {"train/loss": 1e-6, "train/foreground_fraction": 0.0, "eval/dice": 1e-6, "eval/loss": 1e-6}
+    for key, atol in tolerances.items():
         a, b = losses_by_step(ref, key), losses_by_step(wd, key)
         assert sorted(a) == sorted(b) and a, (key, sorted(a), sorted(b))
         np.testing.assert_allclose([b[k] for k in sorted(b)], [a[k] for k in sorted(a)], rtol=0, atol=atol, err_msg=key)

@@ -19,7 +19,9 @@ import pytest
 
 from jaxrat import checkpoints
 from runner import losses_by_step
-from test_preempt import REQUEUE, Run, cached_env, compile_cache, preempted_step, train_steps_logged, wait_until  # noqa: F401
+from test_preempt import (  # noqa: F401 (compile_cache is a fixture)
+    REQUEUE, Run, cached_env, compile_cache, preempted_step, train_steps_logged, wait_until,
+)
 
 STEPS = 40
 # Saves every 20 steps (kept for good) and every 0.3 s (decided by process 0's clock for both).
