@@ -11,6 +11,10 @@
 3. Images/s the jitted train step of --config consumes (default configs/isic.py: U-Net, 256 px,
    batch 16) on the same machine, from random batches (no input pipeline involved).
 4. Determinism: a hash of the first batches for two runs of each worker count.
+5. With --real-runs W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
+   config's model, no eval) with ``data.num_workers=W`` and ``data.device_prefetch=D``, reporting
+   ``train/data_wait_fraction`` (share of the loop's wall time blocked waiting for a batch) per
+   logged window after the first, which holds the compilation.
 Prints a table and writes JSON; asserts nothing about speed.
 """
 
@@ -20,7 +24,9 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -118,6 +124,31 @@ def step_rate(spec: str, steps: int) -> dict:
     return {"batch": b, "image_size": size, "step_s": dt, "images_per_s": b / dt, "devices": mesh.size}
 
 
+def real_run(spec: str, root: str, workers: int, device_prefetch: int, steps: int, log_every: int) -> dict:
+    """data_wait_fraction of a real training run on the benchmark JPEGs (windows after the first)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        cmd = [sys.executable, "-m", "jaxrat.main", "--config", spec, "--workdir", workdir,
+               "--config.data.synthetic=false", f"--config.data.data_dir={root}",
+               f"--config.num_train_steps={steps}", f"--config.train.log_every={log_every}",
+               f"--config.train.eval_every={10 * steps}", "--config.train.eval_at_end=false",
+               f"--config.checkpoint.every_steps={10 * steps}",
+               f"--config.data.num_workers={workers}", f"--config.data.device_prefetch={device_prefetch}"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise SystemExit(f"real run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    windows = [r for r in rows if "train/data_wait_fraction" in r][1:]
+    waits = [r["train/data_wait_fraction"] for r in windows]
+    return {"workers": workers, "device_prefetch": device_prefetch, "steps": steps, "wall_s": wall,
+            "step_s": float(np.mean([1 / r["train/steps_per_sec"] for r in windows])),
+            "data_wait_windows": waits, "data_wait_mean": float(np.mean(waits)), "data_wait_max": max(waits)}
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "jaxrat_bench_isic"))
@@ -132,6 +163,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="Grain reader threads per process")
     p.add_argument("--step-steps", type=int, default=3)
     p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--real-runs", default="", help="W:D,... real training runs with num_workers=W, "
+                   "device_prefetch=D (e.g. -1:2,0:2,0:0)")
+    p.add_argument("--real-steps", type=int, default=80)
+    p.add_argument("--real-log-every", type=int, default=10)
     p.add_argument("--out", default="data_pipeline_results.json")
     args = p.parse_args()
 
@@ -141,11 +176,13 @@ def main() -> None:
     cfg = load_config(args.config)
     args.image_size, args.batch = cfg.data.image_size, cfg.data.batch_size
     root = write_images(args.cache, args.images, args.width, args.height)
+    path, _, variant = args.config.partition(":")  # the real runs start in the repository
+    args.config = os.path.abspath(path) + (f":{variant}" if variant else "")
     pairs = isic.find_pairs(root, "train")
     result = {"config": os.path.relpath(args.config), "batch": args.batch, "cpu_cores": len(os.sched_getaffinity(0)), "source_images": f"{args.width}x{args.height} JPEG",
               "image_size": args.image_size, "augment": "flip, rotation 15, colour jitter 0.1, elastic p=0.1",
               "pipeline": [], "determinism": {}}
-    for w in (int(x) for x in args.workers.split(",")):
+    for w in (int(x) for x in args.workers.split(",") if x):
         r = pipeline_rate(pairs, w, args.seconds, args.batch, args.image_size, args.threads)
         result["pipeline"].append(r)
         print(f"workers={w}: {r['images_per_s']:.1f} img/s ({r['images_per_s_per_core']:.1f} per core), "
@@ -166,6 +203,20 @@ def main() -> None:
               f"{t['step_s']:.2f} s/step = {t['images_per_s']:.1f} img/s consumed")
     print(f"same batches across runs and worker counts: {result['deterministic_across_runs_and_workers']} "
           f"({sorted(hashes)})")
+    if args.real_runs:
+        result["real_runs"] = []
+        for item in args.real_runs.split(","):
+            w, d = (int(x) for x in item.split(":"))
+            r = real_run(args.config, root, w, d, args.real_steps, args.real_log_every)
+            result["real_runs"].append(r)
+            print(f"real run workers={w} device_prefetch={d}: {r['step_s']:.3f} s/step, data wait "
+                  f"{100 * r['data_wait_mean']:.1f} % mean, {100 * r['data_wait_max']:.1f} % max", flush=True)
+        print(f"\n| num_workers | device_prefetch | s/step | data wait mean | max | per window (after the first) |")
+        print("|---|---|---|---|---|---|")
+        for r in result["real_runs"]:
+            windows = ", ".join(f"{w:.3f}" for w in r["data_wait_windows"])
+            print(f"| {r['workers']} | {r['device_prefetch']} | {r['step_s']:.3f} | {100 * r['data_wait_mean']:.1f} % "
+                  f"| {100 * r['data_wait_max']:.1f} % | {windows} |")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -4,6 +4,7 @@ Variants (``--config configs/isic.py:VARIANT``):
   (none)  real ISIC 2018 data, full resolution.
   demo    synthetic lesions in the official layout; learns visibly in minutes on a laptop CPU.
   smoke   tiny and fast, for tests.
+  unet    the U-Net baseline on real ISIC 2018 data (same data, schedule and metrics as the RAT).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jaxrat.configlib import base_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-    """Return the ISIC config for ``arg`` in {None, "demo", "smoke"}."""
+    """Return the ISIC config for ``arg`` in {None, "demo", "smoke", "unet"}."""
     c = base_config()
     c.data.name = "isic2018"
     c.data.image_size = 256
@@ -28,8 +29,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.train.log_every = 50
     c.checkpoint.best_metric = "eval/dice"
 
-    # RAT at the ISIC dims of the reference (docs/rat.md). For the U-Net baseline use
-    # --config.model.name=unet with a model section of name, features and num_classes.
+    # RAT at the ISIC dims of the reference (docs/rat.md). The U-Net baseline: variant "unet".
     c.model.name = "rat"
     c.model.num_classes = 1
     c.model.feature_dims = 128
@@ -72,6 +72,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.data.batch_size = 8
         c.data.eval_batch_size = 8
         c.data.num_threads = 1
+        c.data.num_workers = 0  # starting worker processes would cost more than these tiny batches
         c.num_train_steps = 6
         c.optimizer.warmup_steps = 2
         c.train.eval_every = 3
@@ -82,6 +83,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         # (training, multi-process, preemption, SLURM) run it many times. RAT's own tests use tiny
         # RAT models directly (tests/test_rat_model.py).
         c.model = mlc.ConfigDict(dict(name="unet", features=(4, 8), num_classes=1))
+    elif variant == "unet":
+        c.model = mlc.ConfigDict(dict(name="unet", features=(32, 64, 128, 256), num_classes=1))
     elif variant:
-        raise ValueError(f"Unknown variant {variant!r} for configs/isic.py; use demo, smoke or none.")
+        raise ValueError(f"Unknown variant {variant!r} for configs/isic.py; use demo, smoke, unet or none.")
     return c

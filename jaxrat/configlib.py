@@ -32,12 +32,15 @@ def base_config() -> mlc.ConfigDict:
     c.data.eval_batch_size = 8  # global
     c.data.random_flip = True
     c.data.num_threads = 2  # Grain reader threads per process
-    c.data.prefetch_buffer = 4
+    c.data.prefetch_buffer = 4  # batches decoded ahead, per process
+    c.data.device_prefetch = 2  # batches copied to the devices ahead by a background thread; 0: none
     c.data.on_bad_file = "fail"  # "fail" or "skip" (skipped files listed in WORKDIR/skipped_files.txt)
     c.data.source = "files"  # "files" (official folders) or "tfds" (ArrayRecord from jaxrat.data.tfds_isic)
     c.data.split_file = ""  # JSON {split: [image ids or indices]} re-splitting all labelled images
     c.data.stage_to_local_dir = ""  # copy data_dir to this node-local folder before training
-    c.data.num_workers = 0  # worker processes; -1: from CPU cores and worker_ram_budget_gb
+    # Decoding processes per training process. -1: this process's share of the CPU cores minus one
+    # (for the step), within worker_ram_budget_gb; 0: decode in reader threads of this process.
+    c.data.num_workers = -1
     c.data.worker_ram_budget_gb = 0.0  # for num_workers=-1; 0: a quarter of the available RAM
     # Augmentations (training only); each is off at its neutral value.
     c.data.keep_aspect_ratio = False  # resize to fit and zero-pad instead of stretching

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
+import zlib
 from typing import Sequence
 
 import jax
@@ -67,3 +69,16 @@ def _warn_if_inner_axes_cross_hosts(arr: np.ndarray, names: tuple[str, ...]) -> 
                 names[1:], len(procs), names[0],
             )
             return
+
+
+def processes_on_this_host() -> int:
+    """How many processes of this job run on this machine (same host name); 1 when alone.
+
+    A collective: every process must call it."""
+    if jax.process_count() == 1:
+        return 1
+    from jax.experimental import multihost_utils
+
+    me = np.int32(zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF)
+    everyone = np.asarray(multihost_utils.process_allgather(me))
+    return int((everyone == me).sum())

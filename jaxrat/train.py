@@ -22,7 +22,8 @@ from jaxrat import sharding
 from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
 from jaxrat.data import datasets, pipeline
 from jaxrat.errors import ConfigError, UserError
-from jaxrat.mesh import make_mesh
+from jaxrat.input_feed import DeviceFeed
+from jaxrat.mesh import make_mesh, processes_on_this_host
 from jaxrat.models import build_model
 from jaxrat.optim import make_optimizer
 from jaxrat.tasks import segmentation
@@ -304,6 +305,9 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     is_main = jax.process_index() == 0
     mesh = make_mesh(config.mesh.axes)
     check_batch_sizes(config, mesh.size, jax.process_count())
+    if config.data.device_prefetch < 0:
+        raise ConfigError(f"config.data.device_prefetch={config.data.device_prefetch}; "
+                          "use 0 (off) or the number of batches to keep on the devices ahead.")
     logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())
     if is_main:
         _save_config(config, workdir)
@@ -313,11 +317,14 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     gb = config.data.batch_size
     local_batch = gb // jax.process_count()
 
+    # Auto worker counts share the machine's cores among its training processes.
+    on_host = processes_on_this_host() if config.data.num_workers == -1 else 1
+
     def train_iter(start_example: int):
         return pipeline.train_iterator(
             train_pairs, image_size=config.data.image_size, local_batch=local_batch, seed=config.seed,
             process_index=jax.process_index(), process_count=jax.process_count(),
-            start_example=start_example, **pipeline.train_options(config.data),
+            start_example=start_example, processes_on_host=on_host, **pipeline.train_options(config.data),
         )
 
     s = Setup(config, mesh)
@@ -383,7 +390,8 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     schedule = SaveSchedule(policy, total)
 
     def save(step: int, reason: str, metrics: dict[str, float] | None = None, eval_pending: bool = False) -> None:
-        blocked = ckpt.save(step, state, data_it, reason=reason, metrics=metrics, eval_pending=eval_pending)
+        blocked = ckpt.save(step, state, feed.consumed_state(), reason=reason, metrics=metrics,
+                            eval_pending=eval_pending)
         schedule.saved()
         if blocked is not None:
             writer.write_scalars(step, {"checkpoint/blocked_s": blocked})
@@ -422,14 +430,14 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
             )
         return named
 
+    feed = DeviceFeed(data_it, lambda b: to_global(b, s.batch_sharding), depth=config.data.device_prefetch)
     try:
         if eval_pending and run_eval(start) is None:
             stop_for_preemption(start, eval_pending=True)
         for step in range(start, total):
             t_wait = time.perf_counter()
-            local_batch_np = next(data_it)
+            batch = next(feed)
             data_wait += time.perf_counter() - t_wait
-            batch = to_global(local_batch_np, s.batch_sharding)
             state, metrics = train_step(state, batch)
             pending.append((step + 1, metrics))
             steps_since += 1
@@ -451,6 +459,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
             logging.info("checkpoints: %d saves; train loop blocked %.3f s on average, %.3f s at most",
                          len(ckpt.blocked_s), float(np.mean(ckpt.blocked_s)), max(ckpt.blocked_s))
     finally:
+        feed.close()
         writer.close()
         ckpt.close()
     if start >= total:

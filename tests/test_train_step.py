@@ -70,3 +70,21 @@ def test_bfloat16_compute_keeps_float32_params():
     new_state, metrics = train.make_train_step(s)(state, train.to_global(batch, s.batch_sharding))
     assert np.isfinite(float(metrics["train/loss"])) and float(metrics["train/nonfinite"]) == 0.0
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(new_state["params"]))
+
+
+def test_unet_variant_builds_the_baseline_on_the_isic_settings():
+    import importlib.util
+
+    from flax import nnx
+
+    from jaxrat.models import build_model
+
+    spec = importlib.util.spec_from_file_location("isic_cfg", "configs/isic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rat, unet = mod.get_config(None), mod.get_config("unet")
+    assert unet.model.name == "unet" and rat.model.name == "rat"
+    assert (unet.data.to_dict(), unet.num_train_steps) == (rat.data.to_dict(), rat.num_train_steps)
+    model = build_model(unet.model, rngs=nnx.Rngs(0))
+    out = model(np.zeros((1, 32, 32, 3), np.float32))
+    assert out.shape == (1, 32, 32, 1)

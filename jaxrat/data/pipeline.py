@@ -186,7 +186,7 @@ def train_options(data_cfg: Any) -> dict[str, Any]:
     ops = augment_ops(data_cfg.image_size, **{k: v for k, v in kw.items() if v is not None}, train=True)
     return {
         "ops": ops,
-        "num_workers": _cfg(data_cfg, "num_workers", 0),
+        "num_workers": _cfg(data_cfg, "num_workers", -1),
         "worker_ram_budget_gb": _cfg(data_cfg, "worker_ram_budget_gb", 0.0),
         "num_threads": _cfg(data_cfg, "num_threads", 2),
         "prefetch": _cfg(data_cfg, "prefetch_buffer", 4),
@@ -226,18 +226,28 @@ def _available_ram_bytes() -> int:
 WORKER_BASE_BYTES = 300 << 20
 
 
-def resolve_num_workers(num_workers: int, ram_budget_gb: float, example_bytes: int, buffer_elements: int) -> int:
-    """``num_workers >= 0`` is used as given; ``-1`` picks as many as the CPU cores (one left for
-    the train step) and the RAM budget (``ram_budget_gb``, or a quarter of available RAM) allow."""
+def resolve_num_workers(num_workers: int, ram_budget_gb: float, example_bytes: int, buffer_elements: int,
+                        processes_on_host: int = 1) -> int:
+    """``num_workers >= 0`` is used as given; ``-1`` picks as many as this process's share of the
+    CPU cores (one left for the train step) and the RAM budget (``ram_budget_gb``, or a quarter of
+    the available RAM shared by the ``processes_on_host`` training processes of this machine) allow.
+
+    A process pinned to some cores (SLURM ``--cpus-per-task`` with task affinity) already sees
+    only its share; an unpinned one divides the machine by ``processes_on_host``.
+    """
     if num_workers >= 0:
         return int(num_workers)
     if num_workers != -1:
         raise ConfigError(f"config.data.num_workers={num_workers}; use 0 (in-process), N, or -1 (auto).")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    budget = ram_budget_gb * (1 << 30) if ram_budget_gb > 0 else _available_ram_bytes() / 4
+    machine = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    share = max(1, processes_on_host)
+    if cores >= machine:
+        cores = max(1, cores // share)
+    budget = ram_budget_gb * (1 << 30) if ram_budget_gb > 0 else _available_ram_bytes() / 4 / share
     per_worker = WORKER_BASE_BYTES + buffer_elements * example_bytes
     n = max(0, min(cores - 1, int(budget // per_worker)))
-    logging.info("data: %d worker processes (%d cores, RAM budget %.1f GiB, ~%.0f MiB each)",
+    logging.info("data: %d worker processes (%d cores for this process, RAM budget %.1f GiB, ~%.0f MiB each)",
                  n, cores, budget / (1 << 30), per_worker / (1 << 20))
     return n
 
@@ -308,11 +318,13 @@ def train_iterator(
     worker_ram_budget_gb: float = 0.0,
     num_threads: int = 2,
     prefetch: int = 4,
+    processes_on_host: int = 1,
 ) -> StreamIterator:
     """Infinite iterator of this host's training batches, starting at global element ``start_example``.
 
     ``start_example`` must be a multiple of the global batch (``local_batch * process_count``).
-    ``prefetch`` is in batches. ``ops`` (default: resize + ``random_flip``) run after decoding; see :func:`augment_ops`.
+    ``prefetch`` is in batches; ``processes_on_host`` (training processes on this machine) shares
+    the cores and RAM among them when ``num_workers=-1``. ``ops`` (default: resize + ``random_flip``) run after decoding; see :func:`augment_ops`.
     """
     data = as_data(data)
     if not len(data):
@@ -323,7 +335,8 @@ def train_iterator(
         loader = DecodePair(_decode_target(image_size, ops))
     gb = local_batch * process_count
     example_bytes = image_size * image_size * 4 * 4 * (2 if any(isinstance(o, T.Pyramid) for o in ops) else 1)
-    workers = resolve_num_workers(num_workers, worker_ram_budget_gb, example_bytes, prefetch * local_batch)
+    workers = resolve_num_workers(num_workers, worker_ram_budget_gb, example_bytes, prefetch * local_batch,
+                                  processes_on_host)
 
     def build(start: int) -> Iterator:
         ds = grain.MapDataset.source(data.records).seed(seed).shuffle().repeat(None)

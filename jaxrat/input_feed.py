@@ -1,0 +1,113 @@
+"""Move host batches onto the devices ahead of the train step, in a background thread.
+
+Without this the loop calls ``next(data_iterator)`` and ``device_put`` between two dispatches, so
+batching, the host-to-device copy and any decoding the readers have not finished all count
+against the step. Here a thread keeps ``depth`` global batches ready on the devices; the loop only
+blocks when the pipeline is truly behind, which is what ``train/data_wait_fraction`` then measures.
+
+The checkpointed data position must be that of the batches the loop *consumed*, not of those
+prefetched: each queued batch carries the iterator state read right after it was produced.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+_DONE = object()
+
+
+class FrozenState:
+    """An iterator state fixed at one moment, in the shape Grain's checkpoint handler saves."""
+
+    def __init__(self, state: bytes) -> None:
+        self._state = state
+
+    def get_state(self) -> bytes:
+        return self._state
+
+    def set_state(self, state: bytes) -> None:
+        raise TypeError("a frozen iterator state cannot be restored into")
+
+    def start_prefetch(self) -> None:
+        pass
+
+
+class DeviceFeed:
+    """Iterator over ``put(batch)`` for each batch of ``source``, produced ``depth`` batches ahead
+    (plus the one the thread holds while the queue is full).
+
+    ``source`` must have ``get_state() -> bytes`` (a :class:`jaxrat.data.pipeline.StreamIterator`);
+    :meth:`consumed_state` is the state after the last batch handed out. An exception raised while
+    producing a batch is raised again, unchanged, by the ``next()`` that would have returned it.
+    ``depth=0`` produces each batch on demand in the caller's thread.
+    """
+
+    def __init__(self, source: Iterator[Any], put: Callable[[Any], Any], depth: int = 2) -> None:
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        self._source, self._put, self._depth = source, put, depth
+        self._state = source.get_state()
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread: threading.Thread | None = None
+        if depth:
+            self._thread = threading.Thread(target=self._produce, name="jaxrat-device-feed", daemon=True)
+            self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = (self._put(next(self._source)), self._source.get_state())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer's thread
+            self._offer((_DONE, e))
+
+    def _offer(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> DeviceFeed:
+        return self
+
+    def __next__(self) -> Any:
+        if self._thread is None:
+            batch = self._put(next(self._source))
+            self._state = self._source.get_state()
+            return batch
+        batch, state = self._queue.get()
+        if batch is _DONE:
+            self._queue.put((_DONE, state))  # every later next() raises the same way
+            raise state
+        self._state = state
+        return batch
+
+    def consumed_state(self) -> FrozenState:
+        """The data position after the batches returned so far, for a checkpoint."""
+        return FrozenState(self._state)
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the batch it is producing) and close the source."""
+        self._stop.set()
+        if self._thread is not None:
+            deadline = time.monotonic() + 30.0  # a reader stuck on a dead filesystem must not hang exit
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=0.1)
+        close = getattr(self._source, "close", None)
+        if close:
+            close()
