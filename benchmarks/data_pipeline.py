@@ -2,14 +2,19 @@
 
     python benchmarks/data_pipeline.py [--config configs/isic.py[:demo]] [--images 48]
         [--width 1024 --height 768] [--seconds 15] [--workers 0,1,2] [--out results.json] [--skip-step]
+        [--real-runs -1:2,0:2,0:0,1:0 --real-steps 80]
+
+The default config is ``configs/isic.py:demo`` (RAT, 48 px), whose step a CPU runs in a fraction
+of a second; ``--config configs/isic.py`` measures the real 256 px pipeline, but its step belongs
+on a GPU (on 2 CPU cores it takes minutes: add ``--skip-step`` there).
 
 1. Writes ISIC-like JPEGs of a realistic size (default 1024x768; real ISIC 2018 photos range from
    about 0.6 to 30 megapixels) in the official layout, once, under --cache.
 2. Images/s of the training pipeline (decode + resize to 256 + the augmentations the reference
    configs list: flip, rotation 15, colour jitter 0.1, elastic 0.1) for each worker count, steady
    state after the first batch, and per core used.
-3. Images/s the jitted train step of --config consumes (default configs/isic.py: U-Net, 256 px,
-   batch 16) on the same machine, from random batches (no input pipeline involved).
+3. Images/s the jitted train step of --config consumes on the same machine, from random
+   batches (no input pipeline involved).
 4. Determinism: a hash of the first batches for two runs of each worker count.
 5. With --real-runs W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
    config's model, no eval) with ``data.num_workers=W`` and ``data.device_prefetch=D``, reporting
@@ -156,7 +161,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=768)
     p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                    "configs", "isic.py"),
+                                                    "configs", "isic.py") + ":demo",
                    help="config[:variant] whose image size, batch and model are measured")
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--workers", default="0,1,2")

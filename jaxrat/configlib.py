@@ -165,7 +165,8 @@ def _check_value(key: str, current: object, raw: str | None) -> None:
 
 
 def check_override_args(argv: list[str]) -> None:
-    """Fail with one sentence on an unknown ``--config.KEY`` or a value of the wrong type.
+    """Fail with one sentence on a missing config file, an unknown variant, an unknown
+    ``--config.KEY`` or a value of the wrong type.
 
     ml_collections reports unknown keys with a KeyError traceback; we check first and name the
     closest existing key instead.
@@ -183,9 +184,9 @@ def check_override_args(argv: list[str]) -> None:
                 value = argv[i + 1]
             overrides.append((key, value if (eq or value) else None))
         i += 1
-    if not spec or not overrides:
+    if not spec:
         return
-    config = _load_config_file(spec)
+    config = _load_config_file(spec)  # a missing file or unknown variant: one sentence, not absl's traceback
     flat = _flatten(config)
     for key, value in overrides:
         if key.startswith("no") and key[2:] in flat and isinstance(flat[key[2:]], bool):

@@ -42,3 +42,14 @@ def test_main_fails_with_one_sentence(tmp_path, overrides, needle):
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("jaxrat: error:") == 1
+
+
+@pytest.mark.parametrize("config, needle", [
+    ("configs/isic.py:foo", "Unknown variant 'foo' for configs/isic.py; use demo, smoke, unet or none."),
+    ("configs/nope.py", "Config file configs/nope.py does not exist"),
+])
+def test_bad_config_file_or_variant_is_one_sentence(tmp_path, config, needle):
+    proc = run_main(str(tmp_path), config=config, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -186,3 +186,24 @@ def test_cli_reports_missing_files_in_one_sentence(server, tmp_path):
     assert proc.returncode == 2
     assert "jaxrat: error: Download of" in proc.stderr and "HTTP 404" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_unreachable_server_and_a_cut_with_no_retries_left_name_the_fix(server, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DataError, match="check the network connection and --base-url"):
+        download.download("isic2018", str(tmp_path / "a"), splits=("train",),
+                          base_url=f"http://127.0.0.1:{port}/", retries=1, timeout=5, backoff=0)
+    name = "ISIC2018_Task1-2_Training_Input.zip"
+    files = _isic_archives()
+    srv = server(files, cut={name})
+    with pytest.raises(DataError, match=r"run the same command again to resume from .*\.part"):
+        download.download("isic2018", str(tmp_path / "b"), splits=("train",), base_url=srv.url, retries=0,
+                          timeout=10, backoff=0)
+    # ... and the same command then finishes from where it stopped.
+    download.download("isic2018", str(tmp_path / "b"), splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    assert len(isic.find_pairs(str(tmp_path / "b"), "train")) == 3
+    assert [r for p, r in srv.requests if p.endswith(name)][1] == f"bytes={len(files[name]) // 2}-"

@@ -136,11 +136,13 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
             last_error = e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             last_error = e
-        logging.warning("download of %s interrupted (%s); retrying (%d/%d)", url, last_error, attempt + 1, retries)
-    raise DataError(
-        f"Download of {url} failed after {retries + 1} attempts ({last_error}); run the same command "
-        f"again to resume from {part}."
-    )
+        if attempt < retries:
+            logging.warning("download of %s interrupted (%s); retry %d of %d", url, last_error, attempt + 1, retries)
+    if os.path.exists(part) and os.path.getsize(part):
+        fix = f"run the same command again to resume from {part}"
+    else:
+        fix = "check the network connection and --base-url, then run the same command again"
+    raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); {fix}.")
 
 
 def verify(path: str, *, etag: str | None, sha256: str | None) -> str:
