@@ -10,9 +10,10 @@ on a GPU (on 2 CPU cores it takes minutes: add ``--skip-step`` there).
 
 1. Writes ISIC-like JPEGs of a realistic size (default 1024x768; real ISIC 2018 photos range from
    about 0.6 to 30 megapixels) in the official layout, once, under --cache.
-2. Images/s of the training pipeline (decode + resize to 256 + the augmentations the reference
-   configs list: flip, rotation 15, colour jitter 0.1, elastic 0.1) for each worker count, steady
-   state after the first batch, and per core used.
+2. Images/s of the training pipeline (decode + resize to the config's size + the augmentations
+   the reference configs list: flip, rotation 15, colour jitter 0.1, elastic 0.1) for each worker
+   count, steady state after the first batch, and per busy core (machine-wide CPU time from
+   /proc/stat, so run it on an otherwise idle machine).
 3. Images/s the jitted train step of --config consumes on the same machine, from random
    batches (no input pipeline involved).
 4. Determinism: a hash of the first batches for two runs of each worker count.
@@ -68,6 +69,17 @@ def bench_ops(image_size: int) -> list:
                                 elastic_prob=0.1)
 
 
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds this machine has spent busy (all processes, from /proc/stat); None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def pipeline_rate(pairs, workers: int, seconds: float, batch: int, image_size: int, threads: int) -> dict:
     it = pipeline.train_iterator(pairs, image_size=image_size, local_batch=batch, seed=0, process_index=0,
                                  process_count=1, ops=bench_ops(image_size), num_workers=workers,
@@ -75,14 +87,19 @@ def pipeline_rate(pairs, workers: int, seconds: float, batch: int, image_size: i
     t0 = time.perf_counter()
     next(it)
     first = time.perf_counter() - t0
-    n, t1 = 0, time.perf_counter()
+    n, t1, cpu1 = 0, time.perf_counter(), busy_cpu_seconds()
     while time.perf_counter() - t1 < seconds:
         next(it)
         n += batch
-    rate = n / (time.perf_counter() - t1)
+    wall = time.perf_counter() - t1
+    cpu2 = busy_cpu_seconds()
+    rate = n / wall
     it.close()
-    return {"workers": workers, "images_per_s": rate, "cores_used": max(1, workers),
-            "images_per_s_per_core": rate / max(1, workers), "first_batch_s": first}
+    # Reader threads and worker processes both spread over cores: count the cores actually busy
+    # (machine-wide, so measure on an otherwise quiet machine), not the workers.
+    cores = (cpu2 - cpu1) / wall if cpu1 is not None and cpu2 is not None else float(max(1, workers))
+    return {"workers": workers, "images_per_s": rate, "cores_busy": cores,
+            "images_per_s_per_core": rate / max(cores, 1e-9), "first_batch_s": first}
 
 
 def batches_hash(pairs, workers: int, image_size: int, n: int = 3) -> str:
@@ -190,7 +207,8 @@ def main() -> None:
     for w in (int(x) for x in args.workers.split(",") if x):
         r = pipeline_rate(pairs, w, args.seconds, args.batch, args.image_size, args.threads)
         result["pipeline"].append(r)
-        print(f"workers={w}: {r['images_per_s']:.1f} img/s ({r['images_per_s_per_core']:.1f} per core), "
+        print(f"workers={w}: {r['images_per_s']:.1f} img/s on {r['cores_busy']:.2f} busy cores "
+              f"({r['images_per_s_per_core']:.1f} per core), "
               f"first batch {r['first_batch_s']:.2f} s", flush=True)
         result["determinism"][str(w)] = [batches_hash(pairs, w, args.image_size) for _ in range(2)]
     hashes = {h for v in result["determinism"].values() for h in v}
@@ -198,10 +216,11 @@ def main() -> None:
     if not args.skip_step:
         result["train_step"] = step_rate(args.config, args.step_steps)
 
-    print("\n| workers | pipeline img/s | img/s per core | first batch (s) |")
-    print("|---|---|---|---|")
+    print("\n| workers | pipeline img/s | busy cores | img/s per busy core | first batch (s) |")
+    print("|---|---|---|---|---|")
     for r in result["pipeline"]:
-        print(f"| {r['workers']} | {r['images_per_s']:.1f} | {r['images_per_s_per_core']:.1f} | {r['first_batch_s']:.2f} |")
+        print(f"| {r['workers']} | {r['images_per_s']:.1f} | {r['cores_busy']:.2f} | {r['images_per_s_per_core']:.1f} "
+              f"| {r['first_batch_s']:.2f} |")
     if "train_step" in result:
         t = result["train_step"]
         print(f"\ntrain step ({result['config']}, batch {t['batch']} at {t['image_size']} px, {t['devices']} device(s)): "
