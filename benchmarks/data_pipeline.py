@@ -17,7 +17,9 @@ on a GPU (on 2 CPU cores it takes minutes: add ``--skip-step`` there).
 3. Images/s the jitted train step of --config consumes on the same machine, from random
    batches (no input pipeline involved).
 4. Determinism: a hash of the first batches for two runs of each worker count.
-5. With --real-runs W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
+5. With --tfds-max-side 0,1024: the same through the ArrayRecord conversion
+   (``jaxrat.data.tfds_isic``) storing the original bytes (0) or images shrunk to that side.
+6. With --real-runs W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
    config's model, no eval) with ``data.num_workers=W`` and ``data.device_prefetch=D``, reporting
    ``train/data_wait_fraction`` (share of the loop's wall time blocked waiting for a batch) per
    logged window after the first, which holds the compilation.
@@ -100,6 +102,21 @@ def pipeline_rate(pairs, workers: int, seconds: float, batch: int, image_size: i
     cores = (cpu2 - cpu1) / wall if cpu1 is not None and cpu2 is not None else float(max(1, workers))
     return {"workers": workers, "images_per_s": rate, "cores_busy": cores,
             "images_per_s_per_core": rate / max(cores, 1e-9), "first_batch_s": first}
+
+
+def tfds_rate(root: str, max_side: int, seconds: float, batch: int, image_size: int, threads: int) -> dict:
+    """Pipeline images/s reading the ArrayRecord conversion of ``root`` (0 workers)."""
+    from jaxrat.data import tfds_isic
+    from jaxrat.data.badfiles import BadFilePolicy
+
+    out = os.path.join(root + "_tfds", f"max_side_{max_side}")
+    t0 = time.perf_counter()
+    tfds_isic.prepare(root, out, max_side=max_side)
+    prepare_s = time.perf_counter() - t0
+    data = tfds_isic.segmentation_data(out, "train", BadFilePolicy())
+    r = pipeline_rate(data, 0, seconds, batch, image_size, threads)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    return {**r, "source": "tfds", "max_side": max_side, "prepare_s": prepare_s, "bytes": size}
 
 
 def batches_hash(pairs, workers: int, image_size: int, n: int = 3) -> str:
@@ -185,6 +202,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="Grain reader threads per process")
     p.add_argument("--step-steps", type=int, default=3)
     p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--tfds-max-side", default="", help="also read ArrayRecord conversions with these "
+                   "--max-side values (e.g. 0,1024), 0 workers")
     p.add_argument("--real-runs", default="", help="W:D,... real training runs with num_workers=W, "
                    "device_prefetch=D (e.g. -1:2,0:2,0:0)")
     p.add_argument("--real-steps", type=int, default=80)
@@ -227,6 +246,16 @@ def main() -> None:
               f"{t['step_s']:.2f} s/step = {t['images_per_s']:.1f} img/s consumed")
     print(f"same batches across runs and worker counts: {result['deterministic_across_runs_and_workers']} "
           f"({sorted(hashes)})")
+    if args.tfds_max_side:
+        result["tfds"] = []
+        for m in (int(x) for x in args.tfds_max_side.split(",")):
+            r = tfds_rate(root, m, args.seconds, args.batch, args.image_size, args.threads)
+            result["tfds"].append(r)
+        print("\n| ArrayRecord max_side | size (MB) | prepare (s) | pipeline img/s | busy cores | img/s per busy core |")
+        print("|---|---|---|---|---|---|")
+        for r in result["tfds"]:
+            print(f"| {r['max_side'] or 'original'} | {r['bytes'] / 1e6:.1f} | {r['prepare_s']:.1f} | "
+                  f"{r['images_per_s']:.1f} | {r['cores_busy']:.2f} | {r['images_per_s_per_core']:.1f} |")
     if args.real_runs:
         result["real_runs"] = []
         for item in args.real_runs.split(","):

@@ -58,7 +58,10 @@ class MetricWriter:
 
 
 def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed: float, done: int) -> str:
-    """``step 120/400 (30%) loss 0.3121 lr 2.9e-03 8.1 steps/s 130 img/s ETA 0:00:34``."""
+    """``step 120/400 (30%) loss 0.3121 lr 2.9e-03 8.10 steps/s 130 img/s ETA 00:00:34``.
+
+    Steps/s and img/s are those of the last logging window (``scalars``); the ETA uses the mean
+    rate since this run started (``done`` steps in ``elapsed`` seconds), compilation included."""
     rate = done / elapsed if elapsed > 0 else 0.0
     eta = (total - step) / rate if rate > 0 else float("nan")
     eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if np.isfinite(eta) else "?"
@@ -67,7 +70,7 @@ def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed
         parts.append(f"loss {scalars['train/loss']:.4f}")
     if "train/learning_rate" in scalars:
         parts.append(f"lr {scalars['train/learning_rate']:.1e}")
-    parts.append(f"{rate:.2f} steps/s")
+    parts.append(f"{scalars.get('train/steps_per_sec', rate):.2f} steps/s")
     if "train/images_per_sec" in scalars:
         parts.append(f"{scalars['train/images_per_sec']:.0f} img/s")
     parts.append(f"ETA {eta_s}")

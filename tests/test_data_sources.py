@@ -100,3 +100,42 @@ def test_generic_tfds_reader_and_missing_dataset(prepared, tmp_path):
     assert ex["image"].dtype == np.uint8 and ex["image"].shape[-1] == 3 and set(np.unique(ex["mask"])) <= {0, 1}
     with pytest.raises(DataError, match="not prepared as ArrayRecord"):
         tfds_isic.tfds_data("jaxrat_no_such_dataset", "train", str(tmp_path))
+
+
+def test_isic_arrayrecord_with_max_side_stores_shrunk_images(tmp_path):
+    from PIL import Image
+
+    from jaxrat.data import tfds_isic
+    from jaxrat.data.imageio import load_rgb_with_size
+
+    src = str(tmp_path / "isic")
+    synthetic.write_dataset(src, num_train=4, num_val=2, image_size=24, seed=3)
+    out = str(tmp_path / "tfds_small")
+    tfds_isic.prepare(src, out, max_side=12)
+    data = tfds_isic.segmentation_data(out, "train", BadFilePolicy())
+    pairs = {os.path.basename(i).split(".")[0]: (i, m) for i, m in isic.find_pairs(src, "train")}
+    assert len(data) == 4
+    for k in range(len(data)):
+        rec = data.records[k]
+        image_id = rec["image_id"].decode() if isinstance(rec["image_id"], bytes) else rec["image_id"]
+        ex = data.loader.map(rec)
+        full = pipeline.DecodePair().map(pairs[image_id])
+        h, w = full["image"].shape[:2]
+        scale = 12 / max(h, w)
+        assert ex["image"].shape == (round(h * scale), round(w * scale), 3)
+        assert ex["mask"].shape == ex["image"].shape[:2] and set(np.unique(ex["mask"])) <= {0, 1}
+        drafted, _ = load_rgb_with_size(pairs[image_id][0], at_least=(12, 12))
+        want = np.asarray(Image.fromarray(drafted).resize(ex["image"].shape[1::-1], Image.LANCZOS), np.float32)
+        assert np.abs(ex["image"].astype(np.float32) - want).mean() < 3  # JPEG quality 95, no chroma subsampling
+        want_mask = np.asarray(Image.fromarray(full["mask"]).resize(ex["mask"].shape[::-1], Image.NEAREST))
+        np.testing.assert_array_equal(ex["mask"], want_mask)
+    with pytest.raises(DataError, match="was prepared with .*max_side.: 12.*pass another --out"):
+        tfds_isic.prepare(src, out, max_side=0)
+    tfds_isic.prepare(src, out, max_side=12)  # the same settings again: nothing to do
+
+
+def test_tfds_isic_cli_refuses_a_negative_max_side(tmp_path, capsys):
+    from jaxrat.data import tfds_isic
+
+    assert tfds_isic.main(["--src", str(tmp_path), "--out", str(tmp_path / "o"), "--max-side", "-1"]) == 2
+    assert "--max-side=-1" in capsys.readouterr().err

@@ -1,9 +1,12 @@
 """TFDS without TensorFlow: an ISIC 2018 builder writing ArrayRecord, and readers for any TFDS
 dataset prepared as ArrayRecord (``tfds.data_source``; ``tfds.load`` would need TensorFlow).
 
-Convert the official folders once (the JPEG/PNG bytes are stored as they are, not re-encoded):
+Convert the official folders once (the JPEG/PNG bytes are stored as they are, or with
+``--max-side N`` shrunk to that longer side and re-encoded, which makes big photos much cheaper to
+decode every epoch):
 
     python -m jaxrat.data.tfds_isic --src ISIC_DIR --out TFDS_DIR [--split-file F] [--on-bad-file skip]
+        [--max-side 1024]
 
 then train with ``--config.data.source=tfds --config.data.data_dir=TFDS_DIR``. Reading a few
 large ArrayRecord files instead of thousands of small images is kinder to shared filesystems.
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
+import json
 import logging
 import os
 import sys
@@ -21,9 +26,11 @@ from typing import Any, Sequence
 
 import grain
 import numpy as np
+from PIL import Image
 
 from jaxrat.data import isic
 from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size
 from jaxrat.errors import DataError, UserError
 
 NAME = "isic2018_task1"
@@ -42,6 +49,7 @@ def _builder_class():
         MANUAL_DOWNLOAD_INSTRUCTIONS = "Run `python -m jaxrat.data.download isic2018 --dest DIR` and pass DIR."
         split_file = ""
         on_bad_file = "fail"
+        max_side = 0
 
         def _info(self):
             return self.dataset_info_from_configs(
@@ -69,23 +77,73 @@ def _builder_class():
             return splits
 
         def _generate_examples(self, pairs):
+            max_side, policy = self.max_side, BadFilePolicy(self.on_bad_file)
             for img, mask in pairs:
                 image_id = os.path.splitext(os.path.basename(img))[0]
-                # File paths: tfds stores the bytes as they are (encoding arrays would need TF).
+                if max_side:
+                    try:
+                        img, mask = shrink_pair(img, mask, max_side)
+                    except BadFileError as e:
+                        policy.handle(e)  # raises under "fail"
+                        continue
+                # Paths or encoded bytes: tfds stores them as they are (encoding arrays would need TF).
                 yield image_id, {"image": img, "mask": mask, "image_id": image_id}
 
     assert Isic2018Task1.name == NAME
     return Isic2018Task1
 
 
-def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fail") -> str:
-    """Convert the official ISIC folders under ``src`` to ArrayRecord under ``out``; returns ``out``."""
+def shrink_pair(image_path: str, mask_path: str, max_side: int) -> tuple[bytes, bytes]:
+    """The image (JPEG, quality 95, 4:4:4) and mask (PNG, 0/255) with the longer side at most ``max_side``.
+
+    Many ISIC photos are 10-30 megapixels, and decoding them costs far more than everything else
+    the pipeline does at 256 px; storing them at, say, 4x the training size once makes every epoch
+    that much cheaper. Odd formats are converted to RGB on the way."""
+    image, size = load_rgb_with_size(image_path, at_least=(max_side, max_side))
+    mask = load_mask(mask_path)
+    if mask.shape[::-1] != size:
+        raise BadFileError(mask_path, f"mask is {mask.shape[1]}x{mask.shape[0]} but its image is {size[0]}x{size[1]}")
+    scale = min(1.0, max_side / max(size))
+    w, h = max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
+    pil_image = Image.fromarray(image)
+    if pil_image.size != (w, h):
+        pil_image = pil_image.resize((w, h), Image.LANCZOS)
+    pil_mask = Image.fromarray(mask * np.uint8(255))
+    if pil_mask.size != (w, h):
+        pil_mask = pil_mask.resize((w, h), Image.NEAREST)
+    ib, mb = io.BytesIO(), io.BytesIO()
+    pil_image.save(ib, format="JPEG", quality=95, subsampling=0)  # full-resolution colour: lesion borders
+    pil_mask.save(mb, format="PNG")
+    return ib.getvalue(), mb.getvalue()
+
+
+_SETTINGS_FILE = "jaxrat_prepare.json"
+
+
+def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fail", max_side: int = 0) -> str:
+    """Convert the official ISIC folders under ``src`` to ArrayRecord under ``out``; returns ``out``.
+
+    ``max_side > 0`` stores every image and mask shrunk to that longer side (see :func:`shrink_pair`);
+    0 keeps the original bytes. ``out`` remembers the setting: preparing it again with another one
+    is refused rather than silently keeping the first."""
+    if max_side < 0:
+        raise DataError(f"--max-side={max_side}; use 0 (keep the original size) or a number of pixels.")
+    settings = {"max_side": int(max_side), "split_file": split_file}
+    settings_path = os.path.join(out, _SETTINGS_FILE)
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            before = json.load(f)
+        if before != settings:
+            raise DataError(f"{out} was prepared with {before}, not {settings}; pass another --out "
+                            "(or delete that one) to prepare with these settings.")
     cls = _builder_class()
-    cls.split_file, cls.on_bad_file = split_file, on_bad_file
+    cls.split_file, cls.on_bad_file, cls.max_side = split_file, on_bad_file, int(max_side)
     builder = cls(data_dir=out, file_format="array_record")
     import tensorflow_datasets as tfds
 
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=src))
+    with open(settings_path, "w") as f:
+        json.dump(settings, f)
     return out
 
 
@@ -153,10 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="TFDS data_dir to write (config.data.data_dir with source=tfds)")
     p.add_argument("--split-file", default="")
     p.add_argument("--on-bad-file", default="fail", choices=("fail", "skip"))
+    p.add_argument("--max-side", type=int, default=0,
+                   help="store images shrunk to this longer side (e.g. 1024 for 256 px training); 0: as they are")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        prepare(args.src, args.out, split_file=args.split_file, on_bad_file=args.on_bad_file)
+        prepare(args.src, args.out, split_file=args.split_file, on_bad_file=args.on_bad_file,
+                max_side=args.max_side)
     except UserError as e:
         print(f"jaxrat: error: {e}", file=sys.stderr)
         return 2
