@@ -254,3 +254,22 @@ def test_auto_worker_count_shares_the_machine_among_its_processes(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(pipeline, "_available_ram_bytes", lambda: 64 << 30)
     assert pipeline.resolve_num_workers(-1, 0, 1 << 20, 8, processes_on_host=4) == 3
+
+
+def test_truncated_image_in_an_arrayrecord_is_named_and_skippable(broken, tmp_path):
+    from jaxrat.data import tfds_isic
+
+    d, img, _ = broken
+    out = str(tmp_path / "tfds")
+    tfds_isic.prepare(d, out, on_bad_file="skip")  # header checks drop #1, #2, #4, #5; #3 is stored as is
+    data = tfds_isic.segmentation_data(out, "train", BadFilePolicy("fail"))
+    assert len(data) == 8
+    kw = dict(image_size=8, local_batch=4, seed=0, process_index=0, process_count=1, num_threads=0)
+    with pytest.raises(DataError, match=r"isic2018_task1:train\[ISIC_0000003\] image: not a readable image"):
+        it = pipeline.train_iterator(data, **kw)
+        for _ in range(2):  # one epoch
+            next(it)
+    skip = tfds_isic.segmentation_data(out, "train", BadFilePolicy("skip"))
+    it = pipeline.train_iterator(skip, **kw)
+    batches = [next(it) for _ in range(4)]  # two epochs: the bad record is replaced, never returned
+    assert all(b["image"].shape == (4, 8, 8, 3) for b in batches)

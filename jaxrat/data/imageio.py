@@ -8,7 +8,10 @@ so the bad-file policy (``jaxrat.data.badfiles``) can fail or skip them.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
+from typing import Union
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -28,7 +31,25 @@ class BadFileError(DataError):
         super().__init__(f"{path}: {problem}; {fix}.")
 
 
-def _size_problem(path: str) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """An encoded image held in memory (e.g. a TFDS record's bytes); ``name`` is what errors show."""
+
+    name: str
+    data: bytes
+
+
+Source = Union[str, Encoded]
+
+
+def source_name(path: Source) -> str:
+    """The path, or the name of in-memory bytes, for messages."""
+    return path.name if isinstance(path, Encoded) else path
+
+
+def _size_problem(path: Source) -> str | None:
+    if isinstance(path, Encoded):
+        return None if path.data else "file is empty"
     if not os.path.exists(path):
         return "file not found"
     if os.path.getsize(path) == 0:
@@ -36,13 +57,14 @@ def _size_problem(path: str) -> str | None:
     return None
 
 
-def _open(path: str, draft_to: tuple[int, int] | None = None) -> tuple[Image.Image, tuple[int, int]]:
+def _open(path: Source, draft_to: tuple[int, int] | None = None) -> tuple[Image.Image, tuple[int, int]]:
     """Open and fully decode ``path``; returns (image, size as stored on disk (w, h))."""
     problem = _size_problem(path)
+    name = source_name(path)
     if problem:
-        raise BadFileError(path, problem)
+        raise BadFileError(name, problem)
     try:
-        img = Image.open(path)
+        img = Image.open(io.BytesIO(path.data) if isinstance(path, Encoded) else path)
         size = img.size
         if draft_to is not None and img.format == "JPEG":
             # JPEG can decode at 1/2, 1/4 or 1/8 scale for free; draft keeps the result >= draft_to.
@@ -50,7 +72,7 @@ def _open(path: str, draft_to: tuple[int, int] | None = None) -> tuple[Image.Ima
         img.load()  # decode now so truncated files fail here, not later
         return img, size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise BadFileError(path, f"not a readable image ({type(e).__name__}: {e})") from None
+        raise BadFileError(name, f"not a readable image ({type(e).__name__}: {e})") from None
 
 
 def probe(path: str) -> tuple[int, int]:
@@ -87,8 +109,8 @@ def to_rgb(img: Image.Image) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8)
 
 
-def load_rgb_with_size(path: str, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
-    """Decode ``path`` as uint8 RGB; with ``at_least=(w, h)`` a JPEG may be decoded at a reduced
+def load_rgb_with_size(path: Source, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """Decode ``path`` (a file or :class:`Encoded` bytes) as uint8 RGB; with ``at_least=(w, h)`` a JPEG may be decoded at a reduced
     scale that is still at least that large (much faster for big photos resized for training).
     Returns (pixels, original (w, h))."""
     img, size = _open(path, at_least)
@@ -100,7 +122,7 @@ def load_rgb(path: str) -> np.ndarray:
     return load_rgb_with_size(path)[0]
 
 
-def load_mask(path: str) -> np.ndarray:
+def load_mask(path: Source) -> np.ndarray:
     """Load a binary segmentation mask as uint8 (H, W) with values {0, 1}.
 
     Foreground is > 127 for 8-bit masks (official ISIC masks are 0/255) and > 0 for 16-bit ones.

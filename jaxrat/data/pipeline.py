@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size
+from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size, source_name
 from jaxrat.errors import ConfigError, DataError
 
 IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
@@ -52,7 +52,8 @@ class PairSource:
 
 @dataclasses.dataclass(frozen=True)
 class DecodePair(grain.transforms.Map):
-    """(image path, mask path) -> {"image": uint8 RGB, "mask": uint8 {0,1}}; the sizes must match.
+    """(image, mask) paths or :class:`~jaxrat.data.imageio.Encoded` bytes -> {"image": uint8 RGB,
+    "mask": uint8 {0,1}}; the sizes must match.
 
     ``at_least=(w, h)`` lets JPEGs decode at a reduced scale no smaller than that (the mask is
     then resized to the decoded image, as the following resize would do anyway)."""
@@ -65,7 +66,8 @@ class DecodePair(grain.transforms.Map):
         mask = load_mask(mask_path)
         if (h, w) != mask.shape:
             raise BadFileError(
-                mask_path, f"mask is {mask.shape[1]}x{mask.shape[0]} but image {img_path} is {w}x{h}",
+                source_name(mask_path), f"mask is {mask.shape[1]}x{mask.shape[0]} but image {source_name(img_path)} "
+                f"is {w}x{h}",
                 "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
             )
         if image.shape[:2] != mask.shape:
@@ -214,6 +216,13 @@ def _decode_target(image_size: int, ops: Sequence[Any]) -> tuple[int, int]:
     return side, side
 
 
+def _with_decode_target(loader: Any, image_size: int, ops: Sequence[Any]) -> Any:
+    """A loader with an unset ``at_least`` field (DecodePair and the like) set for ``ops``."""
+    if dataclasses.is_dataclass(loader) and getattr(loader, "at_least", ()) is None:
+        return dataclasses.replace(loader, at_least=_decode_target(image_size, ops))
+    return loader
+
+
 def _available_ram_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -330,9 +339,7 @@ def train_iterator(
     if not len(data):
         raise DataError("The training set is empty; check --config.data.data_dir.")
     ops = list(ops) if ops is not None else augment_ops(image_size, random_flip=random_flip)
-    loader = data.loader
-    if isinstance(loader, DecodePair) and loader.at_least is None:
-        loader = DecodePair(_decode_target(image_size, ops))
+    loader = _with_decode_target(data.loader, image_size, ops)
     gb = local_batch * process_count
     example_bytes = image_size * image_size * 4 * 4 * (2 if any(isinstance(o, T.Pyramid) for o in ops) else 1)
     workers = resolve_num_workers(num_workers, worker_ram_budget_gb, example_bytes, prefetch * local_batch,
@@ -404,8 +411,7 @@ def eval_batches(
     ops = tuple(ops) if ops is not None else tuple(augment_ops(image_size, train=False))
     if any(isinstance(o, grain.transforms.RandomMap) for o in ops):
         raise ConfigError("Evaluation ops must be deterministic; remove random augmentations from them.")
-    if isinstance(data.loader, DecodePair) and data.loader.at_least is None:
-        data = dataclasses.replace(data, loader=DecodePair(_decode_target(image_size, ops)))
+    data = dataclasses.replace(data, loader=_with_decode_target(data.loader, image_size, ops))
     n = len(data)
     padded = -(-n // global_batch) * global_batch
     ds = grain.MapDataset.range(padded)[process_index::process_count].map(_EvalFetch(data, ops))

@@ -30,7 +30,8 @@ from PIL import Image
 
 from jaxrat.data import isic
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size
+from jaxrat.data.imageio import BadFileError, Encoded, load_mask, load_rgb_with_size
+from jaxrat.data.pipeline import DecodePair
 from jaxrat.errors import DataError, UserError
 
 NAME = "isic2018_task1"
@@ -147,14 +148,16 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
     return out
 
 
-def data_source(name: str, split: str, data_dir: str):
-    """``tfds.data_source`` with a clear error when the dataset was not prepared as ArrayRecord."""
+def data_source(name: str, split: str, data_dir: str, *, encoded: Sequence[str] = ()):
+    """``tfds.data_source`` with a clear error when the dataset was not prepared as ArrayRecord;
+    the features named in ``encoded`` come back as their stored bytes, undecoded."""
     import tensorflow_datasets as tfds
 
     if name == NAME:
         _builder_class()  # registers the builder so tfds can read its metadata
+    decoders = {k: tfds.decode.SkipDecoding() for k in encoded} or None
     try:
-        return tfds.data_source(name, split=split, data_dir=data_dir)
+        return tfds.data_source(name, split=split, data_dir=data_dir, decoders=decoders)
     except (ValueError, KeyError, OSError, AssertionError, tfds.core.registered.DatasetNotFoundError) as e:
         raise DataError(
             f"TFDS dataset {name!r} split {split!r} is not prepared as ArrayRecord in {data_dir} "
@@ -183,6 +186,22 @@ class FromTfds(grain.transforms.Map):
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeRecord(grain.transforms.Map):
+    """An ISIC record with the stored image and mask bytes -> {"image", "mask"}, decoded exactly
+    as the files are (JPEG draft decoding down to ``at_least``, odd formats converted, sizes
+    checked, broken bytes raised as BadFileError naming the record)."""
+
+    where: str
+    at_least: tuple[int, int] | None = None
+
+    def map(self, rec: dict[str, Any]) -> dict[str, np.ndarray]:
+        image_id = rec["image_id"].decode() if isinstance(rec["image_id"], bytes) else str(rec["image_id"])
+        name = f"{self.where}[{image_id}]"
+        pair = (Encoded(f"{name} image", rec["image"]), Encoded(f"{name} mask", rec["mask"]))
+        return DecodePair(self.at_least).map(pair)
+
+
 def tfds_data(name: str, split: str, data_dir: str, *, image_key: str = "image", mask_key: str | None = None,
               label_keys: Sequence[str] = ("label",), policy: BadFilePolicy | None = None):
     """Any ArrayRecord TFDS dataset as pipeline data (classification by default)."""
@@ -200,8 +219,10 @@ def segmentation_data(data_dir: str, split: str, policy: BadFilePolicy, split_fi
                         "`python -m jaxrat.data.tfds_isic` and leave config.data.split_file empty.")
     from jaxrat.data.pipeline import SegmentationData
 
-    src = data_source(NAME, split, data_dir)
-    return SegmentationData(src, loader=FromTfds("image", "mask"), policy=policy, name=f"{NAME}/{split}")
+    # The bytes are decoded by DecodeRecord, not by tfds: it can decode big JPEGs at a reduced scale.
+    src = data_source(NAME, split, data_dir, encoded=("image", "mask"))
+    where = f"{os.path.join(data_dir, NAME)}:{split}"
+    return SegmentationData(src, loader=DecodeRecord(where), policy=policy, name=f"{NAME}/{split}")
 
 
 def main(argv: list[str] | None = None) -> int:
