@@ -60,17 +60,12 @@ class DeviceFeed:
     def _produce(self) -> None:
         try:
             while not self._stop.is_set():
-                item = (self._put(next(self._source)), self._source.get_state())
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._offer((self._put(next(self._source)), self._source.get_state()))
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer's thread
             self._offer((_DONE, e))
 
     def _offer(self, item: Any) -> None:
+        # Wait for a free slot, but give up when close() asks: nobody will take the item then.
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)

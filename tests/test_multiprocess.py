@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -44,13 +45,13 @@ def env_with(devices: int) -> dict[str, str]:
     return env
 
 
-def train(workdir: Path, processes: int, devices: int = DEVICES) -> list[str]:
+def train(workdir: Path, processes: int, devices: int = DEVICES, extra: tuple[str, ...] = ()) -> list[str]:
     """Run jaxrat.main in `processes` processes sharing `devices` CPU devices; return their logs."""
     port = free_port()
     procs = []
     for i in range(processes):
         cmd = [sys.executable, "-m", "jaxrat.main", "--config", "configs/isic.py:smoke", "--workdir", str(workdir),
-               *OVERRIDES]
+               *OVERRIDES, *extra]
         if processes > 1:
             cmd += [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                     f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
@@ -113,8 +114,15 @@ def test_two_processes_match_one(reference, two_process_run):
 
 
 def test_four_processes_match_one(reference, tmp_path):
-    logs = train(tmp_path / "four", 4)
+    # Auto input workers: the 4 processes find each other on this host (a collective) and share
+    # its cores; whatever the worker count, the batches and so the losses are the same.
+    logs = train(tmp_path / "four", 4, extra=("--config.data.num_workers=-1",))
     assert "launcher=explicit process=3/4 local_devices=2 local_device_ids=all global_devices=8" in logs[3]
+    mine = len(os.sched_getaffinity(0))
+    cores = max(1, mine // 4) if mine >= (os.cpu_count() or 1) else mine  # unpinned: a quarter each
+    for text in logs:
+        found = re.search(r"data: (\d+) worker processes \((\d+) cores for this process", text)
+        assert found and int(found[2]) == cores and int(found[1]) <= cores - 1, text[-3000:]
     assert_close(losses(tmp_path / "four"), reference, range(1, STEPS + 1))
 
 
