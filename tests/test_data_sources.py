@@ -139,3 +139,20 @@ def test_tfds_isic_cli_refuses_a_negative_max_side(tmp_path, capsys):
 
     assert tfds_isic.main(["--src", str(tmp_path), "--out", str(tmp_path / "o"), "--max-side", "-1"]) == 2
     assert "--max-side=-1" in capsys.readouterr().err
+
+
+def test_tfds_isic_command_line_converts(tmp_path):
+    import subprocess
+    import sys
+
+    from jaxrat.data import tfds_isic
+
+    src = str(tmp_path / "isic")
+    synthetic.write_dataset(src, num_train=3, num_val=2, image_size=16, seed=4)
+    out = str(tmp_path / "tfds")
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.data.tfds_isic", "--src", src, "--out", out, "--max-side", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "written as ArrayRecord" in proc.stdout
+    data = tfds_isic.segmentation_data(out, "validation", BadFilePolicy())
+    assert len(data) == 2 and max(data.loader.map(data.records[0])["image"].shape[:2]) == 8

@@ -247,4 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # tfds locates a builder by its class's module: it must be this package module, not __main__.
+    from jaxrat.data import tfds_isic
+
+    sys.exit(tfds_isic.main())
