@@ -68,6 +68,14 @@ def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: i
 
 def resolve_data(config: mlc.ConfigDict, workdir: str) -> tuple[pipeline.SegmentationData, pipeline.SegmentationData]:
     """(train, validation) data; writes the synthetic dataset or stages to local disk first when asked."""
+    if tuple(config.data.get("pyramid_scales", ())):
+        # The levels would be decoded, copied to the devices and never read: refuse a switch that
+        # does nothing rather than pay for it silently.
+        raise ConfigError(
+            f"config.data.pyramid_scales={tuple(config.data.pyramid_scales)} builds input-pipeline pyramid levels "
+            f"that the segmentation models do not read; for multi-scale RAT set config.model.scales instead "
+            f"(configs/isic_multiscale.py), which builds the pyramid and its spacing on the devices."
+        )
     return datasets.resolve_segmentation(config.data, workdir, seed=config.seed, process_index=jax.process_index())
 
 

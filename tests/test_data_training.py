@@ -41,3 +41,36 @@ def test_skip_policy_trains_and_lists_the_skipped_files(broken_dir, tmp_path):
     rows = [r for r in read_metrics(wd) if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(0 <= r["train/data_wait_fraction"] <= 1 for r in rows)
+
+
+def _config(variant=None):
+    from jaxrat.configlib import _load_config_file
+    from runner import REPO
+
+    path = os.path.join(REPO, "configs", "isic.py")
+    return _load_config_file(f"{path}:{variant}" if variant else path)
+
+
+def test_isic_config_applies_the_augmentations_the_reference_only_listed():
+    from jaxrat.data import pipeline
+    from jaxrat.data import transforms as T
+
+    def op_types(cfg):
+        return [type(o) for o in pipeline.train_options(cfg.data)["ops"]]
+
+    for variant in (None, "unet"):
+        ops = op_types(_config(variant))
+        assert ops == [T.Resize, T.RandomFlip, T.RandomRotation, T.ElasticDeform, T.ColorJitter, T.Normalize]
+        rot = pipeline.train_options(_config(variant).data)["ops"][2]
+        assert rot.degrees == 15.0
+    assert op_types(_config("demo")) == [T.Resize, T.RandomFlip, T.Normalize]
+
+
+def test_pyramid_levels_no_model_reads_are_refused_with_one_sentence(tmp_path):
+    from jaxrat import train
+    from jaxrat.errors import ConfigError
+
+    cfg = _config("smoke")
+    cfg.data.pyramid_scales = (0.5,)
+    with pytest.raises(ConfigError, match=r"pyramid_scales=\(0\.5,\).*config\.model\.scales"):
+        train.resolve_data(cfg, str(tmp_path))
