@@ -157,3 +157,235 @@ def test_config_switches_add_exactly_their_ops():
     assert [type(o) for o in evals] == [T.Resize, T.Normalize]
     with pytest.raises(ConfigError, match="random_crop_scale"):
         pipeline.augment_ops(32, random_crop_scale=(0.0, 1.0))
+
+
+# ---------------------------------------------------------------- semantic property checks
+
+
+def _blob_example(h, w, seed=0):
+    """An image whose content equals its mask (white where mask is 1) and the mask's box."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    cy, cx = rng.uniform(0.3, 0.7) * h, rng.uniform(0.3, 0.7) * w
+    mask = (((yy - cy) / (0.2 * h)) ** 2 + ((xx - cx) / (0.12 * w)) ** 2 < 1).astype(np.uint8)
+    img = np.repeat(mask[..., None] * 255, 3, axis=-1).astype(np.uint8)
+    return {"image": img, "mask": mask, "boxes": _mask_box(mask)[None].astype(np.float32),
+            "labels": np.array([1], np.int32)}
+
+
+def test_random_flip_sometimes_flips_and_keeps_image_mask_boxes_consistent():
+    ex = _example(30, 50, (0, 0, 20, 12))  # a box touching the top and left borders
+    ex["boxes"] = np.concatenate([ex["boxes"], [[0.9, 0.5, 1.0, 1.0]]]).astype(np.float32)
+    ex["labels"] = np.array([3, 4], np.int32)
+    seen = set()
+    for seed in range(40):
+        out = T.RandomFlip(0.5, 0.5).random_map(ex, _rng(seed))
+        cases = [(h, v) for h in (False, True) for v in (False, True)
+                 if np.array_equal(out["image"], ex["image"][:: -1 if v else 1, :: -1 if h else 1])]
+        assert len(cases) == 1  # exactly one of the four flips of the image
+        h, v = cases[0]
+        np.testing.assert_array_equal(out["mask"] * 255, out["image"][..., 0])
+        np.testing.assert_allclose(out["boxes"][0], _mask_box(out["mask"]), atol=1e-6)
+        b = ex["boxes"][1]
+        b = [1 - b[2], b[1], 1 - b[0], b[3]] if h else b
+        b = [b[0], 1 - b[3], b[2], 1 - b[1]] if v else b
+        np.testing.assert_allclose(out["boxes"][1], b, atol=1e-6)
+        assert out["labels"].tolist() == [3, 4]
+        seen.add((h, v))
+    assert seen == {(False, False), (True, False), (False, True), (True, True)}
+
+
+@pytest.mark.parametrize("shape", [(48, 48), (40, 64), (64, 36)])
+def test_random_rotation_angle_in_range_mask_aligned_and_box_encloses(shape):
+    h, w = shape
+    angles = []
+    for seed in range(12):
+        ex = _blob_example(h, w, seed)
+        out = T.RandomRotation(20.0).random_map(ex, _rng(seed))
+        # The image (bilinear) and the mask (nearest) went through the same rotation.
+        # Their centroids agree to a fraction of a pixel (a half-pixel offset would show here).
+        img, m = out["image"][..., 0].astype(float) / 255, out["mask"].astype(float)
+        ys, xs = np.mgrid[0:h, 0:w]
+        for f in (ys, xs):
+            assert abs((f * img).sum() / img.sum() - (f * m).sum() / m.sum()) < 0.2
+        assert ((img > 0.5) != (m > 0)).sum() <= 0.06 * m.sum()  # differences only along the outline
+        # The rotated box encloses the rotated object (up to half a pixel of rasterisation).
+        mb, bb = _mask_box(out["mask"]), out["boxes"][0]
+        tol = np.array([1 / w, 1 / h, 1 / w, 1 / h])
+        assert np.all(bb[:2] <= mb[:2] + tol[:2]) and np.all(bb[2:] >= mb[2:] - tol[2:]), (bb, mb)
+        # The angle: a single off-centre dot's position about the centre (counter-clockwise on screen).
+        dot = np.zeros((h, w, 3), np.uint8)
+        dot[h // 2 - 1 : h // 2 + 1, w // 2 + 12 : w // 2 + 14] = 255
+        rot = T.RandomRotation(20.0).random_map({"image": dot}, _rng(seed))["image"][..., 0].astype(float)
+        ys, xs = np.nonzero(rot > 0)
+        cy, cx = np.average(ys, weights=rot[ys, xs]) + 0.5, np.average(xs, weights=rot[ys, xs]) + 0.5
+        angles.append(np.degrees(np.arctan2(-(cy - h / 2), cx - w / 2)))
+    assert max(np.abs(angles)) <= 20.0 + 2.0
+    assert min(angles) < -3 and max(angles) > 3  # both directions, not a fixed angle
+
+
+def test_scale_jitter_scales_objects_within_range_and_keeps_the_size():
+    ex = _example(40, 60, (27, 17, 33, 23))  # a 6 x 6 square at the centre
+    ex["image"] = np.ascontiguousarray(ex["image"])
+    ratios = []
+    for seed in range(20):
+        out = T.ScaleJitter((48, 40), scale=(0.6, 1.5)).random_map(ex, _rng(seed))
+        assert out["image"].shape == (48, 40, 3) and out["mask"].shape == (48, 40)
+        if len(out["boxes"]) and 0 < out["boxes"][0, 0] and out["boxes"][0, 2] < 1:  # not cut by the crop
+            # Fitting 40 x 60 into 48 x 40 scales by 2/3, the jitter then by s in [0.6, 1.5].
+            ratios.append((out["boxes"][0, 2] - out["boxes"][0, 0]) * 40 / 6 / (2 / 3))
+    assert len(ratios) > 10
+    assert 0.6 - 0.2 <= min(ratios) and max(ratios) <= 1.5 + 0.2  # +-1 px of rounding on a 6 px box
+    assert max(ratios) - min(ratios) > 0.4
+
+
+@pytest.mark.parametrize("shape", [(40, 60), (9, 7), (64, 64)])
+def test_random_resized_crop_area_fraction_lies_in_range(shape):
+    H, W = shape
+    op = T.RandomResizedCrop(16, scale=(0.5, 0.6))
+    for seed in range(200):
+        y0, x0, ch, cw = op.window(H, W, _rng(seed))
+        assert 0.5 <= ch * cw / (H * W) <= 0.6, (seed, ch, cw)
+        assert 0 <= y0 and y0 + ch <= H and 0 <= x0 and x0 + cw <= W
+    # An image far wider than the ratio range allows still gets a crop within the area bound.
+    y0, x0, ch, cw = T.RandomResizedCrop(16, scale=(0.3, 0.6)).window(4, 200, _rng(0))
+    assert ch * cw <= 0.6 * 800 and x0 + cw <= 200
+
+
+def _hsv(img):
+    import colorsys
+
+    return np.array([colorsys.rgb_to_hsv(*(p / 255.0)) for p in img.reshape(-1, 3).astype(float)])
+
+
+def test_color_jitter_factors_stay_within_their_bounds():
+    rng = np.random.default_rng(0)
+    img = rng.integers(60, 180, (12, 12, 3), dtype=np.uint8)  # no clipping at factors in [0.7, 1.3]
+    ex = {"image": img, "mask": np.eye(12, dtype=np.uint8), "boxes": np.array([[0.1, 0.2, 0.5, 0.6]], np.float32)}
+    gray = lambda a: a.astype(float) @ [0.299, 0.587, 0.114]  # noqa: E731
+    b_, c_, s_, h_ = [], [], [], []
+    for seed in range(15):
+        out = T.ColorJitter(0.3, 0, 0, 0).random_map(ex, _rng(seed))["image"]
+        b_.append(out.astype(float).mean() / img.mean())
+        out = T.ColorJitter(0, 0.3, 0, 0).random_map(ex, _rng(seed))["image"]
+        c_.append(gray(out).std() / gray(img).std())
+        out = T.ColorJitter(0, 0, 0.3, 0).random_map(ex, _rng(seed))["image"]
+        dev = lambda a: np.linalg.norm(a.astype(float) - gray(a)[..., None])  # noqa: E731
+        s_.append(dev(out) / dev(img))
+        o = T.ColorJitter(0, 0, 0, 0.1).random_map(ex, _rng(seed))
+        assert o["mask"] is ex["mask"] and o["boxes"] is ex["boxes"]
+        hi, ho = _hsv(img), _hsv(o["image"])
+        shift = (ho[:, 0] - hi[:, 0] + 0.5) % 1 - 0.5
+        sat = hi[:, 1] > 0.3  # hue is well defined
+        np.testing.assert_allclose(ho[:, 2], hi[:, 2], atol=1 / 255)  # value kept
+        h_.append(np.median(shift[sat]))
+        assert np.all(np.abs(shift[sat] - h_[-1]) < 0.02)  # one shift for the whole image
+    for vals, lo, hi_ in ((b_, 0.7, 1.3), (c_, 0.7, 1.3), (s_, 0.7, 1.3), (h_, -0.1, 0.1)):
+        assert lo - 0.01 <= min(vals) and max(vals) <= hi_ + 0.01, vals
+        assert max(vals) - min(vals) > 0.05 * (hi_ - lo)  # really random
+
+
+def test_color_jitter_saturates_instead_of_overflowing_and_zero_hue_is_identity():
+    ex = {"image": np.full((4, 4, 3), 250, np.uint8)}
+    for seed in range(10):
+        out = T.ColorJitter(0.5, 0, 0, 0).random_map(ex, _rng(seed))["image"]
+        assert out.min() >= 125  # 250 * 0.5 at the least; a wrap-around would give small values
+    img = np.random.default_rng(1).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    out = T.ColorJitter(0, 0, 0, 1e-6).random_map({"image": img}, _rng(0))["image"]
+    assert np.abs(out.astype(int) - img).max() <= 1  # PIL's 8-bit HSV round trip changed up to 5 levels
+
+
+def test_elastic_deformation_is_smooth_and_bounded_by_alpha():
+    n = 64
+    yy, xx = np.mgrid[0:n, 0:n]
+    img = np.stack([xx * 4, yy * 4, np.zeros_like(xx)], -1).astype(np.uint8)  # the image encodes its coordinates
+    for alpha, sigma in ((3.0, 8.0), (34.0, 4.0)):
+        for seed in range(3):
+            out = T.ElasticDeform(alpha=alpha, sigma=sigma).random_map({"image": img}, _rng(seed))["image"]
+            src_x, src_y = out[..., 0] / 4.0, out[..., 1] / 4.0
+            inner = (slice(10, n - 10), slice(10, n - 10))  # away from the reflected borders
+            dx, dy = src_x - xx, src_y - yy
+            moved = np.hypot(dx, dy)[inner]
+            assert moved.max() <= alpha + 0.25, (alpha, moved.max())
+            # Neighbours move alike: no folding (a neighbour's source never crosses this pixel's).
+            assert np.diff(src_x, axis=1)[inner].min() > 0 and np.diff(src_y, axis=0)[inner].min() > 0
+            assert np.abs(np.diff(dx, axis=1)[inner]).max() < 0.75
+        if alpha == 3.0:
+            assert moved.max() > 1.5  # with a smooth enough field the warp does use alpha
+
+
+def test_keep_aspect_resize_of_tall_and_tiny_images_pads_and_moves_boxes():
+    for h, w, box, size in ((60, 30, (5, 40, 25, 58), 20), (5, 3, (0, 0, 3, 5), 16)):
+        ex = _example(h, w, box)
+        out = T.Resize(size, keep_aspect=True).map(ex)
+        assert out["image"].shape == (size, size, 3) and out["mask"].shape == (size, size)
+        nw = round(w * size / h)
+        assert out["image"][:, nw:].max() == 0 and out["mask"][:, nw:].max() == 0  # right padding is background
+        np.testing.assert_allclose(out["boxes"][0], _mask_box(out["mask"]), atol=1 / size)
+
+
+def test_ops_on_zero_boxes_and_crops_that_leave_slivers_give_no_nan():
+    empty = {"image": np.zeros((10, 14, 3), np.uint8), "mask": np.zeros((10, 14), np.uint8),
+             "boxes": np.zeros((0, 4), np.float32), "labels": np.zeros((0,), np.int32)}
+    edge = _example(20, 20, (0, 0, 20, 1))  # a one-pixel strip along the top border
+    for op in (T.RandomFlip(1, 1), T.RandomRotation(30), T.RandomResizedCrop(8), T.ScaleJitter(8, (0.5, 2.0)),
+               T.RandomCrop(12), T.Resize(8, keep_aspect=True), T.ColorJitter()):
+        for seed in range(8):
+            for ex in (empty, edge):
+                out = op.random_map(ex, _rng(seed)) if isinstance(op, T.grain.transforms.RandomMap) else op.map(ex)
+                b = out["boxes"]
+                assert b.dtype == np.float32 and b.shape[1:] == (4,) and len(b) == len(out["labels"])
+                assert np.isfinite(b).all() and (b >= 0).all() and (b <= 1).all()
+                assert np.all(b[:, 2] > b[:, 0]) and np.all(b[:, 3] > b[:, 1])  # degenerate ones dropped
+
+
+def test_same_seed_and_index_repeat_and_other_indices_differ_through_grain():
+    import grain
+
+    ex = _blob_example(32, 32)
+    ops = pipeline.augment_ops(16, random_crop_scale=(0.5, 1.0), rotation_degrees=20, color_jitter=0.2)
+
+    def stream(seed):
+        ds = grain.MapDataset.source([ex] * 6).seed(seed)
+        for op in ops:
+            ds = ds.random_map(op) if isinstance(op, grain.transforms.RandomMap) else ds.map(op)
+        return ds
+
+    a, b, c = stream(3), stream(3), stream(4)
+    for i in range(6):
+        np.testing.assert_array_equal(a[i]["image"], b[i]["image"])
+    assert len({a[i]["image"].tobytes() for i in range(6)}) == 6  # same input, other index: other draw
+    assert not np.array_equal(a[0]["image"], c[0]["image"])
+
+
+SWITCHES = {  # config.data field -> (value, the one op it adds, what that op must carry)
+    "random_crop_scale": ((0.4, 0.9), T.RandomResizedCrop, {"scale": (0.4, 0.9)}),
+    "scale_jitter": ((0.7, 1.3), T.ScaleJitter, {"scale": (0.7, 1.3)}),
+    "rotation_degrees": (12.0, T.RandomRotation, {"degrees": 12.0}),
+    "color_jitter": (0.2, T.ColorJitter, {"brightness": 0.2, "contrast": 0.2, "saturation": 0.2, "hue": 0.1}),
+    "elastic_prob": (0.3, T.ElasticDeform, {"prob": 0.3, "alpha": 34.0, "sigma": 4.0}),
+    "pyramid_scales": ((0.5,), T.Pyramid, {"scales": (0.5,)}),
+}
+
+
+@pytest.mark.parametrize("field", sorted(SWITCHES))
+def test_each_config_switch_adds_exactly_its_op_and_eval_has_no_random_op(field):
+    from jaxrat.configlib import base_config
+
+    cfg = base_config().data
+    cfg.random_flip = False
+    base = [type(o) for o in pipeline.train_options(cfg)["ops"]]
+    assert base == [T.Resize, T.Normalize]  # the defaults are neutral
+    value, op_type, fields = SWITCHES[field]
+    setattr(cfg, field, value)
+    ops = pipeline.train_options(cfg)["ops"]
+    added = [o for o in ops if not isinstance(o, (T.Resize, T.Normalize))]
+    assert [type(o) for o in added] == [op_type]
+    assert {k: getattr(added[0], k) for k in fields} == fields
+    evals = pipeline.eval_options(cfg)["ops"]
+    assert not any(isinstance(o, T.grain.transforms.RandomMap) for o in evals)
+    assert [type(o) for o in evals] == ([T.Resize, T.Pyramid, T.Normalize] if op_type is T.Pyramid else
+                                        [T.Resize, T.Normalize])
+    cfg.random_flip = True
+    assert T.RandomFlip in [type(o) for o in pipeline.train_options(cfg)["ops"]]
+

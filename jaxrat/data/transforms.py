@@ -26,6 +26,9 @@ PER_BOX_KEYS = ("boxes", "labels", "is_crowd", "area")
 _LEVEL_KEY = re.compile(r"(image|mask)(_\d+)?")  # image, image_1, mask_2, ... (not image_id)
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+# Largest displacement difference between neighbouring pixels (pixels per pixel) in ElasticDeform;
+# below 0.5 the warp x -> x + d(x) cannot fold (its Jacobian stays positive).
+MAX_ELASTIC_STRAIN = 0.4
 
 
 def _hw(size: int | Sequence[int]) -> tuple[int, int]:
@@ -118,15 +121,26 @@ class RandomResizedCrop(grain.transforms.RandomMap):
 
     def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
         H, W = ex["image"].shape[:2]
-        h, w = _hw(self.size)
+        y0, x0, ch, cw = self.window(H, W, rng)
+        return resize(crop(ex, y0, x0, ch, cw), *_hw(self.size))
+
+    def window(self, H: int, W: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+        """The crop ``(y0, x0, h, w)`` for an ``H x W`` image: its area ``h * w`` lies in
+        ``scale * H * W`` (whole pixels; an image too small or too elongated for that gets a
+        central crop of its own aspect and about ``scale[1]`` of its area)."""
+        lo, hi = self.scale[0] * H * W, self.scale[1] * H * W
         for _ in range(10):
-            area = H * W * rng.uniform(*self.scale)
+            area = rng.uniform(lo, hi)
             r = math.exp(rng.uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
             cw, ch = round(math.sqrt(area * r)), round(math.sqrt(area / r))
-            if 0 < cw <= W and 0 < ch <= H:
-                y0, x0 = int(rng.integers(0, H - ch + 1)), int(rng.integers(0, W - cw + 1))
-                return resize(crop(ex, y0, x0, ch, cw), h, w)
-        return resize(ex, h, w)  # no valid crop drawn (extreme aspect): the whole image
+            # Rounding to whole pixels can leave the area range (0.48 for scale 0.5 on 5 x 5): redraw.
+            if 0 < cw <= W and 0 < ch <= H and lo <= cw * ch <= hi:
+                return int(rng.integers(0, H - ch + 1)), int(rng.integers(0, W - cw + 1)), ch, cw
+        # No draw fitted (an aspect far outside ``ratio``, a tiny image): a central crop of the
+        # image's own aspect at the largest allowed area (the whole image when scale[1] is 1).
+        f = math.sqrt(self.scale[1])
+        ch, cw = min(H, max(1, math.floor(H * f))), min(W, max(1, math.floor(W * f)))
+        return (H - ch) // 2, (W - cw) // 2, ch, cw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,20 +254,34 @@ class ColorJitter(grain.transforms.RandomMap):
         img = (img - gray.mean()) * c + gray.mean()
         gray = img @ np.array([0.299, 0.587, 0.114], np.float32)
         img = (img - gray[..., None]) * s + gray[..., None]
-        img = np.clip(img, 0, 255).astype(np.uint8)
-        if self.hue:
-            hsv = np.asarray(Image.fromarray(img).convert("HSV")).copy()
-            hsv[..., 0] = (hsv[..., 0].astype(np.int32) + round(h * 255)) % 256
-            img = np.asarray(Image.fromarray(hsv, "HSV").convert("RGB"))
+        img = np.clip(img, 0, 255)
+        if h:
+            img = _shift_hue(img, h)
+        img = np.rint(img).astype(np.uint8)
         ex["image"] = img
         return ex
+
+
+def _shift_hue(img: np.ndarray, shift: float) -> np.ndarray:
+    """Rotate the HSV hue of float RGB pixels by ``shift`` turns, keeping value and saturation
+    exactly (PIL's 8-bit HSV round trip changed pixels by up to 5 levels even for a zero shift)."""
+    v, m = img.max(-1), img.min(-1)
+    c = v - m
+    r, g, b = img[..., 0], img[..., 1], img[..., 2]
+    safe = np.where(c > 0, c, 1)
+    h6 = np.where(v == r, (g - b) / safe, np.where(v == g, (b - r) / safe + 2, (r - g) / safe + 4))
+    h6 = (h6 + 6 * shift) % 6
+    k = (np.array([5, 3, 1], np.float32) + h6[..., None]) % 6
+    return v[..., None] - c[..., None] * np.clip(np.minimum(k, 4 - k), 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class ElasticDeform(grain.transforms.RandomMap):
     """Elastic deformation (Simard et al. 2003), applied with probability ``prob``: a random
-    displacement field smoothed by a Gaussian of ``sigma`` pixels, scaled to ``alpha`` pixels;
-    image bilinear, mask nearest. Segmentation only (boxes cannot follow a non-rigid warp)."""
+    displacement field smoothed by a Gaussian of ``sigma`` pixels, scaled so that no pixel moves
+    more than ``alpha`` pixels and neighbouring pixels never cross (the bound is reached when
+    ``sigma`` is about ``alpha`` or more; smaller ``sigma`` gives a smaller, finer warp); image
+    bilinear, mask nearest. Segmentation only (boxes cannot follow a non-rigid warp)."""
 
     alpha: float = 34.0
     sigma: float = 4.0
@@ -269,13 +297,20 @@ class ElasticDeform(grain.transforms.RandomMap):
         ex = dict(ex)
         H, W = ex["image"].shape[:2]
         dy, dx = (ndimage.gaussian_filter(rng.uniform(-1, 1, (H, W)), self.sigma, mode="constant") for _ in range(2))
-        # Normalise so the largest displacement is alpha pixels whatever sigma is.
-        scale = self.alpha / max(np.abs(dy).max(), np.abs(dx).max(), 1e-12)
+        # alpha bounds how far a pixel moves (the length of its move, not each axis alone) ...
+        scale = self.alpha / max(float(np.hypot(dy, dx).max()), 1e-12)
+        # ... and the field is flattened further where reaching alpha would fold the image over
+        # itself (neighbours swapping places, a scramble rather than a deformation): alpha=34 with
+        # sigma=4 moved neighbours up to ~5 px apart. A larger sigma lets a larger alpha through.
+        steepest = max(float(np.abs(np.stack(np.gradient(f))).max()) for f in (dy, dx))
+        scale = min(scale, MAX_ELASTIC_STRAIN / max(steepest, 1e-12))
         yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
         coords = [yy + dy * scale, xx + dx * scale]
-        ex["image"] = np.stack(
-            [ndimage.map_coordinates(ex["image"][..., ch], coords, order=1, mode="reflect") for ch in range(3)], -1
-        ).astype(np.uint8)
+        # Interpolated in float and rounded: map_coordinates on uint8 truncates (a 0.5 level bias).
+        img = ex["image"].astype(np.float32)
+        ex["image"] = np.rint(np.stack(
+            [ndimage.map_coordinates(img[..., ch], coords, order=1, mode="reflect") for ch in range(3)], -1
+        )).astype(np.uint8)
         if "mask" in ex:
             ex["mask"] = ndimage.map_coordinates(ex["mask"], coords, order=0, mode="reflect").astype(np.uint8)
         return ex
