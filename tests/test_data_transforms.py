@@ -389,3 +389,19 @@ def test_each_config_switch_adds_exactly_its_op_and_eval_has_no_random_op(field)
     cfg.random_flip = True
     assert T.RandomFlip in [type(o) for o in pipeline.train_options(cfg)["ops"]]
 
+
+def test_keep_aspect_ratio_also_holds_when_random_crop_is_on():
+    from jaxrat.configlib import base_config
+
+    cfg = base_config().data
+    cfg.image_size, cfg.keep_aspect_ratio, cfg.random_crop_scale, cfg.random_flip = 16, True, (1.0, 1.0), False
+    assert [(type(o), getattr(o, "keep_aspect", None)) for o in pipeline.eval_options(cfg)["ops"]][0] == (T.Resize, True)
+    cfg.random_crop_scale = (0.5, 1.0)
+    ops = pipeline.train_options(cfg)["ops"]
+    assert isinstance(ops[0], T.Resize) and ops[0].keep_aspect and isinstance(ops[1], T.RandomResizedCrop)
+    # A wide image keeps its padding through the crop: whole black rows, as evaluation sees.
+    ex = {"image": np.full((10, 40, 3), 200, np.uint8), "mask": np.ones((10, 40), np.uint8)}
+    out = ex
+    for op in ops[:2]:
+        out = op.random_map(out, _rng(0)) if isinstance(op, T.grain.transforms.RandomMap) else op.map(out)
+    assert out["image"].shape == (16, 16, 3) and (out["image"].max(axis=(1, 2)) == 0).any()

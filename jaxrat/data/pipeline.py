@@ -152,7 +152,11 @@ def augment_ops(
     if not 0 < crop_lo <= crop_hi <= 1:
         raise ConfigError(f"config.data.random_crop_scale={tuple(random_crop_scale)}; use (min, max) with 0 < min <= max <= 1.")
     if train and crop_lo < 1:
-        ops: list = [T.RandomResizedCrop(image_size, scale=(crop_lo, crop_hi))]
+        # Letterbox first when asked: the crop alone would train on stretched images while
+        # evaluation (Resize below) sees padded ones. Larger by the crop's zoom, to keep detail.
+        canvas = int(math.ceil(image_size / math.sqrt(crop_lo)))
+        ops: list = [T.Resize(canvas, keep_aspect=True)] if keep_aspect_ratio else []
+        ops.append(T.RandomResizedCrop(image_size, scale=(crop_lo, crop_hi)))
     else:
         ops = [T.Resize(image_size, keep_aspect=keep_aspect_ratio)]
     if train:
