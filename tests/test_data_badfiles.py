@@ -273,3 +273,24 @@ def test_truncated_image_in_an_arrayrecord_is_named_and_skippable(broken, tmp_pa
     it = pipeline.train_iterator(skip, **kw)
     batches = [next(it) for _ in range(4)]  # two epochs: the bad record is replaced, never returned
     assert all(b["image"].shape == (4, 8, 8, 3) for b in batches)
+
+
+def test_bad_file_found_in_a_worker_process_is_raised_as_itself(broken):
+    """Grain sends a worker's exception back pickled: a BadFileError must survive the trip."""
+    import pickle
+    import traceback
+
+    e = pickle.loads(pickle.dumps(imageio.BadFileError("a.jpg", "file is empty", "delete it")))
+    assert type(e) is imageio.BadFileError and (e.path, e.problem) == ("a.jpg", "file is empty")
+    assert str(e) == "a.jpg: file is empty; delete it."
+    d, img, mask = broken
+    pairs = [(img(i), mask(i)) for i in (0, 3, 6, 7)]  # #3: truncated, found only when decoded
+    it = pipeline.train_iterator(pairs, image_size=8, local_batch=4, seed=0, process_index=0, process_count=1,
+                                 num_workers=1, num_threads=0)
+    try:
+        with pytest.raises(imageio.BadFileError, match="ISIC_0000003.jpg: not a readable image") as info:
+            next(it)
+        frames = traceback.extract_tb(info.value.__traceback__)
+        assert info.value.__cause__ is None and not [f for f in frames if "grain" in f.filename]  # frees Grain's
+    finally:
+        it.close()

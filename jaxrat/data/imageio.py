@@ -27,8 +27,12 @@ class BadFileError(DataError):
     """A dataset file that cannot be used: ``path`` and a short ``problem`` for the skip list."""
 
     def __init__(self, path: str, problem: str, fix: str = _FIX):
-        self.path, self.problem = path, problem
+        self.path, self.problem, self.fix = path, problem, fix
         super().__init__(f"{path}: {problem}; {fix}.")
+
+    def __reduce__(self):
+        # Grain workers send exceptions back pickled; the default would call cls(message) and fail.
+        return type(self), (self.path, self.problem, self.fix)
 
 
 @dataclasses.dataclass(frozen=True)

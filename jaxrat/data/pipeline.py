@@ -14,6 +14,7 @@ so a run may also resume with another worker count. Bad files: see :mod:`jaxrat.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -285,7 +286,14 @@ class StreamIterator:
     def __next__(self) -> dict[str, np.ndarray]:
         if self._it is None:
             self._it = self._build(self._next)
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except DataError as e:
+            # The message names the file, so the traceback adds nothing, and it (with Grain's unfiltered
+            # copy in __cause__) reaches the frames of Grain's reader threads, whose elements hold worker
+            # shared memory: kept alive, they make the exit warn of "leaked shared_memory" (see close).
+            e.__cause__ = e.__context__ = None
+            raise e.with_traceback(None) from None
         self._next += self._gb
         return batch
 
@@ -314,6 +322,9 @@ class StreamIterator:
         if close:
             close()
         self._it = None
+        # A reader thread that stopped on an error keeps its last element in a reference cycle with
+        # that error; collect it now, while its worker shared memory can still be unlinked.
+        gc.collect()
 
 
 def train_iterator(
