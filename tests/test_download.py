@@ -3,7 +3,9 @@
 import hashlib
 import http.server
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -61,8 +63,9 @@ class _Server:
     """Serves ``files`` with Range/If-Range and an MD5 ETag; ``cut`` names files whose first
     response is cut off half way (to test resuming); ``etag=False`` sends none."""
 
-    def __init__(self, files, cut=(), etag=True):
+    def __init__(self, files, cut=(), etag=True, ranges=True, if_range=True, status=None):
         self.files, self.cut, self.etag = dict(files), set(cut), etag
+        self.ranges, self.if_range, self.status = ranges, if_range, status  # ranges=False: always 200
         self.requests: list[tuple[str, str | None]] = []
         outer = self
 
@@ -76,10 +79,14 @@ class _Server:
                 if len(outer.requests) > MAX_REQUESTS or name not in outer.files:
                     self.send_error(404)
                     return
+                if outer.status:
+                    self.send_error(outer.status)
+                    return
                 data = outer.files[name]
                 tag = f'"{hashlib.md5(data).hexdigest()}"'
                 start, rng = 0, self.headers.get("Range")
-                if rng and (self.headers.get("If-Range") in (None, tag)):
+                if_range_ok = not outer.if_range or self.headers.get("If-Range") in (None, tag)
+                if rng and outer.ranges and if_range_ok:
                     start = int(rng.split("=")[1].split("-")[0])
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
@@ -207,3 +214,187 @@ def test_unreachable_server_and_a_cut_with_no_retries_left_name_the_fix(server, 
     download.download("isic2018", str(tmp_path / "b"), splits=("train",), base_url=srv.url, retries=0, timeout=10)
     assert len(isic.find_pairs(str(tmp_path / "b"), "train")) == 3
     assert [r for p, r in srv.requests if p.endswith(name)][1] == f"bytes={len(files[name]) // 2}-"
+
+
+TRAIN_INPUT = "ISIC2018_Task1-2_Training_Input.zip"
+
+
+def _other_isic_train_input(n=3) -> bytes:
+    """A different, valid version of the training-input archive (same names, other pixels)."""
+    rng = np.random.default_rng(7)
+    img_folder = isic.SPLIT_FOLDERS["train"][0]
+    return _zip({f"{img_folder}/ISIC_{i:07d}.jpg": _jpg(rng.integers(0, 255, (10, 14, 3), dtype=np.uint8))
+                 for i in range(n)})
+
+
+def _train_image_bytes(dest) -> bytes:
+    return open(os.path.join(dest, isic.SPLIT_FOLDERS["train"][0], "ISIC_0000000.jpg"), "rb").read()
+
+
+def test_server_ignoring_range_restarts_from_zero_without_corrupting(server, tmp_path):
+    files = _isic_archives()
+    srv = server(files, cut={TRAIN_INPUT}, ranges=False)
+    dest = str(tmp_path / "isic")
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=2, timeout=10, backoff=0)
+    ranges = [r for p, r in srv.requests if p.endswith(TRAIN_INPUT)]
+    assert ranges[1] is not None  # we asked to resume, the server sent everything again
+    assert len(isic.find_pairs(dest, "train")) == 3
+    with zipfile.ZipFile(io.BytesIO(files[TRAIN_INPUT])) as z:
+        assert _train_image_bytes(dest) == z.read(f"{isic.SPLIT_FOLDERS['train'][0]}/ISIC_0000000.jpg")
+
+
+@pytest.mark.parametrize("if_range", [True, False])
+def test_file_changed_between_attempts_restarts_instead_of_splicing(server, tmp_path, if_range):
+    files = _isic_archives()
+    srv = server(files, cut={TRAIN_INPUT}, if_range=if_range)
+    dest = str(tmp_path / "isic")
+    with pytest.raises(DataError, match="resume"):
+        download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    new = _other_isic_train_input()
+    srv.files[TRAIN_INPUT] = new  # a new ETag; a server ignoring If-Range would send its tail as 206
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    with zipfile.ZipFile(io.BytesIO(new)) as z:
+        assert _train_image_bytes(dest) == z.read(f"{isic.SPLIT_FOLDERS['train'][0]}/ISIC_0000000.jpg")
+
+
+def test_partial_state_left_by_a_kill_is_handled(server, tmp_path):
+    files = _isic_archives()
+    srv = server(files)
+    # The small metadata file was being written when the process died: start again, no traceback.
+    dest = str(tmp_path / "a")
+    os.makedirs(os.path.join(dest, "downloads"))
+    part = os.path.join(dest, "downloads", TRAIN_INPUT + ".part")
+    open(part, "wb").write(files[TRAIN_INPUT][:100])
+    open(part + ".json", "w").close()
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    assert len(isic.find_pairs(dest, "train")) == 3
+    # The whole body had arrived when the process died: used without asking the server again.
+    dest = str(tmp_path / "b")
+    os.makedirs(os.path.join(dest, "downloads"))
+    part = os.path.join(dest, "downloads", TRAIN_INPUT + ".part")
+    open(part, "wb").write(files[TRAIN_INPUT])
+    tag = '"%s"' % hashlib.md5(files[TRAIN_INPUT]).hexdigest()
+    open(part + ".json", "w").write('{"etag": %s, "size": %d}' % (json.dumps(tag), len(files[TRAIN_INPUT])))
+    n = len(srv.requests)
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    assert not [p for p, _ in srv.requests[n:] if p.endswith(TRAIN_INPUT)]
+    assert len(isic.find_pairs(dest, "train")) == 3
+
+
+def test_http_500_is_one_sentence_that_does_not_blame_the_network(server, tmp_path):
+    srv = server(_isic_archives(), status=500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrat.data.download", "isic2018", "--dest", str(tmp_path / "d"),
+         "--base-url", srv.url, "--retries", "1", "--splits", "train"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    err = [line for line in proc.stderr.splitlines() if line.startswith("jaxrat: error:")]
+    assert len(err) == 1 and "HTTP Error 500" in err[0] and "--base-url" in err[0] and "network" not in err[0]
+
+
+def test_macos_metadata_is_left_out_and_unsafe_members_are_refused(server, tmp_path):
+    files = _isic_archives()
+    img_folder = isic.SPLIT_FOLDERS["train"][0]
+    with zipfile.ZipFile(io.BytesIO(files[TRAIN_INPUT])) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members[f"__MACOSX/{img_folder}/._ISIC_0000000.jpg"] = b"\x00\x05\x16\x07 resource fork"
+    members[f"{img_folder}/._ISIC_0000001.jpg"] = b"\x00\x05\x16\x07 resource fork"
+    members[f"{img_folder}/.DS_Store"] = b"finder"
+    files[TRAIN_INPUT] = _zip(members)
+    dest = str(tmp_path / "isic")
+    download.download("isic2018", dest, splits=("train",), base_url=server(files).url, retries=0, timeout=10)
+    assert not os.path.exists(os.path.join(dest, "__MACOSX"))
+    assert sorted(os.listdir(os.path.join(dest, img_folder))) == [
+        "ATTRIBUTION.txt", "ISIC_0000000.jpg", "ISIC_0000001.jpg", "ISIC_0000002.jpg"]
+    for bad in ("../evil.txt", f"{img_folder}/../../evil.txt", "/tmp/evil.txt"):
+        evil = dict(members)
+        evil[bad] = b"owned"
+        other = dict(_isic_archives())
+        other[TRAIN_INPUT] = _zip(evil)
+        d = tmp_path / f"bad{len(bad)}"
+        with pytest.raises(DataError, match="unsafe member path"):
+            download.download("isic2018", str(d / "dest"), splits=("train",), base_url=server(other).url,
+                              retries=0, timeout=10)
+        assert not (d / "evil.txt").exists() and not (tmp_path / "evil.txt").exists()
+        assert not (d / "dest" / img_folder).exists()  # nothing of the refused archive was extracted
+
+
+KILL_DURING_EXTRACTION = r"""
+import sys, time, zipfile
+from jaxrat.data import download
+ready, n = sys.argv[1], [0]
+original = zipfile.ZipFile._extract_member
+def stall(self, member, path, pwd):
+    n[0] += 1
+    if n[0] == 3:  # two members written: tell the test, then wait to be killed
+        open(ready, "w").close()
+        time.sleep(120)
+    return original(self, member, path, pwd)
+zipfile.ZipFile._extract_member = stall
+sys.exit(download.main(sys.argv[2:]))
+"""
+
+
+def test_kill_during_extraction_leaves_no_half_folder_and_a_rerun_finishes(server, tmp_path):
+    import time
+
+    srv = server(_isic_archives())
+    dest, ready = str(tmp_path / "isic"), str(tmp_path / "ready")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_DURING_EXTRACTION, ready, "isic2018", "--dest", dest, "--base-url", srv.url,
+         "--splits", "train", "--retries", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(600):  # up to a minute for start-up and the download
+            if os.path.exists(ready) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert os.path.exists(ready), "the extraction never started"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert not os.path.exists(os.path.join(dest, isic.SPLIT_FOLDERS["train"][0]))  # nothing half-written
+    with pytest.raises(DataError, match="not found"):
+        isic.find_pairs(dest, "train")
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    assert len(isic.find_pairs(dest, "train")) == 3
+    assert not [e for e in os.listdir(dest) if e.startswith(".extract")]  # the killed run's leftovers are gone
+
+
+def test_deleted_folder_is_extracted_again_by_a_rerun(server, tmp_path):
+    srv = server(_isic_archives())
+    dest = str(tmp_path / "isic")
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    shutil.rmtree(os.path.join(dest, isic.SPLIT_FOLDERS["train"][1]))  # the masks
+    assert download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=0) == [
+        "ISIC2018_Task1_Training_GroundTruth.zip"]
+    assert len(isic.find_pairs(dest, "train")) == 3
+
+
+def test_coco2017_archives_extract_to_the_layout_the_reader_uses(server, tmp_path):
+    from jaxrat.data import coco, synthetic_coco
+
+    src = str(tmp_path / "src")
+    synthetic_coco.write_coco(src, num_train=3, num_val=2, image_size=32)
+
+    def zip_folder(folder):
+        out = {}
+        for root, _, names in os.walk(os.path.join(src, folder)):
+            for n in names:
+                p = os.path.join(root, n)
+                out[os.path.relpath(p, src)] = open(p, "rb").read()
+        return _zip(out)
+
+    files = {"annotations_trainval2017.zip": zip_folder("annotations"), "train2017.zip": zip_folder("train2017"),
+             "val2017.zip": zip_folder("val2017")}
+    srv = server(files)
+    base = srv.url.rsplit("/2018/", 1)[0] + "/"
+    dest = str(tmp_path / "coco")
+    done = download.download("coco2017", dest, base_url=base, retries=0, timeout=10)
+    assert sorted(done) == sorted(files)
+    assert sorted(p for p, _ in srv.requests) == ["/annotations/annotations_trainval2017.zip",
+                                                   "/zips/train2017.zip", "/zips/val2017.zip"]
+    assert len(coco.CocoDetection(dest, "validation").records) == 2
+    assert len(coco.CocoDetection(dest, "train").records) == 3

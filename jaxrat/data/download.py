@@ -8,8 +8,9 @@ request after an interruption (``If-Range`` on the ETag, so a changed file resta
 Before extraction it is checked: the byte count against ``Content-Length``; its MD5 against the
 ETag when the server's ETag is a plain MD5 (S3 and most static servers for single-part
 uploads); its SHA-256 against a pinned value (the registry below or ``--checksums FILE``); and
-every zip member's CRC. Extraction goes to a temporary folder renamed into place, and
-``DEST/.jaxrat_downloads.json`` records the SHA-256 of each archive extracted, so a rerun skips it.
+every zip member's CRC. Extraction goes to a temporary folder renamed into place (macOS
+``__MACOSX``/``._*`` metadata left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
+and top-level folders of each archive extracted, so a rerun skips it while those folders exist.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -92,20 +94,28 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
 
     Retries network errors up to ``retries`` times, each time continuing where it stopped."""
     part, meta_path = path + ".part", path + ".part.json"
-    meta = {}
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
+    meta = _read_meta(meta_path)
     last_error = None
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff * attempt)
         have = os.path.getsize(part) if os.path.exists(part) else 0
+        if have and have == meta.get("size"):  # complete before a kill; a Range request would get 416
+            os.replace(part, path)
+            os.remove(meta_path)
+            return meta
         headers = {"User-Agent": "jaxrat-download"}
         if have and meta.get("etag"):
             headers.update({"Range": f"bytes={have}-", "If-Range": meta["etag"]})
         try:
-            with _open(url, headers, timeout) as resp:
+            resp = _open(url, headers, timeout)
+            if resp.status == 206 and not _continues(resp, have, meta.get("etag")):
+                # Appending this would splice two versions or misplace bytes: start again.
+                logging.warning("%s: the server's partial answer does not continue our file; restarting", url)
+                resp.close()
+                os.remove(part)
+                resp = _open(url, {"User-Agent": "jaxrat-download"}, timeout)
+            with resp:
                 etag = resp.headers.get("ETag")
                 if resp.status == 206:
                     total = int(resp.headers["Content-Range"].rsplit("/", 1)[1])
@@ -115,8 +125,7 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                     total = int(resp.headers.get("Content-Length", -1))
                     mode, have = "wb", 0
                 meta = {"etag": etag, "size": total}
-                with open(meta_path, "w") as f:
-                    json.dump(meta, f)
+                _write_meta(meta_path, meta)
                 with open(part, mode) as out:
                     for chunk in iter(lambda: resp.read(_CHUNK), b""):
                         out.write(chunk)
@@ -134,15 +143,45 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
             if e.code in (403, 404, 410):
                 raise DataError(f"Download of {url} failed: HTTP {e.code} {e.reason}; check the URL or --base-url.") from None
             last_error = e
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
             last_error = e
         if attempt < retries:
             logging.warning("download of %s interrupted (%s); retry %d of %d", url, last_error, attempt + 1, retries)
     if os.path.exists(part) and os.path.getsize(part):
         fix = f"run the same command again to resume from {part}"
+    elif isinstance(last_error, urllib.error.HTTPError):  # the server answered, so not the network
+        fix = "the server failed; run the same command again later or use a mirror with --base-url"
     else:
         fix = "check the network connection and --base-url, then run the same command again"
     raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); {fix}.")
+
+
+def _read_meta(meta_path: str) -> dict:
+    """The partial download's {"etag", "size"}; empty when missing or unreadable (a kill while
+    it was written), which makes the next request a fresh start instead of a traceback."""
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_meta(meta_path: str, meta: dict) -> None:
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)
+
+
+def _continues(resp, have: int, etag: str | None) -> bool:
+    """Whether a 206 answer is the rest of our ``have`` bytes of the same file: it starts at
+    ``have`` and carries the ETag we started with (servers that ignore If-Range send the new
+    file's bytes otherwise)."""
+    m = re.fullmatch(r"bytes (\d+)-\d+/(\d+)", (resp.headers.get("Content-Range") or "").strip())
+    if not m or int(m.group(1)) != have:
+        return False
+    new_tag = resp.headers.get("ETag")
+    return not (etag and new_tag and new_tag != etag)
 
 
 def verify(path: str, *, etag: str | None, sha256: str | None) -> str:
@@ -170,29 +209,45 @@ def verify(path: str, *, etag: str | None, sha256: str | None) -> str:
     return digest
 
 
-def extract(archive: str, dest: str) -> None:
-    """Unzip into ``dest`` (through a temporary folder). Members outside ``dest`` are refused."""
-    tmp = os.path.join(dest, f".extract-{os.path.basename(archive)}-{os.getpid()}")
+def _is_junk(member: str) -> bool:
+    """macOS Finder metadata that zips made on a Mac carry (``__MACOSX/``, ``._NAME``)."""
+    parts = member.replace("\\", "/").split("/")
+    return parts[0] == "__MACOSX" or parts[-1].startswith("._") or parts[-1] == ".DS_Store"
+
+
+def extract(archive: str, dest: str) -> list[str]:
+    """Unzip into ``dest`` (through a temporary folder); returns the top-level entries written.
+    Members outside ``dest`` are refused; macOS metadata members are left out."""
+    # One name per archive, not per process: a rerun after a kill removes what the killed
+    # extraction left (possibly gigabytes) instead of leaving it beside the data for good.
+    tmp = os.path.join(dest, f".extract-{os.path.basename(archive)}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(archive) as z:
-        for member in z.namelist():
-            target = os.path.normpath(os.path.join(tmp, member))
-            if not target.startswith(tmp + os.sep) and target != tmp:
-                raise DataError(f"Archive {archive} has an unsafe member path {member!r}; refusing to extract it.")
-        z.extractall(tmp)
-    for entry in sorted(os.listdir(tmp)):
-        src, dst = os.path.join(tmp, entry), os.path.join(dest, entry)
-        if os.path.isdir(src) and os.path.isdir(dst):
-            for root, _, files in os.walk(src):  # merge (COCO's annotations folder, reruns)
-                rel = os.path.relpath(root, src)
-                os.makedirs(os.path.join(dst, rel), exist_ok=True)
-                for f in files:
-                    os.replace(os.path.join(root, f), os.path.join(dst, rel, f))
-        else:
-            if os.path.isdir(dst):
-                shutil.rmtree(dst)
-            os.replace(src, dst)
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(archive) as z:
+            members = [m for m in z.namelist() if not _is_junk(m)]
+            for member in members:
+                target = os.path.normpath(os.path.join(tmp, member))
+                if not target.startswith(tmp + os.sep) and target != tmp:
+                    raise DataError(f"Archive {archive} has an unsafe member path {member!r}; refusing to extract it.")
+            os.makedirs(tmp)
+            for member in members:
+                z.extract(member, tmp)
+        entries = sorted(os.listdir(tmp))
+        for entry in entries:
+            src, dst = os.path.join(tmp, entry), os.path.join(dest, entry)
+            if os.path.isdir(src) and os.path.isdir(dst):
+                for root, _, files in os.walk(src):  # merge (COCO's annotations folder, reruns)
+                    rel = os.path.relpath(root, src)
+                    os.makedirs(os.path.join(dst, rel), exist_ok=True)
+                    for f in files:
+                        os.replace(os.path.join(root, f), os.path.join(dst, rel, f))
+            else:
+                if os.path.isdir(dst):
+                    shutil.rmtree(dst)
+                os.replace(src, dst)
+        return entries
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -203,6 +258,18 @@ def _load_state(dest: str) -> dict:
         with open(path) as f:
             return json.load(f)
     return {}
+
+
+def _extracted(record: str | dict | None, dest: str, pinned: str | None) -> bool:
+    """Whether an archive's state ``record`` says it is extracted in ``dest`` and that is still
+    true: pinned checksum equal, and the top-level entries it wrote (a folder deleted since
+    would otherwise never come back) still there. Old records are the bare SHA-256."""
+    if record is None:
+        return False
+    rec = record if isinstance(record, dict) else {"sha256": record, "entries": []}
+    if pinned and rec.get("sha256") != pinned.lower():
+        return False
+    return all(os.path.exists(os.path.join(dest, e)) for e in rec.get("entries", []))
 
 
 def _save_state(dest: str, state: dict) -> None:
@@ -248,7 +315,7 @@ def download(
             continue
         fname = os.path.basename(arc.name)
         pinned = (checksums or {}).get(fname) or arc.sha256
-        if fname in state and (not pinned or state[fname] == pinned):
+        if _extracted(state.get(fname), dest, pinned):
             logging.info("%s already extracted in %s", fname, dest)
             continue
         path = os.path.join(downloads, fname)
@@ -257,8 +324,8 @@ def download(
             logging.info("downloading %s", base + arc.name)
             meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff)
         digest = verify(path, etag=meta.get("etag"), sha256=pinned)
-        extract(path, dest)
-        state[fname] = digest
+        entries = extract(path, dest)
+        state[fname] = {"sha256": digest, "entries": entries}
         _save_state(dest, state)
         if not keep_archives:
             os.remove(path)
