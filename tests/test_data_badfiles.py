@@ -57,6 +57,45 @@ def test_odd_but_valid_images_become_uint8_rgb(tmp_path):
     np.testing.assert_array_equal(imageio.load_mask(m16), [[0, 1], [1, 0]])
 
 
+def test_masks_in_other_encodings_keep_their_foreground(tmp_path):
+    """0/1 label maps, colour, palette and 1-bit masks: the same 9 foreground pixels, never an empty mask."""
+    m = np.zeros((6, 6), np.uint8)
+    m[1:4, 1:4] = 1
+    red = np.zeros((6, 6, 3), np.uint8)
+    red[..., 0] = m * 255
+    soft = m * 255
+    soft[0, 1:4], soft[4, 1:4] = 100, 60  # anti-aliased edge below half
+    voc = Image.frombytes("P", (6, 6), m.tobytes())
+    voc.putpalette([0, 0, 0, 128, 0, 0])  # Pascal VOC colours: class 1 is dark red
+    masks = {
+        "zero_one": Image.fromarray(m), "zero_255": Image.fromarray(m * 255), "antialiased": Image.fromarray(soft),
+        "rgb_white": Image.fromarray(m * 255).convert("RGB"), "rgb_red": Image.fromarray(red),
+        "rgba": Image.fromarray(m * 255).convert("RGBA"), "la": Image.fromarray(m * 255).convert("LA"),
+        "one_bit": Image.fromarray(m.astype(bool)), "palette_voc": voc,
+    }
+    for name, img in masks.items():
+        path = str(tmp_path / f"{name}.png")
+        img.save(path)
+        np.testing.assert_array_equal(imageio.load_mask(path), m, err_msg=name)
+    Image.fromarray(np.zeros((6, 6), np.uint8)).save(tmp_path / "empty.png")
+    assert imageio.load_mask(str(tmp_path / "empty.png")).max() == 0  # no lesion stays no lesion
+    from jaxrat.data.tfds_isic import FromTfds
+
+    got = FromTfds(label_keys=()).map({"image": np.zeros((6, 6, 3), np.uint8), "mask": m[..., None]})
+    np.testing.assert_array_equal(got["mask"], m)
+
+
+def test_lab_image_is_converted_and_an_unconvertible_mode_is_named(tmp_path, monkeypatch):
+    rgb = np.random.default_rng(0).integers(0, 255, (6, 5, 3), dtype=np.uint8)
+    path = str(tmp_path / "lab.tif")
+    Image.fromarray(rgb).convert("LAB").save(path)
+    assert Image.open(path).mode == "LAB"
+    back = imageio.load_rgb(path).astype(int)
+    assert back.shape == (6, 5, 3) and np.abs(back - rgb).mean() < 4  # through a colour profile, not raw channels
+    monkeypatch.setattr(imageio, "_as_rgb", lambda img: img.convert("nonsense"))
+    with pytest.raises(imageio.BadFileError, match="lab.tif: colour mode LAB cannot be converted"):
+        imageio.load_rgb(path)
+
 def _break(path, how):
     if how == "empty":
         open(path, "wb").close()

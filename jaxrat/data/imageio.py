@@ -106,19 +106,35 @@ def to_rgb(img: Image.Image) -> np.ndarray:
             arr = np.clip(arr, 0, None) / full
         arr = (arr * 255.0).round().astype(np.uint8)
         return np.repeat(arr[..., None], 3, axis=-1)
+    return np.asarray(_as_rgb(img), dtype=np.uint8)
+
+
+def _as_rgb(img: Image.Image) -> Image.Image:
+    """8-bit modes as an RGB PIL image (alpha dropped)."""
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")  # PIL warns when a palette with transparency goes straight to RGB
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    return np.asarray(img, dtype=np.uint8)
+    if img.mode == "LAB":  # e.g. CIELAB TIFFs: PIL converts LAB only through a colour profile
+        from PIL import ImageCms
+
+        lab, srgb = ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB")
+        return ImageCms.applyTransform(img, ImageCms.buildTransform(lab, srgb, "LAB", "RGB"))
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _convert(name: str, img: Image.Image, convert):
+    try:
+        return convert(img)
+    except (ValueError, OSError) as e:  # a colour mode PIL cannot convert: name the file, like a broken one
+        raise BadFileError(name, f"colour mode {img.mode} cannot be converted ({type(e).__name__}: {e})") from None
 
 
 def load_rgb_with_size(path: Source, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
     """Decode ``path`` (a file or :class:`Encoded` bytes) as uint8 RGB; with ``at_least=(w, h)`` a JPEG may be decoded at a reduced
     scale that is still at least that large (much faster for big photos resized for training).
-    Returns (pixels, original (w, h))."""
+    Returns (pixels, original (w, h)). EXIF orientation is ignored: pixels come as stored, which is
+    what masks and box annotations are drawn on (see docs/data.md)."""
     img, size = _open(path, at_least)
-    return to_rgb(img), size
+    return _convert(source_name(path), img, to_rgb), size
 
 
 def load_rgb(path: str) -> np.ndarray:
@@ -129,11 +145,21 @@ def load_rgb(path: str) -> np.ndarray:
 def load_mask(path: Source) -> np.ndarray:
     """Load a binary segmentation mask as uint8 (H, W) with values {0, 1}.
 
-    Foreground is > 127 for 8-bit masks (official ISIC masks are 0/255) and > 0 for 16-bit ones.
+    8-bit masks: foreground is > 127 (official ISIC masks are 0/255; anti-aliased edges split at
+    half), except that a mask whose values are all 0 or 1 is a label map and 1 is foreground.
+    Colour and palette masks use their brightest colour channel (a white or red lesion on black),
+    alpha is ignored. 16-bit and float masks: any non-zero value.
     """
     img, _ = _open(path)
     if img.mode in _WIDE_MODES:
-        arr = np.asarray(img) > 0
-    else:
-        arr = np.asarray(img.convert("L")) > 127
-    return arr.astype(np.uint8)
+        return (np.asarray(img) > 0).astype(np.uint8)
+    if img.mode != "L":
+        img = _convert(source_name(path), img, lambda i: i.convert("L") if i.mode == "1" else _as_rgb(i))
+    return binary_mask(np.asarray(img))
+
+
+def binary_mask(arr: np.ndarray) -> np.ndarray:
+    """An 8-bit mask array, (H, W) or (H, W, C) colour, as uint8 {0, 1} by the rule of :func:`load_mask`."""
+    if arr.ndim == 3:
+        arr = arr.max(axis=-1)
+    return (arr > (0 if arr.max(initial=0) <= 1 else 127)).astype(np.uint8)

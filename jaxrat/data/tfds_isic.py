@@ -30,7 +30,7 @@ from PIL import Image
 
 from jaxrat.data import isic
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, Encoded, load_mask, load_rgb_with_size
+from jaxrat.data.imageio import BadFileError, Encoded, binary_mask, load_mask, load_rgb_with_size
 from jaxrat.data.pipeline import DecodePair
 from jaxrat.errors import DataError, UserError
 
@@ -180,7 +180,7 @@ class FromTfds(grain.transforms.Map):
         out = {"image": image.astype(np.uint8)}
         if self.mask_key:
             m = np.asarray(rec[self.mask_key])
-            out["mask"] = (m.reshape(m.shape[:2]) > 127).astype(np.uint8)
+            out["mask"] = binary_mask(m.reshape(m.shape[:2]) if m.ndim == 3 and m.shape[-1] == 1 else m)
         if self.label_keys:
             out["labels"] = np.array([int(rec[k]) for k in self.label_keys], np.int32)
         return out
