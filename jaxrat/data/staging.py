@@ -2,7 +2,8 @@
 
 Several processes of one node may call :func:`stage` at once: one copies under an exclusive file
 lock, the others wait and reuse the copy. A copy is reused only when its manifest (relative
-path, size and mtime of every file) matches the source, so a changed dataset is re-staged.
+path, size and mtime of every file) matches the source and its files are all still there, so a
+changed dataset is re-staged; a copy killed half way is never used, and the next call removes it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,22 @@ def _manifest(src: str) -> dict:
         for name in sorted(names):
             path = os.path.join(root, name)
             st = os.stat(path)
-            files[os.path.relpath(path, src)] = [st.st_size, int(st.st_mtime)]
+            # Nanoseconds: a file rewritten with the same size within the second it was staged
+            # kept its whole-second mtime, and the stale copy was reused.
+            files[os.path.relpath(path, src)] = [st.st_size, st.st_mtime_ns]
     return {"source": os.path.abspath(src), "files": files}
+
+
+def _intact(dest: str, want: dict) -> bool:
+    """Whether ``dest`` is a finished copy of the source ``want`` describes, every file still
+    there at its size (node-local scratch is often cleaned file by file behind our back)."""
+    try:
+        with open(os.path.join(dest, _MANIFEST)) as f:
+            if json.load(f) != want:
+                return False
+        return all(os.path.getsize(os.path.join(dest, rel)) == size for rel, (size, _) in want["files"].items())
+    except (OSError, ValueError):
+        return False
 
 
 def stage(src: str, local_root: str) -> str:
@@ -47,27 +62,48 @@ def stage(src: str, local_root: str) -> str:
             return _stage_locked(src, dest)
     except OSError as e:
         raise DataError(
-            f"Staging {src} to {local_root} failed ({e.strerror or e}); free space there or fix "
+            f"Staging {src} to {local_root} failed ({_reason(e)}); free space there or fix "
             f"--config.data.stage_to_local_dir."
         ) from None
 
 
+def _reason(e: OSError) -> str:
+    """The cause in a few words: copytree collects one error per file (thousands on a full disk)."""
+    failures = e.args[0] if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) else None
+    if failures:
+        first = failures[0]
+        more = f", and {len(failures) - 1} more file(s)" if len(failures) > 1 else ""
+        return f"{first[-1]} copying {first[0]}{more}"
+    return str(e.strerror or e)
+
+
 def _stage_locked(src: str, dest: str) -> str:
     want = _manifest(src)
-    marker = os.path.join(dest, _MANIFEST)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == want:
-                logging.info("data: reusing the staged copy %s", dest)
-                return dest
+    if _intact(dest, want):
+        logging.info("data: reusing the staged copy %s", dest)
+        return dest
     t0 = time.perf_counter()
+    parent, base = os.path.split(dest)
+    # Copies of killed runs (preemption mid-copy) would pile up on the local disk: only the lock
+    # holder writes these names, and that is us.
+    for name in os.listdir(parent):
+        if name.startswith((base + ".tmp-", base + ".old-")):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     tmp = f"{dest}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    with open(os.path.join(tmp, _MANIFEST), "w") as f:
-        json.dump(want, f)
-    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        shutil.copytree(src, tmp)
+        with open(os.path.join(tmp, _MANIFEST), "w") as f:
+            json.dump(want, f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half copy
+        raise
+    old = f"{dest}.old-{os.getpid()}"
+    if os.path.exists(dest):
+        # Moved aside in one step, not deleted in place: a kill during a deletion could leave
+        # a copy with its manifest but without some files.
+        os.replace(dest, old)
     os.replace(tmp, dest)  # the copy appears complete or not at all
+    shutil.rmtree(old, ignore_errors=True)
     size = sum(v[0] for v in want["files"].values())
     logging.info("data: staged %s to %s (%d files, %.1f MB) in %.1f s",
                  src, dest, len(want["files"]), size / 1e6, time.perf_counter() - t0)
