@@ -405,3 +405,24 @@ def test_keep_aspect_ratio_also_holds_when_random_crop_is_on():
     for op in ops[:2]:
         out = op.random_map(out, _rng(0)) if isinstance(op, T.grain.transforms.RandomMap) else op.map(out)
     assert out["image"].shape == (16, 16, 3) and (out["image"].max(axis=(1, 2)) == 0).any()
+
+
+@pytest.mark.parametrize("shape,scales", [((33, 50), (0.5, 0.25)), ((31, 17), (0.5, 0.3)), ((7, 64), (0.25,))])
+def test_pyramid_spacing_is_level0_pixels_per_level_pixel(shape, scales):
+    h, w = shape
+    ex = {"image": np.zeros((h, w, 3), np.uint8), "mask": np.zeros((h, w), np.uint8)}
+    out = T.Pyramid(scales).map(ex)
+    for k, s in enumerate(scales, start=1):
+        lh, lw = out[f"image_{k}"].shape[:2]
+        assert (lh, lw) == (max(1, round(h * s)), max(1, round(w * s))) and out[f"mask_{k}"].shape == (lh, lw)
+        sy, sx = out[f"spacing_{k}"]
+        assert out[f"spacing_{k}"].dtype == np.float32
+        np.testing.assert_allclose([sy * lh, sx * lw], [h, w], rtol=1e-6)  # the level spans level 0 exactly
+
+
+def test_normalize_uses_the_imagenet_statistics():
+    ex = {"image": np.array([[[124, 116, 104], [255, 0, 0]]], np.uint8)}
+    out = T.Normalize().map(ex)["image"]
+    mean, std = np.array([0.485, 0.456, 0.406]) * 255, np.array([0.229, 0.224, 0.225]) * 255
+    np.testing.assert_allclose(out[0, 0], (np.array([124, 116, 104]) - mean) / std, rtol=1e-5)
+    np.testing.assert_allclose(out[0, 1], [(255 - mean[0]) / std[0], -mean[1] / std[1], -mean[2] / std[2]], rtol=1e-5)
