@@ -113,3 +113,50 @@ def test_eval_pads_to_whole_batches_and_marks_padding(data_dir):
     first = hosts[0][0]
     assert first["image"].shape == (2, 8, 8, 3) and first["image"].dtype == np.float32
     assert first["mask"].shape == (2, 8, 8, 1) and set(np.unique(first["mask"])) <= {0.0, 1.0}
+
+
+def test_case_variants_and_stray_files_in_the_official_folders(tmp_path):
+    d = str(tmp_path)
+    synthetic.write_dataset(d, 4, 1, 16)
+    img_dir, mask_dir = (os.path.join(d, f) for f in isic.SPLIT_FOLDERS["train"])
+    os.rename(os.path.join(img_dir, "ISIC_0000001.jpg"), os.path.join(img_dir, "ISIC_0000001.JPG"))
+    os.rename(os.path.join(mask_dir, "ISIC_0000001_segmentation.png"),
+              os.path.join(mask_dir, "ISIC_0000001_segmentation.PNG"))  # copied through a case-blind disk
+    os.rename(os.path.join(img_dir, "ISIC_0000002.jpg"), os.path.join(img_dir, "isic_0000002.jpeg"))
+    for stray in (".DS_Store", "._ISIC_0000000.jpg", "ISIC_0000000_superpixels.png", "metadata.csv"):
+        open(os.path.join(img_dir, stray), "wb").write(b"\x00\x05\x16\x07 not an image")
+    os.makedirs(os.path.join(img_dir, "ISIC_0000009.jpg"))  # a folder, even one named like an image, is no image
+    os.makedirs(os.path.join(mask_dir, "old"))
+    open(os.path.join(mask_dir, ".DS_Store"), "w").write("x")
+    pairs = isic.find_pairs(d, "train", policy=isic.BadFilePolicy("skip"))
+    names = [(os.path.basename(i), os.path.basename(m)) for i, m in pairs]
+    assert names[:3] == [("ISIC_0000000.jpg", "ISIC_0000000_segmentation.png"),
+                         ("ISIC_0000001.JPG", "ISIC_0000001_segmentation.PNG"),
+                         ("ISIC_0000003.jpg", "ISIC_0000003_segmentation.png")]
+    assert names[3] == ("isic_0000002.jpeg", "ISIC_0000002_segmentation.png") and len(names) == 4
+    split = str(tmp_path / "split.json")
+    open(split, "w").write('{"train": ["ISIC_0000002", "isic_0000001.jpg"]}')
+    assert [os.path.basename(i) for i, _ in isic.find_pairs(d, "train", split_file=split)] == [
+        "isic_0000002.jpeg", "ISIC_0000001.JPG"]
+
+
+def test_exif_rotated_jpeg_is_read_as_stored_so_its_mask_stays_aligned(tmp_path):
+    d = str(tmp_path)
+    synthetic.write_dataset(d, 2, 1, 16)
+    img_dir, mask_dir = (os.path.join(d, f) for f in isic.SPLIT_FOLDERS["train"])
+    image = np.zeros((8, 12, 3), np.uint8)
+    image[:, :4] = 255  # left third bright, and the mask says so, in stored pixels
+    mask = np.zeros((8, 12), np.uint8)
+    mask[:, :4] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees to display"
+    Image.fromarray(image).save(os.path.join(img_dir, "ISIC_0000000.jpg"), exif=exif, quality=95)
+    Image.fromarray(mask).save(os.path.join(mask_dir, "ISIC_0000000_segmentation.png"))
+    pair = isic.find_pairs(d, "train")[0]
+    ex = pipeline.DecodePair().map(pair)
+    assert ex["image"].shape == (8, 12, 3)
+    np.testing.assert_array_equal(ex["image"][..., 0] > 127, ex["mask"] > 0)
+    # A mask drawn on the upright view is the image's size turned: named, with the reason.
+    Image.fromarray(mask.T.copy()).save(pair[1])
+    with pytest.raises(DataError, match=r"mask is 8x12 but its image .* is 12x8 \(the mask fits the image as its EXIF"):
+        isic.find_pairs(d, "train")

@@ -92,6 +92,15 @@ def probe(path: str) -> tuple[int, int]:
         raise BadFileError(path, f"not a readable image ({type(e).__name__}: {e})") from None
 
 
+def exif_orientation(path: str) -> int:
+    """The EXIF orientation tag of an image file (1: upright, 5-8: turned a quarter), 1 if none."""
+    try:
+        with Image.open(path) as img:
+            return int(img.getexif().get(0x0112, 1) or 1)
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return 1
+
+
 def to_rgb(img: Image.Image) -> np.ndarray:
     """Any PIL image as uint8 RGB (H, W, 3)."""
     if img.mode in _WIDE_MODES:

@@ -28,6 +28,8 @@ SPLIT_FOLDERS = {
     "test": ("ISIC2018_Task1-2_Test_Input", "ISIC2018_Task1_Test_GroundTruth"),
 }
 _IMAGE_RE = re.compile(r"^(ISIC_\d+)\.(jpe?g|png)$", re.IGNORECASE)
+# PNG first (the official format); others are accepted for masks converted by other tools.
+_MASK_EXTENSIONS = ("png", "gif", "bmp", "tif", "tiff", "jpg", "jpeg")
 
 
 def default_data_dir() -> str:
@@ -53,11 +55,18 @@ def _folder_pairs(data_dir: str, split: str, policy: BadFilePolicy, required: bo
                 raise DataError(_missing_message(data_dir, folder))
             return []
     pairs = []
-    for name in sorted(os.listdir(img_dir)):
+    # Masks by lower-case name: copies made on macOS/Windows may say .PNG, or isic_ for ISIC_.
+    masks = {n.lower(): n for n in sorted(os.listdir(mask_dir), reverse=True)}
+    files = sorted(e.name for e in os.scandir(img_dir) if e.is_file())  # sub-folders are no images, whatever their name
+    for name in files:
         m = _IMAGE_RE.match(name)
         if not m:  # README, LICENSE, ATTRIBUTION, metadata CSVs and superpixel files live here too
             continue
         mask = os.path.join(mask_dir, f"{m.group(1)}_segmentation.png")
+        found = next((masks[k] for k in (f"{m.group(1)}_segmentation.{e}".lower() for e in _MASK_EXTENSIONS)
+                      if k in masks), None)
+        if found:
+            mask = os.path.join(mask_dir, found)
         if not os.path.isfile(mask):
             policy.handle(BadFileError(
                 os.path.join(img_dir, name), f"its mask {mask} is missing",
@@ -65,7 +74,7 @@ def _folder_pairs(data_dir: str, split: str, policy: BadFilePolicy, required: bo
             ))
             continue
         pairs.append((os.path.join(img_dir, name), mask))
-    if required and not pairs and not any(_IMAGE_RE.match(n) for n in os.listdir(img_dir)):
+    if required and not pairs and not any(_IMAGE_RE.match(n) for n in files):
         raise DataError(f"No ISIC_*.jpg or ISIC_*.png images in {img_dir}; check --config.data.data_dir.")
     return pairs
 
@@ -75,8 +84,12 @@ def check_pair(image_path: str, mask_path: str) -> None:
     isize = imageio.probe(image_path)
     msize = imageio.probe(mask_path)
     if isize != msize:
+        hint = ""
+        if msize == isize[::-1] and imageio.exif_orientation(image_path) >= 5:
+            # Pixels are read as stored (EXIF ignored), so a mask drawn on the upright view is turned.
+            hint = " (the mask fits the image as its EXIF orientation shows it: save the image upright)"
         raise BadFileError(
-            mask_path, f"mask is {msize[0]}x{msize[1]} but its image {image_path} is {isize[0]}x{isize[1]}",
+            mask_path, f"mask is {msize[0]}x{msize[1]} but its image {image_path} is {isize[0]}x{isize[1]}{hint}",
             "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
         )
 
@@ -118,15 +131,15 @@ def _pairs_from_split_file(data_dir: str, split: str, split_file: str, policy: B
     )
     if not pool:
         raise DataError(_missing_message(data_dir, SPLIT_FOLDERS["train"][0]))
-    by_id = {_IMAGE_RE.match(os.path.basename(p[0])).group(1): p for p in pool}
+    by_id = {_IMAGE_RE.match(os.path.basename(p[0])).group(1).upper(): p for p in pool}
     out = []
     for entry in spec[split]:
         if isinstance(entry, int) and not isinstance(entry, bool):
             if not 0 <= entry < len(pool):
                 raise DataError(f"Split file {split_file}: index {entry} is outside the {len(pool)} labelled images.")
             out.append(pool[entry])
-        elif isinstance(entry, str) and os.path.splitext(os.path.basename(entry))[0] in by_id:
-            out.append(by_id[os.path.splitext(os.path.basename(entry))[0]])
+        elif isinstance(entry, str) and os.path.splitext(os.path.basename(entry))[0].upper() in by_id:
+            out.append(by_id[os.path.splitext(os.path.basename(entry))[0].upper()])
         elif isinstance(entry, str) and policy.skip:
             policy.handle(BadFileError(entry, f"listed in {split_file} but not found in {data_dir}"))
         else:
