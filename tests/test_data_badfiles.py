@@ -1,5 +1,6 @@
 """Odd but valid files are converted; bad files fail with their name or are skipped deterministically."""
 
+import json
 import os
 import shutil
 import struct
@@ -333,3 +334,29 @@ def test_bad_file_found_in_a_worker_process_is_raised_as_itself(broken):
         assert info.value.__cause__ is None and not [f for f in frames if "grain" in f.filename]  # frees Grain's
     finally:
         it.close()
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("no bbox", "not valid at image id .* 'bbox'"),
+    ("short bbox", "not valid at image id .* unpack"),
+    ("no width", "not valid at image id .* 'width'"),
+    ("no categories", "not valid at its categories"),
+    ("list", "not valid .*AssertionError: annotation file format <class 'list'>"),
+])
+def test_coco_annotation_file_with_a_broken_entry_is_one_sentence(tmp_path, damage, needle):
+    from jaxrat.data import coco, synthetic_coco
+
+    root = synthetic_coco.write_coco(str(tmp_path), num_train=0, num_val=2, image_size=32)
+    path = coco.annotation_file(root, "validation")
+    spec = json.load(open(path))
+    if damage == "no bbox":
+        del spec["annotations"][0]["bbox"]
+    elif damage == "short bbox":
+        spec["annotations"][0]["bbox"] = [1, 2]
+    elif damage == "no width":
+        del spec["images"][0]["width"]
+    elif damage == "no categories":
+        del spec["categories"]
+    json.dump([spec] if damage == "list" else spec, open(path, "w"))
+    with pytest.raises(DataError, match=f"COCO annotation file {path} is {needle}"):
+        coco.CocoDetection(root, "validation")

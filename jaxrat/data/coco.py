@@ -50,7 +50,8 @@ def _load_coco(path: str):
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
             return COCO(path)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AssertionError) as e:
+        # pycocotools asserts that the top level is an object
         raise DataError(f"COCO annotation file {path} is not valid ({type(e).__name__}: {e}); re-download it.") from None
 
 
@@ -93,17 +94,24 @@ class CocoDetection:
         image_dir = os.path.join(root, SPLITS[split])
         if not os.path.isdir(image_dir):
             raise DataError(f"COCO image folder {image_dir} not found; download COCO 2017 or fix --config.data.data_dir.")
-        self.category_ids: list[int] = sorted(self.coco.getCatIds())
-        self.class_names: list[str] = [self.coco.cats[c]["name"] for c in self.category_ids]
-        to_label = {c: i for i, c in enumerate(self.category_ids)}
-        self.records: list[dict[str, Any]] = []
-        for image_id in sorted(self.coco.getImgIds()):
-            info = self.coco.imgs[image_id]
-            rec = _record(self.coco, info, image_dir, to_label)
-            if skip_empty and not (rec["is_crowd"] == 0).any():
-                continue
-            if self._usable(rec["path"]):
-                self.records.append(rec)
+        where = "its categories"
+        try:
+            self.category_ids: list[int] = sorted(self.coco.getCatIds())
+            self.class_names: list[str] = [self.coco.cats[c]["name"] for c in self.category_ids]
+            to_label = {c: i for i, c in enumerate(self.category_ids)}
+            self.records: list[dict[str, Any]] = []
+            for image_id in sorted(self.coco.getImgIds()):
+                where = f"image id {image_id}"
+                info = self.coco.imgs[image_id]
+                rec = _record(self.coco, info, image_dir, to_label)
+                if skip_empty and not (rec["is_crowd"] == 0).any():
+                    continue
+                if self._usable(rec["path"]):
+                    self.records.append(rec)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            # A hand-edited or truncated-then-repaired file: a field missing or of the wrong type.
+            raise DataError(f"COCO annotation file {self.annotation_file} is not valid at {where} "
+                            f"({type(e).__name__}: {e}); fix or re-download it.") from None
         if not self.records:
             raise DataError(f"No usable COCO images in {image_dir} for {self.annotation_file}; fix the dataset.")
         self.loader = DecodeCoco(include_crowd=include_crowd)
