@@ -360,3 +360,19 @@ def test_coco_annotation_file_with_a_broken_entry_is_one_sentence(tmp_path, dama
     json.dump([spec] if damage == "list" else spec, open(path, "w"))
     with pytest.raises(DataError, match=f"COCO annotation file {path} is {needle}"):
         coco.CocoDetection(root, "validation")
+
+
+def test_csv_from_excel_with_short_rows_and_empty_paths(tmp_path):
+    from jaxrat.data import folder
+
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "a.JPG")
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "b.png")
+    csv_path = str(tmp_path / "labels.csv")
+    # Excel's "CSV UTF-8": a byte-order mark before the header; a row without its last cell; a row without a path.
+    open(csv_path, "w", encoding="utf-8-sig").write("image,diagnosis,site\na.JPG,nevus,arm\nb.png,melanoma\n,nevus,leg\n")
+    with pytest.raises(DataError, match=r"labels.csv line 4: no image path in column 'image'; fill it in"):
+        folder.csv_records(csv_path, label_columns=("diagnosis", "site"))
+    records, vocabs = folder.csv_records(csv_path, label_columns=("diagnosis", "site"), policy=BadFilePolicy("skip"))
+    assert [r["labels"].tolist() for r in records] == [[1, 0], [0, -1]] and vocabs["site"] == ["arm", "leg"]
+    with pytest.raises(DataError, match=f"CSV file {tmp_path} cannot be read"):
+        folder.csv_records(str(tmp_path))

@@ -60,11 +60,13 @@ def csv_records(
     policy = policy or BadFilePolicy()
     image_root = image_root or os.path.dirname(os.path.abspath(csv_path))
     try:
-        with open(csv_path, newline="") as f:
-            rows = list(csv.DictReader(f))
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark that would rename the first column.
+        with open(csv_path, newline="", encoding="utf-8-sig") as f:
+            # A short row gets "" for its missing cells (an empty label: -1), not None.
+            rows = list(csv.DictReader(f, restval=""))
     except FileNotFoundError:
         raise DataError(f"CSV file {csv_path} not found; fix the path in the config.") from None
-    except (UnicodeDecodeError, csv.Error) as e:
+    except (UnicodeDecodeError, csv.Error, OSError) as e:
         raise DataError(f"CSV file {csv_path} cannot be read ({e}); save it as UTF-8 CSV.") from None
     if not rows:
         raise DataError(f"CSV file {csv_path} has no rows; add a header line and one row per image.")
@@ -82,6 +84,10 @@ def csv_records(
     records = []
     for line, r in enumerate(rows, start=2):
         path = r[image_column].strip()
+        if not path:
+            policy.handle(BadFileError(f"{csv_path} line {line}", f"no image path in column {image_column!r}",
+                                       "fill it in or delete the row, or set --config.data.on_bad_file=skip"))
+            continue
         path = path if os.path.isabs(path) else os.path.join(image_root, path)
         labels = []
         for col in label_columns:
