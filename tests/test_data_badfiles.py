@@ -376,3 +376,19 @@ def test_csv_from_excel_with_short_rows_and_empty_paths(tmp_path):
     assert [r["labels"].tolist() for r in records] == [[1, 0], [0, -1]] and vocabs["site"] == ["arm", "leg"]
     with pytest.raises(DataError, match=f"CSV file {tmp_path} cannot be read"):
         folder.csv_records(str(tmp_path))
+
+
+def test_arrayrecord_converter_and_reader_name_a_missing_folder_and_their_own_switch(broken, tmp_path, capsys):
+    from jaxrat.data import tfds_isic
+
+    d, img, mask = broken
+    out = str(tmp_path / "tfds")
+    with pytest.raises(DataError, match=r"ISIC 2018 data not found: looked for .*nope.*fix --src"):
+        tfds_isic.prepare(str(tmp_path / "nope"), out)  # tfds only asserted, with a traceback
+    assert tfds_isic.main(["--src", d, "--out", out]) == 2  # fail: #5 has no mask
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"jaxrat: error: {img(5)}: its mask") and err.endswith("or set --on-bad-file=skip.")
+    typo = str(tmp_path / "typo")
+    with pytest.raises(DataError, match=f"not prepared as ArrayRecord in {typo} .*fix --config.data.data_dir"):
+        tfds_isic.segmentation_data(typo, "train", BadFilePolicy())
+    assert not os.path.exists(typo)  # tfds used to start preparing there

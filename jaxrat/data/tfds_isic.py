@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import io
 import json
 import logging
@@ -137,6 +138,11 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
         if before != settings:
             raise DataError(f"{out} was prepared with {before}, not {settings}; pass another --out "
                             "(or delete that one) to prepare with these settings.")
+    if not any(os.path.isdir(os.path.join(src, img_folder)) for img_folder, _ in isic.SPLIT_FOLDERS.values()):
+        # tfds would only assert that its "manual_dir" is missing, with a traceback
+        folder = os.path.join(src, isic.SPLIT_FOLDERS["train"][0])
+        raise DataError(f"ISIC 2018 data not found: looked for {folder}; download it with "
+                        f"`python -m jaxrat.data.download isic2018 --dest {src}` or fix --src.")
     cls = _builder_class()
     cls.split_file, cls.on_bad_file, cls.max_side = split_file, on_bad_file, int(max_side)
     builder = cls(data_dir=out, file_format="array_record")
@@ -156,13 +162,18 @@ def data_source(name: str, split: str, data_dir: str, *, encoded: Sequence[str] 
     if name == NAME:
         _builder_class()  # registers the builder so tfds can read its metadata
     decoders = {k: tfds.decode.SkipDecoding() for k in encoded} or None
+    not_prepared = (
+        f"TFDS dataset {name!r} split {split!r} is not prepared as ArrayRecord in {data_dir} ({{}}); prepare it "
+        f"(ISIC: `python -m jaxrat.data.tfds_isic --src DIR --out {data_dir}`) or fix --config.data.data_dir."
+    )
+    if data_dir and not glob.glob(os.path.join(glob.escape(data_dir), name.split(":")[0], "**", "dataset_info.json"),
+                                  recursive=True):
+        # tfds would otherwise start preparing it there: a mistyped folder would be created, then fail.
+        raise DataError(not_prepared.format("no dataset_info.json"))
     try:
         return tfds.data_source(name, split=split, data_dir=data_dir, decoders=decoders)
     except (ValueError, KeyError, OSError, AssertionError, tfds.core.registered.DatasetNotFoundError) as e:
-        raise DataError(
-            f"TFDS dataset {name!r} split {split!r} is not prepared as ArrayRecord in {data_dir} "
-            f"({type(e).__name__}); prepare it (ISIC: `python -m jaxrat.data.tfds_isic --src DIR --out {data_dir}`)."
-        ) from None
+        raise DataError(not_prepared.format(type(e).__name__)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare(args.src, args.out, split_file=args.split_file, on_bad_file=args.on_bad_file,
                 max_side=args.max_side)
     except UserError as e:
-        print(f"jaxrat: error: {e}", file=sys.stderr)
+        # Messages written for training name the config key; this command's switch is --on-bad-file.
+        message = str(e).replace("--config.data.on_bad_file=skip", "--on-bad-file=skip")
+        print(f"jaxrat: error: {message}", file=sys.stderr)
         return 2
     print(f"{NAME} written as ArrayRecord under {os.path.abspath(args.out)}")
     return 0
