@@ -302,6 +302,9 @@ def test_truncated_image_in_an_arrayrecord_is_named_and_skippable(broken, tmp_pa
     d, img, _ = broken
     out = str(tmp_path / "tfds")
     tfds_isic.prepare(d, out, on_bad_file="skip")  # header checks drop #1, #2, #4, #5; #3 is stored as is
+    rows = badfiles.read_skipped(os.path.join(out, badfiles.SKIPPED_FILES_NAME))
+    listed = sorted(os.path.basename(f) for f, _ in rows)
+    assert listed == ["ISIC_0000001.jpg", "ISIC_0000002.jpg", "ISIC_0000004_segmentation.png", "ISIC_0000005.jpg"]
     data = tfds_isic.segmentation_data(out, "train", BadFilePolicy("fail"))
     assert len(data) == 8
     kw = dict(image_size=8, local_batch=4, seed=0, process_index=0, process_count=1, num_threads=0)
@@ -369,7 +372,8 @@ def test_csv_from_excel_with_short_rows_and_empty_paths(tmp_path):
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "b.png")
     csv_path = str(tmp_path / "labels.csv")
     # Excel's "CSV UTF-8": a byte-order mark before the header; a row without its last cell; a row without a path.
-    open(csv_path, "w", encoding="utf-8-sig").write("image,diagnosis,site\na.JPG,nevus,arm\nb.png,melanoma\n,nevus,leg\n")
+    rows = "image,diagnosis,site\na.JPG,nevus,arm\nb.png,melanoma\n,nevus,leg\n"
+    open(csv_path, "w", encoding="utf-8-sig").write(rows)
     with pytest.raises(DataError, match=r"labels.csv line 4: no image path in column 'image'; fill it in"):
         folder.csv_records(csv_path, label_columns=("diagnosis", "site"))
     records, vocabs = folder.csv_records(csv_path, label_columns=("diagnosis", "site"), policy=BadFilePolicy("skip"))
@@ -392,3 +396,13 @@ def test_arrayrecord_converter_and_reader_name_a_missing_folder_and_their_own_sw
     with pytest.raises(DataError, match=f"not prepared as ArrayRecord in {typo} .*fix --config.data.data_dir"):
         tfds_isic.segmentation_data(typo, "train", BadFilePolicy())
     assert not os.path.exists(typo)  # tfds used to start preparing there
+
+
+def test_running_count_includes_files_skipped_by_worker_processes(tmp_path, caplog):
+    record = str(tmp_path / badfiles.SKIPPED_FILES_NAME)
+    policy = BadFilePolicy("skip", record)
+    policy.handle(imageio.BadFileError(str(tmp_path / "a.jpg"), "file is empty"))
+    badfiles._append_once(record, f"{tmp_path / 'b.jpg'}\tfile is empty")  # what a worker process writes
+    policy.handle(imageio.BadFileError(str(tmp_path / "c.jpg"), "file is empty"))
+    assert caplog.messages[-1].endswith("c.jpg (file is empty); 3 skipped so far")
+    assert len(badfiles.read_skipped(record)) == 3

@@ -66,21 +66,25 @@ class BadFilePolicy:
             count = len(_seen)
         if not new:
             return  # the same file comes back every epoch: log and record it once
-        logging.warning("skipping bad file %s (%s); %d skipped so far", error.path, error.problem, count)
         if self.record_path:
-            _append_once(self.record_path, f"{error.path}\t{error.problem}")
+            # The list is shared with the worker processes, each of which counts only its own finds.
+            count = _append_once(self.record_path, f"{error.path}\t{error.problem}")
+        logging.warning("skipping bad file %s (%s); %d skipped so far", error.path, error.problem, count)
 
 
-def _append_once(path: str, line: str) -> None:
-    """Append ``line`` unless present; safe across worker processes (flock)."""
+def _append_once(path: str, line: str) -> int:
+    """Append ``line`` unless present; safe across worker processes (flock). Returns the line count."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             f.seek(0)
-            if line not in f.read().splitlines():
+            lines = f.read().splitlines()
+            if line not in lines:
                 f.write(line + "\n")
                 f.flush()
+                lines.append(line)
+            return len(lines)
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

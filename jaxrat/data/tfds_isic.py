@@ -8,7 +8,8 @@ decode every epoch):
     python -m jaxrat.data.tfds_isic --src ISIC_DIR --out TFDS_DIR [--split-file F] [--on-bad-file skip]
         [--max-side 1024]
 
-then train with ``--config.data.source=tfds --config.data.data_dir=TFDS_DIR``. Reading a few
+Under ``--on-bad-file skip`` the files left out are listed in ``TFDS_DIR/skipped_files.txt``.
+Then train with ``--config.data.source=tfds --config.data.data_dir=TFDS_DIR``. Reading a few
 large ArrayRecord files instead of thousands of small images is kinder to shared filesystems.
 """
 
@@ -30,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from jaxrat.data import isic
-from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
 from jaxrat.data.imageio import BadFileError, Encoded, binary_mask, load_mask, load_rgb_with_size
 from jaxrat.data.pipeline import DecodePair
 from jaxrat.errors import DataError, UserError
@@ -51,6 +52,7 @@ def _builder_class():
         MANUAL_DOWNLOAD_INSTRUCTIONS = "Run `python -m jaxrat.data.download isic2018 --dest DIR` and pass DIR."
         split_file = ""
         on_bad_file = "fail"
+        skipped_files = None  # where "skip" lists the files left out (OUT/skipped_files.txt)
         max_side = 0
 
         def _info(self):
@@ -65,7 +67,7 @@ def _builder_class():
 
         def _split_generators(self, dl_manager):
             src = str(dl_manager.manual_dir)
-            policy = BadFilePolicy(self.on_bad_file)
+            policy = BadFilePolicy(self.on_bad_file, self.skipped_files)
             splits = {}
             for split, (img_folder, _) in isic.SPLIT_FOLDERS.items():
                 if self.split_file or os.path.isdir(os.path.join(src, img_folder)):
@@ -79,7 +81,7 @@ def _builder_class():
             return splits
 
         def _generate_examples(self, pairs):
-            max_side, policy = self.max_side, BadFilePolicy(self.on_bad_file)
+            max_side, policy = self.max_side, BadFilePolicy(self.on_bad_file, self.skipped_files)
             for img, mask in pairs:
                 image_id = os.path.splitext(os.path.basename(img))[0]
                 if max_side:
@@ -145,6 +147,7 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
                         f"`python -m jaxrat.data.download isic2018 --dest {src}` or fix --src.")
     cls = _builder_class()
     cls.split_file, cls.on_bad_file, cls.max_side = split_file, on_bad_file, int(max_side)
+    cls.skipped_files = os.path.join(out, SKIPPED_FILES_NAME)
     builder = cls(data_dir=out, file_format="array_record")
     import tensorflow_datasets as tfds
 
