@@ -1,9 +1,15 @@
 """User mistakes end with one clear sentence and exit status 2, never a traceback."""
 
-import pytest
+import os
+import re
 
-from runner import run_main
+import numpy as np
+import pytest
+from PIL import Image
+
+from runner import read_metrics, run_main
 from jaxrat.configlib import check_override_args
+from jaxrat.data import badfiles, isic, synthetic
 from jaxrat.errors import ConfigError
 from runner import SMOKE
 
@@ -53,3 +59,65 @@ def test_bad_config_file_or_variant_is_one_sentence(tmp_path, config, needle):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _truncate(path):
+    """Keep the JPEG header, cut the entropy-coded data in half: only decoding finds it."""
+    data = open(path, "rb").read()
+    sos = data.index(b"\xff\xda")
+    open(path, "wb").write(data[: sos + (len(data) - sos) // 2])
+
+
+def _isic(tmp_path):
+    d = synthetic.write_dataset(str(tmp_path / "isic"), num_train=16, num_val=8, image_size=32, seed=2)
+    folders = {s: [os.path.join(d, f) for f in isic.SPLIT_FOLDERS[s]] for s in ("train", "validation")}
+    img = lambda s, i: os.path.join(folders[s][0], f"ISIC_{i:07d}.jpg")  # noqa: E731
+    mask = lambda s, i: os.path.join(folders[s][1], f"ISIC_{i:07d}_segmentation.png")  # noqa: E731
+    return d, img, mask
+
+
+def test_bad_file_found_by_a_worker_process_is_one_sentence(tmp_path):
+    d, img, _ = _isic(tmp_path)
+    _truncate(img("train", 5))
+    proc = run_main(str(tmp_path / "wd"), "--config.data.synthetic=false", f"--config.data.data_dir={d}",
+                    "--config.data.num_workers=1", check=False, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # Grain re-raised the worker's error as a TypeError traceback, then warned of leaked shared memory.
+    assert "Traceback" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"jaxrat: error: {re.escape(img('train', 5))}: not a readable image \(OSError: image file "
+                        r"is truncated .*\); replace or delete the file .*, or set --config.data.on_bad_file=skip\.",
+                        last), last
+
+
+def test_skip_trains_and_evaluates_through_odd_and_bad_files_in_both_splits(tmp_path):
+    d, img, mask = _isic(tmp_path)
+    # Odd but valid: converted, never listed.
+    Image.open(img("train", 0)).convert("L").save(img("train", 0))
+    Image.open(img("train", 1)).convert("CMYK").save(img("train", 1))
+    Image.open(img("train", 2)).save(img("train", 2), format="PNG")
+    os.rename(img("train", 3), img("train", 3)[:-4] + ".JPG")
+    os.rename(mask("train", 3), mask("train", 3)[:-4] + ".PNG")
+    Image.fromarray((np.asarray(Image.open(mask("train", 4))) > 0).astype(np.uint8)).save(mask("train", 4))  # 0/1
+    Image.open(mask("validation", 16)).convert("RGB").save(mask("validation", 16))
+    for stray in ("README.txt", ".DS_Store", "metadata.csv"):
+        open(os.path.join(os.path.dirname(img("train", 0)), stray), "w").write("x")
+    os.makedirs(os.path.join(os.path.dirname(img("validation", 16)), "extra"))
+    # Bad: found from headers before training, or only when decoded (in a worker; in eval).
+    open(img("train", 6), "wb").close()
+    os.remove(mask("train", 7))
+    Image.fromarray(np.zeros((3, 3), np.uint8)).save(mask("train", 8))
+    _truncate(img("train", 9))
+    _truncate(img("validation", 17))
+    open(mask("validation", 18), "w").write("not a png")
+    wd = str(tmp_path / "wd")
+    proc = run_main(wd, "--config.data.synthetic=false", f"--config.data.data_dir={d}",
+                    "--config.data.on_bad_file=skip", "--config.data.num_workers=1", timeout=240)
+    assert "Traceback" not in proc.stderr
+    skipped = sorted(os.path.basename(f) for f, _ in badfiles.read_skipped(os.path.join(wd, "skipped_files.txt")))
+    assert skipped == ["ISIC_0000006.jpg", "ISIC_0000007.jpg", "ISIC_0000008_segmentation.png", "ISIC_0000009.jpg",
+                       "ISIC_0000017.jpg", "ISIC_0000018_segmentation.png"], skipped
+    assert "6 skipped so far" in proc.stderr
+    rows = read_metrics(wd)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "eval/dice" in r] == [3, 6]
