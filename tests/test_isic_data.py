@@ -160,3 +160,16 @@ def test_exif_rotated_jpeg_is_read_as_stored_so_its_mask_stays_aligned(tmp_path)
     Image.fromarray(mask.T.copy()).save(pair[1])
     with pytest.raises(DataError, match=r"mask is 8x12 but its image .* is 12x8 \(the mask fits the image as its EXIF"):
         isic.find_pairs(d, "train")
+
+
+def test_images_unpacked_one_folder_too_deep_are_pointed_at(tmp_path):
+    d = str(tmp_path)
+    synthetic.write_dataset(d, 2, 1, 16)
+    img_dir = os.path.join(d, isic.SPLIT_FOLDERS["train"][0])
+    nested = os.path.join(img_dir, isic.SPLIT_FOLDERS["train"][0])
+    os.makedirs(nested)
+    for name in os.listdir(img_dir):
+        if name.endswith(".jpg"):
+            os.rename(os.path.join(img_dir, name), os.path.join(nested, name))
+    with pytest.raises(DataError, match=f"but there is a {nested}; move its contents up one level"):
+        isic.find_pairs(d, "train")

@@ -75,6 +75,10 @@ def _folder_pairs(data_dir: str, split: str, policy: BadFilePolicy, required: bo
             continue
         pairs.append((os.path.join(img_dir, name), mask))
     if required and not pairs and not any(_IMAGE_RE.match(n) for n in files):
+        nested = os.path.join(img_dir, img_folder)
+        if os.path.isdir(nested):  # an archive unpacked into a folder of its own name
+            raise DataError(f"No ISIC_*.jpg or ISIC_*.png images in {img_dir}, but there is a {nested}; move its "
+                            f"contents up one level.")
         raise DataError(f"No ISIC_*.jpg or ISIC_*.png images in {img_dir}; check --config.data.data_dir.")
     return pairs
 
