@@ -123,6 +123,7 @@ def test_case_variants_and_stray_files_in_the_official_folders(tmp_path):
     os.rename(os.path.join(mask_dir, "ISIC_0000001_segmentation.png"),
               os.path.join(mask_dir, "ISIC_0000001_segmentation.PNG"))  # copied through a case-blind disk
     os.rename(os.path.join(img_dir, "ISIC_0000002.jpg"), os.path.join(img_dir, "isic_0000002.jpeg"))
+    Image.open(os.path.join(img_dir, "ISIC_0000000.jpg")).save(os.path.join(img_dir, "ISIC_0000000.png"))  # a copy
     for stray in (".DS_Store", "._ISIC_0000000.jpg", "ISIC_0000000_superpixels.png", "metadata.csv"):
         open(os.path.join(img_dir, stray), "wb").write(b"\x00\x05\x16\x07 not an image")
     os.makedirs(os.path.join(img_dir, "ISIC_0000009.jpg"))  # a folder, even one named like an image, is no image

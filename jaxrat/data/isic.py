@@ -13,6 +13,7 @@ indices into the sorted list of all labelled images (the reference code's ``spli
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Sequence
@@ -58,10 +59,16 @@ def _folder_pairs(data_dir: str, split: str, policy: BadFilePolicy, required: bo
     # Masks by lower-case name: copies made on macOS/Windows may say .PNG, or isic_ for ISIC_.
     masks = {n.lower(): n for n in sorted(os.listdir(mask_dir), reverse=True)}
     files = sorted(e.name for e in os.scandir(img_dir) if e.is_file())  # sub-folders are no images, whatever their name
+    used: dict[str, str] = {}
     for name in files:
         m = _IMAGE_RE.match(name)
         if not m:  # README, LICENSE, ATTRIBUTION, metadata CSVs and superpixel files live here too
             continue
+        if m.group(1).upper() in used:  # a converted copy beside the original: one example, not two
+            logging.warning("%s: %s has the id of %s; using %s only", img_dir, name, used[m.group(1).upper()],
+                            used[m.group(1).upper()])
+            continue
+        used[m.group(1).upper()] = name
         mask = os.path.join(mask_dir, f"{m.group(1)}_segmentation.png")
         found = next((masks[k] for k in (f"{m.group(1)}_segmentation.{e}".lower() for e in _MASK_EXTENSIONS)
                       if k in masks), None)
