@@ -133,7 +133,7 @@ def _as_rgb(img: Image.Image) -> Image.Image:
 def _convert(name: str, img: Image.Image, convert):
     try:
         return convert(img)
-    except (ValueError, OSError) as e:  # a colour mode PIL cannot convert: name the file, like a broken one
+    except (ValueError, OSError, ImportError) as e:  # a mode PIL cannot convert (LAB without littlecms): named
         raise BadFileError(name, f"colour mode {img.mode} cannot be converted ({type(e).__name__}: {e})") from None
 
 
