@@ -2,7 +2,7 @@
 
     python benchmarks/data_pipeline.py [--config configs/isic.py[:demo]] [--images 48]
         [--width 1024 --height 768] [--seconds 15] [--workers 0,1,2] [--out results.json] [--skip-step]
-        [--real-runs -1:2,0:2,0:0,1:0 --real-steps 80]
+        [--real-runs=-1:2,0:2,0:0,1:0 --real-steps 80]
 
 The default config is ``configs/isic.py:demo`` (RAT, 48 px), whose step a CPU runs in a fraction
 of a second; ``--config configs/isic.py`` measures the real 256 px pipeline, but its step belongs

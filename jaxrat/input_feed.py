@@ -3,7 +3,12 @@
 Without this the loop calls ``next(data_iterator)`` and ``device_put`` between two dispatches, so
 batching, the host-to-device copy and any decoding the readers have not finished all count
 against the step. Here a thread keeps ``depth`` global batches ready on the devices; the loop only
-blocks when the pipeline is truly behind, which is what ``train/data_wait_fraction`` then measures.
+blocks when the pipeline is truly behind.
+
+The loop dispatches steps asynchronously, so it may block on the next batch while the devices are
+still busy with steps it queued earlier: that wait costs nothing. :meth:`DeviceFeed.next_timed`
+counts only the time the devices sat idle for lack of a batch, which is what
+``train/data_wait_fraction`` reports.
 
 The checkpointed data position must be that of the batches the loop *consumed*, not of those
 prefetched: each queued batch carries the iterator state read right after it was produced.
@@ -17,6 +22,9 @@ import time
 from typing import Any, Callable, Iterator
 
 _DONE = object()
+# How often a waiting consumer checks whether the devices have run out of queued work: the
+# resolution of the data-wait measurement.
+IDLE_POLL_S = 0.002
 
 
 class FrozenState:
@@ -81,7 +89,39 @@ class DeviceFeed:
             batch = self._put(next(self._source))
             self._state = self._source.get_state()
             return batch
-        batch, state = self._queue.get()
+        return self._take(self._queue.get())
+
+    def next_timed(self, devices_busy: Callable[[], bool]) -> tuple[Any, float]:
+        """The next batch, and the seconds the devices sat idle waiting for it.
+
+        ``devices_busy()`` says whether the devices still have queued work (e.g. the last step's
+        output is not ready). Waiting while they are busy is free and not counted; from the moment
+        they are idle, it is. With ``depth=0`` the batch is made in this thread, so the devices
+        cannot be watched meanwhile: the whole production time counts unless they are still busy
+        when it ends (an upper bound).
+        """
+        t0 = time.perf_counter()
+        if self._thread is None:
+            batch = next(self)
+            return batch, 0.0 if devices_busy() else time.perf_counter() - t0
+        try:
+            return self._take(self._queue.get_nowait()), 0.0
+        except queue.Empty:
+            pass
+        idle_since = None
+        while True:
+            if idle_since is None and not devices_busy():
+                idle_since = time.perf_counter()
+            try:
+                item = self._queue.get(timeout=IDLE_POLL_S if idle_since is None else None)
+                break
+            except queue.Empty:
+                continue
+        waited = time.perf_counter() - idle_since if idle_since is not None else 0.0
+        return self._take(item), waited
+
+    def _take(self, item: tuple[Any, Any]) -> Any:
+        batch, state = item
         if batch is _DONE:
             self._queue.put((_DONE, state))  # every later next() raises the same way
             raise state

@@ -368,7 +368,8 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     last_eval: dict[str, float] = {}
     pending: list[tuple[int, dict]] = []
     t_start, t_last, steps_since = time.perf_counter(), time.perf_counter(), 0
-    data_wait = 0.0  # seconds the loop spent waiting for the input pipeline since the last log
+    data_wait = 0.0  # seconds the devices sat idle waiting for the input pipeline since the last log
+    last_output: jax.Array | None = None  # of the last dispatched step: ready once the devices are idle
 
     def flush_train_metrics(step: int) -> None:
         nonlocal t_last, steps_since, data_wait
@@ -443,10 +444,10 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
         if eval_pending and run_eval(start) is None:
             stop_for_preemption(start, eval_pending=True)
         for step in range(start, total):
-            t_wait = time.perf_counter()
-            batch = next(feed)
-            data_wait += time.perf_counter() - t_wait
+            batch, starved = feed.next_timed(lambda: last_output is not None and not last_output.is_ready())
+            data_wait += starved
             state, metrics = train_step(state, batch)
+            last_output = metrics["train/loss"]
             pending.append((step + 1, metrics))
             steps_since += 1
             done = step + 1

@@ -51,3 +51,18 @@ def losses_by_step(workdir: str, key: str = "train/loss") -> dict[int, float]:
         if key in row:
             out[row["step"]] = row[key]
     return out
+
+
+def kill_when_ready(cmd: list[str], ready: str, what: str, timeout: float = 60.0) -> None:
+    """Start ``cmd``, wait until it creates the file ``ready`` (the moment to interrupt it), then kill -9 it."""
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not os.path.exists(ready) and proc.poll() is None:
+            time.sleep(0.1)
+        assert os.path.exists(ready), f"{what} never started"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

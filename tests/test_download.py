@@ -17,6 +17,7 @@ from PIL import Image
 
 from jaxrat.data import download, isic
 from jaxrat.errors import DataError
+from runner import kill_when_ready
 
 MAX_REQUESTS = 60  # the server answers at most this many requests
 SERVER_LIFETIME_S = 120  # and shuts itself down after this long
@@ -337,24 +338,10 @@ sys.exit(download.main(sys.argv[2:]))
 
 
 def test_kill_during_extraction_leaves_no_half_folder_and_a_rerun_finishes(server, tmp_path):
-    import time
-
     srv = server(_isic_archives())
     dest, ready = str(tmp_path / "isic"), str(tmp_path / "ready")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_DURING_EXTRACTION, ready, "isic2018", "--dest", dest, "--base-url", srv.url,
-         "--splits", "train", "--retries", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(600):  # up to a minute for start-up and the download
-            if os.path.exists(ready) or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert os.path.exists(ready), "the extraction never started"
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    kill_when_ready([sys.executable, "-c", KILL_DURING_EXTRACTION, ready, "isic2018", "--dest", dest,
+                     "--base-url", srv.url, "--splits", "train", "--retries", "0"], ready, "the extraction")
     assert not os.path.exists(os.path.join(dest, isic.SPLIT_FOLDERS["train"][0]))  # nothing half-written
     with pytest.raises(DataError, match="not found"):
         isic.find_pairs(dest, "train")

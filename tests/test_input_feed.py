@@ -125,3 +125,63 @@ def test_device_put_in_the_thread_gives_sharded_global_arrays():
         assert isinstance(batch["x"], jax.Array) and batch["x"].sharding == spec
         np.testing.assert_array_equal(np.asarray(batch["x"]), np.full((8, 2), i, np.float32))
     feed.close()
+
+
+class Slow(Counting):
+    """A source whose every element takes ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def __next__(self) -> int:
+        time.sleep(self.delay)
+        return super().__next__()
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_waiting_while_the_devices_are_busy_is_not_data_wait(depth):
+    feed = DeviceFeed(Slow(0.05), lambda b: b, depth=depth)
+    try:
+        got = [feed.next_timed(lambda: True) for _ in range(3)]
+    finally:
+        feed.close()
+    assert got == [(0, 0.0), (1, 0.0), (2, 0.0)]
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_idle_devices_count_the_whole_wait(depth):
+    feed = DeviceFeed(Slow(0.1), lambda b: b, depth=depth)
+    try:
+        batch, waited = feed.next_timed(lambda: False)
+    finally:
+        feed.close()
+    assert batch == 0 and waited >= 0.09  # the source sleeps 0.1 s before the first batch
+
+
+def test_only_the_time_after_the_devices_ran_dry_counts():
+    polls = []
+
+    def busy() -> bool:  # busy for the first 5 polls (about 5 * IDLE_POLL_S), then idle
+        polls.append(time.perf_counter())
+        return len(polls) <= 5
+
+    feed = DeviceFeed(Slow(0.2), lambda b: b, depth=1)
+    try:
+        t0 = time.perf_counter()
+        batch, waited = feed.next_timed(busy)
+        total = time.perf_counter() - t0
+    finally:
+        feed.close()
+    assert batch == 0 and len(polls) == 6  # polled until idle, then simply waited
+    assert 0 < waited <= total - (polls[5] - t0) + 1e-3
+
+
+def test_a_ready_batch_costs_nothing_even_on_idle_devices():
+    src = Counting()
+    feed = DeviceFeed(src, lambda b: b, depth=2)
+    try:
+        _wait_for(lambda: src.next >= 3)
+        assert feed.next_timed(lambda: False) == (0, 0.0)
+    finally:
+        feed.close()

@@ -4,7 +4,6 @@ test_data_badfiles.py)."""
 
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -13,8 +12,7 @@ import pytest
 
 from jaxrat.data import staging
 from jaxrat.errors import DataError
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from runner import kill_when_ready
 
 
 def _source(root, n=6):
@@ -107,17 +105,7 @@ def test_a_copy_killed_half_way_is_never_used_and_is_cleaned_up(tmp_path, restag
         with open(os.path.join(src, "f0.bin"), "wb") as f:
             f.write(b"new contents")
     ready = str(tmp_path / "ready")
-    proc = subprocess.Popen([sys.executable, "-c", KILL_MID_COPY, ready, src, local], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(600):  # up to a minute to start
-            if os.path.exists(ready) or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert os.path.exists(ready), "the copy never started"
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    kill_when_ready([sys.executable, "-c", KILL_MID_COPY, ready, src, local], ready, "the copy")
     assert _leftovers(local)  # the killed copy's folder is there ...
     dest = staging.stage(src, local)  # ... and the next call neither uses nor keeps it
     assert _leftovers(local) == []
