@@ -19,10 +19,11 @@ on a GPU (on 2 CPU cores it takes minutes: add ``--skip-step`` there).
 4. Determinism: a hash of the first batches for two runs of each worker count.
 5. With --tfds-max-side 0,1024: the same through the ArrayRecord conversion
    (``jaxrat.data.tfds_isic``) storing the original bytes (0) or images shrunk to that side.
-6. With --real-runs W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
-   config's model and the augmentations of 2., no eval) with ``data.num_workers=W`` and ``data.device_prefetch=D``, reporting
-   ``train/data_wait_fraction`` (share of the loop's wall time blocked waiting for a batch) per
-   logged window after the first, which holds the compilation.
+6. With --real-runs=W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
+   config's model and the augmentations of 2., no eval) with ``data.num_workers=W`` and
+   ``data.device_prefetch=D``, reporting ``train/data_wait_fraction`` (share of wall time the
+   devices sat idle waiting for a batch) per logged window after the first, which holds the
+   compilation.
 Prints a table and writes JSON; asserts nothing about speed.
 """
 
@@ -225,7 +226,8 @@ def main() -> None:
     path, _, variant = args.config.partition(":")  # the real runs start in the repository
     args.config = os.path.abspath(path) + (f":{variant}" if variant else "")
     pairs = isic.find_pairs(root, "train")
-    result = {"config": os.path.relpath(args.config), "batch": args.batch, "cpu_cores": len(os.sched_getaffinity(0)), "source_images": f"{args.width}x{args.height} JPEG",
+    result = {"config": os.path.relpath(args.config), "batch": args.batch, "cpu_cores": len(os.sched_getaffinity(0)),
+              "source_images": f"{args.width}x{args.height} JPEG",
               "image_size": args.image_size, "augment": "flip, rotation 15, colour jitter 0.1, elastic p=0.1",
               "pipeline": [], "determinism": {}}
     for w in (int(x) for x in args.workers.split(",") if x):
@@ -241,7 +243,8 @@ def main() -> None:
         result["train_step"] = step_rate(args.config, args.step_steps)
 
     consumed = result["train_step"]["images_per_s"] if "train_step" in result else None
-    print("\n| workers | pipeline img/s | busy cores | img/s per busy core | first batch (s) | pipeline / step rate |")
+    print("\n| workers | pipeline img/s | busy cores | img/s per busy core | first batch (s) "
+          "| pipeline / step rate |")
     print("|---|---|---|---|---|---|")
     for r in result["pipeline"]:
         if consumed:
@@ -251,8 +254,8 @@ def main() -> None:
               f"| {r['first_batch_s']:.2f} | {ratio} |")
     if "train_step" in result:
         t = result["train_step"]
-        print(f"\ntrain step ({result['config']}, batch {t['batch']} at {t['image_size']} px, {t['devices']} device(s)): "
-              f"{t['step_s']:.2f} s/step = {t['images_per_s']:.1f} img/s consumed")
+        print(f"\ntrain step ({result['config']}, batch {t['batch']} at {t['image_size']} px, "
+              f"{t['devices']} device(s)): {t['step_s']:.2f} s/step = {t['images_per_s']:.1f} img/s consumed")
     print(f"same batches across runs and worker counts: {result['deterministic_across_runs_and_workers']} "
           f"({sorted(hashes)})")
     if args.tfds_max_side:
@@ -260,7 +263,8 @@ def main() -> None:
         for m in (int(x) for x in args.tfds_max_side.split(",")):
             r = tfds_rate(root, m, args.seconds, args.batch, args.image_size, args.threads)
             result["tfds"].append(r)
-        print("\n| ArrayRecord max_side | size (MB) | prepare (s) | pipeline img/s | busy cores | img/s per busy core |")
+        print("\n| ArrayRecord max_side | size (MB) | prepare (s) | pipeline img/s | busy cores "
+              "| img/s per busy core |")
         print("|---|---|---|---|---|---|")
         for r in result["tfds"]:
             print(f"| {r['max_side'] or 'original'} | {r['bytes'] / 1e6:.1f} | {r['prepare_s']:.1f} | "
