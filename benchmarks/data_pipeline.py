@@ -277,7 +277,7 @@ def main() -> None:
             result["real_runs"].append(r)
             print(f"real run workers={w} device_prefetch={d}: {r['step_s']:.3f} s/step, data wait "
                   f"{100 * r['data_wait_mean']:.1f} % mean, {100 * r['data_wait_max']:.1f} % max", flush=True)
-        print(f"\n| num_workers | device_prefetch | s/step | data wait mean | max | per window (after the first) |")
+        print("\n| num_workers | device_prefetch | s/step | data wait mean | max | per window (after the first) |")
         print("|---|---|---|---|---|---|")
         for r in result["real_runs"]:
             windows = ", ".join(f"{w:.3f}" for w in r["data_wait_windows"])
