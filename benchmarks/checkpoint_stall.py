@@ -40,7 +40,7 @@ def _build_state(spec: str, overrides: list[str]):
 
     from jaxrat import train
     from jaxrat.configlib import _load_config_file
-    from jaxrat.mesh import make_mesh
+    from jaxrat.parallel.mesh import make_mesh
 
     config = _load_config_file(spec)
     for item in overrides:

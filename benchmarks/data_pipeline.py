@@ -147,7 +147,7 @@ def step_rate(spec: str, steps: int) -> dict:
     import jax
 
     from jaxrat import train
-    from jaxrat.mesh import make_mesh
+    from jaxrat.parallel.mesh import make_mesh
 
     cfg = load_config(spec)
     mesh = make_mesh(cfg.mesh.axes)

@@ -61,7 +61,7 @@ def main() -> None:
     import numpy as np
 
     from jaxrat import train
-    from jaxrat.mesh import make_mesh
+    from jaxrat.parallel.mesh import make_mesh
 
     spec = importlib.util.spec_from_file_location("cfg", args.config)
     mod = importlib.util.module_from_spec(spec)

@@ -30,6 +30,7 @@ from orbax.checkpoint import checkpoint_managers as ocm
 from jaxrat import checkpoints as reader
 from jaxrat import distributed
 from jaxrat.errors import ConfigError
+from jaxrat.tree_paths import named_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,20 +294,6 @@ def _log_and_ignore(signum: int, frame: Any) -> None:
 
 # ------------------------------------------------------------------------------- init_from
 
-def _key_name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _paths(tree: Any) -> dict[str, Any]:
-    """``{"params/Conv_0/kernel": leaf}``: the same names whether a level is a dict, a list or a
-    namedtuple (Orbax's metadata turns optax's namedtuples into dicts)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
-
-
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dict[str, Any]:
     """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
 
@@ -328,7 +315,7 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dic
 
 
 def _check_compatible(target: Any, saved: Any, where: str, optimizer: bool) -> None:
-    want, have = _paths(target), _paths(saved)
+    want, have = named_leaves(target), named_leaves(saved)
     where = f"{os.path.dirname(where)} step {os.path.basename(where)}"
     hint = ("; train from scratch, or pick a checkpoint of the same model"
             + (" (or drop --config.checkpoint.init_optimizer)" if optimizer else ""))

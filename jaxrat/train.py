@@ -18,12 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrat import sharding
+from jaxrat.parallel import sharding
 from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
 from jaxrat.data import datasets, pipeline
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.input_feed import DeviceFeed
-from jaxrat.mesh import make_mesh, processes_on_this_host
+from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.models import build_model
 from jaxrat.optim import make_optimizer
 from jaxrat.tasks import segmentation

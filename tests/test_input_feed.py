@@ -108,7 +108,7 @@ def test_device_put_in_the_thread_gives_sharded_global_arrays():
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxrat.mesh import make_mesh
+    from jaxrat.parallel.mesh import make_mesh
     from jaxrat.train import to_global
 
     mesh = make_mesh((("data", -1),))

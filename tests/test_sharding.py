@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrat import sharding
+from jaxrat.parallel import sharding
 from jaxrat.errors import ConfigError
-from jaxrat.mesh import axis_sizes, make_mesh
+from jaxrat.parallel.mesh import axis_sizes, make_mesh
 
 
 def test_axis_sizes():

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from jaxrat import train
-from jaxrat.mesh import make_mesh
+from jaxrat.parallel.mesh import make_mesh
 
 
 def _setup():

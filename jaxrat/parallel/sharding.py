@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrat.errors import ConfigError
+from jaxrat.tree_paths import path_name
 
 
 def batch_spec(mesh: Mesh) -> P:
@@ -42,19 +43,6 @@ def fsdp_spec(shape: tuple[int, ...], axes: tuple[str, ...], axis_size: int, min
             spec[dim] = axes if len(axes) > 1 else axes[0]
             return P(*spec)
     return P()
-
-
-def path_str(path: tuple) -> str:
-    """``('down', 0, 'conv1', 'kernel')`` key path -> ``"down/0/conv1/kernel"``."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def parse_rule_spec(spec: Any, mesh: Mesh) -> str | P:
@@ -95,7 +83,7 @@ def tree_shardings(
     compiled = [(re.compile(r), parse_rule_spec(sp, mesh)) for r, sp in rules]
 
     def one(path: tuple, x: Any) -> NamedSharding:
-        name = path_str(path)
+        name = path_name(path)
         spec: Any = "fsdp" if shard else "replicate"
         for regex, rule in compiled:
             if regex.search(name):

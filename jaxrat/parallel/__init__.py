@@ -1,0 +1,1 @@
+"""Device meshes and the shardings of batches, parameters and optimizer state."""
