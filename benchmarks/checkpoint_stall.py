@@ -3,7 +3,7 @@
     python benchmarks/checkpoint_stall.py                 # configs/isic.py (its model: RAT), 5 reps
     python benchmarks/checkpoint_stall.py --reps 10 --set model.num_blocks=8
 
-The state (params, AdamW moments, step, RNG) is built as training builds it (``train.Setup`` on
+The state (params, AdamW moments, step, RNG) is built as training builds it (``make_state_spec`` on
 the current devices), with random moments so the bytes written are those of a trained state.
 Each repetition makes the state ready on the device first (so the timing is the save's, not the
 last step's), then:
@@ -38,11 +38,12 @@ def _build_state(spec: str, overrides: list[str]):
     import jax
     import ml_collections as mlc
 
-    from jaxrat import train
-    from jaxrat.configlib import _load_config_file
+    from jaxrat.config import load_config
     from jaxrat.parallel.mesh import make_mesh
+    from jaxrat.tasks.base import load_task
+    from jaxrat.trainer.state import make_state_spec
 
-    config = _load_config_file(spec)
+    config = load_config(spec)
     for item in overrides:
         key, _, value = item.partition("=")
         node = config
@@ -51,7 +52,7 @@ def _build_state(spec: str, overrides: list[str]):
             node = node[p]
         node[leaf] = value if isinstance(node[leaf], str) else ast.literal_eval(value)
     mesh = make_mesh(config.mesh.axes)
-    s = train.Setup(config, mesh)
+    s = make_state_spec(config, mesh, load_task(config))
     state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
     # After training the AdamW moments are not zeros; zeros would compress to nothing on disk.
     state["opt_state"] = jax.tree.map(_noise_like, state["opt_state"])

@@ -137,26 +137,29 @@ def batches_hash(pairs, workers: int, image_size: int, n: int = 3) -> str:
 
 
 def load_config(spec: str):
-    from jaxrat.configlib import _load_config_file
+    from jaxrat.config import load_config as load
 
-    return _load_config_file(spec)
+    return load(spec)
 
 
 def step_rate(spec: str, steps: int) -> dict:
     """Images/s of the jitted train step of config ``spec`` on this machine's devices."""
     import jax
 
-    from jaxrat import train
     from jaxrat.parallel.mesh import make_mesh
+    from jaxrat.tasks.base import load_task
+    from jaxrat.trainer.loop import to_global
+    from jaxrat.trainer.state import make_state_spec
+    from jaxrat.trainer.step import make_train_step
 
     cfg = load_config(spec)
     mesh = make_mesh(cfg.mesh.axes)
-    s = train.Setup(cfg, mesh)
-    step = train.make_train_step(s)
+    s = make_state_spec(cfg, mesh, load_task(cfg))
+    step = make_train_step(s)
     state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
     b, size = cfg.data.batch_size, cfg.data.image_size
     rng = np.random.default_rng(0)
-    batch = train.to_global({"image": rng.normal(size=(b, size, size, 3)).astype(np.float32),
+    batch = to_global({"image": rng.normal(size=(b, size, size, 3)).astype(np.float32),
                              "mask": (rng.random((b, size, size, 1)) > 0.5).astype(np.float32)}, s.batch_sharding)
     state, m = step(state, batch)  # compile
     jax.block_until_ready(m)

@@ -55,26 +55,24 @@ def main() -> None:
     args = _parse()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import importlib.util
-
     import jax
     import numpy as np
 
-    from jaxrat import train
+    from jaxrat.config import load_config
     from jaxrat.parallel.mesh import make_mesh
+    from jaxrat.tasks.base import load_task
+    from jaxrat.trainer.state import make_state_spec
+    from jaxrat.trainer.step import make_train_step
 
-    spec = importlib.util.spec_from_file_location("cfg", args.config)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     rows = []
     for zero in range(4):
-        config = mod.get_config(args.variant or None)
+        config = load_config(f"{args.config}:{args.variant}" if args.variant else args.config)
         config.data.image_size = args.image_size
         config.data.batch_size = args.batch_size
         config.mesh.axes = (("data", 1), ("fsdp", -1))
         config.sharding.zero = zero
         config.sharding.min_size = args.min_size
-        s = train.Setup(config, make_mesh(config.mesh.axes))
+        s = make_state_spec(config, make_mesh(config.mesh.axes), load_task(config))
         state = s.abstract_with_shardings()
 
         def per_device(tree) -> int:
@@ -87,7 +85,7 @@ def main() -> None:
             "image": jax.ShapeDtypeStruct((args.batch_size, size, size, 3), np.float32, sharding=s.batch_sharding),
             "mask": jax.ShapeDtypeStruct((args.batch_size, size, size, 1), np.float32, sharding=s.batch_sharding),
         }
-        compiled = train.make_train_step(s).lower(state, batch).compile()
+        compiled = make_train_step(s).lower(state, batch).compile()
         mem = compiled.memory_analysis()
         coll = collective_bytes(compiled.as_text())
         rows.append({

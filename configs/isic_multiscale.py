@@ -8,23 +8,17 @@ pyramid keeps the same relative factors at their smaller image sizes.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import ml_collections as mlc
 
-
-def _isic_config(arg: str | None) -> mlc.ConfigDict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
-    spec = importlib.util.spec_from_file_location("jaxrat_config_isic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+from jaxrat.config import load_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """Return the multi-scale ISIC config for ``arg`` in {None, "demo", "smoke"}."""
-    c = _isic_config(arg)
+    isic = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
+    c = load_config(f"{isic}:{arg}" if arg else isic)
     if c.model.name != "rat":  # the isic smoke variant uses a U-Net; here a tiny RAT instead
         c.model = mlc.ConfigDict(dict(name="rat", num_classes=1, feature_dims=8, num_blocks=2, num_heads=2,
                                       iters=1, decoder_dim=8))

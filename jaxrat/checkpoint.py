@@ -205,6 +205,13 @@ class Checkpointer:
         restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
         return restored["state"], data_ok
 
+    def restore_latest(self, abstract_state: Any, data_iter: Any = None) -> tuple[int, Any, bool] | None:
+        """(step, state, data_restored) of the newest checkpoint, or None."""
+        step = self.latest_step()
+        if step is None:
+            return None
+        return (step, *self.restore(step, abstract_state, data_iter))
+
     def wait(self) -> None:
         """Block until pending async saves are durable, then update the best pointer."""
         self._mngr.wait_until_finished()

@@ -12,7 +12,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrat.configlib import check_override_args
+from jaxrat.config import check_override_args
 from jaxrat.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :variant.", lock_config=True)
@@ -24,21 +24,21 @@ def main(argv: list[str]) -> None:
     """Initialise the distributed runtime, then train and evaluate."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from jaxrat import distributed  # before anything that touches JAX devices
+    from jaxrat import cluster  # before anything that touches JAX devices
 
     if not flags.FLAGS["verbosity"].present:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_QuietLibraries())
     config = _CONFIG.value
     try:
-        distributed.initialize(config.distributed)
-        from jaxrat import train
+        cluster.initialize(config.distributed)
+        from jaxrat.trainer.loop import train_and_evaluate
 
         try:
-            train.train_and_evaluate(config, _WORKDIR.value)
-        except train.Preempted as e:
+            train_and_evaluate(config, _WORKDIR.value)
+        except cluster.Preempted as e:
             logging.warning("%s", e)
-            sys.exit(train.PREEMPTED_EXIT_CODE)
+            sys.exit(cluster.PREEMPTED_EXIT_CODE)
     except UserError as e:
         _fail(str(e))
 

@@ -185,7 +185,7 @@ def test_cli_lists_steps_sizes_metrics_latest_best_and_incomplete(tmp_path, caps
     ("best_metric", "dice", "not an eval metric"),
 ])
 def test_policy_errors_name_the_field(field, value, words):
-    from jaxrat.configlib import base_config
+    from jaxrat.config import base_config
 
     c = base_config().checkpoint
     c[field] = value
@@ -227,11 +227,3 @@ def test_sigusr1_requests_preemption_and_later_signals_are_ignored(fresh_signal_
     os.kill(os.getpid(), signal.SIGTERM)  # a second signal: would end the process without the hold
     os.kill(os.getpid(), signal.SIGUSR1)
     assert watch.requested()
-
-
-def test_moved_config_fields_name_their_new_place():
-    from jaxrat.configlib import check_override_args
-    from runner import SMOKE
-
-    with pytest.raises(ConfigError, match=r"--config.train.checkpoint_every is now --config.checkpoint.every_steps"):
-        check_override_args([f"--config={SMOKE}", "--config.train.checkpoint_every=5"])

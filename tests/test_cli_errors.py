@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from runner import read_metrics, run_main
-from jaxrat.configlib import check_override_args
+from jaxrat.config import check_override_args
 from jaxrat.data import badfiles, isic, synthetic
 from jaxrat.errors import ConfigError
 from runner import SMOKE

@@ -44,11 +44,11 @@ def test_skip_policy_trains_and_lists_the_skipped_files(broken_dir, tmp_path):
 
 
 def _config(variant=None):
-    from jaxrat.configlib import _load_config_file
+    from jaxrat.config import load_config
     from runner import REPO
 
     path = os.path.join(REPO, "configs", "isic.py")
-    return _load_config_file(f"{path}:{variant}" if variant else path)
+    return load_config(f"{path}:{variant}" if variant else path)
 
 
 def test_isic_config_applies_the_augmentations_the_reference_only_listed():
@@ -64,13 +64,3 @@ def test_isic_config_applies_the_augmentations_the_reference_only_listed():
         rot = pipeline.train_options(_config(variant).data)["ops"][2]
         assert rot.degrees == 15.0
     assert op_types(_config("demo")) == [T.Resize, T.RandomFlip, T.Normalize]
-
-
-def test_pyramid_levels_no_model_reads_are_refused_with_one_sentence(tmp_path):
-    from jaxrat import train
-    from jaxrat.errors import ConfigError
-
-    cfg = _config("smoke")
-    cfg.data.pyramid_scales = (0.5,)
-    with pytest.raises(ConfigError, match=r"pyramid_scales=\(0\.5,\).*config\.model\.scales"):
-        train.resolve_data(cfg, str(tmp_path))

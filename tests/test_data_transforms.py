@@ -149,10 +149,10 @@ def test_config_switches_add_exactly_their_ops():
     assert [type(o) for o in base] == [T.Resize, T.Normalize]
     full = pipeline.augment_ops(
         32, random_flip=True, random_crop_scale=(0.5, 1.0), scale_jitter=(0.8, 1.2), rotation_degrees=15,
-        color_jitter=0.1, elastic_prob=0.1, pyramid_scales=(0.5,),
+        color_jitter=0.1, elastic_prob=0.1,
     )
     assert [type(o) for o in full] == [T.RandomResizedCrop, T.ScaleJitter, T.RandomFlip, T.RandomRotation,
-                                       T.ElasticDeform, T.ColorJitter, T.Pyramid, T.Normalize]
+                                       T.ElasticDeform, T.ColorJitter, T.Normalize]
     evals = pipeline.augment_ops(32, rotation_degrees=15, color_jitter=0.1, train=False)
     assert [type(o) for o in evals] == [T.Resize, T.Normalize]
     with pytest.raises(ConfigError, match="random_crop_scale"):
@@ -364,13 +364,12 @@ SWITCHES = {  # config.data field -> (value, the one op it adds, what that op mu
     "rotation_degrees": (12.0, T.RandomRotation, {"degrees": 12.0}),
     "color_jitter": (0.2, T.ColorJitter, {"brightness": 0.2, "contrast": 0.2, "saturation": 0.2, "hue": 0.1}),
     "elastic_prob": (0.3, T.ElasticDeform, {"prob": 0.3, "alpha": 34.0, "sigma": 4.0}),
-    "pyramid_scales": ((0.5,), T.Pyramid, {"scales": (0.5,)}),
 }
 
 
 @pytest.mark.parametrize("field", sorted(SWITCHES))
 def test_each_config_switch_adds_exactly_its_op_and_eval_has_no_random_op(field):
-    from jaxrat.configlib import base_config
+    from jaxrat.config import base_config
 
     cfg = base_config().data
     cfg.random_flip = False
@@ -384,14 +383,13 @@ def test_each_config_switch_adds_exactly_its_op_and_eval_has_no_random_op(field)
     assert {k: getattr(added[0], k) for k in fields} == fields
     evals = pipeline.eval_options(cfg)["ops"]
     assert not any(isinstance(o, T.grain.transforms.RandomMap) for o in evals)
-    assert [type(o) for o in evals] == ([T.Resize, T.Pyramid, T.Normalize] if op_type is T.Pyramid else
-                                        [T.Resize, T.Normalize])
+    assert [type(o) for o in evals] == [T.Resize, T.Normalize]
     cfg.random_flip = True
     assert T.RandomFlip in [type(o) for o in pipeline.train_options(cfg)["ops"]]
 
 
 def test_keep_aspect_ratio_also_holds_when_random_crop_is_on():
-    from jaxrat.configlib import base_config
+    from jaxrat.config import base_config
 
     cfg = base_config().data
     cfg.image_size, cfg.keep_aspect_ratio, cfg.random_crop_scale, cfg.random_flip = 16, True, (1.0, 1.0), False

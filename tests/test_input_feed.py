@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxrat.input_feed import DeviceFeed
+from jaxrat.trainer.input_feed import DeviceFeed
 
 
 class Counting:
@@ -109,7 +109,7 @@ def test_device_put_in_the_thread_gives_sharded_global_arrays():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxrat.parallel.mesh import make_mesh
-    from jaxrat.train import to_global
+    from jaxrat.trainer.loop import to_global
 
     mesh = make_mesh((("data", -1),))
     spec = NamedSharding(mesh, P("data"))

@@ -177,6 +177,6 @@ def test_examples_in_launch_dir_match_the_renderer(example, tmp_path):
 
 
 def test_preempted_exit_code_matches_the_trainer():
-    from jaxrat import train
+    from jaxrat import cluster
 
-    assert L.PREEMPTED_EXIT_CODE == train.PREEMPTED_EXIT_CODE
+    assert L.PREEMPTED_EXIT_CODE == cluster.PREEMPTED_EXIT_CODE

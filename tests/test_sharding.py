@@ -48,18 +48,15 @@ def test_rules_override_the_preset_by_path():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_presets_shard_what_they_promise(zero):
-    from jaxrat import train
+    from jaxrat.config import load_config
+    from jaxrat.tasks.base import load_task
+    from jaxrat.trainer.state import make_state_spec
 
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cfg", "configs/isic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    config = mod.get_config("smoke")
+    config = load_config("configs/isic.py:smoke")
     config.mesh.axes = (("data", 1), ("fsdp", -1))
     config.sharding.zero = zero
     config.sharding.min_size = 1
-    s = train.Setup(config, make_mesh(config.mesh.axes))
+    s = make_state_spec(config, make_mesh(config.mesh.axes), load_task(config))
     params = [sh.spec for sh in jax.tree.leaves(s.state_shardings["params"])]
     opt = [sh.spec for sh in jax.tree.leaves(s.state_shardings["opt_state"])]
     grads = [sh.spec for sh in jax.tree.leaves(s.grad_shardings)]

@@ -34,7 +34,7 @@ def test_outputs_logs_and_config(one_device_run):
     assert [r["step"] for r in evals] == [3, 6]
     for key in ("eval/dice", "eval/iou", "eval/sensitivity", "eval/specificity", "eval/accuracy", "eval/loss"):
         assert all(np.isfinite(r[key]) for r in evals), key
-    for key in ("train/learning_rate", "train/steps_per_sec", "train/images_per_sec", "train/grad_norm"):
+    for key in ("train/learning_rate", "train/steps_per_sec", "train/examples_per_sec", "train/grad_norm"):
         assert key in rows[0]
     cfg = json.load(open(os.path.join(wd, "config.json")))
     assert cfg["num_train_steps"] == 6 and cfg["model"]["name"] == "unet"

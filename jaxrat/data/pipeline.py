@@ -145,7 +145,6 @@ def augment_ops(
     elastic_prob: float = 0.0,
     elastic_alpha: float = 34.0,
     elastic_sigma: float = 4.0,
-    pyramid_scales: Sequence[float] = (),
     train: bool = True,
 ) -> list:
     """The op list (after decoding) for segmentation; each switch adds exactly its op."""
@@ -175,8 +174,6 @@ def augment_ops(
         if color_jitter:
             x = float(color_jitter)
             ops.append(T.ColorJitter(brightness=x, contrast=x, saturation=x, hue=x / 2))
-    if pyramid_scales:
-        ops.append(T.Pyramid(tuple(float(s) for s in pyramid_scales)))
     ops.append(T.Normalize())
     return ops
 
@@ -188,7 +185,7 @@ def _cfg(data_cfg: Any, name: str, default: Any) -> Any:
 def train_options(data_cfg: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`train_iterator` from a ``config.data`` section."""
     keys = ("random_flip", "keep_aspect_ratio", "random_crop_scale", "scale_jitter", "rotation_degrees",
-            "color_jitter", "elastic_prob", "elastic_alpha", "elastic_sigma", "pyramid_scales")
+            "color_jitter", "elastic_prob", "elastic_alpha", "elastic_sigma")
     kw = {k: _cfg(data_cfg, k, None) for k in keys}
     ops = augment_ops(data_cfg.image_size, **{k: v for k, v in kw.items() if v is not None}, train=True)
     return {
@@ -202,10 +199,7 @@ def train_options(data_cfg: Any) -> dict[str, Any]:
 
 def eval_options(data_cfg: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`eval_batches` from a ``config.data`` section."""
-    ops = augment_ops(
-        data_cfg.image_size, keep_aspect_ratio=_cfg(data_cfg, "keep_aspect_ratio", False),
-        pyramid_scales=_cfg(data_cfg, "pyramid_scales", ()), train=False,
-    )
+    ops = augment_ops(data_cfg.image_size, keep_aspect_ratio=_cfg(data_cfg, "keep_aspect_ratio", False), train=False)
     return {"ops": ops, "num_threads": _cfg(data_cfg, "num_threads", 2)}
 
 

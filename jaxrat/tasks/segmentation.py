@@ -1,4 +1,4 @@
-"""Binary segmentation: BCE + soft Dice loss, and eval metrics over a whole eval set.
+"""Binary segmentation (ISIC 2018 lesions): BCE + soft Dice loss, and eval metrics over a whole eval set.
 
 Eval metrics are computed from sums, so they are exact whatever the batch split: each eval step
 returns per-batch sums (inside jit, so they are reduced across all devices and hosts) and
@@ -9,12 +9,16 @@ empty scores 1, never NaN.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
+import ml_collections as mlc
 import numpy as np
 import optax
+from flax import nnx
+
+from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
 
 _EPS = 1e-6
 
@@ -82,3 +86,101 @@ def finalize_metrics(sums: Mapping[str, float]) -> dict[str, float]:
         "accuracy": ratio(s["tp"] + s["tn"], s["tp"] + s["tn"] + s["fp"] + s["fn"]),
         "num_images": s["count"],
     }
+
+
+METRICS = ("dice", "iou", "sensitivity", "specificity", "accuracy", "loss", "dice_global", "num_images")
+# Eval images logged per evaluation (the first ones of the split).
+NUM_LOGGED_IMAGES = 4
+
+
+class SegmentationTask(Task):
+    """``config.task``: ``bce_weight``, ``dice_weight`` (loss) and ``threshold`` (eval metrics).
+
+    A batch holds ``image`` (B, H, W, 3) ImageNet-normalised floats and ``mask`` (B, H, W, 1) in
+    {0, 1}; eval batches also ``valid`` (1 for a real image, 0 for padding).
+    """
+
+    def __init__(self, config: mlc.ConfigDict) -> None:
+        super().__init__(config)
+        t = config.task
+        missing = [k for k in ("bce_weight", "dice_weight", "threshold") if k not in t]
+        if missing:
+            from jaxrat.errors import ConfigError
+
+            raise ConfigError(f"config.task lacks {', '.join(missing)} for the segmentation task; set them in the "
+                              f"config file (see configs/isic.py).")
+        self.bce_weight, self.dice_weight, self.threshold = float(t.bce_weight), float(t.dice_weight), float(t.threshold)
+        self._train = self._val = None
+
+    def prepare_data(self, workdir: str) -> str:
+        from jaxrat.data import datasets
+
+        self._train, self._val = datasets.resolve_segmentation(
+            self.config.data, workdir, seed=self.config.seed, process_index=jax.process_index())
+        return f"{len(self._train)} train and {len(self._val)} validation images"
+
+    def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
+                       processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.train_iterator(
+            self._train, image_size=d.image_size, local_batch=local_batch, seed=self.config.seed,
+            process_index=process_index, process_count=process_count, start_example=start_example,
+            processes_on_host=processes_on_host, **pipeline.train_options(d))
+
+    def eval_batches(self, *, global_batch: int, process_index: int,
+                     process_count: int) -> Iterable[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.eval_batches(self._val, image_size=d.image_size, global_batch=global_batch,
+                                     process_index=process_index, process_count=process_count,
+                                     **pipeline.eval_options(d))
+
+    def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        loss, parts = loss_fn(model(batch["image"]), batch["mask"], bce_weight=self.bce_weight,
+                              dice_weight=self.dice_weight)
+        # Exact in float32 (a sum of 0/1 pixels): a fingerprint of which examples a step saw.
+        return loss, {**parts, "foreground_fraction": jnp.mean(batch["mask"])}
+
+    def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:
+        logits = model(batch["image"])
+        sums = eval_sums(logits, batch["mask"], batch["valid"], threshold=self.threshold,
+                         bce_weight=self.bce_weight, dice_weight=self.dice_weight)
+        return sums, jax.nn.sigmoid(logits)
+
+    def new_eval(self) -> EvalAccumulator:
+        return _SegmentationEval(log_images=bool(self.config.train.log_images))
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return METRICS
+
+
+class _SegmentationEval(EvalAccumulator):
+    def __init__(self, log_images: bool) -> None:
+        super().__init__()
+        self._want_images = log_images
+        self._images: dict[str, np.ndarray] = {}
+
+    def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
+        self.add_sums(sums)
+        if self._want_images and not self._images:
+            from jaxrat.data.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+            n = min(NUM_LOGGED_IMAGES, int(np.sum(batch["valid"])))
+            if n == 0:  # this process's share of the first batch is all padding
+                return
+            probs = host_rows(outputs)[:n]
+            self._images = {
+                "eval/input": (batch["image"][:n] * IMAGENET_STD + IMAGENET_MEAN) / 255.0,
+                "eval/mask": np.repeat(batch["mask"][:n], 3, -1),
+                "eval/prediction": np.repeat(probs, 3, -1),
+            }
+
+    def finalize(self) -> dict[str, float]:
+        return finalize_metrics(self.fetched_totals())
+
+    def images(self) -> dict[str, np.ndarray]:
+        return self._images

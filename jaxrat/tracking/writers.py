@@ -58,9 +58,9 @@ class MetricWriter:
 
 
 def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed: float, done: int) -> str:
-    """``step 120/400 (30%) loss 0.3121 lr 2.9e-03 8.10 steps/s 130 img/s ETA 00:00:34``.
+    """``step 120/400 (30%) loss 0.3121 lr 2.9e-03 8.10 steps/s 130 ex/s ETA 00:00:34``.
 
-    Steps/s and img/s are those of the last logging window (``scalars``); the ETA uses the mean
+    Steps/s and examples/s are those of the last logging window (``scalars``); the ETA uses the mean
     rate since this run started (``done`` steps in ``elapsed`` seconds), compilation included."""
     rate = done / elapsed if elapsed > 0 else 0.0
     eta = (total - step) / rate if rate > 0 else float("nan")
@@ -71,7 +71,7 @@ def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed
     if "train/learning_rate" in scalars:
         parts.append(f"lr {scalars['train/learning_rate']:.1e}")
     parts.append(f"{scalars.get('train/steps_per_sec', rate):.2f} steps/s")
-    if "train/images_per_sec" in scalars:
-        parts.append(f"{scalars['train/images_per_sec']:.0f} img/s")
+    if "train/examples_per_sec" in scalars:
+        parts.append(f"{scalars['train/examples_per_sec']:.0f} ex/s")
     parts.append(f"ETA {eta_s}")
     return " ".join(parts)

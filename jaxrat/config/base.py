@@ -1,15 +1,14 @@
-"""Config defaults shared by every jaxrat experiment, and config validation.
+"""Config defaults shared by every jaxrat task.
 
-A config file's ``get_config(arg)`` starts from :func:`base_config` and overrides what it needs.
-Every field a user may override on the command line must exist here (ml_collections refuses
-unknown keys), with a value of the right type or a typed placeholder.
+A config file's ``get_config(arg)`` starts from :func:`base_config`, adds its task's fields
+(``config.task.*``, ``config.model.*``) and overrides what it needs. Every field a user may
+override on the command line must exist (ml_collections refuses unknown keys), with a value of
+the right type or a typed placeholder.
 """
 
 from __future__ import annotations
 
 import ml_collections as mlc
-
-from jaxrat.errors import ConfigError
 
 
 def base_config() -> mlc.ConfigDict:
@@ -51,16 +50,14 @@ def base_config() -> mlc.ConfigDict:
     c.data.elastic_prob = 0.0  # probability of an elastic deformation per image
     c.data.elastic_alpha = 34.0  # its largest displacement, pixels
     c.data.elastic_sigma = 4.0  # its smoothness, pixels
-    c.data.pyramid_scales = ()  # extra levels for multi-scale models, e.g. (0.5, 0.25)
 
     c.model = mlc.ConfigDict()
     c.model.name = "unet"
 
+    # The task owns its data, loss and metrics (jaxrat.tasks); its own fields (loss weights,
+    # thresholds, ...) are set by the config files that choose it.
     c.task = mlc.ConfigDict()
-    c.task.name = "segmentation"
-    c.task.bce_weight = 0.5
-    c.task.dice_weight = 0.5
-    c.task.threshold = 0.5
+    c.task.name = "segmentation"  # a built-in task, or "package.module:ClassName"
 
     c.optimizer = mlc.ConfigDict()
     c.optimizer.learning_rate = 1e-3
@@ -70,6 +67,9 @@ def base_config() -> mlc.ConfigDict:
     c.optimizer.b1 = 0.9
     c.optimizer.b2 = 0.999
     c.optimizer.clip_norm = 1.0  # 0 disables global-norm clipping
+    # Parameters whose path matches this regex (re.search on "backbone/sga_layers/0/rose/freqs"),
+    # and every parameter with fewer than 2 dimensions, get no weight decay.
+    c.optimizer.weight_decay_exclude = r"(^|/)(bias|scale|freqs|table)$|embed|pos_"
     c.optimizer.grad_accum_steps = 1  # micro-batches per step: batch_size must divide by it
 
     c.train = mlc.ConfigDict()
@@ -114,97 +114,3 @@ def base_config() -> mlc.ConfigDict:
     c.distributed.heartbeat_timeout = 100
     c.distributed.coordinator_port = -1
     return c
-
-
-def _load_config_file(spec: str) -> mlc.ConfigDict:
-    """Load ``path[:variant]`` the way ml_collections' config flag does."""
-    import importlib.util
-    import os
-
-    path, _, variant = spec.partition(":")
-    if not os.path.isfile(path):
-        raise ConfigError(f"Config file {path} does not exist; pass e.g. --config configs/isic.py:demo.")
-    module_spec = importlib.util.spec_from_file_location("_jaxrat_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    try:
-        return module.get_config(variant) if variant else module.get_config()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-# Fields that moved: old command lines get the new name instead of a fuzzy guess.
-_MOVED = {
-    "train.checkpoint_every": "checkpoint.every_steps",
-    "train.keep_checkpoints": "checkpoint.keep",
-    "train.async_checkpointing": "checkpoint.async_save",
-}
-
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}
-
-
-def _check_value(key: str, current: object, raw: str | None) -> None:
-    if raw is None or current is None:
-        return
-    kind = type(current)
-    if kind not in _KIND_NAMES:
-        return
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-        elif kind is int:
-            int(raw)
-        elif kind is float:
-            float(raw)
-    except ValueError:
-        raise ConfigError(
-            f"--config.{key}={raw} is not {_KIND_NAMES[kind]} (the field's default is {current!r}); "
-            f"pass {_KIND_NAMES[kind]}."
-        ) from None
-
-
-def check_override_args(argv: list[str]) -> None:
-    """Fail with one sentence on a missing config file, an unknown variant, an unknown
-    ``--config.KEY`` or a value of the wrong type.
-
-    ml_collections reports unknown keys with a KeyError traceback; we check first and name the
-    closest existing key instead.
-    """
-    import difflib
-
-    spec, overrides, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--config=") or arg == "--config":
-            spec = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
-        elif arg.startswith("--config."):
-            key, eq, value = arg[len("--config."):].partition("=")
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value = argv[i + 1]
-            overrides.append((key, value if (eq or value) else None))
-        i += 1
-    if not spec:
-        return
-    config = _load_config_file(spec)  # a missing file or unknown variant: one sentence, not absl's traceback
-    flat = _flatten(config)
-    for key, value in overrides:
-        if key.startswith("no") and key[2:] in flat and isinstance(flat[key[2:]], bool):
-            continue
-        if key in _MOVED:
-            raise ConfigError(f"--config.{key} is now --config.{_MOVED[key]}; rename it.")
-        if key not in flat:
-            close = difflib.get_close_matches(key, list(flat), n=1)
-            hint = f"did you mean --config.{close[0]}?" if close else "see the config file for valid keys."
-            raise ConfigError(f"Unknown config key --config.{key}; {hint}")
-        _check_value(key, flat[key], value)
-
-
-def _flatten(config: mlc.ConfigDict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in config.items():
-        if isinstance(v, mlc.ConfigDict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

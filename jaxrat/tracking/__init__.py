@@ -1,0 +1,1 @@
+"""Where metrics, images and run facts go: TensorBoard and metrics.jsonl today."""

@@ -1,0 +1,197 @@
+"""Periodic actions of the train loop, each a small object owning its own state.
+
+:class:`Chrono` measures throughput and input wait between log points; :class:`TrainLog` fetches
+and writes the step metrics at log steps and stops a diverged run; :class:`Evaluation` runs the
+task's eval at its steps; :class:`Saver` decides and makes the checkpoints. The loop
+(:mod:`jaxrat.trainer.loop`) calls them in order and holds nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import ml_collections as mlc
+import numpy as np
+
+from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule
+from jaxrat.cluster import Preempted, PreemptionWatch
+from jaxrat.errors import ConfigError, UserError
+from jaxrat.tasks.base import Task
+from jaxrat.tracking.writers import MetricWriter, format_progress
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or Inf."""
+
+
+class Chrono:
+    """Steps/s, examples/s and the share of time the devices waited for input, per log window.
+
+    The loop dispatches steps ahead of the devices, so "waiting for the next batch" is free while
+    the last dispatched step still runs; only the wait after the devices went idle counts.
+    """
+
+    def __init__(self, global_batch: int, start_step: int) -> None:
+        self.global_batch, self.start_step = global_batch, start_step
+        self.t_start = self.t_last = time.perf_counter()
+        self.steps = 0
+        self.data_wait = 0.0
+        self._last_output: jax.Array | None = None
+
+    def devices_busy(self) -> bool:
+        """Whether the last dispatched step is still running."""
+        return self._last_output is not None and not self._last_output.is_ready()
+
+    def step_dispatched(self, output: jax.Array, waited_s: float) -> None:
+        """Count a step whose (any) output is ``output``, after ``waited_s`` seconds of idle devices."""
+        self._last_output, self.steps, self.data_wait = output, self.steps + 1, self.data_wait + waited_s
+
+    def window(self) -> dict[str, float]:
+        """The rates since the last call, and restart the window."""
+        now = time.perf_counter()
+        span = max(now - self.t_last, 1e-9)
+        out = {"train/steps_per_sec": self.steps / span,
+               "train/examples_per_sec": self.steps * self.global_batch / span,
+               "train/data_wait_fraction": self.data_wait / span}
+        self.t_last, self.steps, self.data_wait = now, 0, 0.0
+        return out
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+
+class TrainLog:
+    """Keeps each step's metrics on the device until a log step, then fetches them all at once
+    (one host sync per window), stops on a non-finite step and writes the window's means."""
+
+    def __init__(self, writer: MetricWriter, chrono: Chrono, total_steps: int, every: int,
+                 last_good: Callable[[], str]) -> None:
+        self.writer, self.chrono, self.total, self.every = writer, chrono, total_steps, every
+        self.last_good = last_good
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+
+    def add(self, step: int, metrics: dict[str, jax.Array]) -> bool:
+        """Queue ``step``'s metrics; returns whether ``step`` is a log step (and logs it)."""
+        self.pending.append((step, metrics))
+        due = step % self.every == 0 or step == self.total
+        if due:
+            self.flush(step)
+        return due
+
+    def flush(self, step: int) -> None:
+        """Fetch, check and write what is queued; raise :class:`TrainingDiverged` on a non-finite step."""
+        if not self.pending:
+            return
+        fetched = jax.device_get([m for _, m in self.pending])
+        bad = [s for (s, _), m in zip(self.pending, fetched) if m["train/nonfinite"] > 0]
+        if bad:
+            raise TrainingDiverged(
+                f"Loss became NaN/Inf at step {bad[0]}; the run stopped without applying that update and the last "
+                f"good checkpoint ({self.last_good()}) is kept; lower --config.optimizer.learning_rate or set "
+                f"--config.optimizer.clip_norm and resume."
+            )
+        scalars = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "train/nonfinite"}
+        scalars["train/learning_rate"] = float(fetched[-1]["train/learning_rate"])
+        scalars.update(self.chrono.window())
+        self.writer.write_scalars(step, scalars)
+        if jax.process_index() == 0:
+            logging.info("%s", format_progress(step, self.total, scalars, self.chrono.elapsed(),
+                                               step - self.chrono.start_step))
+        self.pending.clear()
+
+
+class Evaluation:
+    """Runs the task's evaluation every ``train.eval_every`` steps (and at the end), writes its
+    metrics and images, and keeps the last metrics."""
+
+    def __init__(self, config: mlc.ConfigDict, task: Task, eval_step: Callable, to_global: Callable,
+                 writer: MetricWriter) -> None:
+        self.config, self.task, self.eval_step, self.to_global, self.writer = config, task, eval_step, to_global, writer
+        self.total = config.num_train_steps
+        self.last: dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        t = self.config.train
+        return step % t.eval_every == 0 or (step == self.total and t.eval_at_end)
+
+    def run(self, step: int, params: Any, interrupt: Callable[[], bool]) -> dict[str, float] | None:
+        """``{"eval/<metric>": value}`` over the whole eval split, or None when ``interrupt()`` (asked
+        before every batch, in every process alike) cut it short."""
+        acc = self.task.new_eval()
+        for batch in self.task.eval_batches(global_batch=self.config.data.eval_batch_size,
+                                            process_index=jax.process_index(), process_count=jax.process_count()):
+            if interrupt():
+                return None
+            sums, outputs = self.eval_step(params, self.to_global(batch))
+            acc.update(sums, batch, outputs)
+        metrics = acc.finalize()
+        named = {f"eval/{k}": v for k, v in metrics.items()}
+        self.last = metrics
+        self.writer.write_scalars(step, named)
+        images = acc.images() if self.config.train.log_images else {}
+        if images:
+            self.writer.write_images(step, images)
+        if jax.process_index() == 0:
+            order = [k for k in self.task.metric_names if k in metrics] + sorted(set(metrics) - set(self.task.metric_names))
+            logging.info("eval step %d: %s", step, " ".join(f"{k} {metrics[k]:.4f}" for k in order))
+        return named
+
+
+class Saver:
+    """Checkpoints at the steps the policy asks for, and on preemption; logs how long the loop blocked."""
+
+    def __init__(self, ckpt: Checkpointer, policy: Policy, total_steps: int, writer: MetricWriter) -> None:
+        self.ckpt, self.writer = ckpt, writer
+        self.schedule = SaveSchedule(policy, total_steps)
+        self.watch = PreemptionWatch()
+
+    def save(self, step: int, state: Any, data_state: Any, reason: str, metrics: dict[str, float] | None = None,
+             eval_pending: bool = False) -> None:
+        """Start saving ``state`` and the data position at ``step``."""
+        blocked = self.ckpt.save(step, state, data_state, reason=reason, metrics=metrics, eval_pending=eval_pending)
+        self.schedule.saved()
+        if blocked is not None:
+            self.writer.write_scalars(step, {"checkpoint/blocked_s": blocked})
+
+    def maybe_save(self, step: int, state: Any, data_state: Any, *, log_step: bool,
+                   metrics: dict[str, float] | None) -> None:
+        """Save when the schedule says so (every N steps or minutes, the last step)."""
+        reason = self.schedule.reason(step, log_step=log_step)
+        if reason:
+            self.save(step, state, data_state, reason, metrics=metrics)
+
+    def preemption_requested(self) -> bool:
+        """Whether every process stops here (the same answer, at the same call, in all of them)."""
+        return self.watch.requested()
+
+    def stop_for_preemption(self, step: int, state: Any, data_state: Any, eval_pending: bool) -> None:
+        """Save, wait until the save is durable, and raise :class:`Preempted` for the requeue exit."""
+        self.watch.hold_signals()  # a second signal must not cut this save short or change the exit status
+        self.save(step, state, data_state, "preemption", eval_pending=eval_pending)
+        self.ckpt.wait()
+        where = "during evaluation " if eval_pending else ""
+        raise Preempted(f"preempted {where}at step {step}: checkpoint saved, exit for requeue")
+
+    def last_good(self) -> str:
+        """The newest durable checkpoint, e.g. "step 200 in /w/checkpoints" (waits for saves in flight)."""
+        self.ckpt.wait()
+        return f"step {self.ckpt.latest_step()} in {self.ckpt.directory}"
+
+    def finish(self) -> None:
+        """Wait for the last saves and log the loop's blocking time per save."""
+        self.ckpt.wait()
+        b = self.ckpt.blocked_s
+        if b:
+            logging.info("checkpoints: %d saves; train loop blocked %.3f s on average, %.3f s at most",
+                         len(b), float(np.mean(b)), max(b))
+
+
+def check_best_metric(policy: Policy, task: Task) -> None:
+    """``checkpoint.best_metric`` must name one of the task's eval metrics; say so before training."""
+    names = [f"eval/{n}" for n in task.metric_names]
+    if policy.best_metric and policy.best_metric not in names:
+        raise ConfigError(f"config.checkpoint.best_metric={policy.best_metric!r} is not computed by this task; "
+                          f"use one of {names}.")

@@ -1,0 +1,120 @@
+"""The training loop: world -> task and data -> state -> steps, with logs, evals and checkpoints.
+
+Every process runs every line (steps, evals and saves are collectives); only process 0 writes
+logs and files the run shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import ml_collections as mlc
+import numpy as np
+
+from jaxrat.checkpointing import Checkpointer, Policy
+from jaxrat.errors import ConfigError
+from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
+from jaxrat.tasks.base import load_task
+from jaxrat.tracking.writers import MetricWriter
+from jaxrat.trainer import hooks
+from jaxrat.trainer.input_feed import DeviceFeed
+from jaxrat.trainer.state import make_state_spec, restore_or_init
+from jaxrat.trainer.step import make_eval_step, make_train_step
+
+
+def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: int) -> None:
+    """Raise ConfigError unless the global batches split evenly over steps, devices and hosts."""
+    gb, accum, eb = config.data.batch_size, config.optimizer.grad_accum_steps, config.data.eval_batch_size
+    if accum < 1 or gb % accum:
+        raise ConfigError(f"config.data.batch_size={gb} does not divide by config.optimizer.grad_accum_steps={accum}; "
+                          f"make the batch a multiple of the accumulation steps.")
+    if (gb // accum) % num_devices:
+        raise ConfigError(f"The micro-batch of {gb // accum} (config.data.batch_size={gb} / grad_accum_steps={accum}) "
+                          f"does not divide over {num_devices} devices; use a batch size that is a multiple of "
+                          f"{num_devices * accum}.")
+    if eb % num_devices or eb % num_processes:
+        raise ConfigError(f"config.data.eval_batch_size={eb} does not divide over {num_devices} devices; use a "
+                          f"multiple of {num_devices}.")
+    if config.data.device_prefetch < 0:
+        raise ConfigError(f"config.data.device_prefetch={config.data.device_prefetch}; "
+                          "use 0 (off) or the number of batches to keep on the devices ahead.")
+
+
+def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
+    """Assemble per-host numpy batches into global arrays sharded over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def save_config(config: mlc.ConfigDict, workdir: str) -> None:
+    """``WORKDIR/config.json``: the resolved config, written atomically."""
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + ".tmp", path)
+
+
+def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]:
+    """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics."""
+    # ---- world
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    mesh = make_mesh(config.mesh.axes)
+    check_batch_sizes(config, mesh.size, jax.process_count())
+    logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())
+    if jax.process_index() == 0:
+        save_config(config, workdir)
+
+    # ---- task, data, state
+    task = load_task(config)
+    policy = Policy.from_config(config.checkpoint)
+    hooks.check_best_metric(policy, task)
+    logging.info("data: %s", task.prepare_data(workdir))
+    spec = make_state_spec(config, mesh, task)
+    train_step, eval_step = make_train_step(spec), make_eval_step(spec)
+    on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
+    local_batch = config.data.batch_size // jax.process_count()
+
+    def train_iter(start_example: int):
+        return task.train_iterator(start_example, local_batch=local_batch, process_index=jax.process_index(),
+                                   process_count=jax.process_count(), processes_on_host=on_host)
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
+    start = restore_or_init(spec, ckpt, train_iter)
+    state, first, total = start.state, start.step, config.num_train_steps
+
+    # ---- loop
+    writer = MetricWriter(workdir, is_main=jax.process_index() == 0)
+    chrono = hooks.Chrono(config.data.batch_size, first)
+    saver = hooks.Saver(ckpt, policy, total, writer)
+    log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
+    put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
+    evaluation = hooks.Evaluation(config, task, eval_step, put, writer)
+    feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+    try:
+        if start.eval_pending and evaluation.run(first, state["params"], saver.preemption_requested) is None:
+            saver.stop_for_preemption(first, state, feed.consumed_state(), eval_pending=True)
+        for step in range(first, total):
+            batch, waited = feed.next_timed(chrono.devices_busy)
+            state, metrics = train_step(state, batch)
+            chrono.step_dispatched(metrics["train/loss"], waited)
+            done = step + 1
+            log_step = log.add(done, metrics)
+            eval_due = evaluation.due(done)
+            if saver.preemption_requested():
+                log.flush(done)
+                saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=eval_due)
+            evaluated = evaluation.run(done, state["params"], saver.preemption_requested) if eval_due else None
+            if eval_due and evaluated is None:
+                log.flush(done)
+                saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=True)
+            saver.maybe_save(done, state, feed.consumed_state(), log_step=log_step, metrics=evaluated)
+        saver.finish()
+    finally:
+        feed.close()
+        writer.close()
+        ckpt.close()
+    if first >= total:
+        logging.info("nothing to do: workdir already at step %d of %d", first, total)
+    return evaluation.last

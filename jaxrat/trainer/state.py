@@ -1,0 +1,158 @@
+"""The train state: its shapes and shardings, creation born sharded, and restore-or-init.
+
+The state is a plain dict of arrays, ``{"step", "params", "opt_state", "rng"}``, so a checkpoint
+holds nothing but arrays. The model's non-parameter state (dropout RNG streams) is rebuilt every
+step from the step's key instead of being carried, so dropout noise depends only on (seed, step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrat.checkpointing import Checkpointer, load_init
+from jaxrat.errors import ConfigError
+from jaxrat.parallel import sharding
+from jaxrat.tasks.base import Task
+from jaxrat.trainer.optimizer import make_optimizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def fresh_rest(abstract_rest: Any, rng: jax.Array) -> Any:
+    """Concrete non-parameter model state (dropout RNG streams) derived from ``rng``."""
+    leaves, treedef = jax.tree.flatten(abstract_rest)
+    out = [jnp.broadcast_to(jax.random.fold_in(rng, i), x.shape) if _is_key(x) else jnp.zeros(x.shape, x.dtype)
+           for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass
+class StateSpec:
+    """Everything derived from the config and the mesh that the step functions need: the model's
+    graph (train and eval mode), the optimizer, the state's abstract shapes and its shardings."""
+
+    config: mlc.ConfigDict
+    mesh: jax.sharding.Mesh
+    task: Task
+    dtype: Any
+    tx: Any
+    schedule: Callable[[Any], Any]
+    train_graphdef: Any
+    eval_graphdef: Any
+    abstract_rest: Any
+    abstract_state: Any
+    state_shardings: dict[str, Any]
+    grad_shardings: Any
+    batch_sharding: NamedSharding
+
+    def model(self, params: Any, rng: jax.Array, *, train: bool) -> nnx.Module:
+        """The model in train or eval mode with ``params`` (inside jit)."""
+        graphdef = self.train_graphdef if train else self.eval_graphdef
+        return nnx.merge(graphdef, params, fresh_rest(self.abstract_rest, rng))
+
+    def init_state(self, rng_data: jax.Array) -> dict[str, Any]:
+        """A fresh train state (jit it with ``out_shardings=state_shardings`` to create it sharded)."""
+        key = jax.random.wrap_key_data(rng_data)
+        rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
+        params = nnx.to_pure_dict(nnx.state(self.task.build_model(dtype=self.dtype, rngs=rngs), nnx.Param))
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "rng": jax.random.key_data(jax.random.fold_in(key, 2)),
+        }
+
+    def abstract_with_shardings(self) -> Any:
+        """The state's shapes carrying the current mesh's shardings (restore target)."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            self.abstract_state, self.state_shardings)
+
+
+def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task) -> StateSpec:
+    """Split the task's model abstractly and decide every sharding; nothing is allocated."""
+    if config.train.compute_dtype not in DTYPES:
+        raise ConfigError(f"config.train.compute_dtype={config.train.compute_dtype!r}; use 'float32' or 'bfloat16'.")
+    dtype = DTYPES[config.train.compute_dtype]
+    tx, schedule = make_optimizer(config.optimizer, config.num_train_steps)
+    model = nnx.eval_shape(lambda: task.build_model(dtype=dtype, rngs=nnx.Rngs(0)))
+    model.train()
+    train_graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    model.eval()
+    eval_graphdef, _, _ = nnx.split(model, nnx.Param, ...)
+    abstract_rest = nnx.to_pure_dict(rest)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_rest)[0]:
+        if not _is_key(leaf) and "count" not in jax.tree_util.keystr(path):
+            raise ConfigError(
+                f"Model state {jax.tree_util.keystr(path)} is neither a parameter nor an RNG stream; "
+                f"jaxrat models must not keep mutable statistics (use GroupNorm/LayerNorm)."
+            )
+    spec = StateSpec(config, mesh, task, dtype, tx, schedule, train_graphdef, eval_graphdef, abstract_rest,
+                     None, {}, None, NamedSharding(mesh, sharding.batch_spec(mesh)))
+    spec.abstract_state = jax.eval_shape(spec.init_state, jax.random.key_data(jax.random.key(0)))
+
+    zero, sc = config.sharding.zero, config.sharding
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
+
+    def shard(tree: Any, on: bool) -> Any:
+        return sharding.tree_shardings(tree, mesh, shard=on, axis=sc.axis, min_size=sc.min_size, rules=sc.rules)
+
+    rep = NamedSharding(mesh, P())
+    params, opt_state = spec.abstract_state["params"], spec.abstract_state["opt_state"]
+    spec.state_shardings = {"step": rep, "rng": rep, "params": shard(params, zero >= 3),
+                            "opt_state": shard(opt_state, zero >= 1)}
+    spec.grad_shardings = shard(params, zero >= 2)
+    sharding.log_shardings(params, spec.state_shardings["params"], "params")
+    sharding.log_shardings(opt_state, spec.state_shardings["opt_state"], "opt_state")
+    return spec
+
+
+@dataclasses.dataclass
+class Restored:
+    """Where a run starts: its state, its data iterator, and whether the checkpointed step's
+    evaluation still has to run (the run was preempted inside it)."""
+
+    state: dict[str, Any]
+    data: Iterator
+    eval_pending: bool
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state["step"]))
+
+
+def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[int], Iterator]) -> Restored:
+    """Resume from the newest readable checkpoint in ``ckpt``, or start fresh (from ``init_from``
+    weights when the config names some). ``train_iter(start_example)`` makes the data iterator."""
+    config = spec.config
+    data = train_iter(0)
+    restored = ckpt.restore_latest(spec.abstract_with_shardings(), data)
+    if restored is not None:
+        step, state, data_ok = restored
+        if not data_ok:  # saved by another process count: the position follows from the step
+            if hasattr(data, "close"):
+                data.close()
+            data = train_iter(step * config.data.batch_size)
+        logging.info("resumed from step %d (%s)", step, "iterator state" if data_ok else "position from step")
+        if config.init_from:
+            logging.info("init_from=%s ignored: this workdir already has checkpoints", config.init_from)
+        return Restored(state, data, bool(ckpt.step_metadata(step).get("eval_pending")))
+    loaded: dict[str, Any] = {}
+    if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
+        loaded = load_init(config.init_from, spec.abstract_with_shardings(),
+                           optimizer=config.checkpoint.init_optimizer)
+    init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)
+    state = {**init(jax.random.key_data(jax.random.key(config.seed))), **loaded}
+    return Restored(state, data, False)

@@ -1,0 +1,91 @@
+"""The jitted train and eval steps.
+
+The train step runs the task's loss on ``grad_accum_steps`` micro-batches (a scan, so memory is
+that of one micro-batch), clips and applies AdamW, and leaves the state untouched when the loss or
+the gradient norm is not finite (the host stops the run at its next check).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrat.parallel import sharding
+from jaxrat.trainer.state import StateSpec
+
+
+def split_microbatches(batch: Any, accum: int, mesh: jax.sharding.Mesh) -> Any:
+    """``(B, ...)`` -> ``(accum, B // accum, ...)`` where micro-batch ``i`` holds rows ``i, i + accum, ...``.
+
+    Strided rather than contiguous: each device's block of rows splits into its own share of every
+    micro-batch, so no row changes device. (Contiguous micro-batch ``i`` would be rows that live on
+    a fraction of the devices, and XLA would reshard the whole batch across devices and hosts.)
+    """
+    spec = NamedSharding(mesh, P(None, *sharding.batch_spec(mesh)))
+
+    def one(x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:])
+        return jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), spec)
+
+    return jax.tree.map(one, batch)
+
+
+def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]]:
+    """``step(state, batch) -> (state, metrics)``, jitted with the state donated."""
+    accum = spec.config.optimizer.grad_accum_steps
+
+    def loss_of(params: Any, batch: Any, rng: jax.Array) -> tuple[jax.Array, dict]:
+        return spec.task.loss(spec.model(params, rng, train=True), batch)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        params = state["params"]
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        if accum == 1:
+            (loss, parts), grads = grad_fn(params, batch, rng)
+        else:
+            def body(carry: Any, xs: Any) -> tuple[Any, None]:
+                mb, i = xs
+                (l, p), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, carry, (g, l, p)), None
+
+            micro = split_microbatches(batch, accum, spec.mesh)
+            shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][0], shapes[0][1]))
+            (grads, loss, parts), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+            grads, loss, parts = jax.tree.map(lambda x: x / accum, (grads, loss, parts))
+        grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
+        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
+        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+
+        def keep(new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
+        metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
+                   "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
+                   "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
+        return new_state, metrics
+
+    rep = NamedSharding(spec.mesh, P())
+    return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
+                   out_shardings=(spec.state_shardings, rep), donate_argnums=0)
+
+
+def make_eval_step(spec: StateSpec) -> Callable[[Any, dict], tuple[dict, Any]]:
+    """``eval_step(params, batch) -> (sums, outputs)``: sums replicated, outputs batch-sharded."""
+
+    def step(params: Any, batch: dict) -> tuple[dict, Any]:
+        return spec.task.eval_step(spec.model(params, jax.random.key(0), train=False), batch)
+
+    # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
+    rep = NamedSharding(spec.mesh, P())
+    return jax.jit(step, in_shardings=(spec.state_shardings["params"], spec.batch_sharding),
+                   out_shardings=(rep, spec.batch_sharding))
