@@ -104,7 +104,7 @@ def main() -> None:
     cols = ["zero", "params_bytes_per_device", "opt_bytes_per_device", "state_bytes_per_device",
             "state_vs_replicated_over_devices", "temp_bytes", "peak_bytes",
             "all-reduce_bytes", "reduce-scatter_bytes", "all-gather_bytes"]
-    print(f"model={mod.get_config(args.variant or None).model.name} devices={args.devices} "
+    print(f"model={config.model.name} devices={args.devices} "
           f"image={args.image_size} batch={args.batch_size}")
     print(" | ".join(cols))
     for r in rows:

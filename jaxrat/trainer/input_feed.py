@@ -43,6 +43,25 @@ class FrozenState:
         pass
 
 
+class Restorable:
+    """Grain's checkpoint handler's view of any iterator with ``get_state``/``set_state``: Grain
+    also calls ``start_prefetch`` after a restore, which a task's own iterator need not have."""
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+
+    def get_state(self) -> Any:
+        return self.iterator.get_state()
+
+    def set_state(self, state: Any) -> None:
+        self.iterator.set_state(state)
+
+    def start_prefetch(self) -> None:
+        start = getattr(self.iterator, "start_prefetch", None)
+        if start:
+            start()
+
+
 class DeviceFeed:
     """Iterator over ``put(batch)`` for each batch of ``source``, produced ``depth`` batches ahead
     (plus the one the thread holds while the queue is full).

@@ -21,6 +21,7 @@ from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.errors import ConfigError
 from jaxrat.parallel import sharding
 from jaxrat.tasks.base import Task
+from jaxrat.trainer.input_feed import Restorable
 from jaxrat.trainer.optimizer import make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -138,7 +139,7 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
     weights when the config names some). ``train_iter(start_example)`` makes the data iterator."""
     config = spec.config
     data = train_iter(0)
-    restored = ckpt.restore_latest(spec.abstract_with_shardings(), data)
+    restored = ckpt.restore_latest(spec.abstract_with_shardings(), Restorable(data))
     if restored is not None:
         step, state, data_ok = restored
         if not data_ok:  # saved by another process count: the position follows from the step
