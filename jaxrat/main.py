@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     """Initialise the distributed runtime, then train and evaluate."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from jaxrat import cluster  # before anything that touches JAX devices
+    from jaxrat import cluster, compile_cache  # before anything that touches JAX devices
 
     if not flags.FLAGS["verbosity"].present:
         for handler in logging.getLogger().handlers:
@@ -32,6 +32,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     try:
         cluster.initialize(config.distributed)
+        compile_cache.enable(config.train.compilation_cache_dir)
         from jaxrat.trainer.loop import train_and_evaluate
 
         try:

@@ -78,6 +78,9 @@ def base_config() -> mlc.ConfigDict:
     c.train.eval_every = 200
     c.train.eval_at_end = True
     c.train.log_images = True
+    # JAX's persistent compilation cache: "" = $JAX_COMPILATION_CACHE_DIR, $JAXRAT_CACHE_DIR/xla or
+    # ~/.cache/jaxrat/xla; "none" = off. A resumed or requeued run then skips most compilation.
+    c.train.compilation_cache_dir = ""
 
     c.checkpoint = mlc.ConfigDict()
     c.checkpoint.every_steps = 200  # 0: no step rule; the last step and preemptions always save

@@ -102,8 +102,11 @@ class Task(abc.ABC):
 
     # ------------------------------------------------------------------------- inside jit
     @abc.abstractmethod
-    def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(scalar loss, named scalars to log as ``train/<name>``) for one (micro-)batch.
+
+        ``rng`` is this micro-batch's key (from the seed and the step) for randomness the task
+        applies inside the step, e.g. mixup; the model's dropout has its own streams.
 
         The named scalars are averaged over micro-batches like the loss, so anything that is a
         mean over the batch (loss parts, a data fingerprint) may go there.

@@ -138,7 +138,7 @@ class SegmentationTask(Task):
                                      process_index=process_index, process_count=process_count,
                                      **pipeline.eval_options(d))
 
-    def loss(self, model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         loss, parts = loss_fn(model(batch["image"]), batch["mask"], bce_weight=self.bce_weight,
                               dice_weight=self.dice_weight)
         # Exact in float32 (a sum of 0/1 pixels): a fingerprint of which examples a step saw.

@@ -34,20 +34,31 @@ class Chrono:
     the last dispatched step still runs; only the wait after the devices went idle counts.
     """
 
-    def __init__(self, global_batch: int, start_step: int) -> None:
-        self.global_batch, self.start_step = global_batch, start_step
+    def __init__(self, global_batch: int, start_step: int, t_created: float) -> None:
+        self.global_batch, self.start_step, self.t_created = global_batch, start_step, t_created
         self.t_start = self.t_last = time.perf_counter()
         self.steps = 0
         self.data_wait = 0.0
         self._last_output: jax.Array | None = None
+        self._first_step_s: float | None = None
 
     def devices_busy(self) -> bool:
         """Whether the last dispatched step is still running."""
         return self._last_output is not None and not self._last_output.is_ready()
 
     def step_dispatched(self, output: jax.Array, waited_s: float) -> None:
-        """Count a step whose (any) output is ``output``, after ``waited_s`` seconds of idle devices."""
+        """Count a step whose (any) output is ``output``, after ``waited_s`` seconds of idle devices.
+
+        The run's first step is waited for once, to report the time to first step (setup, restore
+        and compilation: what the compilation cache saves on a resumed run) with the next window.
+        """
+        first = self._last_output is None
         self._last_output, self.steps, self.data_wait = output, self.steps + 1, self.data_wait + waited_s
+        if first:
+            jax.block_until_ready(output)
+            self._first_step_s = time.perf_counter() - self.t_created
+            logging.info("first step done %.1f s after the run started (setup, restore, compilation)",
+                         self._first_step_s)
 
     def window(self) -> dict[str, float]:
         """The rates since the last call, and restart the window."""
@@ -56,6 +67,8 @@ class Chrono:
         out = {"train/steps_per_sec": self.steps / span,
                "train/examples_per_sec": self.steps * self.global_batch / span,
                "train/data_wait_fraction": self.data_wait / span}
+        if self._first_step_s is not None:
+            out["train/time_to_first_step_s"], self._first_step_s = self._first_step_s, None
         self.t_last, self.steps, self.data_wait = now, 0, 0.0
         return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import jax
 import ml_collections as mlc
@@ -58,6 +59,7 @@ def save_config(config: mlc.ConfigDict, workdir: str) -> None:
 def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]:
     """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics."""
     # ---- world
+    t_created = time.perf_counter()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     mesh = make_mesh(config.mesh.axes)
@@ -86,7 +88,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
 
     # ---- loop
     writer = MetricWriter(workdir, is_main=jax.process_index() == 0)
-    chrono = hooks.Chrono(config.data.batch_size, first)
+    chrono = hooks.Chrono(config.data.batch_size, first, t_created)
     saver = hooks.Saver(ckpt, policy, total, writer)
     log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731

@@ -16,6 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrat.parallel import sharding
 from jaxrat.trainer.state import StateSpec
 
+TASK_STREAM = 0x7A5C  # folded into a micro-batch's key for the task's own randomness
+
 
 def split_microbatches(batch: Any, accum: int, mesh: jax.sharding.Mesh) -> Any:
     """``(B, ...)`` -> ``(accum, B // accum, ...)`` where micro-batch ``i`` holds rows ``i, i + accum, ...``.
@@ -38,7 +40,9 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
     accum = spec.config.optimizer.grad_accum_steps
 
     def loss_of(params: Any, batch: Any, rng: jax.Array) -> tuple[jax.Array, dict]:
-        return spec.task.loss(spec.model(params, rng, train=True), batch)
+        # The model's streams keep the step's key itself, so dropout noise is what it always was.
+        task_rng = jax.random.fold_in(rng, TASK_STREAM)
+        return spec.task.loss(spec.model(params, rng, train=True), batch, task_rng)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 

@@ -65,7 +65,7 @@ class RegressionTask(Task):
     def build_model(self, *, dtype, rngs):
         return nnx.Linear(DIM, 1, rngs=rngs, dtype=dtype)
 
-    def loss(self, model, batch):
+    def loss(self, model, batch, rng):
         err = model(batch["x"]) - batch["y"]
         return jnp.mean(err**2), {"abs_err": jnp.mean(jnp.abs(err))}
 
