@@ -24,21 +24,21 @@ def main(argv: list[str]) -> None:
     """Initialise the distributed runtime, then train and evaluate."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from jaxrat import distributed  # before anything that touches JAX devices
+    from jaxrat import cluster  # before anything that touches JAX devices
 
     if not flags.FLAGS["verbosity"].present:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_QuietLibraries())
     config = _CONFIG.value
     try:
-        distributed.initialize(config.distributed)
+        cluster.initialize(config.distributed)
         from jaxrat import train
 
         try:
             train.train_and_evaluate(config, _WORKDIR.value)
-        except train.Preempted as e:
+        except cluster.Preempted as e:
             logging.warning("%s", e)
-            sys.exit(train.PREEMPTED_EXIT_CODE)
+            sys.exit(cluster.PREEMPTED_EXIT_CODE)
     except UserError as e:
         _fail(str(e))
 

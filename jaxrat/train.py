@@ -19,7 +19,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrat.parallel import sharding
-from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
+from jaxrat.checkpoint import Checkpointer, Policy, SaveSchedule, load_init
+from jaxrat.cluster import Preempted, PreemptionWatch
 from jaxrat.data import datasets, pipeline
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.input_feed import DeviceFeed
@@ -29,16 +30,8 @@ from jaxrat.optim import make_optimizer
 from jaxrat.tasks import segmentation
 from jaxrat.writers import MetricWriter, format_progress
 
-# Exit status after a preemption checkpoint: job scripts requeue on it.
-PREEMPTED_EXIT_CODE = 42
-
-
 class TrainingDiverged(UserError):
     """The loss became NaN or Inf."""
-
-
-class Preempted(Exception):
-    """A preemption signal arrived; a checkpoint was written and the run should exit for requeue."""
 
 
 # ----------------------------------------------------------------------------------------- world

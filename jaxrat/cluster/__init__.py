@@ -1,0 +1,21 @@
+"""The cluster a run belongs to: launcher detection, ``jax.distributed`` initialisation, preemption.
+
+``detect`` is pure (config and environment in, :class:`ClusterSpec` out); ``initialize`` joins the
+job and must run before any other JAX use; ``preemption`` owns the stop signals and the requeue exit
+status. Importing this package does not import JAX.
+"""
+
+from jaxrat.cluster.detect import ClusterSpec, detect
+from jaxrat.cluster.init import WorldInfo, initialize
+from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, preemption_requested
+
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "ClusterSpec",
+    "Preempted",
+    "PreemptionWatch",
+    "WorldInfo",
+    "detect",
+    "initialize",
+    "preemption_requested",
+]
