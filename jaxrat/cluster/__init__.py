@@ -1,12 +1,14 @@
 """The cluster a run belongs to: launcher detection, ``jax.distributed`` initialisation, preemption.
 
 ``detect`` is pure (config and environment in, :class:`ClusterSpec` out); ``initialize`` joins the
-job and must run before any other JAX use; ``preemption`` owns the stop signals and the requeue exit
-status. Importing this package does not import JAX.
+job, must run before any other JAX use, and starts the lost-peer watchdog (``peers``);
+``preemption`` owns the stop signals and the requeue exit status. Importing this package does not
+import JAX.
 """
 
 from jaxrat.cluster.detect import ClusterSpec, detect
 from jaxrat.cluster.init import WorldInfo, initialize
+from jaxrat.cluster.peers import stop_if_peer_lost
 from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, preemption_requested
 
 __all__ = [
@@ -18,4 +20,5 @@ __all__ = [
     "detect",
     "initialize",
     "preemption_requested",
+    "stop_if_peer_lost",
 ]

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from jaxrat.cluster import peers
 from jaxrat.cluster.detect import ClusterSpec, config_field, detect, positive_int
 from jaxrat.errors import UserError
 
@@ -107,7 +108,9 @@ def initialize(dist_config: Any = None) -> WorldInfo:
     """Initialise ``jax.distributed`` from the config or the environment and log the world.
 
     Must run before any other JAX use (device queries included). A single process needs no
-    coordinator and skips ``jax.distributed`` entirely. Every process logs one line.
+    coordinator and skips ``jax.distributed`` entirely. Every process logs one line. With several
+    processes a :mod:`~jaxrat.cluster.peers` watchdog starts too: when a process is silent for
+    ``config.distributed.heartbeat_timeout`` seconds, the others exit for requeue naming it.
     """
     import jax
     from jax._src import xla_bridge
@@ -131,10 +134,13 @@ def initialize(dist_config: Any = None) -> WorldInfo:
                 process_id=spec.process_id,
                 local_device_ids=list(spec.local_device_ids) if spec.local_device_ids is not None else None,
                 cluster_detection_method="deactivate",
-                # Ours fires first and explains; jax's own would abort with a stack trace.
+                # Our watchdogs fire first and explain; jax's own abort with a stack trace.
                 initialization_timeout=timeout + 60,
-                heartbeat_timeout_seconds=heartbeat,
+                heartbeat_timeout_seconds=heartbeat + 60,
             )
+        from jax._src.distributed import global_state
+
+        peers.start_watchdog(global_state.client, spec.process_id, spec.num_processes, heartbeat)
     elif spec.local_device_ids is not None and not xla_bridge.backends_are_initialized():
         visible = ",".join(map(str, spec.local_device_ids))
         jax.config.update("jax_cuda_visible_devices", visible)
