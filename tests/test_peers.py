@@ -22,9 +22,6 @@ class FakeStore:
             raise RuntimeError("UNAVAILABLE: Socket closed")
         return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
 
-    def key_value_try_get(self, key: str) -> str:
-        return self.kv[key]
-
 
 class Clock:
     def __init__(self) -> None:

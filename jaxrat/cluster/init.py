@@ -138,7 +138,7 @@ def initialize(dist_config: Any = None) -> WorldInfo:
                 initialization_timeout=timeout + 60,
                 heartbeat_timeout_seconds=heartbeat + 60,
             )
-        from jax._src.distributed import global_state
+        from jax._src.distributed import global_state  # JAX's client, which jax.distributed does not expose
 
         peers.start_watchdog(global_state.client, spec.process_id, spec.num_processes, heartbeat)
     elif spec.local_device_ids is not None and not xla_bridge.backends_are_initialized():

@@ -35,7 +35,7 @@ class PeerWatchdog:
     """Beats for this process and declares a peer lost when its beats stop for ``timeout`` s.
 
     ``client`` is JAX's distributed runtime client (``key_value_set``/``key_value_dir_get``);
-    ``on_lost`` receives the sentence and must end the process (tests pass a recorder).
+    ``on_lost`` receives the sentence and must end the process (the unit tests pass ``print``).
     """
 
     def __init__(self, client: Any, process_id: int, num_processes: int, timeout: float,
@@ -53,7 +53,6 @@ class PeerWatchdog:
         self._count = 0
         self._finishing = False
         self._lock = threading.Lock()
-        self._stop = threading.Event()
 
     def start(self) -> None:
         """Publish who this process is, then beat and judge in two daemon threads."""
@@ -63,10 +62,6 @@ class PeerWatchdog:
         # the judge must still notice the silence.
         for target, name in ((self._beat_loop, "beat"), (self._judge_loop, "judge")):
             threading.Thread(target=target, name=f"jaxrat-peer-{name}", daemon=True).start()
-
-    def stop(self) -> None:
-        """Stop beating and judging (beats stop too, so call it only when every process stops)."""
-        self._stop.set()
 
     def finish(self) -> None:
         """Tell the peers this process is ending on purpose, so its silence from now on is no loss."""
@@ -79,16 +74,18 @@ class PeerWatchdog:
         mine = _DONE if self._finishing else str(self._count)
         try:
             self._client.key_value_set(f"{_KEY}/beat/{self.process_id}", mine, allow_overwrite=True)
-            beats = self._client.key_value_dir_get(f"{_KEY}/beat/")
+            entries = self._client.key_value_dir_get(f"{_KEY}/")
         except Exception:  # the coordinator is unreachable: the judge decides when that is too long
             return
         now = self._clock()
         with self._lock:
             self._contact = now
-            for key, value in beats:
-                p = int(key.rstrip("/").rsplit("/", 1)[1])
-                if p != self.process_id and self._beat.get(p) != value:
-                    self._beat[p], self._seen[p] = value, now
+            for key, value in entries:
+                kind, p = key.rstrip("/").split("/")[-2:]
+                if kind == "who":
+                    self._who[int(p)] = value
+                elif int(p) != self.process_id and self._beat.get(int(p)) != value:
+                    self._beat[int(p)], self._seen[int(p)] = value, now
 
     def lost(self) -> str | None:
         """The sentence naming a lost process, or None while every peer beats or has finished."""
@@ -99,15 +96,10 @@ class PeerWatchdog:
                 silent = [0] if self.process_id != 0 and self._beat.get(0) != _DONE else []
             else:
                 silent = [p for p in self._peers if self._beat.get(p) != _DONE and now - self._seen[p] > self.timeout]
-        if not silent:
-            return None
-        p = silent[0]
-        if p not in self._who:
-            try:
-                self._who[p] = self._client.key_value_try_get(f"{_KEY}/who/{p}")
-            except Exception:
-                self._who[p] = "host unknown"
-        return (f"process {p} of {self.num_processes} ({self._who[p]}) has not been heard from for "
+            if not silent:
+                return None
+            who = self._who.get(silent[0], "host unknown")
+        return (f"process {silent[0]} of {self.num_processes} ({who}) has not been heard from for "
                 f"{self.timeout:g} s, so it died or hangs; process {self.process_id} stops with exit status "
                 f"{PREEMPTED_EXIT_CODE} for the job to be requeued and resume from the last checkpoint (raise "
                 "config.distributed.heartbeat_timeout if a process may be silent that long).")
@@ -125,11 +117,11 @@ class PeerWatchdog:
     def _beat_loop(self) -> None:
         while True:
             self.exchange()
-            if self._stop.wait(self.interval):
-                return
+            time.sleep(self.interval)
 
     def _judge_loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            time.sleep(self.interval)
             sentence = self.lost()
             if sentence is not None:
                 self._on_lost(sentence)
