@@ -17,7 +17,7 @@ from jaxrat import checkpoints
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from runner import REPO
 from test_multiprocess import env_with
-from test_preempt import train_steps_logged
+from test_preempt import compile_cache, train_steps_logged  # noqa: F401 (compile_cache is a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +71,8 @@ def stop(procs: list[subprocess.Popen], timeout: float) -> list[int]:
         kill_all(procs)
 
 
-def test_survivor_of_a_killed_peer_exits_for_requeue_naming_it_and_the_relaunch_resumes(tmp_path):
-    workdir, cache = str(tmp_path / "wd"), str(tmp_path / "cache")
+def test_survivor_of_a_killed_peer_exits_for_requeue_naming_it_and_the_relaunch_resumes(tmp_path, compile_cache):
+    workdir, cache = str(tmp_path / "wd"), compile_cache
     logs = [str(tmp_path / f"{i}.log") for i in range(2)]
     procs = start_two(workdir, logs, cache)
     try:
@@ -98,3 +98,25 @@ def test_survivor_of_a_killed_peer_exits_for_requeue_naming_it_and_the_relaunch_
     assert stop(start_two(workdir, relaunch, cache), 300) == [0, 0], open(relaunch[0]).read()[-4000:]
     assert f"resumed from step {kept[-1]}" in open(relaunch[0]).read()
     assert STEPS in train_steps_logged(workdir)
+
+
+def test_when_process_0_dies_jax_ends_the_others_at_once(tmp_path, compile_cache):
+    # Process 0 hosts JAX's coordination service, and JAX terminates every client that loses it
+    # (status 134) before any watchdog could speak: bounded and non-zero, but not 42 (docs/cluster.md).
+    workdir = str(tmp_path / "wd")
+    logs = [str(tmp_path / f"{i}.log") for i in range(2)]
+    procs = start_two(workdir, logs, compile_cache)
+    try:
+        wait_for_steps(workdir, 5, procs, logs)
+    except BaseException:
+        kill_all(procs)
+        raise
+    procs[0].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = stop(procs[1:], TIMEOUT + 60)[0]
+    took = time.monotonic() - killed
+    kill_all(procs)
+    out = open(logs[1]).read()
+    assert code != 0 and took < TIMEOUT + 15, (code, took, out[-4000:])
+    assert ("Terminating process because the JAX distributed service detected fatal errors" in out
+            or "jaxrat: error: process 0 of 2 (host " in out), out[-4000:]
