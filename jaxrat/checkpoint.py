@@ -15,8 +15,6 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -28,7 +26,6 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from jaxrat import checkpoints as reader
-from jaxrat import distributed
 from jaxrat.errors import ConfigError
 from jaxrat.tree_paths import named_leaves
 
@@ -259,44 +256,6 @@ class SaveSchedule:
 
             due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
         return due
-
-
-# -------------------------------------------------------------------------------- preemption
-
-class PreemptionWatch:
-    """Asks, at every train step and every eval batch, whether all processes should stop here.
-
-    With several processes this is JAX's preemption sync point, which agrees on the call after the
-    furthest process's current one; it only works when every process calls it with the same
-    consecutive numbers, so this class owns one counter for the whole run (Orbax's own calls are
-    disabled in :class:`_Manager`). With one process it reads the SIGTERM/SIGUSR1 flag.
-    """
-
-    def __init__(self) -> None:
-        self._calls = 0
-
-    def requested(self) -> bool:
-        """True exactly at the call where every process stops (same call in all of them)."""
-        self._calls += 1
-        return distributed.preemption_requested(self._calls)
-
-    def hold_signals(self) -> None:
-        """From now on, log SIGTERM/SIGUSR1 instead of dying (call once the loop stops to save).
-
-        A second signal would otherwise kill a single process mid-save (harmless to the files, but
-        the work since the last checkpoint is lost) or during its exit (losing the requeue exit
-        status). With several processes SIGTERM belongs to JAX's preemption notifier, where a
-        repeat is a no-op, so only SIGUSR1 is taken over there.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return
-        sigs = [signal.SIGUSR1] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
-        for s in sigs:
-            signal.signal(s, _log_and_ignore)
-
-
-def _log_and_ignore(signum: int, frame: Any) -> None:
-    logging.warning("signal %d after the preemption notice: ignored, the checkpoint is being written", signum)
 
 
 # ------------------------------------------------------------------------------- init_from

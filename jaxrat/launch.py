@@ -4,7 +4,7 @@
         --partition gpu --time 24:00:00 [--submit [--wait]] [-- --config.data.batch_size=64]
 
 Without ``--submit`` the script is printed (a dry run). Every job runs the same
-``python -m jaxrat.main`` under ``srun``/``blaunch``; :mod:`jaxrat.distributed` reads the
+``python -m jaxrat.main`` under ``srun``/``blaunch``; :mod:`jaxrat.cluster` reads the
 scheduler's environment in each process, so the script exports nothing about ranks or ports.
 One process per GPU is the default (``--tasks-per-node`` or ``--one-process-per-node`` change
 it). Scripts request a warning signal before the time limit, checkpoint, and requeue themselves.
@@ -22,11 +22,10 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE
 from jaxrat.errors import UserError
 
 SCHEDULERS = ("slurm", "lsf")
-# jaxrat.train.PREEMPTED_EXIT_CODE (not imported: that would load JAX just to print a script).
-PREEMPTED_EXIT_CODE = 42
 _TEMPLATES = {"slurm": "slurm.sbatch", "lsf": "lsf.bsub"}
 _TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2})(?::(\d{2}))?$")
 

@@ -40,6 +40,11 @@ def main(argv: list[str]) -> None:
         except cluster.Preempted as e:
             logging.warning("%s", e)
             sys.exit(cluster.PREEMPTED_EXIT_CODE)
+        except UserError:
+            raise
+        except Exception:
+            cluster.stop_if_peer_lost()  # a collective that failed because a peer died says so, in one sentence
+            raise
     except UserError as e:
         _fail(str(e))
 

@@ -13,8 +13,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrat import checkpoints, distributed
-from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
+from jaxrat import checkpoints
+from jaxrat.checkpoint import Checkpointer, Policy, SaveSchedule, load_init
+from jaxrat.cluster import PreemptionWatch, preemption
 from jaxrat.errors import ConfigError, UserError
 
 
@@ -209,13 +210,13 @@ def test_save_schedule_steps_final_and_minutes():
 @pytest.fixture
 def fresh_signal_handlers():
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    distributed._sigterm.clear()
-    distributed._handler_installed = False
+    preemption._sigterm.clear()
+    preemption._handler_installed = False
     yield
     for s, h in saved.items():
         signal.signal(s, h)
-    distributed._sigterm.clear()
-    distributed._handler_installed = False
+    preemption._sigterm.clear()
+    preemption._handler_installed = False
 
 
 def test_sigusr1_requests_preemption_and_later_signals_are_ignored(fresh_signal_handlers):

@@ -11,7 +11,9 @@ import socket
 import ml_collections
 import pytest
 
-from jaxrat import distributed as D
+from jaxrat import cluster as D
+from jaxrat.cluster.init import _preflight
+from jaxrat.cluster.launchers import expand_hostlist, expand_tasks_per_node
 from jaxrat.errors import ConfigError, UserError
 
 
@@ -54,25 +56,25 @@ def cfg(**fields) -> ml_collections.ConfigDict:
     ("a[1-2]-ib,b", ["a1-ib", "a2-ib", "b"]),
 ])
 def test_expand_hostlist(text, hosts):
-    assert D.expand_hostlist(text) == hosts
+    assert expand_hostlist(text) == hosts
 
 
 @pytest.mark.parametrize("bad", ["node[1-2", "node[a-b]", "node]1["])
 def test_expand_hostlist_rejects_garbage(bad):
     with pytest.raises(UserError, match="host list"):
-        D.expand_hostlist(bad)
+        expand_hostlist(bad)
 
 
 @pytest.mark.parametrize("text, counts", [
     ("2", [2]), ("2(x3),1", [2, 2, 2, 1]), ("8(x2)", [8, 8]), ("1,3(x2)", [1, 3, 3]),
 ])
 def test_expand_tasks_per_node(text, counts):
-    assert D.expand_tasks_per_node(text) == counts
+    assert expand_tasks_per_node(text) == counts
 
 
 def test_expand_tasks_per_node_rejects_garbage():
     with pytest.raises(UserError, match="tasks-per-node"):
-        D.expand_tasks_per_node("2x3")
+        expand_tasks_per_node("2x3")
 
 
 # ------------------------------------------------------------------------------ single / none
@@ -406,12 +408,12 @@ def test_preflight_reports_a_busy_coordinator_port():
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(UserError, match=f"port {port} is already in use"):
-            D._preflight(D.ClusterSpec("explicit", 2, 0, f"127.0.0.1:{port}"))
+            _preflight(D.ClusterSpec("explicit", 2, 0, f"127.0.0.1:{port}"))
 
 
 def test_preflight_reports_an_unknown_host():
     with pytest.raises(UserError, match="does not resolve"):
-        D._preflight(D.ClusterSpec("slurm", 2, 1, "no-such-host.invalid:61440"))
+        _preflight(D.ClusterSpec("slurm", 2, 1, "no-such-host.invalid:61440"))
 
 
 def test_initialize_single_process(monkeypatch):

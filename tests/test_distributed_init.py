@@ -16,7 +16,7 @@ import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-from jaxrat.distributed import initialize
+from jaxrat.cluster import initialize
 info = initialize(dict(coordinator_address=sys.argv[1], num_processes=int(sys.argv[2]),
                        process_id=int(sys.argv[3]), initialization_timeout=int(sys.argv[4])))
 import jax.numpy as jnp
@@ -88,7 +88,7 @@ def test_two_processes_meet_and_log_one_line_each():
 
 PREEMPT = """
 import os, signal, sys, time
-from jaxrat.distributed import initialize, preemption_requested
+from jaxrat.cluster import initialize, preemption_requested
 initialize(None)
 for step in range(1, 10_000):
     if step == 5:

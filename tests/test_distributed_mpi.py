@@ -1,4 +1,4 @@
-"""Two real processes started by Open MPI's mpirun find each other through jaxrat.distributed.
+"""Two real processes started by Open MPI's mpirun find each other through jaxrat.cluster.
 
 Needs `mpirun` (Debian: openmpi-bin); installed on the fly when running as root with apt-get
 (as in CI), otherwise the test is skipped without it.
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 WORLD = """
 import logging
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from jaxrat.distributed import initialize
+from jaxrat.cluster import initialize
 info = initialize(None)
 import jax.numpy as jnp
 from jax.experimental import multihost_utils

@@ -176,7 +176,9 @@ def test_examples_in_launch_dir_match_the_renderer(example, tmp_path):
     bash_syntax_ok(text, tmp_path)
 
 
-def test_preempted_exit_code_matches_the_trainer():
-    from jaxrat import cluster
-
-    assert L.PREEMPTED_EXIT_CODE == cluster.PREEMPTED_EXIT_CODE
+def test_rendering_a_script_does_not_load_jax():
+    code = ("import sys; from jaxrat import launch as L; spec, _ = L.parse_args(['--config', 'configs/isic.py']); "
+            "L.render(spec); print('jax' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

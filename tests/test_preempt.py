@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from jaxrat import checkpoints
+from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from runner import REPO, env_with_devices, losses_by_step, main_cmd
 
-REQUEUE = 42  # train.PREEMPTED_EXIT_CODE, what launch/*.sbatch requeue on
+REQUEUE = PREEMPTED_EXIT_CODE  # what launch/*.sbatch requeue on
 TIMEOUT = 240
 
 

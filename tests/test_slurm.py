@@ -145,7 +145,7 @@ def wait_for(predicate, timeout: float, what: str, log: Path | None = None) -> N
 WORLD = textwrap.dedent("""
     import logging
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from jaxrat.distributed import initialize
+    from jaxrat.cluster import initialize
     info = initialize(None)
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
@@ -197,19 +197,19 @@ def test_two_concurrent_steps_in_one_allocation(slurm, tmp_path):
 
 def test_batch_script_without_srun_explains(slurm, tmp_path):
     proc = run(["sbatch", "--wait", f"--job-name={JOB_NAME}", "--time=5", "-n2", f"--output={tmp_path}/job.out",
-                f"--wrap={sys.executable} -c 'from jaxrat.distributed import initialize; initialize(None)'"], 120)
+                f"--wrap={sys.executable} -c 'from jaxrat.cluster import initialize; initialize(None)'"], 120)
     log = (tmp_path / "job.out").read_text()
     assert proc.returncode != 0
     assert "not inside a job step; start it with `srun python -m jaxrat.main ...`" in log
 
 
 STUB_TRAIN = textwrap.dedent("""
-    # A stand-in trainer that uses the same contract as jaxrat.main: distributed.initialize,
-    # a collective per step, and distributed.preemption_requested (JAX's preemption sync point,
+    # A stand-in trainer that uses the same contract as jaxrat.main: cluster.initialize,
+    # a collective per step, and cluster.preemption_requested (JAX's preemption sync point,
     # triggered by SIGTERM) to checkpoint and stop.
     import argparse, json, os, sys, time
     from pathlib import Path
-    from jaxrat.distributed import initialize, preemption_requested
+    from jaxrat.cluster import initialize, preemption_requested
     p = argparse.ArgumentParser(); p.add_argument("--config"); p.add_argument("--workdir")
     args, _ = p.parse_known_args()
     info = initialize(None)

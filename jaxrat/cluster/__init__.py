@@ -1,9 +1,24 @@
-"""Placeholder until the cluster package lands."""
-from jaxrat.checkpoint import PreemptionWatch  # noqa: F401
-from jaxrat.distributed import initialize  # noqa: F401
+"""The cluster a run belongs to: launcher detection, ``jax.distributed`` initialisation, preemption.
 
-PREEMPTED_EXIT_CODE = 42
+``detect`` is pure (config and environment in, :class:`ClusterSpec` out); ``initialize`` joins the
+job, must run before any other JAX use, and starts the lost-peer watchdog (``peers``);
+``preemption`` owns the stop signals and the requeue exit status. Importing this package does not
+import JAX.
+"""
 
+from jaxrat.cluster.detect import ClusterSpec, detect
+from jaxrat.cluster.init import WorldInfo, initialize
+from jaxrat.cluster.peers import stop_if_peer_lost
+from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, preemption_requested
 
-class Preempted(Exception):
-    pass
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "ClusterSpec",
+    "Preempted",
+    "PreemptionWatch",
+    "WorldInfo",
+    "detect",
+    "initialize",
+    "preemption_requested",
+    "stop_if_peer_lost",
+]

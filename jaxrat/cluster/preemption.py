@@ -1,0 +1,111 @@
+"""Preemption: the signals that ask a run to stop, the agreed step where every process stops, and the exit status.
+
+SLURM (``--signal=USR1@T``, ``scancel``, the time limit) and LSF warn a job with SIGUSR1 or
+SIGTERM. Every process must stop at the *same* step so that they all take part in the last
+checkpoint save: with several processes JAX's preemption sync point agrees on that step, with one
+process a signal handler sets a flag. The run then exits with :data:`PREEMPTED_EXIT_CODE`, on which
+the job scripts requeue.
+
+JAX is imported inside the functions: :mod:`jaxrat.launch` reads :data:`PREEMPTED_EXIT_CODE` from
+here to render job scripts without loading JAX.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+# Exit status after a preemption checkpoint; the job scripts requeue the job on it.
+PREEMPTED_EXIT_CODE = 42
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; a checkpoint was written and the run should exit for requeue."""
+
+
+_sigterm = threading.Event()
+_handler_installed = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if _sigterm.is_set():  # a second SIGTERM: the trainer is not listening, so die as usual
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    _sigterm.set()
+
+
+def _on_sigusr1(signum: int, frame: Any) -> None:
+    # SLURM's `--signal=USR1@T` warning. JAX's preemption notifier only listens for SIGTERM, so with
+    # several processes pass it on as one; a single process treats it like a first SIGTERM.
+    import jax
+
+    if jax.process_count() > 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        _sigterm.set()
+
+
+def preemption_requested(step: int) -> bool:
+    """True at the call where every process should save a checkpoint and stop (SIGTERM or SIGUSR1).
+
+    Call it with the same consecutive numbers in all processes (once per training step, and more
+    often if the loop also checks inside the evaluation). With several processes it is JAX's
+    preemption sync point (any process's signal, agreed call for all). A single process has no JAX
+    preemption service; the first call installs a SIGTERM handler that sets a flag instead (a
+    second SIGTERM still terminates), so the job scripts' TERM before the time limit checkpoints
+    here too. SIGUSR1 is handled the same way in both cases.
+    """
+    global _handler_installed
+    import jax
+
+    if not _handler_installed and threading.current_thread() is threading.main_thread():
+        if jax.process_count() == 1:  # with several, SIGTERM belongs to JAX's notifier
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGUSR1, _on_sigusr1)
+        _handler_installed = True
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point(step)
+    return _sigterm.is_set()
+
+
+class PreemptionWatch:
+    """Asks, at every train step and every eval batch, whether all processes should stop here.
+
+    With several processes this is JAX's preemption sync point, which agrees on the call after the
+    furthest process's current one; it only works when every process calls it with the same
+    consecutive numbers, so this class owns one counter for the whole run (the checkpoint manager
+    must not call the sync point itself). With one process it reads the SIGTERM/SIGUSR1 flag.
+    """
+
+    def __init__(self) -> None:
+        self._calls = 0
+
+    def requested(self) -> bool:
+        """True exactly at the call where every process stops (same call in all of them)."""
+        self._calls += 1
+        return preemption_requested(self._calls)
+
+    def hold_signals(self) -> None:
+        """From now on, log SIGTERM/SIGUSR1 instead of dying (call once the loop stops to save).
+
+        A second signal would otherwise kill a single process mid-save (harmless to the files, but
+        the work since the last checkpoint is lost) or during its exit (losing the requeue exit
+        status). With several processes SIGTERM belongs to JAX's preemption notifier, where a
+        repeat is a no-op, so only SIGUSR1 is taken over there.
+        """
+        import jax
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        sigs = [signal.SIGUSR1] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
+        for s in sigs:
+            signal.signal(s, _log_and_ignore)
+
+
+def _log_and_ignore(signum: int, frame: Any) -> None:
+    logging.warning("signal %d after the preemption notice: ignored, the checkpoint is being written", signum)

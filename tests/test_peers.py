@@ -1,0 +1,104 @@
+"""The lost-peer watchdog's judgement, with a fake key-value store and a fake clock (no processes)."""
+
+from __future__ import annotations
+
+from jaxrat.cluster.peers import PeerWatchdog
+
+
+class FakeStore:
+    """The two calls of JAX's distributed client the watchdog uses, plus a switch to make it unreachable."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, str] = {}
+        self.down = False
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def three(store: FakeStore, clock: Clock) -> list[PeerWatchdog]:
+    dogs = [PeerWatchdog(store, i, 3, timeout=10, on_lost=print, clock=clock) for i in range(3)]
+    for i in range(3):
+        store.kv[f"jaxrat/peers/who/{i}"] = f"host n{i}, pid {100 + i}"
+    return dogs
+
+
+def beat(dogs: list[PeerWatchdog], clock: Clock, seconds: float) -> None:
+    for _ in range(int(seconds)):
+        clock.now += 1
+        for d in dogs:
+            d.exchange()
+
+
+def test_beating_peers_are_never_lost():
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 60)
+    assert [d.lost() for d in dogs] == [None, None, None]
+
+
+def test_a_silent_peer_is_named_after_the_timeout_and_not_before():
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 5)
+    beat(dogs[:2], clock, 10)  # process 2 died; its last beat reached the others at the first of these
+    assert dogs[0].lost() is None
+    beat(dogs[:2], clock, 2)
+    sentence = dogs[0].lost()
+    assert sentence.startswith("process 2 of 3 (host n2, pid 102) has not been heard from for 10 s")
+    assert "process 0 stops with exit status 42" in sentence
+    assert dogs[1].lost().startswith("process 2 of 3")
+
+
+def test_a_peer_that_finished_on_purpose_is_not_lost():
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 3)
+    dogs[2].finish()
+    beat(dogs[:2], clock, 60)
+    assert dogs[0].lost() is None and dogs[1].lost() is None
+
+
+def test_no_answer_from_the_coordinator_is_process_0_lost():
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 3)
+    store.down = True  # process 0, which hosts the key-value store, is gone
+    beat(dogs[1:], clock, 11)
+    assert dogs[1].lost().startswith("process 0 of 3 (host n0, pid 100) has not been heard from for 10 s")
+
+
+def test_settled_once_every_peer_beat_again():
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 2)
+    since = dogs[0].beats()
+    assert not dogs[0].settled(since)
+    beat(dogs, clock, 1)
+    assert dogs[0].settled(since)
+
+
+def test_once_process_0_finished_its_missing_store_blames_no_one():
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 3)
+    dogs[0].finish()
+    beat(dogs[1:], clock, 1)
+    store.down = True  # process 0 ended normally, taking the store with it
+    beat(dogs[1:], clock, 60)
+    assert dogs[1].lost() is None and dogs[2].lost() is None
