@@ -1,4 +1,4 @@
-"""Copy a dataset folder to node-local disk before training (what the cluster scripts did by hand).
+"""Copy a dataset folder to node-local disk before training, so every epoch reads local files.
 
 Several processes of one node may call :func:`stage` at once: one copies under an exclusive file
 lock, the others wait and reuse the copy. A copy is reused only when its manifest (relative
@@ -28,8 +28,8 @@ def _manifest(src: str) -> dict:
         for name in sorted(names):
             path = os.path.join(root, name)
             st = os.stat(path)
-            # Nanoseconds: a file rewritten with the same size within the second it was staged
-            # kept its whole-second mtime, and the stale copy was reused.
+            # Nanoseconds: a file rewritten at the same size within one second must still count
+            # as changed.
             files[os.path.relpath(path, src)] = [st.st_size, st.st_mtime_ns]
     return {"source": os.path.abspath(src), "files": files}
 
