@@ -23,7 +23,7 @@ def base_config() -> mlc.ConfigDict:
     c.data = mlc.ConfigDict()
     c.data.name = "isic2018"
     c.data.data_dir = ""  # empty: the dataset's default location (see the dataset's error message)
-    c.data.synthetic = False  # generate a synthetic dataset in the official layout under the workdir
+    c.data.synthetic = False  # generate a synthetic dataset under the workdir (off when data_dir is given)
     c.data.synthetic_train = 256
     c.data.synthetic_val = 64
     c.data.image_size = 256

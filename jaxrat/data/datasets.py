@@ -3,10 +3,15 @@
 Handles, in order: the synthetic dataset, staging to node-local disk, the bad-file policy (with
 ``WORKDIR/skipped_files.txt`` written by process 0), the split file, and the source format
 (``files``: the official folders; ``tfds``: the ArrayRecord made by ``python -m jaxrat.data.prepare_isic``).
+
+A dataset folder (``config.data.data_dir``) is the user's and only ever read: synthetic data is
+written under the workdir, and only when no ``data_dir`` is given (a given one wins, so any
+variant trains on real data when pointed at it); staged copies go to ``stage_to_local_dir``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -40,19 +45,23 @@ def resolve_segmentation(
     if source == "tfds":
         from jaxrat.data.sources import isic_arrayrecord
 
-        tfds_dir = data_cfg.data_dir or os.path.join(isic.default_data_dir(), "tfds")
+        tfds_dir = os.path.expanduser(data_cfg.data_dir or "") or os.path.join(isic.default_data_dir(), "tfds")
         return tuple(  # type: ignore[return-value]
             isic_arrayrecord.example_source(tfds_dir, split, policy, _get(data_cfg, "split_file", ""))
             for split in ("train", "validation")
         )
 
-    data_dir = data_cfg.data_dir
-    if data_cfg.synthetic:
+    data_dir = os.path.expanduser(data_cfg.data_dir or "")
+    if data_cfg.synthetic and data_dir:
+        logging.info("data: no synthetic data: config.data.data_dir=%s is given, so training reads that dataset "
+                     "(and never writes into it)", data_dir)
+    elif data_cfg.synthetic:
         # One copy per process on its own disk: correct whether or not the workdir is shared.
-        data_dir = data_dir or os.path.join(workdir, "synthetic_data", f"process_{process_index}")
-        synthetic_isic.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val, data_cfg.image_size, seed)
+        data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+        synthetic_isic.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val, data_cfg.image_size,
+                                     seed)
     data_dir = data_dir or isic.default_data_dir()
-    local = _get(data_cfg, "stage_to_local_dir", "")
+    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
     if local:
         from jaxrat.data import staging
 
