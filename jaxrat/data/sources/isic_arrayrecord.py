@@ -127,6 +127,9 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
     is refused rather than silently keeping the first."""
     if max_side < 0:
         raise DataError(f"--max-side={max_side}; use 0 (keep the original size) or a number of pixels.")
+    if os.path.commonpath([os.path.abspath(src), os.path.abspath(out)]) == os.path.abspath(src):
+        raise DataError(f"--out {out} is inside --src {src}, and a dataset folder is only ever read; "
+                        f"pick an --out outside it.")
     settings = {"max_side": int(max_side), "split_file": split_file}
     settings_path = os.path.join(out, _SETTINGS_FILE)
     if os.path.exists(settings_path):
