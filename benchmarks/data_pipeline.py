@@ -18,7 +18,7 @@ on a GPU (on 2 CPU cores it takes minutes: add ``--skip-step`` there).
    batches (no input pipeline involved).
 4. Determinism: a hash of the first batches for two runs of each worker count.
 5. With --tfds-max-side 0,1024: the same through the ArrayRecord conversion
-   (``jaxrat.data.tfds_isic``) storing the original bytes (0) or images shrunk to that side.
+   (``python -m jaxrat.data.prepare_isic``) storing the original bytes (0) or images shrunk to that side.
 6. With --real-runs=W:D,...: real training runs (``python -m jaxrat.main`` on those JPEGs, the
    config's model and the augmentations of 2., no eval) with ``data.num_workers=W`` and
    ``data.device_prefetch=D``, reporting ``train/data_wait_fraction`` (share of wall time the
@@ -43,7 +43,9 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxrat.data import isic, pipeline, synthetic  # noqa: E402
+from jaxrat.data import pipeline  # noqa: E402
+from jaxrat.data.sources import isic  # noqa: E402
+from jaxrat.data.synthetic import isic as synthetic_isic  # noqa: E402
 
 
 def write_images(root: str, n: int, width: int, height: int) -> str:
@@ -57,7 +59,7 @@ def write_images(root: str, n: int, width: int, height: int) -> str:
         os.makedirs(img_dir, exist_ok=True)
         os.makedirs(mask_dir, exist_ok=True)
         for i in range(first, first + count):
-            img, mask = synthetic.make_example(rng, 192, 256)
+            img, mask = synthetic_isic.make_example(rng, 192, 256)
             big = np.asarray(Image.fromarray(img).resize((width, height), Image.BICUBIC), np.float32)
             big = np.clip(big + rng.normal(0, 6, big.shape), 0, 255).astype(np.uint8)  # sensor-like detail
             Image.fromarray(big).save(os.path.join(img_dir, f"ISIC_{i:07d}.jpg"), quality=92)
@@ -111,14 +113,14 @@ def pipeline_rate(pairs, workers: int, seconds: float, batch: int, image_size: i
 
 def tfds_rate(root: str, max_side: int, seconds: float, batch: int, image_size: int, threads: int) -> dict:
     """Pipeline images/s reading the ArrayRecord conversion of ``root`` (0 workers)."""
-    from jaxrat.data import tfds_isic
+    from jaxrat.data.sources import isic_arrayrecord
     from jaxrat.data.badfiles import BadFilePolicy
 
     out = os.path.join(root + "_tfds", f"max_side_{max_side}")
     t0 = time.perf_counter()
-    tfds_isic.prepare(root, out, max_side=max_side)
+    isic_arrayrecord.prepare(root, out, max_side=max_side)
     prepare_s = time.perf_counter() - t0
-    data = tfds_isic.segmentation_data(out, "train", BadFilePolicy())
+    data = isic_arrayrecord.example_source(out, "train", BadFilePolicy())
     r = pipeline_rate(data, 0, seconds, batch, image_size, threads)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     return {**r, "source": "tfds", "max_side": max_side, "prepare_s": prepare_s, "bytes": size}

@@ -9,7 +9,9 @@ from PIL import Image
 
 from runner import read_metrics, run_main
 from jaxrat.config import check_override_args
-from jaxrat.data import badfiles, isic, synthetic
+from jaxrat.data import badfiles
+from jaxrat.data.sources import isic
+from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.errors import ConfigError
 from runner import SMOKE
 
@@ -69,7 +71,7 @@ def _truncate(path):
 
 
 def _isic(tmp_path):
-    d = synthetic.write_dataset(str(tmp_path / "isic"), num_train=16, num_val=8, image_size=32, seed=2)
+    d = synthetic_isic.write_dataset(str(tmp_path / "isic"), num_train=16, num_val=8, image_size=32, seed=2)
     folders = {s: [os.path.join(d, f) for f in isic.SPLIT_FOLDERS[s]] for s in ("train", "validation")}
     img = lambda s, i: os.path.join(folders[s][0], f"ISIC_{i:07d}.jpg")  # noqa: E731
     mask = lambda s, i: os.path.join(folders[s][1], f"ISIC_{i:07d}_segmentation.png")  # noqa: E731

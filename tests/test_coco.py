@@ -6,9 +6,12 @@ import os
 import numpy as np
 import pytest
 
-from jaxrat.data import coco, pipeline, synthetic_coco
+from jaxrat.data import pipeline
+from jaxrat.data.sources import coco
+from jaxrat.data.synthetic import coco as synthetic_coco
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.errors import DataError
+from jaxrat.tasks.detection import coco_eval
 
 
 @pytest.fixture(scope="module")
@@ -62,24 +65,24 @@ def test_perfect_detections_score_ap_1_and_crowd_hits_are_not_false_positives(ro
             ids.append(r["image_id"]); boxes.append(b); labels.append(lab)  # noqa: E702
             sizes.append((r["width"], r["height"])); scores.append(0.9 if not c else 0.95)  # noqa: E702
     assert any(r["is_crowd"].any() for r in ds.records)
-    res = coco.to_coco_results(ds.category_ids, np.array(ids), np.array(boxes), np.array(scores),
+    res = coco_eval.to_coco_results(ds.category_ids, np.array(ids), np.array(boxes), np.array(scores),
                                np.array(labels), np.array(sizes))
     assert {d["category_id"] for d in res} <= {c for c, _ in synthetic_coco.COCO_CATEGORIES}
-    stats = coco.evaluate(ds.annotation_file, res)
+    stats = coco_eval.evaluate(ds.annotation_file, res)
     assert stats["AP"] == pytest.approx(1.0) and stats["AP50"] == pytest.approx(1.0)
     # Detections of a class absent from the set leave AP alone (COCOeval averages over classes with GT).
     wrong = [dict(d, category_id=90) for d in res] + res
-    assert coco.evaluate(ds.annotation_file, wrong)["AP"] == pytest.approx(1.0)
+    assert coco_eval.evaluate(ds.annotation_file, wrong)["AP"] == pytest.approx(1.0)
     shifted = [dict(d, bbox=[d["bbox"][0] + d["bbox"][2], *d["bbox"][1:]]) for d in res]
-    assert coco.evaluate(ds.annotation_file, shifted)["AP"] < 0.5
+    assert coco_eval.evaluate(ds.annotation_file, shifted)["AP"] < 0.5
 
 
 def test_detection_stream_is_box_aware_and_deterministic(root):
     ds = coco.CocoDetection(root, "train", skip_empty=True)
     ops = coco.detection_ops(32, train=True, max_boxes=6, scale_jitter=(0.7, 1.3), color_jitter=0.1)
     kw = dict(image_size=32, local_batch=4, seed=1, process_index=0, process_count=1, ops=ops, num_threads=0)
-    a = [next(it) for it in [pipeline.train_iterator(ds.data(), **kw)] for _ in range(3)]
-    b = [next(it) for it in [pipeline.train_iterator(ds.data(), **kw)] for _ in range(3)]
+    a = [next(it) for it in [pipeline.train_iterator(ds.example_source(), **kw)] for _ in range(3)]
+    b = [next(it) for it in [pipeline.train_iterator(ds.example_source(), **kw)] for _ in range(3)]
     for x, y in zip(a, b):
         for k in x:
             np.testing.assert_array_equal(x[k], y[k])
@@ -88,9 +91,9 @@ def test_detection_stream_is_box_aware_and_deterministic(root):
     assert batch["labels"].shape == (4, 6) and batch["box_valid"].shape == (4, 6)
     valid = batch["boxes"][batch["box_valid"] > 0]
     assert len(valid) and (valid[:, 2:] > valid[:, :2]).all() and (valid >= 0).all() and (valid <= 1).all()
-    evals = list(pipeline.eval_batches(coco.CocoDetection(root, "validation").data(), image_size=32, global_batch=4,
-                                       process_index=0, process_count=1, num_threads=0,
-                                       ops=coco.detection_ops(32, train=False, max_boxes=6)))
+    val = coco.CocoDetection(root, "validation").example_source()
+    evals = list(pipeline.eval_batches(val, image_size=32, global_batch=4, process_index=0, process_count=1,
+                                       num_threads=0, ops=coco.detection_ops(32, train=False, max_boxes=6)))
     assert len(evals) == 2 and evals[0]["image_id"].shape == (4,)
 
 

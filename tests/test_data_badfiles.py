@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.data import badfiles, imageio, isic, pipeline, staging, synthetic
+from jaxrat.data import badfiles, imageio, pipeline, staging
+from jaxrat.data.sources import isic
+from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.errors import ConfigError, DataError
 
@@ -80,7 +82,7 @@ def test_masks_in_other_encodings_keep_their_foreground(tmp_path):
         np.testing.assert_array_equal(imageio.load_mask(path), m, err_msg=name)
     Image.fromarray(np.zeros((6, 6), np.uint8)).save(tmp_path / "empty.png")
     assert imageio.load_mask(str(tmp_path / "empty.png")).max() == 0  # no lesion stays no lesion
-    from jaxrat.data.tfds_isic import FromTfds
+    from jaxrat.data.sources.tfds import FromTfds
 
     got = FromTfds(label_keys=()).map({"image": np.zeros((6, 6, 3), np.uint8), "mask": m[..., None]})
     np.testing.assert_array_equal(got["mask"], m)
@@ -112,7 +114,7 @@ def _break(path, how):
 def broken(tmp_path):
     """12 training pairs: #1 empty, #2 text, #3 truncated JPEG, #4 mask 3x3, #5 mask missing."""
     d = str(tmp_path / "isic")
-    synthetic.write_dataset(d, num_train=12, num_val=4, image_size=16, seed=1)
+    synthetic_isic.write_dataset(d, num_train=12, num_val=4, image_size=16, seed=1)
     img = lambda i: os.path.join(d, TRAIN_IMG, f"ISIC_{i:07d}.jpg")  # noqa: E731
     mask = lambda i: os.path.join(d, TRAIN_MASK, f"ISIC_{i:07d}_segmentation.png")  # noqa: E731
     _break(img(1), "empty")
@@ -143,7 +145,7 @@ def test_truncated_image_fails_when_read(broken):
     bad = [p for p in pairs if p[0] == img(3)]
     assert bad, "a truncated JPEG has a valid header, so only decoding finds it"
     with pytest.raises(DataError, match="ISIC_0000003.jpg"):
-        pipeline.LoadResize(8).map(bad[0])
+        isic.LoadResize(8).map(bad[0])
 
 
 def _stream(data, n, **kw):
@@ -158,11 +160,11 @@ def test_skip_policy_is_deterministic_across_hosts_and_records_each_file_once(br
     policy = BadFilePolicy("skip", record)
     pairs = isic.find_pairs(d, "train", policy=policy)
     assert len(pairs) == 8  # 12 minus empty, text, size mismatch, missing mask; the truncated one stays
-    data = pipeline.SegmentationData(pairs, policy=policy)
+    data = pipeline.ExampleSource(pairs, policy=policy)
     one = _stream(data, 6)  # 24 elements: three epochs, so the truncated file comes up three times
     h0 = _stream(data, 6, local_batch=2, process_index=0, process_count=2)
     h1 = _stream(data, 6, local_batch=2, process_index=1, process_count=2)
-    again = _stream(pipeline.SegmentationData(pairs, policy=BadFilePolicy("skip")), 6)
+    again = _stream(pipeline.ExampleSource(pairs, policy=BadFilePolicy("skip")), 6)
     for b, x0, x1, b2 in zip(one, h0, h1, again):
         assert b["image"].shape == (4, 8, 8, 3)  # batches stay full
         np.testing.assert_array_equal(b["image"], b2["image"])
@@ -179,7 +181,7 @@ def test_skip_policy_is_deterministic_across_hosts_and_records_each_file_once(br
 def test_skip_in_eval_counts_the_bad_file_as_padding(broken):
     d, img, mask = broken
     pairs = [(img(0), mask(0)), (img(3), mask(3)), (img(6), mask(6))]
-    data = pipeline.SegmentationData(pairs, policy=BadFilePolicy("skip"))
+    data = pipeline.ExampleSource(pairs, policy=BadFilePolicy("skip"))
     batches = list(pipeline.eval_batches(data, image_size=8, global_batch=4, process_index=0, process_count=1,
                                          num_threads=0))
     assert [b["valid"].tolist() for b in batches] == [[1.0, 0.0, 1.0, 0.0]]
@@ -207,7 +209,7 @@ def test_split_file_by_ids_and_indices(tmp_path):
     import json
 
     d = str(tmp_path / "isic")
-    synthetic.write_dataset(d, num_train=6, num_val=2, image_size=16)
+    synthetic_isic.write_dataset(d, num_train=6, num_val=2, image_size=16)
     split = str(tmp_path / "split.json")
     json.dump({"train": ["ISIC_0000007", "ISIC_0000001.jpg", 0], "validation": [6]}, open(split, "w"))
     train = isic.find_pairs(d, "train", split_file=split)
@@ -225,7 +227,7 @@ def test_split_file_by_ids_and_indices(tmp_path):
 
 def test_staging_copies_once_and_restages_on_change(tmp_path):
     src = str(tmp_path / "isic")
-    synthetic.write_dataset(src, num_train=3, num_val=1, image_size=16)
+    synthetic_isic.write_dataset(src, num_train=3, num_val=1, image_size=16)
     local = str(tmp_path / "local")
     dest = staging.stage(src, local)
     assert dest.startswith(local) and isic.find_pairs(dest, "train")
@@ -241,7 +243,7 @@ def test_staging_copies_once_and_restages_on_change(tmp_path):
 
 def test_iterator_state_is_the_global_position(tmp_path):
     d = str(tmp_path / "isic")
-    synthetic.write_dataset(d, num_train=10, num_val=2, image_size=16)
+    synthetic_isic.write_dataset(d, num_train=10, num_val=2, image_size=16)
     pairs = isic.find_pairs(d, "train")
     it = pipeline.train_iterator(pairs, image_size=8, local_batch=2, seed=0, process_index=0, process_count=1,
                                  num_threads=0)
@@ -256,7 +258,7 @@ def test_iterator_state_is_the_global_position(tmp_path):
 
 def test_same_batches_with_and_without_worker_processes(tmp_path):
     d = str(tmp_path / "isic")
-    synthetic.write_dataset(d, num_train=10, num_val=2, image_size=16)
+    synthetic_isic.write_dataset(d, num_train=10, num_val=2, image_size=16)
     pairs = isic.find_pairs(d, "train")
     ops = pipeline.augment_ops(8, rotation_degrees=20, color_jitter=0.2)
     kw = dict(image_size=8, local_batch=3, seed=5, process_index=0, process_count=1, ops=ops, num_threads=0)
@@ -297,22 +299,22 @@ def test_auto_worker_count_shares_the_machine_among_its_processes(monkeypatch):
 
 
 def test_truncated_image_in_an_arrayrecord_is_named_and_skippable(broken, tmp_path):
-    from jaxrat.data import tfds_isic
+    from jaxrat.data.sources import isic_arrayrecord
 
     d, img, _ = broken
     out = str(tmp_path / "tfds")
-    tfds_isic.prepare(d, out, on_bad_file="skip")  # header checks drop #1, #2, #4, #5; #3 is stored as is
+    isic_arrayrecord.prepare(d, out, on_bad_file="skip")  # header checks drop #1, #2, #4, #5; #3 is stored as is
     rows = badfiles.read_skipped(os.path.join(out, badfiles.SKIPPED_FILES_NAME))
     listed = sorted(os.path.basename(f) for f, _ in rows)
     assert listed == ["ISIC_0000001.jpg", "ISIC_0000002.jpg", "ISIC_0000004_segmentation.png", "ISIC_0000005.jpg"]
-    data = tfds_isic.segmentation_data(out, "train", BadFilePolicy("fail"))
+    data = isic_arrayrecord.example_source(out, "train", BadFilePolicy("fail"))
     assert len(data) == 8
     kw = dict(image_size=8, local_batch=4, seed=0, process_index=0, process_count=1, num_threads=0)
     with pytest.raises(DataError, match=r"isic2018_task1:train\[ISIC_0000003\] image: not a readable image"):
         it = pipeline.train_iterator(data, **kw)
         for _ in range(2):  # one epoch
             next(it)
-    skip = tfds_isic.segmentation_data(out, "train", BadFilePolicy("skip"))
+    skip = isic_arrayrecord.example_source(out, "train", BadFilePolicy("skip"))
     it = pipeline.train_iterator(skip, **kw)
     batches = [next(it) for _ in range(4)]  # two epochs: the bad record is replaced, never returned
     assert all(b["image"].shape == (4, 8, 8, 3) for b in batches)
@@ -347,7 +349,8 @@ def test_bad_file_found_in_a_worker_process_is_raised_as_itself(broken):
     ("list", "not valid .*AssertionError: annotation file format <class 'list'>"),
 ])
 def test_coco_annotation_file_with_a_broken_entry_is_one_sentence(tmp_path, damage, needle):
-    from jaxrat.data import coco, synthetic_coco
+    from jaxrat.data.sources import coco
+    from jaxrat.data.synthetic import coco as synthetic_coco
 
     root = synthetic_coco.write_coco(str(tmp_path), num_train=0, num_val=2, image_size=32)
     path = coco.annotation_file(root, "validation")
@@ -366,7 +369,7 @@ def test_coco_annotation_file_with_a_broken_entry_is_one_sentence(tmp_path, dama
 
 
 def test_csv_from_excel_with_short_rows_and_empty_paths(tmp_path):
-    from jaxrat.data import folder
+    from jaxrat.data.sources import folder
 
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "a.JPG")
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "b.png")
@@ -383,18 +386,19 @@ def test_csv_from_excel_with_short_rows_and_empty_paths(tmp_path):
 
 
 def test_arrayrecord_converter_and_reader_name_a_missing_folder_and_their_own_switch(broken, tmp_path, capsys):
-    from jaxrat.data import tfds_isic
+    from jaxrat.data import prepare_isic
+    from jaxrat.data.sources import isic_arrayrecord
 
     d, img, mask = broken
     out = str(tmp_path / "tfds")
     with pytest.raises(DataError, match=r"ISIC 2018 data not found: looked for .*nope.*fix --src"):
-        tfds_isic.prepare(str(tmp_path / "nope"), out)  # tfds only asserted, with a traceback
-    assert tfds_isic.main(["--src", d, "--out", out]) == 2  # fail: #5 has no mask
+        isic_arrayrecord.prepare(str(tmp_path / "nope"), out)  # tfds only asserted, with a traceback
+    assert prepare_isic.main(["--src", d, "--out", out]) == 2  # fail: #5 has no mask
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"jaxrat: error: {img(5)}: its mask") and err.endswith("or set --on-bad-file=skip.")
     typo = str(tmp_path / "typo")
     with pytest.raises(DataError, match=f"not prepared as ArrayRecord in {typo} .*fix --config.data.data_dir"):
-        tfds_isic.segmentation_data(typo, "train", BadFilePolicy())
+        isic_arrayrecord.example_source(typo, "train", BadFilePolicy())
     assert not os.path.exists(typo)  # tfds used to start preparing there
 
 

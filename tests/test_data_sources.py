@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.data import folder, isic, pipeline, synthetic
+from jaxrat.data import pipeline
+from jaxrat.data.sources import folder, isic
+from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.errors import DataError
 
@@ -43,7 +45,7 @@ def test_csv_with_several_label_columns_and_bad_rows(tmp_path):
                                          policy=BadFilePolicy("skip"))
     assert vocabs == {"diagnosis": ["melanoma", "nevus"], "grade": []}
     assert [r["labels"].tolist() for r in records] == [[1, 2], [0, -1], [1, 0]]  # empty cell: -1
-    data = pipeline.SegmentationData(records, loader=folder.DecodeClassification())
+    data = pipeline.ExampleSource(records, loader=folder.DecodeClassification())
     ops = pipeline.augment_ops(4, random_flip=True)
     batch = next(pipeline.train_iterator(data, image_size=4, local_batch=2, seed=0, process_index=0,
                                          process_count=1, ops=ops, num_threads=0))
@@ -54,27 +56,28 @@ def test_csv_with_several_label_columns_and_bad_rows(tmp_path):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from jaxrat.data import tfds_isic
+    from jaxrat.data.sources import isic_arrayrecord
 
     src = str(tmp_path_factory.mktemp("isic"))
-    synthetic.write_dataset(src, num_train=6, num_val=3, image_size=16, seed=2)
+    synthetic_isic.write_dataset(src, num_train=6, num_val=3, image_size=16, seed=2)
     out = str(tmp_path_factory.mktemp("tfds"))
-    tfds_isic.prepare(src, out)
+    isic_arrayrecord.prepare(src, out)
     return src, out
 
 
 def test_isic_arrayrecord_stream_equals_the_files_stream(prepared):
-    from jaxrat.data import datasets, tfds_isic
+    from jaxrat.data import datasets
+    from jaxrat.data.sources import isic_arrayrecord
 
     src, out = prepared
     assert any(f.endswith(".array_record-00000-of-00001") or "array_record" in f
                for _, _, fs in os.walk(out) for f in fs)
     pairs = {os.path.basename(i).split(".")[0]: (i, m) for i, m in isic.find_pairs(src, "train")}
-    tf_train = tfds_isic.segmentation_data(out, "train", BadFilePolicy())
+    tf_train = isic_arrayrecord.example_source(out, "train", BadFilePolicy())
     assert len(tf_train) == len(pairs) == 6
     for k in range(len(tf_train)):  # the stored bytes decode to exactly what the files give
         rec = tf_train.records[k]
-        a = pipeline.DecodePair().map(pairs[rec["image_id"].decode() if isinstance(rec["image_id"], bytes)
+        a = isic.DecodePair().map(pairs[rec["image_id"].decode() if isinstance(rec["image_id"], bytes)
                                             else rec["image_id"]])
         b = tf_train.loader.map(rec)
         np.testing.assert_array_equal(a["image"], b["image"])
@@ -92,34 +95,35 @@ def test_isic_arrayrecord_stream_equals_the_files_stream(prepared):
 
 
 def test_generic_tfds_reader_and_missing_dataset(prepared, tmp_path):
-    from jaxrat.data import tfds_isic
+    from jaxrat.data.sources import isic_arrayrecord, tfds
 
     _, out = prepared
-    data = tfds_isic.tfds_data(tfds_isic.NAME, "validation", out, mask_key="mask")
+    isic_arrayrecord.builder_class()  # tfds reads a custom dataset's metadata through its registered builder
+    data = tfds.example_source(isic_arrayrecord.NAME, "validation", out, mask_key="mask")
     ex = data.loader.map(data.records[0])
     assert ex["image"].dtype == np.uint8 and ex["image"].shape[-1] == 3 and set(np.unique(ex["mask"])) <= {0, 1}
     with pytest.raises(DataError, match="not prepared as ArrayRecord"):
-        tfds_isic.tfds_data("jaxrat_no_such_dataset", "train", str(tmp_path))
+        tfds.example_source("jaxrat_no_such_dataset", "train", str(tmp_path))
 
 
 def test_isic_arrayrecord_with_max_side_stores_shrunk_images(tmp_path):
     from PIL import Image
 
-    from jaxrat.data import tfds_isic
+    from jaxrat.data.sources import isic_arrayrecord
     from jaxrat.data.imageio import load_rgb_with_size
 
     src = str(tmp_path / "isic")
-    synthetic.write_dataset(src, num_train=4, num_val=2, image_size=24, seed=3)
+    synthetic_isic.write_dataset(src, num_train=4, num_val=2, image_size=24, seed=3)
     out = str(tmp_path / "tfds_small")
-    tfds_isic.prepare(src, out, max_side=12)
-    data = tfds_isic.segmentation_data(out, "train", BadFilePolicy())
+    isic_arrayrecord.prepare(src, out, max_side=12)
+    data = isic_arrayrecord.example_source(out, "train", BadFilePolicy())
     pairs = {os.path.basename(i).split(".")[0]: (i, m) for i, m in isic.find_pairs(src, "train")}
     assert len(data) == 4
     for k in range(len(data)):
         rec = data.records[k]
         image_id = rec["image_id"].decode() if isinstance(rec["image_id"], bytes) else rec["image_id"]
         ex = data.loader.map(rec)
-        full = pipeline.DecodePair().map(pairs[image_id])
+        full = isic.DecodePair().map(pairs[image_id])
         h, w = full["image"].shape[:2]
         scale = 12 / max(h, w)
         assert ex["image"].shape == (round(h * scale), round(w * scale), 3)
@@ -130,29 +134,29 @@ def test_isic_arrayrecord_with_max_side_stores_shrunk_images(tmp_path):
         want_mask = np.asarray(Image.fromarray(full["mask"]).resize(ex["mask"].shape[::-1], Image.NEAREST))
         np.testing.assert_array_equal(ex["mask"], want_mask)
     with pytest.raises(DataError, match="was prepared with .*max_side.: 12.*pass another --out"):
-        tfds_isic.prepare(src, out, max_side=0)
-    tfds_isic.prepare(src, out, max_side=12)  # the same settings again: nothing to do
+        isic_arrayrecord.prepare(src, out, max_side=0)
+    isic_arrayrecord.prepare(src, out, max_side=12)  # the same settings again: nothing to do
 
 
-def test_tfds_isic_cli_refuses_a_negative_max_side(tmp_path, capsys):
-    from jaxrat.data import tfds_isic
+def test_prepare_isic_cli_refuses_a_negative_max_side(tmp_path, capsys):
+    from jaxrat.data import prepare_isic
 
-    assert tfds_isic.main(["--src", str(tmp_path), "--out", str(tmp_path / "o"), "--max-side", "-1"]) == 2
+    assert prepare_isic.main(["--src", str(tmp_path), "--out", str(tmp_path / "o"), "--max-side", "-1"]) == 2
     assert "--max-side=-1" in capsys.readouterr().err
 
 
-def test_tfds_isic_command_line_converts(tmp_path):
+def test_prepare_isic_command_line_converts(tmp_path):
     import subprocess
     import sys
 
-    from jaxrat.data import tfds_isic
+    from jaxrat.data.sources import isic_arrayrecord
 
     src = str(tmp_path / "isic")
-    synthetic.write_dataset(src, num_train=3, num_val=2, image_size=16, seed=4)
+    synthetic_isic.write_dataset(src, num_train=3, num_val=2, image_size=16, seed=4)
     out = str(tmp_path / "tfds")
-    proc = subprocess.run([sys.executable, "-m", "jaxrat.data.tfds_isic", "--src", src, "--out", out, "--max-side", "8"],
-                          capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "jaxrat.data.prepare_isic", "--src", src, "--out", out, "--max-side", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "written as ArrayRecord" in proc.stdout
-    data = tfds_isic.segmentation_data(out, "validation", BadFilePolicy())
+    data = isic_arrayrecord.example_source(out, "validation", BadFilePolicy())
     assert len(data) == 2 and max(data.loader.map(data.records[0])["image"].shape[:2]) == 8

@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from jaxrat.data import badfiles, isic, synthetic
+from jaxrat.data import badfiles
+from jaxrat.data.sources import isic
+from jaxrat.data.synthetic import isic as synthetic_isic
 from runner import read_metrics, run_main
 
 IMG, MASK = isic.SPLIT_FOLDERS["train"]
@@ -13,7 +15,7 @@ IMG, MASK = isic.SPLIT_FOLDERS["train"]
 @pytest.fixture
 def broken_dir(tmp_path):
     d = str(tmp_path / "isic")
-    synthetic.write_dataset(d, num_train=16, num_val=8, image_size=32, seed=0)
+    synthetic_isic.write_dataset(d, num_train=16, num_val=8, image_size=32, seed=0)
     open(os.path.join(d, IMG, "ISIC_0000003.jpg"), "wb").close()  # empty
     path = os.path.join(d, IMG, "ISIC_0000007.jpg")
     data = open(path, "rb").read()

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.data import download, isic
+from jaxrat.data import download
+from jaxrat.data.sources import isic
 from jaxrat.errors import DataError
 from runner import kill_when_ready
 
@@ -361,7 +362,8 @@ def test_deleted_folder_is_extracted_again_by_a_rerun(server, tmp_path):
 
 
 def test_coco2017_archives_extract_to_the_layout_the_reader_uses(server, tmp_path):
-    from jaxrat.data import coco, synthetic_coco
+    from jaxrat.data.sources import coco
+    from jaxrat.data.synthetic import coco as synthetic_coco
 
     src = str(tmp_path / "src")
     synthetic_coco.write_coco(src, num_train=3, num_val=2, image_size=32)

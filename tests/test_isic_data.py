@@ -4,14 +4,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.data import isic, pipeline, synthetic
+from jaxrat.data import pipeline
+from jaxrat.data.sources import isic
+from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.errors import DataError
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("isic"))
-    synthetic.write_dataset(d, num_train=12, num_val=5, image_size=16, seed=3)
+    synthetic_isic.write_dataset(d, num_train=12, num_val=5, image_size=16, seed=3)
     return d
 
 
@@ -33,7 +35,7 @@ def test_missing_dataset_names_the_folder_and_the_demo(tmp_path):
 
 
 def test_missing_mask_names_the_image(tmp_path):
-    synthetic.write_dataset(str(tmp_path), 3, 1, 16)
+    synthetic_isic.write_dataset(str(tmp_path), 3, 1, 16)
     victim = os.path.join(tmp_path, "ISIC2018_Task1_Training_GroundTruth", "ISIC_0000001_segmentation.png")
     os.remove(victim)
     with pytest.raises(DataError, match="ISIC_0000001.jpg"):
@@ -41,7 +43,7 @@ def test_missing_mask_names_the_image(tmp_path):
 
 
 def test_stray_files_are_ignored_and_png_images_accepted(tmp_path):
-    synthetic.write_dataset(str(tmp_path), 3, 1, 16)
+    synthetic_isic.write_dataset(str(tmp_path), 3, 1, 16)
     img_dir = os.path.join(tmp_path, "ISIC2018_Task1-2_Training_Input")
     open(os.path.join(img_dir, "README.txt"), "w").write("hello")
     open(os.path.join(img_dir, "LICENSE"), "w").write("cc")
@@ -50,7 +52,7 @@ def test_stray_files_are_ignored_and_png_images_accepted(tmp_path):
     os.remove(jpg)
     pairs = isic.find_pairs(str(tmp_path), "train")
     assert [os.path.basename(p[0]) for p in pairs] == ["ISIC_0000000.jpg", "ISIC_0000001.jpg", "ISIC_0000002.png"]
-    ex = pipeline.LoadResize(8).map(pairs[2])
+    ex = isic.LoadResize(8).map(pairs[2])
     assert ex["image"].shape == (8, 8, 3) and ex["mask"].shape == (8, 8)
 
 
@@ -62,7 +64,7 @@ def test_corrupt_image_fails_with_its_name(data_dir, tmp_path, content):
         content = open(pairs[0][0], "rb").read()[:200]
     open(bad, "wb").write(content)
     with pytest.raises(DataError, match="ISIC_0000099.jpg"):
-        pipeline.LoadResize(8).map((bad, pairs[0][1]))
+        isic.LoadResize(8).map((bad, pairs[0][1]))
 
 
 def test_mask_size_mismatch_names_both_files(data_dir, tmp_path):
@@ -70,7 +72,7 @@ def test_mask_size_mismatch_names_both_files(data_dir, tmp_path):
     mask = str(tmp_path / "m_segmentation.png")
     Image.fromarray(np.zeros((3, 3), np.uint8)).save(mask)
     with pytest.raises(DataError, match="must match"):
-        pipeline.LoadResize(8).map((img, mask))
+        isic.LoadResize(8).map((img, mask))
 
 
 def _batches(pairs, n, **kw):
@@ -117,7 +119,7 @@ def test_eval_pads_to_whole_batches_and_marks_padding(data_dir):
 
 def test_case_variants_and_stray_files_in_the_official_folders(tmp_path):
     d = str(tmp_path)
-    synthetic.write_dataset(d, 4, 1, 16)
+    synthetic_isic.write_dataset(d, 4, 1, 16)
     img_dir, mask_dir = (os.path.join(d, f) for f in isic.SPLIT_FOLDERS["train"])
     os.rename(os.path.join(img_dir, "ISIC_0000001.jpg"), os.path.join(img_dir, "ISIC_0000001.JPG"))
     os.rename(os.path.join(mask_dir, "ISIC_0000001_segmentation.png"),
@@ -143,7 +145,7 @@ def test_case_variants_and_stray_files_in_the_official_folders(tmp_path):
 
 def test_exif_rotated_jpeg_is_read_as_stored_so_its_mask_stays_aligned(tmp_path):
     d = str(tmp_path)
-    synthetic.write_dataset(d, 2, 1, 16)
+    synthetic_isic.write_dataset(d, 2, 1, 16)
     img_dir, mask_dir = (os.path.join(d, f) for f in isic.SPLIT_FOLDERS["train"])
     image = np.zeros((8, 12, 3), np.uint8)
     image[:, :4] = 255  # left third bright, and the mask says so, in stored pixels
@@ -154,7 +156,7 @@ def test_exif_rotated_jpeg_is_read_as_stored_so_its_mask_stays_aligned(tmp_path)
     Image.fromarray(image).save(os.path.join(img_dir, "ISIC_0000000.jpg"), exif=exif, quality=95)
     Image.fromarray(mask).save(os.path.join(mask_dir, "ISIC_0000000_segmentation.png"))
     pair = isic.find_pairs(d, "train")[0]
-    ex = pipeline.DecodePair().map(pair)
+    ex = isic.DecodePair().map(pair)
     assert ex["image"].shape == (8, 12, 3)
     np.testing.assert_array_equal(ex["image"][..., 0] > 127, ex["mask"] > 0)
     # A mask drawn on the upright view is the image's size turned: named, with the reason.
@@ -165,7 +167,7 @@ def test_exif_rotated_jpeg_is_read_as_stored_so_its_mask_stays_aligned(tmp_path)
 
 def test_images_unpacked_one_folder_too_deep_are_pointed_at(tmp_path):
     d = str(tmp_path)
-    synthetic.write_dataset(d, 2, 1, 16)
+    synthetic_isic.write_dataset(d, 2, 1, 16)
     img_dir = os.path.join(d, isic.SPLIT_FOLDERS["train"][0])
     nested = os.path.join(img_dir, isic.SPLIT_FOLDERS["train"][0])
     os.makedirs(nested)

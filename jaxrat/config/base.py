@@ -23,7 +23,7 @@ def base_config() -> mlc.ConfigDict:
     c.data = mlc.ConfigDict()
     c.data.name = "isic2018"
     c.data.data_dir = ""  # empty: the dataset's default location (see the dataset's error message)
-    c.data.synthetic = False  # generate a synthetic dataset in the official layout under the workdir
+    c.data.synthetic = False  # generate a synthetic dataset under the workdir (off when data_dir is given)
     c.data.synthetic_train = 256
     c.data.synthetic_val = 64
     c.data.image_size = 256
@@ -34,7 +34,7 @@ def base_config() -> mlc.ConfigDict:
     c.data.prefetch_buffer = 4  # batches decoded ahead, per process
     c.data.device_prefetch = 2  # batches copied to the devices ahead by a background thread; 0: none
     c.data.on_bad_file = "fail"  # "fail" or "skip" (skipped files listed in WORKDIR/skipped_files.txt)
-    c.data.source = "files"  # "files" (official folders) or "tfds" (ArrayRecord from jaxrat.data.tfds_isic)
+    c.data.source = "files"  # "files" (official folders) or "tfds" (ArrayRecord: python -m jaxrat.data.prepare_isic)
     c.data.split_file = ""  # JSON {split: [image ids or indices]} re-splitting all labelled images
     c.data.stage_to_local_dir = ""  # copy data_dir to this node-local folder before training
     # Decoding processes per training process. -1: this process's share of the CPU cores minus one

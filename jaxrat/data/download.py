@@ -141,7 +141,8 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                 last_error = e
                 continue
             if e.code in (403, 404, 410):
-                raise DataError(f"Download of {url} failed: HTTP {e.code} {e.reason}; check the URL or --base-url.") from None
+                raise DataError(f"Download of {url} failed: HTTP {e.code} {e.reason}; "
+                                "check the URL or --base-url.") from None
             last_error = e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
             last_error = e
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.checksums) as f:
                     checksums = json.load(f)
             except (OSError, json.JSONDecodeError) as e:
-                raise DataError(f"Cannot read --checksums {args.checksums} ({e}); pass a JSON object name -> sha256.") from None
+                raise DataError(f"Cannot read --checksums {args.checksums} ({e}); "
+                                "pass a JSON object name -> sha256.") from None
         splits = tuple(s for s in args.splits.split(",") if s) or None
         done = download(args.dataset, args.dest, splits=splits, base_url=args.base_url, checksums=checksums,
                         keep_archives=args.keep_archives, retries=args.retries, timeout=args.timeout)

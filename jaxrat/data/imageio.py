@@ -138,8 +138,9 @@ def _convert(name: str, img: Image.Image, convert):
 
 
 def load_rgb_with_size(path: Source, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
-    """Decode ``path`` (a file or :class:`Encoded` bytes) as uint8 RGB; with ``at_least=(w, h)`` a JPEG may be decoded at a reduced
-    scale that is still at least that large (much faster for big photos resized for training).
+    """Decode ``path`` (a file or :class:`Encoded` bytes) as uint8 RGB; with ``at_least=(w, h)`` a
+    JPEG may be decoded at a reduced scale that is still at least that large (much faster for big
+    photos resized for training).
     Returns (pixels, original (w, h)). EXIF orientation is ignored: pixels come as stored, which is
     what masks and box annotations are drawn on (see docs/data.md)."""
     img, size = _open(path, at_least)

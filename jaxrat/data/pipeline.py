@@ -1,4 +1,4 @@
-"""Grain pipelines for segmentation: per-host, deterministic, resumable from the step.
+"""Grain pipelines: per-host, deterministic, resumable from the step.
 
 The training stream is one global sequence: shuffle (reshuffled each epoch) -> repeat -> decode
 -> random augmentation seeded by the element's *global* index. Host ``p`` of ``P`` reads elements
@@ -26,7 +26,8 @@ import numpy as np
 
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size, source_name
+from jaxrat.data.imageio import BadFileError
+from jaxrat.data.sources.isic import DecodePair
 from jaxrat.errors import ConfigError, DataError
 
 IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
@@ -39,47 +40,10 @@ MAX_CONSECUTIVE_BAD = 64
 # -------------------------------------------------------------------------------- sources
 
 @dataclasses.dataclass(frozen=True)
-class PairSource:
-    """Random-access source of (image path, mask path) pairs."""
-
-    pairs: Sequence[tuple[str, str]]
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, index: int) -> tuple[str, str]:
-        return self.pairs[index]
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodePair(grain.transforms.Map):
-    """(image, mask) paths or :class:`~jaxrat.data.imageio.Encoded` bytes -> {"image": uint8 RGB,
-    "mask": uint8 {0,1}}; the sizes must match.
-
-    ``at_least=(w, h)`` lets JPEGs decode at a reduced scale no smaller than that (the mask is
-    then resized to the decoded image, as the following resize would do anyway)."""
-
-    at_least: tuple[int, int] | None = None
-
-    def map(self, pair: tuple[str, str]) -> T.Example:
-        img_path, mask_path = pair
-        image, (w, h) = load_rgb_with_size(img_path, self.at_least)
-        mask = load_mask(mask_path)
-        if (h, w) != mask.shape:
-            raise BadFileError(
-                source_name(mask_path), f"mask is {mask.shape[1]}x{mask.shape[0]} but image {source_name(img_path)} "
-                f"is {w}x{h}",
-                "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
-            )
-        if image.shape[:2] != mask.shape:
-            mask = T._pil_resize(mask, image.shape[0], image.shape[1], nearest=True)
-        return {"image": image, "mask": mask}
-
-
-@dataclasses.dataclass(frozen=True)
-class SegmentationData:
-    """A segmentation split: random-access ``records``, a ``loader`` turning one record into
-    {"image", "mask"} (raising BadFileError for a broken file) and the bad-file ``policy``."""
+class ExampleSource:
+    """One split of a dataset as the pipeline reads it: random-access ``records``, a ``loader``
+    turning one record into an example dict (raising BadFileError for a broken file), the bad-file
+    ``policy`` and a ``name`` for messages. Segmentation pairs, COCO images and TFDS records alike."""
 
     records: Sequence[Any]
     loader: Any = dataclasses.field(default_factory=DecodePair)
@@ -90,20 +54,9 @@ class SegmentationData:
         return len(self.records)
 
 
-def as_data(data: SegmentationData | Sequence[tuple[str, str]]) -> SegmentationData:
+def as_source(data: ExampleSource | Sequence[tuple[str, str]]) -> ExampleSource:
     """Accept a plain list of (image, mask) paths as well."""
-    return data if isinstance(data, SegmentationData) else SegmentationData(list(data))
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadResize(grain.transforms.Map):
-    """Decode an (image, mask) pair and resize both to ``size`` x ``size``."""
-
-    size: int
-    keep_aspect: bool = False
-
-    def map(self, pair: tuple[str, str]) -> T.Example:
-        return T.Resize(self.size, self.keep_aspect).map(DecodePair((self.size, self.size)).map(pair))
+    return data if isinstance(data, ExampleSource) else ExampleSource(list(data))
 
 
 class _LoadWithFallback(grain.MapDataset):
@@ -150,7 +103,8 @@ def augment_ops(
     """The op list (after decoding) for segmentation; each switch adds exactly its op."""
     crop_lo, crop_hi = (float(x) for x in random_crop_scale)
     if not 0 < crop_lo <= crop_hi <= 1:
-        raise ConfigError(f"config.data.random_crop_scale={tuple(random_crop_scale)}; use (min, max) with 0 < min <= max <= 1.")
+        raise ConfigError(f"config.data.random_crop_scale={tuple(random_crop_scale)}; "
+                          "use (min, max) with 0 < min <= max <= 1.")
     if train and crop_lo < 1:
         # Letterbox first when asked: the crop alone would train on stretched images while
         # evaluation (Resize below) sees padded ones. Larger by the crop's zoom, to keep detail.
@@ -170,7 +124,8 @@ def augment_ops(
         if rotation_degrees:
             ops.append(T.RandomRotation(float(rotation_degrees)))
         if elastic_prob:
-            ops.append(T.ElasticDeform(alpha=float(elastic_alpha), sigma=float(elastic_sigma), prob=float(elastic_prob)))
+            ops.append(T.ElasticDeform(alpha=float(elastic_alpha), sigma=float(elastic_sigma),
+                                       prob=float(elastic_prob)))
         if color_jitter:
             x = float(color_jitter)
             ops.append(T.ColorJitter(brightness=x, contrast=x, saturation=x, hue=x / 2))
@@ -302,10 +257,7 @@ class StreamIterator:
     def set_state(self, state: bytes | str | dict) -> None:
         if isinstance(state, (bytes, str)):
             state = json.loads(state)
-        if "next_example" in state:
-            self._next = int(state["next_example"])
-        else:  # a Grain dataset iterator's state from before StreamIterator: elements of this host
-            self._next = int(state["next_index"]) * self._pc
+        self._next = int(state["next_example"])
         self._it = None
 
     def start_prefetch(self) -> None:
@@ -322,7 +274,7 @@ class StreamIterator:
 
 
 def train_iterator(
-    data: SegmentationData | Sequence[tuple[str, str]],
+    data: ExampleSource | Sequence[tuple[str, str]],
     *,
     image_size: int,
     local_batch: int,
@@ -342,9 +294,10 @@ def train_iterator(
 
     ``start_example`` must be a multiple of the global batch (``local_batch * process_count``).
     ``prefetch`` is in batches; ``processes_on_host`` (training processes on this machine) shares
-    the cores and RAM among them when ``num_workers=-1``. ``ops`` (default: resize + ``random_flip``) run after decoding; see :func:`augment_ops`.
+    the cores and RAM among them when ``num_workers=-1``. ``ops`` (default: resize +
+    ``random_flip``) run after decoding; see :func:`augment_ops`.
     """
-    data = as_data(data)
+    data = as_source(data)
     if not len(data):
         raise DataError("The training set is empty; check --config.data.data_dir.")
     ops = list(ops) if ops is not None else augment_ops(image_size, random_flip=random_flip)
@@ -384,7 +337,7 @@ def _allow_grain_flags() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _EvalFetch(grain.transforms.Map):
-    data: SegmentationData
+    data: ExampleSource
     ops: tuple
 
     def map(self, i: int) -> T.Example:
@@ -402,7 +355,7 @@ class _EvalFetch(grain.transforms.Map):
 
 
 def eval_batches(
-    data: SegmentationData | Sequence[tuple[str, str]],
+    data: ExampleSource | Sequence[tuple[str, str]],
     *,
     image_size: int,
     global_batch: int,
@@ -414,7 +367,7 @@ def eval_batches(
     """This host's eval batches; the set is padded to whole global batches and ``valid`` marks real
     examples, so every host runs the same number of eval steps and padding never counts. Under
     ``skip`` an undecodable file also counts as padding."""
-    data = as_data(data)
+    data = as_source(data)
     if not len(data):
         raise DataError("The evaluation set is empty; check --config.data.data_dir.")
     ops = tuple(ops) if ops is not None else tuple(augment_ops(image_size, train=False))
@@ -428,7 +381,3 @@ def eval_batches(
     it = ds.to_iter_dataset(_read_options(num_threads, 2)).batch(local_batch, drop_remainder=True)
     return iter(it)
 
-
-def normalize(ex: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """uint8 image -> ImageNet-normalised float32; {0,1} mask -> float32 (H, W, 1)."""
-    return T.Normalize().map(ex)

@@ -1,4 +1,4 @@
-"""Copy a dataset folder to node-local disk before training (what the cluster scripts did by hand).
+"""Copy a dataset folder to node-local disk before training, so every epoch reads local files.
 
 Several processes of one node may call :func:`stage` at once: one copies under an exclusive file
 lock, the others wait and reuse the copy. A copy is reused only when its manifest (relative
@@ -8,12 +8,14 @@ changed dataset is re-staged; a copy killed half way is never used, and the next
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import stat
 import time
 
 from jaxrat.errors import DataError
@@ -28,8 +30,8 @@ def _manifest(src: str) -> dict:
         for name in sorted(names):
             path = os.path.join(root, name)
             st = os.stat(path)
-            # Nanoseconds: a file rewritten with the same size within the second it was staged
-            # kept its whole-second mtime, and the stale copy was reused.
+            # Nanoseconds: a file rewritten at the same size within one second must still count
+            # as changed.
             files[os.path.relpath(path, src)] = [st.st_size, st.st_mtime_ns]
     return {"source": os.path.abspath(src), "files": files}
 
@@ -52,6 +54,10 @@ def stage(src: str, local_root: str) -> str:
     src = os.path.abspath(src)
     if not os.path.isdir(src):
         raise DataError(f"Cannot stage {src}: not a folder; fix --config.data.data_dir.")
+    if os.path.commonpath([src, os.path.abspath(local_root)]) == src:
+        # The copy would land in the dataset folder (which is only ever read) and copy itself.
+        raise DataError(f"--config.data.stage_to_local_dir={local_root} is inside the dataset folder {src}; "
+                        f"pick a folder outside it.")
     tag = hashlib.sha1(src.encode()).hexdigest()[:8]
     dest = os.path.join(os.path.abspath(local_root), f"{os.path.basename(src.rstrip(os.sep))}-{tag}")
     try:
@@ -77,6 +83,22 @@ def _reason(e: OSError) -> str:
     return str(e.strerror or e)
 
 
+def _make_owner_writable(root: str) -> None:
+    """Folders of a read-only dataset are copied read-only (copytree keeps modes), and the manifest
+    could not be written nor the copy removed later: the copy's folders become owner-writable."""
+    for folder, _, _ in os.walk(root):
+        mode = stat.S_IMODE(os.stat(folder).st_mode)
+        if not mode & stat.S_IWUSR:
+            os.chmod(folder, mode | stat.S_IWUSR)
+
+
+def _remove(path: str) -> None:
+    """Delete a copy of ours, also one left half made (with read-only folders) by a killed run."""
+    with contextlib.suppress(OSError):
+        _make_owner_writable(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _stage_locked(src: str, dest: str) -> str:
     want = _manifest(src)
     if _intact(dest, want):
@@ -88,14 +110,15 @@ def _stage_locked(src: str, dest: str) -> str:
     # holder writes these names, and that is us.
     for name in os.listdir(parent):
         if name.startswith((base + ".tmp-", base + ".old-")):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            _remove(os.path.join(parent, name))
     tmp = f"{dest}.tmp-{os.getpid()}"
     try:
         shutil.copytree(src, tmp)
+        _make_owner_writable(tmp)
         with open(os.path.join(tmp, _MANIFEST), "w") as f:
             json.dump(want, f)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half copy
+        _remove(tmp)  # a full disk keeps no half copy
         raise
     old = f"{dest}.old-{os.getpid()}"
     if os.path.exists(dest):
@@ -103,7 +126,7 @@ def _stage_locked(src: str, dest: str) -> str:
         # a copy with its manifest but without some files.
         os.replace(dest, old)
     os.replace(tmp, dest)  # the copy appears complete or not at all
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
     size = sum(v[0] for v in want["files"].values())
     logging.info("data: staged %s to %s (%d files, %.1f MB) in %.1f s",
                  src, dest, len(want["files"]), size / 1e6, time.perf_counter() - t0)

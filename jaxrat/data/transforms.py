@@ -35,7 +35,7 @@ def _hw(size: int | Sequence[int]) -> tuple[int, int]:
     return (int(size), int(size)) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
 
 
-def _pil_resize(a: np.ndarray, h: int, w: int, nearest: bool) -> np.ndarray:
+def pil_resize(a: np.ndarray, h: int, w: int, nearest: bool) -> np.ndarray:
     if a.shape[:2] == (h, w):
         return a
     mode = Image.NEAREST if nearest else Image.BILINEAR
@@ -52,9 +52,9 @@ def _filter_boxes(ex: Example, keep: np.ndarray) -> Example:
 def resize(ex: Example, h: int, w: int) -> Example:
     """Resize image and mask to (h, w), ignoring the aspect ratio; normalised boxes are unchanged."""
     ex = dict(ex)
-    ex["image"] = _pil_resize(ex["image"], h, w, nearest=False)
+    ex["image"] = pil_resize(ex["image"], h, w, nearest=False)
     if "mask" in ex:
-        ex["mask"] = _pil_resize(ex["mask"], h, w, nearest=True)
+        ex["mask"] = pil_resize(ex["mask"], h, w, nearest=True)
     return ex
 
 
@@ -332,7 +332,7 @@ class Pyramid(grain.transforms.Map):
         for k, (h, w) in enumerate(self.level_shapes(H, W), start=1):
             ex[f"image_{k}"] = np.asarray(Image.fromarray(ex["image"]).resize((w, h), Image.BOX))
             if "mask" in ex:
-                ex[f"mask_{k}"] = _pil_resize(ex["mask"], h, w, nearest=True)
+                ex[f"mask_{k}"] = pil_resize(ex["mask"], h, w, nearest=True)
             ex[f"spacing_{k}"] = np.array([H / h, W / w], np.float32)
         return ex
 

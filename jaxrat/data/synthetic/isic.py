@@ -13,7 +13,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from jaxrat.data.isic import SPLIT_FOLDERS
+from jaxrat.data.sources.isic import SPLIT_FOLDERS
 
 _MARKER = "jaxrat_synthetic.json"
 

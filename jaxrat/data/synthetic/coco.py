@@ -58,7 +58,7 @@ def write_coco(root: str, num_train: int = 16, num_val: int = 8, image_size: int
     for folder, count in (("train2017", num_train), ("val2017", num_val)):
         os.makedirs(os.path.join(root, folder), exist_ok=True)
         with open(os.path.join(root, folder, "README.txt"), "w") as f:
-            f.write("synthetic COCO-layout images written by jaxrat.data.synthetic_coco\n")
+            f.write("synthetic COCO-layout images written by jaxrat.data.synthetic.coco\n")
         images, anns = [], []
         for i in range(count):
             h, w = image_size, int(image_size * rng.uniform(1.0, 1.5))

@@ -5,7 +5,7 @@
 
 Labels are contiguous ``0..K-1`` in ascending COCO category id (80 classes for COCO 2017);
 :attr:`CocoDetection.category_ids` keeps the mapping back for evaluation
-(:func:`to_coco_results`, :func:`evaluate`). Boxes are normalised ``x1, y1, x2, y2`` in [0, 1]
+(``jaxrat.tasks.detection.coco_eval``). Boxes are normalised ``x1, y1, x2, y2`` in [0, 1]
 (COCO stores pixel ``x, y, w, h``), clipped to the image; boxes with no area are dropped.
 
 Crowd annotations (``iscrowd=1``, one box over a group of objects) are handled as COCO does:
@@ -29,6 +29,7 @@ import numpy as np
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError, load_rgb_with_size
+from jaxrat.data.pipeline import ExampleSource
 from jaxrat.errors import DataError
 
 SPLITS = {"train": "train2017", "validation": "val2017", "val": "val2017"}
@@ -39,7 +40,8 @@ def annotation_file(root: str, split: str) -> str:
     return os.path.join(root, "annotations", f"instances_{SPLITS[split]}.json")
 
 
-def _load_coco(path: str):
+def load_annotations(path: str):
+    """The pycocotools ``COCO`` index of an annotation file; a missing or invalid file is a DataError."""
     from pycocotools.coco import COCO
 
     if not os.path.isfile(path):
@@ -52,7 +54,8 @@ def _load_coco(path: str):
             return COCO(path)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AssertionError) as e:
         # pycocotools asserts that the top level is an object
-        raise DataError(f"COCO annotation file {path} is not valid ({type(e).__name__}: {e}); re-download it.") from None
+        raise DataError(f"COCO annotation file {path} is not valid ({type(e).__name__}: {e}); "
+                        "re-download it.") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +93,11 @@ class CocoDetection:
             raise DataError(f"Unknown COCO split {split!r}; use 'train' or 'validation'.")
         self.policy = policy or BadFilePolicy()
         self.annotation_file = annotation_file(root, split)
-        self.coco = _load_coco(self.annotation_file)
+        self.coco = load_annotations(self.annotation_file)
         image_dir = os.path.join(root, SPLITS[split])
         if not os.path.isdir(image_dir):
-            raise DataError(f"COCO image folder {image_dir} not found; download COCO 2017 or fix --config.data.data_dir.")
+            raise DataError(f"COCO image folder {image_dir} not found; download COCO 2017 "
+                            "or fix --config.data.data_dir.")
         where = "its categories"
         try:
             self.category_ids: list[int] = sorted(self.coco.getCatIds())
@@ -133,11 +137,9 @@ class CocoDetection:
     def num_classes(self) -> int:
         return len(self.category_ids)
 
-    def data(self, name: str = "coco2017"):
-        """This split as pipeline data (records + loader + policy) for ``pipeline.train_iterator``."""
-        from jaxrat.data.pipeline import SegmentationData
-
-        return SegmentationData(self.records, loader=self.loader, policy=self.policy, name=name)
+    def example_source(self, name: str = "coco2017") -> ExampleSource:
+        """This split as pipeline records (records + loader + policy) for ``pipeline.train_iterator``."""
+        return ExampleSource(self.records, loader=self.loader, policy=self.policy, name=name)
 
 
 def _record(coco, info: dict, image_dir: str, to_label: dict[int, int]) -> dict[str, Any]:
@@ -189,38 +191,3 @@ class PadBoxes(grain.transforms.Map):
 
     def map(self, ex: T.Example) -> T.Example:
         return T.pad_boxes(ex, self.max_boxes)
-
-
-def to_coco_results(
-    category_ids: Sequence[int], image_ids: np.ndarray, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
-    sizes: np.ndarray,
-) -> list[dict[str, Any]]:
-    """Detections (normalised xyxy, contiguous labels) as COCO result dicts (pixel xywh, category ids).
-
-    ``sizes`` holds each image's original (width, height); shapes are (N,), (N, 4), (N,), (N,), (N, 2)."""
-    out = []
-    for iid, b, s, lab, (w, h) in zip(image_ids, boxes, scores, labels, sizes):
-        x1, y1, x2, y2 = (float(v) for v in b * np.array([w, h, w, h]))
-        out.append({"image_id": int(iid), "category_id": int(category_ids[int(lab)]),
-                    "bbox": [x1, y1, x2 - x1, y2 - y1], "score": float(s)})
-    return out
-
-
-def evaluate(annotation_path: str, results: list[dict[str, Any]]) -> dict[str, float]:
-    """COCO box AP/AR of ``results`` against the official annotation file (crowd handled by COCOeval)."""
-    from pycocotools.cocoeval import COCOeval
-
-    gt = _load_coco(annotation_path)
-    if not results:
-        return {k: 0.0 for k in _STAT_NAMES}
-    with contextlib.redirect_stdout(io.StringIO()):
-        dt = gt.loadRes(results)
-        ev = COCOeval(gt, dt, "bbox")
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return {k: float(v) for k, v in zip(_STAT_NAMES, ev.stats)}
-
-
-_STAT_NAMES = ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large",
-               "AR1", "AR10", "AR100", "AR_small", "AR_medium", "AR_large")

@@ -7,20 +7,26 @@
 
 A split file (``config.data.split_file``) re-splits every labelled image found in those folders:
 a JSON object mapping a split name to a list of image ids (``"ISIC_0000000"``) or of integer
-indices into the sorted list of all labelled images (the reference code's ``splits.json``).
+indices into the sorted list of all labelled images.
+
+:class:`DecodePair` turns an (image, mask) pair, as paths or in-memory bytes, into an example.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
 from typing import Sequence
 
+import grain
+
 from jaxrat.data import imageio
+from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError
+from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size, source_name
 from jaxrat.errors import DataError
 
 SPLIT_FOLDERS = {
@@ -154,7 +160,8 @@ def _pairs_from_split_file(data_dir: str, split: str, split_file: str, policy: B
         elif isinstance(entry, str) and policy.skip:
             policy.handle(BadFileError(entry, f"listed in {split_file} but not found in {data_dir}"))
         else:
-            raise DataError(f"Split file {split_file}: {entry!r} in {split!r} is not an image in {data_dir}; fix the split file.")
+            raise DataError(f"Split file {split_file}: {entry!r} in {split!r} is not an image in {data_dir}; "
+                            "fix the split file.")
     return out
 
 
@@ -177,3 +184,39 @@ def find_pairs(
     if not pairs:
         raise DataError(f"No usable image/mask pairs in the {where}; fix the dataset.")
     return check_pairs(pairs, policy, where) if check else pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePair(grain.transforms.Map):
+    """(image, mask) paths or :class:`~jaxrat.data.imageio.Encoded` bytes -> {"image": uint8 RGB,
+    "mask": uint8 {0,1}}; the sizes must match.
+
+    ``at_least=(w, h)`` lets JPEGs decode at a reduced scale no smaller than that (the mask is
+    then resized to the decoded image, as the following resize would do anyway)."""
+
+    at_least: tuple[int, int] | None = None
+
+    def map(self, pair: tuple[str, str]) -> T.Example:
+        img_path, mask_path = pair
+        image, (w, h) = load_rgb_with_size(img_path, self.at_least)
+        mask = load_mask(mask_path)
+        if (h, w) != mask.shape:
+            raise BadFileError(
+                source_name(mask_path),
+                f"mask is {mask.shape[1]}x{mask.shape[0]} but image {source_name(img_path)} is {w}x{h}",
+                "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
+            )
+        if image.shape[:2] != mask.shape:
+            mask = T.pil_resize(mask, image.shape[0], image.shape[1], nearest=True)
+        return {"image": image, "mask": mask}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResize(grain.transforms.Map):
+    """Decode an (image, mask) pair and resize both to ``size`` x ``size``."""
+
+    size: int
+    keep_aspect: bool = False
+
+    def map(self, pair: tuple[str, str]) -> T.Example:
+        return T.Resize(self.size, self.keep_aspect).map(DecodePair((self.size, self.size)).map(pair))

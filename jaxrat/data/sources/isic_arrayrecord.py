@@ -1,48 +1,43 @@
-"""TFDS without TensorFlow: an ISIC 2018 builder writing ArrayRecord, and readers for any TFDS
-dataset prepared as ArrayRecord (``tfds.data_source``; ``tfds.load`` would need TensorFlow).
+"""ISIC 2018 Task 1 as ArrayRecord: a TFDS builder (no TensorFlow: ``file_format='array_record'``)
+that converts the official folders once, and the reader of what it wrote.
 
-Convert the official folders once (the JPEG/PNG bytes are stored as they are, or with
-``--max-side N`` shrunk to that longer side and re-encoded, which makes big photos much cheaper to
-decode every epoch):
-
-    python -m jaxrat.data.tfds_isic --src ISIC_DIR --out TFDS_DIR [--split-file F] [--on-bad-file skip]
-        [--max-side 1024]
-
-Under ``--on-bad-file skip`` the files left out are listed in ``TFDS_DIR/skipped_files.txt``.
-Then train with ``--config.data.source=tfds --config.data.data_dir=TFDS_DIR``. Reading a few
-large ArrayRecord files instead of thousands of small images is kinder to shared filesystems.
+The JPEG/PNG bytes are stored as they are, or with ``max_side`` shrunk to that longer side and
+re-encoded, which makes big photos much cheaper to decode every epoch. The command line is
+``python -m jaxrat.data.prepare_isic``; training reads the result with
+``--config.data.source=tfds --config.data.data_dir=OUT``. A few large ArrayRecord files instead
+of thousands of small images are kinder to shared filesystems.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import glob
 import io
 import json
-import logging
 import os
-import sys
-from typing import Any, Sequence
+from typing import Any
 
 import grain
 import numpy as np
 from PIL import Image
 
-from jaxrat.data import isic
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
-from jaxrat.data.imageio import BadFileError, Encoded, binary_mask, load_mask, load_rgb_with_size
-from jaxrat.data.pipeline import DecodePair
-from jaxrat.errors import DataError, UserError
+from jaxrat.data.imageio import BadFileError, Encoded, load_mask, load_rgb_with_size
+from jaxrat.data.pipeline import ExampleSource
+from jaxrat.data.sources import isic
+from jaxrat.data.sources.isic import DecodePair
+from jaxrat.data.sources.tfds import data_source
+from jaxrat.errors import DataError
 
 NAME = "isic2018_task1"
+CLI = "python -m jaxrat.data.prepare_isic"
 
 
 @functools.cache
-def _builder_class():
-    """Defined lazily (importing tensorflow_datasets costs about a second) and once (tfds
-    registers builder classes by name)."""
+def builder_class():
+    """The builder, defined (and so registered with tfds, which reading the dataset's metadata
+    needs) on first use: importing tensorflow_datasets costs about a second, and once, because
+    tfds registers builder classes by name."""
     import tensorflow_datasets as tfds
 
     class Isic2018Task1(tfds.core.GeneratorBasedBuilder):
@@ -132,6 +127,9 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
     is refused rather than silently keeping the first."""
     if max_side < 0:
         raise DataError(f"--max-side={max_side}; use 0 (keep the original size) or a number of pixels.")
+    if os.path.commonpath([os.path.abspath(src), os.path.abspath(out)]) == os.path.abspath(src):
+        raise DataError(f"--out {out} is inside --src {src}, and a dataset folder is only ever read; "
+                        f"pick an --out outside it.")
     settings = {"max_side": int(max_side), "split_file": split_file}
     settings_path = os.path.join(out, _SETTINGS_FILE)
     if os.path.exists(settings_path):
@@ -145,7 +143,7 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
         folder = os.path.join(src, isic.SPLIT_FOLDERS["train"][0])
         raise DataError(f"ISIC 2018 data not found: looked for {folder}; download it with "
                         f"`python -m jaxrat.data.download isic2018 --dest {src}` or fix --src.")
-    cls = _builder_class()
+    cls = builder_class()
     cls.split_file, cls.on_bad_file, cls.max_side = split_file, on_bad_file, int(max_side)
     cls.skipped_files = os.path.join(out, SKIPPED_FILES_NAME)
     builder = cls(data_dir=out, file_format="array_record")
@@ -155,49 +153,6 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
     with open(settings_path, "w") as f:
         json.dump(settings, f)
     return out
-
-
-def data_source(name: str, split: str, data_dir: str, *, encoded: Sequence[str] = ()):
-    """``tfds.data_source`` with a clear error when the dataset was not prepared as ArrayRecord;
-    the features named in ``encoded`` come back as their stored bytes, undecoded."""
-    import tensorflow_datasets as tfds
-
-    if name == NAME:
-        _builder_class()  # registers the builder so tfds can read its metadata
-    decoders = {k: tfds.decode.SkipDecoding() for k in encoded} or None
-    not_prepared = (
-        f"TFDS dataset {name!r} split {split!r} is not prepared as ArrayRecord in {data_dir} ({{}}); prepare it "
-        f"(ISIC: `python -m jaxrat.data.tfds_isic --src DIR --out {data_dir}`) or fix --config.data.data_dir."
-    )
-    if data_dir and not glob.glob(os.path.join(glob.escape(data_dir), name.split(":")[0], "**", "dataset_info.json"),
-                                  recursive=True):
-        # tfds would otherwise start preparing it there: a mistyped folder would be created, then fail.
-        raise DataError(not_prepared.format("no dataset_info.json"))
-    try:
-        return tfds.data_source(name, split=split, data_dir=data_dir, decoders=decoders)
-    except (ValueError, KeyError, OSError, AssertionError, tfds.core.registered.DatasetNotFoundError) as e:
-        raise DataError(not_prepared.format(type(e).__name__)) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class FromTfds(grain.transforms.Map):
-    """A TFDS record -> {"image", "mask"} and/or {"labels"}; masks become {0, 1}."""
-
-    image_key: str = "image"
-    mask_key: str | None = "mask"
-    label_keys: tuple[str, ...] = ()
-
-    def map(self, rec: dict[str, Any]) -> dict[str, np.ndarray]:
-        image = np.asarray(rec[self.image_key])
-        if image.ndim == 2 or image.shape[-1] == 1:
-            image = np.repeat(image.reshape(*image.shape[:2], 1), 3, axis=-1)
-        out = {"image": image.astype(np.uint8)}
-        if self.mask_key:
-            m = np.asarray(rec[self.mask_key])
-            out["mask"] = binary_mask(m.reshape(m.shape[:2]) if m.ndim == 3 and m.shape[-1] == 1 else m)
-        if self.label_keys:
-            out["labels"] = np.array([int(rec[k]) for k in self.label_keys], np.int32)
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,54 +171,14 @@ class DecodeRecord(grain.transforms.Map):
         return DecodePair(self.at_least).map(pair)
 
 
-def tfds_data(name: str, split: str, data_dir: str, *, image_key: str = "image", mask_key: str | None = None,
-              label_keys: Sequence[str] = ("label",), policy: BadFilePolicy | None = None):
-    """Any ArrayRecord TFDS dataset as pipeline data (classification by default)."""
-    from jaxrat.data.pipeline import SegmentationData
-
-    src = data_source(name, split, data_dir)
-    loader = FromTfds(image_key, mask_key, tuple(label_keys) if mask_key is None else ())
-    return SegmentationData(src, loader=loader, policy=policy or BadFilePolicy(), name=f"{name}/{split}")
-
-
-def segmentation_data(data_dir: str, split: str, policy: BadFilePolicy, split_file: str = ""):
-    """The ISIC ArrayRecord made by :func:`prepare` as pipeline data."""
+def example_source(data_dir: str, split: str, policy: BadFilePolicy, split_file: str = "") -> ExampleSource:
+    """One split of the ArrayRecord made by :func:`prepare` as pipeline records."""
     if split_file:
-        raise DataError("config.data.split_file applies when converting: pass --split-file to "
-                        "`python -m jaxrat.data.tfds_isic` and leave config.data.split_file empty.")
-    from jaxrat.data.pipeline import SegmentationData
-
+        raise DataError(f"config.data.split_file applies when converting: pass --split-file to `{CLI}` "
+                        f"and leave config.data.split_file empty.")
+    builder_class()
     # The bytes are decoded by DecodeRecord, not by tfds: it can decode big JPEGs at a reduced scale.
-    src = data_source(NAME, split, data_dir, encoded=("image", "mask"))
+    src = data_source(NAME, split, data_dir, encoded=("image", "mask"),
+                      how_to_prepare=f"`{CLI} --src ISIC_DIR --out {data_dir}`")
     where = f"{os.path.join(data_dir, NAME)}:{split}"
-    return SegmentationData(src, loader=DecodeRecord(where), policy=policy, name=f"{NAME}/{split}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxrat.data.tfds_isic --src DIR --out DIR``; user errors print one sentence, exit 2."""
-    p = argparse.ArgumentParser(prog="python -m jaxrat.data.tfds_isic", description="Convert ISIC 2018 to ArrayRecord.")
-    p.add_argument("--src", required=True, help="folder with the official ISIC 2018 folders")
-    p.add_argument("--out", required=True, help="TFDS data_dir to write (config.data.data_dir with source=tfds)")
-    p.add_argument("--split-file", default="")
-    p.add_argument("--on-bad-file", default="fail", choices=("fail", "skip"))
-    p.add_argument("--max-side", type=int, default=0,
-                   help="store images shrunk to this longer side (e.g. 1024 for 256 px training); 0: as they are")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        prepare(args.src, args.out, split_file=args.split_file, on_bad_file=args.on_bad_file,
-                max_side=args.max_side)
-    except UserError as e:
-        # Messages written for training name the config key; this command's switch is --on-bad-file.
-        message = str(e).replace("--config.data.on_bad_file=skip", "--on-bad-file=skip")
-        print(f"jaxrat: error: {message}", file=sys.stderr)
-        return 2
-    print(f"{NAME} written as ArrayRecord under {os.path.abspath(args.out)}")
-    return 0
-
-
-if __name__ == "__main__":
-    # tfds locates a builder by its class's module: it must be this package module, not __main__.
-    from jaxrat.data import tfds_isic
-
-    sys.exit(tfds_isic.main())
+    return ExampleSource(src, loader=DecodeRecord(where), policy=policy, name=f"{NAME}/{split}")
