@@ -15,6 +15,8 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
+
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
@@ -74,3 +76,73 @@ def resolve_segmentation(
         pairs = isic.find_pairs(data_dir, split, split_file=split_file, policy=policy)
         out.append(ExampleSource(pairs, policy=policy, name=f"isic2018/{split}"))
     return out[0], out[1]
+
+
+CLASSIFICATION_SOURCES = ("csv", "folder")
+
+
+def resolve_classification(
+    data_cfg: Any, heads: tuple[str, ...], workdir: str, *, seed: int, process_index: int
+) -> tuple[ExampleSource, ExampleSource, dict[str, list], tuple[int, ...]]:
+    """(train, validation, vocabularies, classes per head) for a classification ``config.data``.
+
+    ``source="csv"``: ``data_dir/train_csv`` and ``data_dir/val_csv`` with an image column and one
+    column per head; ``source="folder"``: ``data_dir/train/<class>/*`` and ``data_dir/val/<class>/*``
+    (one head). Text labels of both splits share one vocabulary, in sorted order, so a class index
+    means the same in training and evaluation; the classes per head are what the labels need.
+    """
+    from jaxrat.data.sources import folder
+    from jaxrat.data.synthetic import classification as synthetic_classification
+
+    source = _get(data_cfg, "source", "csv")
+    if source not in CLASSIFICATION_SOURCES:
+        raise ConfigError(f"config.data.source={source!r}; use one of {list(CLASSIFICATION_SOURCES)}.")
+    record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
+    policy = BadFilePolicy(_get(data_cfg, "on_bad_file", "fail"), record)
+    data_dir = os.path.expanduser(data_cfg.data_dir or "")
+    train_csv, val_csv = _get(data_cfg, "train_csv", "train.csv"), _get(data_cfg, "val_csv", "val.csv")
+    if data_cfg.synthetic and not data_dir:
+        data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+        written = synthetic_classification.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
+                                                         data_cfg.image_size, seed)
+        source, (train_csv, val_csv) = "csv", (written["train"], written["validation"])
+    if not data_dir:
+        raise ConfigError("config.data.data_dir is empty; point it at the folder of your images (and CSVs).")
+    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
+    if local:
+        from jaxrat.data import staging
+
+        data_dir = staging.stage(data_dir, local)
+    if source == "folder":
+        if tuple(heads) != ("label",):
+            raise ConfigError(f"config.task.heads={tuple(heads)}: a folder per class gives one head; "
+                              f"use ('label',) or a CSV for several.")
+        splits = [folder.folder_records(os.path.join(data_dir, s), policy=policy) for s in ("train", "val")]
+        vocabs = [{"label": classes} for _, classes in splits]
+    else:
+        column = _get(data_cfg, "image_column", "image")
+        splits = [folder.csv_records(os.path.join(data_dir, p), image_column=column, label_columns=heads,
+                                     image_root=data_dir, policy=policy) for p in (train_csv, val_csv)]
+        vocabs = [v for _, v in splits]
+    records, shared = _share_vocabularies([r for r, _ in splits], vocabs, heads)
+    labels = np.stack([r["labels"] for split in records for r in split])
+    found = tuple(max(len(shared[h]), int(labels[:, i].max()) + 1) for i, h in enumerate(heads))
+    out = [ExampleSource(r, loader=folder.DecodeClassification(), policy=policy, name=f"{source}/{s}")
+           for r, s in zip(records, ("train", "validation"))]
+    return out[0], out[1], shared, found
+
+
+def _share_vocabularies(records: list[list[dict]], vocabs: list[dict[str, list]],
+                        heads: tuple[str, ...]) -> tuple[list[list[dict]], dict[str, list]]:
+    """Relabel every split against the sorted union of the splits' text vocabularies."""
+    shared = {h: sorted(set().union(*(v.get(h) or [] for v in vocabs))) for h in heads}
+    out = []
+    for split, vocab in zip(records, vocabs):
+        maps = [{i: shared[h].index(name) for i, name in enumerate(vocab.get(h) or [])} for h in heads]
+        relabelled = []
+        for r in split:
+            labels = np.array([m.get(int(v), int(v)) if m and v >= 0 else int(v) for m, v in zip(maps, r["labels"])],
+                              np.int32)
+            relabelled.append({**r, "labels": labels})
+        out.append(relabelled)
+    return out, shared

@@ -22,7 +22,7 @@ from jaxrat.errors import ConfigError
 ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
 # Modules imported lazily on first lookup so importing jaxrat.models stays cheap.
-_BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat_models")
+_BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat_models", "jaxrat.models.classifier")
 
 
 def register(name: str) -> Callable[[ModelFactory], ModelFactory]:

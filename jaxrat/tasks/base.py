@@ -27,6 +27,7 @@ Batch = Mapping[str, Any]
 
 BUILTIN_TASKS = {
     "segmentation": "jaxrat.tasks.segmentation:SegmentationTask",
+    "classification": "jaxrat.tasks.classification:ClassificationTask",
 }
 
 

@@ -1,0 +1,55 @@
+"""Image classifiers with one or several label heads (``config.model.name = "cnn_classifier"``).
+
+A model returns one logits array per head, ``(B, num_classes[h])``, in the order of
+``num_classes``; which head means what is the task's business.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrat.models import register
+from jaxrat.models.unet import ConvBlock
+
+
+class Heads(nnx.Module):
+    """LayerNorm on pooled features, then one linear layer per head."""
+
+    def __init__(self, dim: int, num_classes: Sequence[int], *, dtype: Any, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+        self.heads = nnx.List([nnx.Linear(dim, int(n), dtype=dtype, rngs=rngs) for n in num_classes])
+
+    def __call__(self, pooled: jax.Array) -> tuple[jax.Array, ...]:
+        x = self.norm(pooled)
+        return tuple(head(x).astype(jnp.float32) for head in self.heads)
+
+
+class CNNClassifier(nnx.Module):
+    """The baseline: (ConvBlock, 2x2 max-pool) per width in ``features``, global average pool, heads.
+
+    GroupNorm throughout (no batch statistics), as in the U-Net baseline.
+    """
+
+    def __init__(self, *, num_classes: Sequence[int], features: Sequence[int] = (32, 64, 128), in_channels: int = 3,
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        widths = [in_channels, *features]
+        self.blocks = nnx.List([ConvBlock(a, b, dtype=dtype, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
+        self.heads = Heads(widths[-1], num_classes, dtype=dtype, rngs=rngs)
+
+    def __call__(self, images: jax.Array) -> tuple[jax.Array, ...]:
+        x = images
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i < len(self.blocks) - 1:
+                x = nnx.max_pool(x, (2, 2), (2, 2))
+        return self.heads(x.mean(axis=(1, 2)))
+
+
+@register("cnn_classifier")
+def cnn_classifier(**kwargs: Any) -> CNNClassifier:
+    """Factory for ``config.model.name = "cnn_classifier"`` (fields as :class:`CNNClassifier`)."""
+    return CNNClassifier(**kwargs)

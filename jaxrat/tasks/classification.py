@@ -1,0 +1,214 @@
+"""Image classification with one or several label heads (e.g. genus and species), class-weighted.
+
+``config.task``: ``heads`` (label columns of the CSV; ``("label",)`` for a folder per class),
+``num_classes`` (0 = from the data), ``loss_weights``, ``class_weights`` ("none", "inverse",
+"effective" or a JSON file ``{head: [w_0, w_1, ...]}``), ``effective_beta``, ``label_smoothing``,
+``mixup_alpha``, ``cutmix_alpha``, ``top_k``. A batch holds ``image`` (B, H, W, 3) and ``labels``
+(B, heads) int32, -1 where a label is missing (left out of that head's loss and metrics); eval
+batches also ``valid``.
+
+Metrics per head over the whole eval set, from confusion counts summed across devices and hosts:
+top-1, top-k, macro-F1 (over the classes present in the labels or the predictions), balanced
+accuracy (mean recall over the classes present in the labels) and the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrat.errors import ConfigError
+from jaxrat.tasks.base import Batch, EvalAccumulator, Task
+from jaxrat.tasks.class_weights import class_weights
+from jaxrat.tasks.mixing import mix_batch
+
+PER_HEAD = ("top1", "topk", "macro_f1", "balanced_accuracy", "loss")
+
+
+class ClassificationTask(Task):
+    """See the module docstring."""
+
+    def __init__(self, config: mlc.ConfigDict) -> None:
+        super().__init__(config)
+        t = config.task
+        self.heads = tuple(str(h) for h in t.heads)
+        n = len(self.heads)
+        if not n:
+            raise ConfigError("config.task.heads is empty; name at least one label column, e.g. ('label',).")
+        for field in ("num_classes", "loss_weights"):
+            if len(tuple(t[field])) != n:
+                raise ConfigError(f"config.task.{field}={tuple(t[field])} has {len(tuple(t[field]))} entries but "
+                                  f"config.task.heads={self.heads} has {n}; give one per head.")
+        if not 0 <= t.label_smoothing < 1:
+            raise ConfigError(f"config.task.label_smoothing={t.label_smoothing}; use a value in [0, 1).")
+        self.loss_weights = tuple(float(w) for w in t.loss_weights)
+        self.num_classes: tuple[int, ...] = tuple(int(c) for c in t.num_classes)
+        self.weights: tuple[np.ndarray, ...] = ()
+        self._train = self._val = None
+        self.vocabularies: dict[str, list] = {}
+
+    # ---------------------------------------------------------------------------------- data
+    def prepare_data(self, workdir: str) -> str:
+        from jaxrat.data.datasets import resolve_classification
+
+        d = self.config.data
+        self._train, self._val, self.vocabularies, found = resolve_classification(
+            d, self.heads, workdir, seed=self.config.seed, process_index=jax.process_index())
+        self.num_classes = tuple(c or f for c, f in zip(self.num_classes, found))
+        for head, c, f in zip(self.heads, self.num_classes, found):
+            if c < f:
+                raise ConfigError(f"config.task.num_classes gives head {head!r} {c} classes but its labels go up to "
+                                  f"{f - 1}; raise it or set 0 to take it from the data.")
+        labels = np.stack([r["labels"] for r in self._train.records])
+        self.weights = tuple(
+            class_weights(labels[:, h], self.num_classes[h], self.config.task.class_weights, head,
+                          beta=float(self.config.task.effective_beta))
+            for h, head in enumerate(self.heads))
+        classes = ", ".join(f"{h}: {c} classes" for h, c in zip(self.heads, self.num_classes))
+        return f"{len(self._train)} train and {len(self._val)} validation images ({classes})"
+
+    def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
+                       processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.train_iterator(
+            self._train, image_size=d.image_size, local_batch=local_batch, seed=self.config.seed,
+            process_index=process_index, process_count=process_count, start_example=start_example,
+            processes_on_host=processes_on_host, **pipeline.train_options(d))
+
+    def eval_batches(self, *, global_batch: int, process_index: int,
+                     process_count: int) -> Iterable[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.eval_batches(self._val, image_size=d.image_size, global_batch=global_batch,
+                                     process_index=process_index, process_count=process_count,
+                                     **pipeline.eval_options(d))
+
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+        from jaxrat.models import build_model
+
+        model_config = mlc.ConfigDict(self.config.model.to_dict())
+        model_config.num_classes = tuple(self.num_classes)
+        return build_model(model_config, dtype=dtype, rngs=rngs)
+
+    # ------------------------------------------------------------------------- inside jit
+    def _head_losses(self, logits: Sequence[jax.Array], labels: jax.Array, ok: jax.Array,
+                     mix: tuple[jax.Array, jax.Array] | None) -> list[tuple[jax.Array, jax.Array]]:
+        """Per head (sum of weighted cross-entropies, sum of weights) over the batch."""
+        out = []
+        eps = float(self.config.task.label_smoothing)
+        for h, lg in enumerate(logits):
+            c = self.num_classes[h]
+            y = labels[:, h]
+            has = ok & (y >= 0)
+            yc = jnp.maximum(y, 0)
+            target = optax.smooth_labels(jax.nn.one_hot(yc, c), eps) if eps else jax.nn.one_hot(yc, c)
+            w = jnp.asarray(self.weights[h])[yc]
+            if mix is not None:
+                lam, perm = mix
+                has = has & has[perm]
+                target = lam * target + (1 - lam) * target[perm]
+                w = lam * w + (1 - lam) * w[perm]
+            w = w * has
+            ce = optax.softmax_cross_entropy(lg.astype(jnp.float32), target)
+            out.append(((w * ce).sum(), w.sum()))
+        return out
+
+    def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        t = self.config.task
+        images, mix = mix_batch(batch["image"], rng, float(t.mixup_alpha), float(t.cutmix_alpha))
+        logits = model(images)
+        ok = jnp.ones(batch["labels"].shape[0], bool)
+        total, parts = jnp.zeros(()), {}
+        for h, (num, den) in enumerate(self._head_losses(logits, batch["labels"], ok, mix)):
+            head_loss = num / jnp.maximum(den, 1e-12)
+            parts[f"{self.heads[h]}/loss"] = head_loss
+            total = total + self.loss_weights[h] * head_loss
+        return total, parts
+
+    def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:
+        logits = model(batch["image"])
+        valid = batch["valid"] > 0
+        sums: dict[str, jax.Array] = {}
+        k = int(self.config.task.top_k)
+        for h, ((num, den), lg) in enumerate(zip(self._head_losses(logits, batch["labels"], valid, None), logits)):
+            c, y = self.num_classes[h], batch["labels"][:, h]
+            has = (valid & (y >= 0)).astype(jnp.float32)
+            pred = jnp.argmax(lg, -1)
+            onehot_y = jax.nn.one_hot(jnp.maximum(y, 0), c) * has[:, None]
+            name = self.heads[h]
+            sums[f"{name}/confusion"] = onehot_y.T @ jax.nn.one_hot(pred, c)
+            top = jax.lax.top_k(lg, min(k, c))[1]
+            sums[f"{name}/topk_hits"] = ((top == y[:, None]).any(-1) * has).sum()
+            sums[f"{name}/loss_sum"], sums[f"{name}/weight_sum"] = num, den
+        return sums, None
+
+    # ----------------------------------------------------------------------------- host side
+    def new_eval(self) -> EvalAccumulator:
+        return _ClassificationEval(self.heads, bool(self.config.train.log_images))
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(f"{h}/{m}" for h in self.heads for m in PER_HEAD) + ("loss",)
+
+
+def head_metrics(confusion: np.ndarray, topk_hits: float) -> dict[str, float]:
+    """top1, topk, macro_f1 and balanced_accuracy from a (true, predicted) confusion matrix."""
+    confusion = np.asarray(confusion, np.float64)
+    n = confusion.sum()
+    tp = np.diag(confusion)
+    support, predicted = confusion.sum(1), confusion.sum(0)
+    present = (support > 0) | (predicted > 0)
+    f1 = np.divide(2 * tp, support + predicted, out=np.zeros_like(tp), where=(support + predicted) > 0)
+    recall = np.divide(tp, support, out=np.zeros_like(tp), where=support > 0)
+    return {
+        "top1": tp.sum() / n if n else 0.0,
+        "topk": topk_hits / n if n else 0.0,
+        "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
+        "balanced_accuracy": float(recall[support > 0].mean()) if (support > 0).any() else 0.0,
+    }
+
+
+class _ClassificationEval(EvalAccumulator):
+    def __init__(self, heads: tuple[str, ...], log_images: bool) -> None:
+        super().__init__()
+        self.heads, self.log_images = heads, log_images
+        self._confusions: dict[str, np.ndarray] = {}
+
+    def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
+        self.add_sums(sums)
+
+    def finalize(self) -> dict[str, float]:
+        totals = jax.device_get(self.totals)
+        out: dict[str, float] = {}
+        loss = 0.0
+        for h in self.heads:
+            conf = np.asarray(totals[f"{h}/confusion"], np.float64)
+            self._confusions[h] = conf
+            for k, v in head_metrics(conf, float(totals[f"{h}/topk_hits"])).items():
+                out[f"{h}/{k}"] = float(v)
+            out[f"{h}/loss"] = float(totals[f"{h}/loss_sum"]) / max(float(totals[f"{h}/weight_sum"]), 1e-12)
+            loss += out[f"{h}/loss"]
+        out["loss"] = loss / len(self.heads)
+        return out
+
+    def images(self) -> dict[str, np.ndarray]:
+        """Each head's confusion matrix, rows normalised (true class), as a grey image."""
+        if not self.log_images:
+            return {}
+        images = {}
+        for h, conf in self._confusions.items():
+            rows = conf / np.maximum(conf.sum(1, keepdims=True), 1)
+            scale = max(1, 128 // max(conf.shape[0], 1))
+            img = np.kron(rows, np.ones((scale, scale)))
+            images[f"eval/{h}/confusion"] = np.repeat(img[None, ..., None], 3, -1)
+        return images
+
