@@ -347,11 +347,23 @@ class _EvalFetch(grain.transforms.Map):
             ex = self.data.loader.map(self.data.records[min(i, n - 1)])
         except BadFileError as e:
             self.data.policy.handle(e)  # raises under "fail"
-            ex, valid = {"image": np.zeros((8, 8, 3), np.uint8), "mask": np.zeros((8, 8), np.uint8)}, False
+            ex, valid = self._stand_in(i), False
         for op in self.ops:
             ex = op.map(ex)
         ex["valid"] = np.float32(valid)
         return ex
+
+    def _stand_in(self, i: int) -> T.Example:
+        """Padding for a skipped file: the next example that decodes, whatever fields the task's
+        examples have (it is marked invalid, so its content never counts)."""
+        n = len(self.data)
+        for k in range(1, min(n, MAX_CONSECUTIVE_BAD) + 1):
+            try:
+                return self.data.loader.map(self.data.records[(i + k) % n])
+            except BadFileError as e:
+                self.data.policy.handle(e)
+        raise DataError(f"{MAX_CONSECUTIVE_BAD} bad files in a row in {self.data.name or 'the evaluation set'} "
+                        f"(see skipped_files.txt); the dataset looks broken: fix or re-download it.")
 
 
 def eval_batches(
