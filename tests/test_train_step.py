@@ -89,8 +89,8 @@ def test_accumulation_gives_the_unaccumulated_step(accum):
 
 
 def test_weight_decay_skips_biases_norms_positions_and_frequencies():
-    from jaxrat.trainer.optimizer import decay_mask
     from jaxrat.config import base_config
+    from jaxrat.trainer.optimizer import decay_mask
 
     rule = base_config().optimizer.weight_decay_exclude
     params = {"conv": {"kernel": np.zeros((3, 3, 4, 4)), "bias": np.zeros(4)},

@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrat.errors import ConfigError
 from jaxrat.tree_paths import path_name
@@ -97,7 +98,8 @@ def tree_shardings(
             d is not None and x.shape[i] % int(np.prod([mesh.shape[a] for a in (d if isinstance(d, tuple) else (d,))]))
             for i, d in enumerate(spec)
         ):
-            raise ConfigError(f"Sharding rule {spec} does not fit {name} of shape {tuple(x.shape)}; fix config.sharding.rules.")
+            raise ConfigError(f"Sharding rule {spec} does not fit {name} of shape {tuple(x.shape)}; "
+                              f"fix config.sharding.rules.")
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, abstract)

@@ -109,7 +109,8 @@ class SegmentationTask(Task):
 
             raise ConfigError(f"config.task lacks {', '.join(missing)} for the segmentation task; set them in the "
                               f"config file (see configs/isic.py).")
-        self.bce_weight, self.dice_weight, self.threshold = float(t.bce_weight), float(t.dice_weight), float(t.threshold)
+        self.bce_weight, self.dice_weight = float(t.bce_weight), float(t.dice_weight)
+        self.threshold = float(t.threshold)
         self._train = self._val = None
 
     def prepare_data(self, workdir: str) -> str:

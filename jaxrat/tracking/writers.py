@@ -7,7 +7,6 @@ TensorFlow (+1.4 GB, +6 s per start) for nothing else.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from typing import Mapping

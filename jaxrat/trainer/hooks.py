@@ -148,7 +148,8 @@ class Evaluation:
         if images:
             self.writer.write_images(step, images)
         if jax.process_index() == 0:
-            order = [k for k in self.task.metric_names if k in metrics] + sorted(set(metrics) - set(self.task.metric_names))
+            known = self.task.metric_names
+            order = [k for k in known if k in metrics] + sorted(set(metrics) - set(known))
             logging.info("eval step %d: %s", step, " ".join(f"{k} {metrics[k]:.4f}" for k in order))
         return named
 

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections as mlc
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.errors import ConfigError

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
 from jaxrat.trainer.state import StateSpec
@@ -54,8 +55,8 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         else:
             def body(carry: Any, xs: Any) -> tuple[Any, None]:
                 mb, i = xs
-                (l, p), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
-                return jax.tree.map(jnp.add, carry, (g, l, p)), None
+                (loss_i, parts_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, carry, (g, loss_i, parts_i)), None
 
             micro = split_microbatches(batch, accum, spec.mesh)
             shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
