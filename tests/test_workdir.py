@@ -111,8 +111,8 @@ def test_runs_starting_together_get_exactly_one_holder(tmp_path, stale):
         try:
             lock.acquire()
             won.append(lock)
-        except WorkdirInUse:
-            lost.append(lock)
+        except WorkdirInUse as e:
+            lost.append(str(e))
 
     threads = [threading.Thread(target=contend, args=(lk,)) for lk in locks]
     for t in threads:
@@ -120,6 +120,7 @@ def test_runs_starting_together_get_exactly_one_holder(tmp_path, stale):
     for t in threads:
         t.join()
     assert len(won) == 1 and len(lost) == 7
+    assert all("is in use by another run" in m for m in lost), lost
     assert json.load(open(tmp_path / LOCK_NAME))["token"] == won[0].me.token
     won[0].release()
     assert not os.listdir(tmp_path)  # no takeover markers or temporary files left

@@ -122,7 +122,8 @@ class WorkdirLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise :class:`WorkdirInUse` naming the live holder and the fix."""
-        for _ in range(10):
+        for attempt in range(10):
+            time.sleep(0.05 * attempt)  # a retry follows another starter's takeover: let it finish
             if self._create():
                 self._start_heartbeat()
                 return
