@@ -205,7 +205,7 @@ def test_a_changed_config_stops_a_resume_and_an_allowed_change_is_kept_aside(tmp
     assert "data.image_size: 48 -> 32" in msg and "num_train_steps" not in msg, msg
     assert "--config.workdir.allow_config_change=true" in msg and f"--config.init_from={wd}" in msg
 
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         wdm.check_and_save_config(_smoke("data.image_size=48", "num_train_steps=9"), wd, allow_change=False)
     assert "num_train_steps: 6 -> 9" in caplog.text
     assert json.load(open(os.path.join(wd, "config.json")))["num_train_steps"] == 9

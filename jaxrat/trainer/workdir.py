@@ -109,9 +109,9 @@ def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bo
                 f"The workdir {workdir} holds checkpoints of a run with another config ({shown}): resume with its "
                 f"config.json, start a new run in another --workdir (with --config.init_from={workdir} to load its "
                 f"weights), or pass --config.workdir.allow_config_change=true to resume with these changes.")
-        if fixed or free:
-            logging.warning("resuming %s with a changed config (%s); the previous config is kept aside",
-                            workdir, "; ".join(fixed + free))
+        if fixed or free:  # operational changes are routine (a new port, more steps): worth a line, not a warning
+            logging.log(logging.WARNING if fixed else logging.INFO, "resuming %s with a changed config (%s); the "
+                        "previous config is kept aside", workdir, "; ".join(fixed + free))
     elif resuming:
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
     if os.path.exists(path) and (old is None or old != new):
