@@ -126,6 +126,24 @@ def test_runs_starting_together_get_exactly_one_holder(tmp_path, stale):
     assert not os.listdir(tmp_path)  # no takeover markers or temporary files left
 
 
+def test_a_takeover_cut_short_by_kill9_does_not_block_later_starts(tmp_path):
+    stale = _plant(tmp_path, age_s=1000, host="node-elsewhere")
+    marker = tmp_path / f"{LOCK_NAME}.takeover-{stale.token}"
+    taker = dataclasses.replace(Holder.this_process(), pid=_dead_pid())  # died between marker and replace
+    marker.write_text(json.dumps(dataclasses.asdict(taker)))
+    lock = WorkdirLock(str(tmp_path), lease_s=60)
+    lock.acquire()
+    lock.release()
+    assert not os.listdir(tmp_path)
+    # A live taker's marker is respected: this start waits its turn and then stops.
+    stale = _plant(tmp_path, age_s=1000, host="node-elsewhere")
+    marker = tmp_path / f"{LOCK_NAME}.takeover-{stale.token}"
+    marker.write_text(json.dumps(dataclasses.asdict(Holder.this_process())))
+    with pytest.raises(WorkdirInUse, match="keeps changing hands"):
+        WorkdirLock(str(tmp_path), lease_s=60).acquire()
+    assert marker.exists()
+
+
 def test_heartbeat_refreshes_the_lease_and_release_spares_a_new_holder(tmp_path):
     lock = WorkdirLock(str(tmp_path), lease_s=0.4)
     lock.acquire()

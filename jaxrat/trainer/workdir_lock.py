@@ -102,6 +102,21 @@ def _previous_incarnation(holder: Holder, me: Holder) -> bool:
         holder.slurm_restart_count < me.slurm_restart_count and holder.host != me.host
 
 
+def _read_holder(path: str) -> tuple[Holder | None, float] | None:
+    """(the Holder in ``path``, or None if unreadable; its mtime), or None if there is no file."""
+    try:
+        with open(path, "rb") as f:  # open, then fstat: fresh attributes on NFS (close-to-open)
+            mtime = os.fstat(f.fileno()).st_mtime
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        fields = json.loads(raw)
+        return Holder(**{k: fields[k] for k in fields if k in Holder.__dataclass_fields__}), mtime
+    except (ValueError, TypeError):
+        return None, mtime
+
+
 # -------------------------------------------------------------------------------------- the lock
 
 class WorkdirLock:
@@ -196,17 +211,7 @@ class WorkdirLock:
 
     def _read(self) -> tuple[Holder | None, float] | None:
         """(holder or None if unreadable, time of its last heartbeat), or None if there is no lock."""
-        try:
-            with open(self.path, "rb") as f:  # open, then fstat: fresh attributes on NFS (close-to-open)
-                mtime = os.fstat(f.fileno()).st_mtime
-                raw = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            fields = json.loads(raw)
-            return Holder(**{k: fields[k] for k in fields if k in Holder.__dataclass_fields__}), mtime
-        except (ValueError, TypeError):
-            return None, mtime
+        return _read_holder(self.path)
 
     def _owner_token(self) -> str | None:
         found = self._read()
@@ -236,16 +241,16 @@ class WorkdirLock:
 
     def _take_over(self, stale: Holder | None) -> bool:
         """Replace the lock of a dead holder. A marker file made with O_EXCL, named after the dead
-        holder, lets only one of several runs starting together replace it."""
+        holder and naming its taker, lets only one of several runs starting together replace it."""
         marker = f"{self.path}.takeover-{stale.token if stale else 'unreadable'}"
         try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            with contextlib.suppress(OSError):  # a taker that died between marker and replace
-                if time.time() - os.stat(marker).st_mtime > 60:
-                    os.unlink(marker)
+            self._clear_dead_marker(marker)
             return False
         try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._payload())
             now = self._read()
             if now is None or (now[0].token if now[0] else None) != (stale.token if stale else None):
                 return False  # it changed under us: decide again
@@ -254,6 +259,29 @@ class WorkdirLock:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
+
+    def _clear_dead_marker(self, marker: str) -> None:
+        """Remove a takeover marker whose taker died before finishing (kill -9 in that instant),
+        else it would block every later start. Moved aside first and checked, so a live taker's
+        marker that replaced it meanwhile is put back, never deleted."""
+        found = _read_holder(marker)
+        if found is None:
+            return
+        taker, mtime = found
+        age, grace = time.time() - mtime, min(30.0, self.lease_s)
+        if (dead_reason(taker, age, grace, self.me) if taker else ("unreadable" if age > grace else None)) is None:
+            return
+        grave = f"{marker}.dead-{self.me.token}"
+        try:
+            os.rename(marker, grave)
+        except FileNotFoundError:
+            return
+        moved = _read_holder(grave)
+        if moved is not None and moved[0] is not None and taker is not None and moved[0].token != taker.token:
+            with contextlib.suppress(FileExistsError):
+                os.link(grave, marker)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(grave)
 
     def _start_heartbeat(self) -> None:
         self.held = True
