@@ -71,6 +71,7 @@ def test_slurm_holder_is_named_with_its_job(tmp_path):
     (lambda: {"start_ticks": 1}, "belongs to another process"),  # our pid, reused: another start time
     (lambda: {"boot_id": "an-earlier-boot"}, "rebooted"),
     (lambda: {"host": "node-elsewhere"}, "lease expired"),
+    (lambda: {"pid": _dead_pid(), "pid_namespace": "pid:[1]"}, "lease expired"),  # another container
 ])
 def test_a_dead_holder_is_taken_over_with_a_warning(tmp_path, caplog, fields, why):
     _plant(tmp_path, age_s=1000, **fields())
@@ -88,6 +89,10 @@ def test_a_dead_holder_is_taken_over_with_a_warning(tmp_path, caplog, fields, wh
 def test_another_host_with_a_fresh_lease_keeps_the_lock(tmp_path):
     _plant(tmp_path, age_s=5, host="node-elsewhere", pid=1)
     with pytest.raises(WorkdirInUse, match="process 1 on host node-elsewhere.*last heartbeat 5 s ago"):
+        WorkdirLock(str(tmp_path), lease_s=60).acquire()
+    # Another container on this host: its process ids mean nothing here, only its lease counts.
+    _plant(tmp_path, age_s=5, pid=_dead_pid(), pid_namespace="pid:[1]")
+    with pytest.raises(WorkdirInUse):
         WorkdirLock(str(tmp_path), lease_s=60).acquire()
 
 

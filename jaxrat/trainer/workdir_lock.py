@@ -37,6 +37,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of ``pid`` from /proc, or None."""
     try:
@@ -57,6 +64,7 @@ class Holder:
     token: str
     start_ticks: int = -1  # the process's start time: a reused pid has another one
     boot_id: str = ""  # a rebooted host has another one
+    pid_namespace: str = ""  # containers sharing a hostname and kernel do not see each other's pids
     slurm_job_id: str = ""
     slurm_restart_count: int = 0
 
@@ -64,7 +72,7 @@ class Holder:
     def this_process(cls) -> Holder:
         stat = _proc_stat(os.getpid())
         return cls(host=socket.gethostname(), pid=os.getpid(), since=time.time(), token=uuid.uuid4().hex,
-                   start_ticks=stat[1] if stat else -1, boot_id=_boot_id(),
+                   start_ticks=stat[1] if stat else -1, boot_id=_boot_id(), pid_namespace=_pid_namespace(),
                    slurm_job_id=os.environ.get("SLURM_JOB_ID", ""),
                    slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
 
@@ -76,7 +84,8 @@ class Holder:
 
 def dead_reason(holder: Holder, age_s: float, lease_s: float, me: Holder) -> str | None:
     """Why ``holder`` (whose lock was last refreshed ``age_s`` ago) is certainly gone, or None."""
-    if holder.host == me.host and holder.boot_id == me.boot_id:
+    same_pids = holder.boot_id == me.boot_id and holder.pid_namespace in ("", me.pid_namespace) and holder.pid > 0
+    if holder.host == me.host and same_pids:
         try:
             os.kill(holder.pid, 0)
         except ProcessLookupError:
@@ -89,7 +98,7 @@ def dead_reason(holder: Holder, age_s: float, lease_s: float, me: Holder) -> str
         if stat and holder.start_ticks >= 0 and stat[1] != holder.start_ticks:
             return "its process is gone (the process id now belongs to another process)"
         return None
-    if holder.host == me.host and holder.boot_id and me.boot_id:
+    if holder.host == me.host and holder.boot_id and me.boot_id and holder.boot_id != me.boot_id:
         return "its host has rebooted since"
     if age_s > lease_s:
         return f"its lease expired (no heartbeat for {age_s:.0f} s, lease {lease_s:.0f} s)"
