@@ -116,4 +116,10 @@ def base_config() -> mlc.ConfigDict:
     c.distributed.initialization_timeout = 300
     c.distributed.heartbeat_timeout = 100
     c.distributed.coordinator_port = -1
+
+    # One run per workdir and resumes with the same config (docs/workdir.md).
+    c.workdir = mlc.ConfigDict()
+    c.workdir.lock = True  # WORKDIR/run.lock; False only where the filesystem cannot hold one
+    c.workdir.lease_seconds = 120.0  # another host's lock unrefreshed for this long is taken over
+    c.workdir.allow_config_change = False  # resume even if model/task/data/optimizer/seed/batch changed
     return c

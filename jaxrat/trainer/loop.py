@@ -23,6 +23,7 @@ from jaxrat.trainer import hooks
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
+from jaxrat.trainer.workdir import hold as hold_workdir
 
 
 def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: int) -> None:
@@ -48,25 +49,19 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def save_config(config: mlc.ConfigDict, workdir: str) -> None:
-    """``WORKDIR/config.json``: the resolved config, written atomically."""
-    path = os.path.join(workdir, "config.json")
-    with open(path + ".tmp", "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(path + ".tmp", path)
-
-
 def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]:
     """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics."""
-    # ---- world
     t_created = time.perf_counter()
     workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    with hold_workdir(config, workdir):  # one run per workdir; a resume keeps the config (docs/workdir.md)
+        return _train_and_evaluate(config, workdir, t_created)
+
+
+def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) -> dict[str, float]:
+    # ---- world
     mesh = make_mesh(config.mesh.axes)
     check_batch_sizes(config, mesh.size, jax.process_count())
     logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())
-    if jax.process_index() == 0:
-        save_config(config, workdir)
 
     # ---- task, data, state
     task = load_task(config)

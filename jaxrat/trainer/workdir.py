@@ -1,0 +1,175 @@
+"""One run per workdir, and no silent resume with another config (docs/workdir.md).
+
+:func:`hold` wraps a training run. Process 0 takes ``WORKDIR/run.lock``
+(:class:`~jaxrat.trainer.workdir_lock.WorkdirLock`) and checks the config against
+``WORKDIR/config.json``; its verdict is broadcast, so every process of the run stops or proceeds
+together. The lock is released when the run ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import ml_collections as mlc
+import numpy as np
+
+from jaxrat.errors import ConfigError, UserError
+from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
+
+CONFIG_NAME = "config.json"
+# Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals and
+# checkpoints, where the data is read from and how fast, and how the work is spread over devices
+# and hosts. Anything else changes what is trained (model, task, data, optimizer, seed, batch) and
+# must match the checkpoint's config.json; a prefix ending in "." covers its whole section.
+RESUMABLE = (
+    "num_train_steps", "init_from", "train.log_every", "train.eval_every", "train.eval_at_end",
+    "train.log_images", "checkpoint.", "mesh.", "sharding.", "distributed.", "workdir.",
+    "data.data_dir", "data.stage_to_local_dir", "data.num_threads", "data.prefetch_buffer",
+    "data.device_prefetch", "data.num_workers", "data.worker_ram_budget_gb", "data.on_bad_file",
+    "data.eval_batch_size", "optimizer.grad_accum_steps",
+)
+
+
+class ConfigChanged(ConfigError):
+    """A resume with a config that changes what is trained."""
+
+
+# ------------------------------------------------------------------------------------ the config
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_as_json(config: mlc.ConfigDict) -> dict[str, Any]:
+    """The config as ``config.json`` holds it (tuples become lists), so the two compare equal."""
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def resumable(key: str) -> bool:
+    """Whether the dotted config field ``key`` may change when a run resumes (:data:`RESUMABLE`)."""
+    return any(key.startswith(p) if p.endswith(".") else key == p for p in RESUMABLE)
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(fields that change what is trained, fields that may change), as "key: old -> new".
+
+    Only fields on both sides count: one present on one side only comes with a changed
+    ``model.name``/``task.name`` (which is listed) or with a jaxrat version that added it.
+    """
+    a, b = _flatten(old), _flatten(new)
+    fixed, free = [], []
+    for key in sorted(a.keys() & b.keys()):
+        if a[key] != b[key]:
+            (free if resumable(key) else fixed).append(f"{key}: {json.dumps(a[key])} -> {json.dumps(b[key])}")
+    return fixed, free
+
+
+def has_checkpoint(workdir: str) -> bool:
+    """Whether ``WORKDIR/checkpoints`` holds a committed step (a folder named by its number)."""
+    directory = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> None:
+    """Stop a resume whose config changes what is trained (:class:`ConfigChanged`), then write
+    ``WORKDIR/config.json``; a different previous one is kept as ``config.<its UTC time>.json``."""
+    path = os.path.join(workdir, CONFIG_NAME)
+    new = config_as_json(config)
+    old = None
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except ValueError as e:
+            logging.warning("%s is unreadable (%s); it is kept aside and not compared", path, e)
+    resuming = has_checkpoint(workdir)
+    if old is not None and resuming:
+        fixed, free = config_changes(old, new)
+        if fixed and not allow_change:
+            shown = "; ".join(fixed[:8]) + (f"; and {len(fixed) - 8} more" if len(fixed) > 8 else "")
+            raise ConfigChanged(
+                f"The workdir {workdir} holds checkpoints of a run with another config ({shown}): resume with its "
+                f"config.json, start a new run in another --workdir (with --config.init_from={workdir} to load its "
+                f"weights), or pass --config.workdir.allow_config_change=true to resume with these changes.")
+        if fixed or free:  # operational changes are routine (a new port, more steps): worth a line, not a warning
+            logging.log(logging.WARNING if fixed else logging.INFO, "resuming %s with a changed config (%s); the "
+                        "previous config is kept aside", workdir, "; ".join(fixed + free))
+    elif resuming:
+        logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
+    if os.path.exists(path) and (old is None or old != new):
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.stat(path).st_mtime))
+        aside, n = os.path.join(workdir, f"config.{stamp}.json"), 1
+        while os.path.exists(aside):
+            aside, n = os.path.join(workdir, f"config.{stamp}.{n}.json"), n + 1
+        os.replace(path, aside)
+    _write_atomic(path, config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------- the run
+
+_KINDS: dict[int, type[Exception]] = {1: WorkdirInUse, 2: ConfigChanged, 3: UserError, 4: RuntimeError}
+_MESSAGE_BYTES = 4096
+
+
+def _broadcast(kind: int, message: str) -> tuple[int, str]:
+    """Process 0's (kind, message) in every process; a collective, so all call it."""
+    from jax.experimental import multihost_utils
+
+    raw = message.encode()[:_MESSAGE_BYTES - 4]
+    buf = np.zeros(_MESSAGE_BYTES, np.uint8)
+    buf[:4] = np.frombuffer(np.int32(kind).tobytes(), np.uint8)
+    buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return int(np.frombuffer(out[:4].tobytes(), np.int32)[0]), out[4:].tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+@contextlib.contextmanager
+def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[None]:
+    """Hold ``workdir`` for one run: lock it and check the config (process 0, for all processes).
+
+    Raises :class:`WorkdirInUse` or :class:`ConfigChanged` in every process alike; the lock is
+    released on leaving the block, whether the run ended, was preempted or failed.
+    """
+    import jax
+
+    settings = config.get("workdir") or mlc.ConfigDict()
+    lock, failure, kind = None, None, 0
+    if jax.process_index() == 0:
+        try:
+            os.makedirs(workdir, exist_ok=True)
+            if settings.get("lock", True):
+                lock = WorkdirLock(workdir, settings.get("lease_seconds", DEFAULT_LEASE_S))
+                lock.acquire()
+            check_and_save_config(config, workdir, bool(settings.get("allow_config_change", False)))
+        except Exception as e:  # every process must hear of it, or the others wait in the next collective
+            failure, kind = e, next((k for k, t in _KINDS.items() if isinstance(e, t)), 4)
+    kind, message = _broadcast(kind, str(failure or ""))
+    if kind:
+        if lock is not None:
+            lock.release()
+        if failure is not None:
+            raise failure
+        raise _KINDS[kind](message if kind != 4 else f"process 0 could not take the workdir: {message}")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,260 @@
+"""One run per workdir and config checks on resume, in-process (docs/workdir.md).
+
+The end-to-end runs (a second ``jaxrat.main`` on a live workdir, kill -9 and takeover, a changed
+config on resume) are in tests/test_workdir_runs.py.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from jaxrat.config import load_config
+from jaxrat.trainer import workdir as wdm
+from jaxrat.trainer.workdir_lock import LOCK_NAME, Holder, WorkdirInUse, WorkdirLock, dead_reason
+from runner import SMOKE
+
+
+def _plant(workdir, age_s: float = 0.0, **fields) -> Holder:
+    """A lock file as another run would have left it, last refreshed ``age_s`` ago."""
+    holder = dataclasses.replace(Holder.this_process(), **fields)
+    path = os.path.join(workdir, LOCK_NAME)
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(holder), f)
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return holder
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_acquire_writes_the_holder_and_release_removes_it(tmp_path):
+    lock = WorkdirLock(str(tmp_path))
+    lock.acquire()
+    held = json.load(open(tmp_path / LOCK_NAME))
+    assert held["pid"] == os.getpid() and held["token"] == lock.me.token
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]  # no temporary files left
+    lock.release()
+    assert not os.listdir(tmp_path)
+
+
+def test_a_live_holder_is_named_and_keeps_the_lock(tmp_path):
+    first = WorkdirLock(str(tmp_path))
+    first.acquire()
+    try:
+        with pytest.raises(WorkdirInUse) as e:
+            WorkdirLock(str(tmp_path)).acquire()
+        msg = str(e.value)
+        assert f"is in use by another run (process {os.getpid()} on host {first.me.host}" in msg, msg
+        assert "since " in msg and "UTC" in msg and "another --workdir" in msg and msg.count(". ") == 0, msg
+    finally:
+        first.release()
+
+
+def test_slurm_holder_is_named_with_its_job(tmp_path):
+    _plant(tmp_path, slurm_job_id="4242", slurm_restart_count=1)
+    with pytest.raises(WorkdirInUse, match=r"SLURM job 4242 restart 1.*scancel 4242"):
+        WorkdirLock(str(tmp_path)).acquire()
+
+
+@pytest.mark.parametrize("fields, why", [
+    (lambda: {"pid": _dead_pid()}, "its process is gone"),
+    (lambda: {"start_ticks": 1}, "belongs to another process"),  # our pid, reused: another start time
+    (lambda: {"boot_id": "an-earlier-boot"}, "rebooted"),
+    (lambda: {"host": "node-elsewhere"}, "lease expired"),
+    (lambda: {"pid": _dead_pid(), "pid_namespace": "pid:[1]"}, "lease expired"),  # another container
+])
+def test_a_dead_holder_is_taken_over_with_a_warning(tmp_path, caplog, fields, why):
+    _plant(tmp_path, age_s=1000, **fields())
+    lock = WorkdirLock(str(tmp_path), lease_s=60)
+    with caplog.at_level(logging.WARNING):
+        lock.acquire()
+    try:
+        assert json.load(open(tmp_path / LOCK_NAME))["token"] == lock.me.token
+        assert "took over the workdir lock" in caplog.text and why in caplog.text, caplog.text
+    finally:
+        lock.release()
+    assert not os.listdir(tmp_path)
+
+
+def test_another_host_with_a_fresh_lease_keeps_the_lock(tmp_path):
+    _plant(tmp_path, age_s=5, host="node-elsewhere", pid=1)
+    with pytest.raises(WorkdirInUse, match="process 1 on host node-elsewhere.*last heartbeat 5 s ago"):
+        WorkdirLock(str(tmp_path), lease_s=60).acquire()
+    # Another container on this host: its process ids mean nothing here, only its lease counts.
+    _plant(tmp_path, age_s=5, pid=_dead_pid(), pid_namespace="pid:[1]")
+    with pytest.raises(WorkdirInUse):
+        WorkdirLock(str(tmp_path), lease_s=60).acquire()
+
+
+def test_dead_reason_is_pure_of_the_lock_file():
+    me = Holder.this_process()
+    assert dead_reason(me, 10**6, 1.0, me) is None  # a live process on this host: the lease does not matter
+    other = dataclasses.replace(me, host="elsewhere")
+    assert dead_reason(other, 5, 10, me) is None
+    assert "lease expired" in dead_reason(other, 11, 10, me)
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["no-lock", "stale-lock"])
+def test_runs_starting_together_get_exactly_one_holder(tmp_path, stale):
+    if stale:
+        _plant(tmp_path, age_s=1000, host="node-elsewhere")
+    locks = [WorkdirLock(str(tmp_path), lease_s=60) for _ in range(8)]
+    start, won, lost = threading.Barrier(len(locks)), [], []
+
+    def contend(lock):
+        start.wait()
+        try:
+            lock.acquire()
+            won.append(lock)
+        except WorkdirInUse as e:
+            lost.append(str(e))
+
+    threads = [threading.Thread(target=contend, args=(lk,)) for lk in locks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == 7
+    assert all("is in use by another run" in m for m in lost), lost
+    assert json.load(open(tmp_path / LOCK_NAME))["token"] == won[0].me.token
+    won[0].release()
+    assert not os.listdir(tmp_path)  # no takeover markers or temporary files left
+
+
+def test_a_takeover_cut_short_by_kill9_does_not_block_later_starts(tmp_path):
+    stale = _plant(tmp_path, age_s=1000, host="node-elsewhere")
+    marker = tmp_path / f"{LOCK_NAME}.takeover-{stale.token}"
+    taker = dataclasses.replace(Holder.this_process(), pid=_dead_pid())  # died between marker and replace
+    marker.write_text(json.dumps(dataclasses.asdict(taker)))
+    lock = WorkdirLock(str(tmp_path), lease_s=60)
+    lock.acquire()
+    lock.release()
+    assert not os.listdir(tmp_path)
+    # A live taker's marker is respected: this start waits its turn and then stops.
+    stale = _plant(tmp_path, age_s=1000, host="node-elsewhere")
+    marker = tmp_path / f"{LOCK_NAME}.takeover-{stale.token}"
+    marker.write_text(json.dumps(dataclasses.asdict(Holder.this_process())))
+    with pytest.raises(WorkdirInUse, match="keeps changing hands"):
+        WorkdirLock(str(tmp_path), lease_s=60).acquire()
+    assert marker.exists()
+
+
+def test_heartbeat_refreshes_the_lease_and_release_spares_a_new_holder(tmp_path):
+    lock = WorkdirLock(str(tmp_path), lease_s=0.4)
+    lock.acquire()
+    path = tmp_path / LOCK_NAME
+    os.utime(path, (0, 0))
+    time.sleep(0.5)
+    assert time.time() - os.stat(path).st_mtime < 0.4
+    _plant(tmp_path)  # someone took it over after our lease expired: release must not remove theirs
+    lock.release()
+    assert path.exists()
+
+
+def test_a_requeued_job_waits_for_its_previous_allocation(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    # The previous start keeps its heartbeat: it still runs, so the requeued start stops.
+    _plant(tmp_path, host="node-elsewhere", pid=4321, slurm_job_id="77", slurm_restart_count=0)
+    stop = threading.Event()
+    beat = threading.Thread(target=lambda: [os.utime(tmp_path / LOCK_NAME) for _ in iter(lambda: stop.wait(0.3), True)])
+    beat.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkdirInUse, match="SLURM job 77 restart 0.*kill 4321 on node-elsewhere: an earlier start"):
+            WorkdirLock(str(tmp_path), lease_s=3).acquire()
+    finally:
+        stop.set()
+        beat.join()
+    assert time.monotonic() - t0 < 3
+    # Its heartbeat has stopped: the requeued start takes over once the lease runs out.
+    lock = WorkdirLock(str(tmp_path), lease_s=3)
+    t0 = time.monotonic()
+    lock.acquire()
+    lock.release()
+    assert 1 < time.monotonic() - t0 < 8
+
+
+# ------------------------------------------------------------------------------------ config
+
+def _smoke(*overrides: str):
+    """The smoke config with ``"a.b=value"`` overrides, as on the command line."""
+    config = load_config(SMOKE)
+    for o in overrides:
+        key, value = o.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        old = node[leaf]
+        node[leaf] = eval(value) if isinstance(old, tuple) else type(old)(value)
+    return config
+
+
+def test_config_fields_are_split_into_what_is_trained_and_how(tmp_path):
+    changed = _smoke("data.image_size=48", "num_train_steps=9", "seed=1", "mesh.axes=(('data', 2),)",
+                     "optimizer.grad_accum_steps=2")
+    old, new = wdm.config_as_json(_smoke()), wdm.config_as_json(changed)
+    fixed, free = wdm.config_changes(old, new)
+    assert fixed == ["data.image_size: 32 -> 48", "seed: 0 -> 1"]
+    assert free == ['mesh.axes: [["data", -1], ["fsdp", 1]] -> [["data", 2]]', "num_train_steps: 6 -> 9",
+                    "optimizer.grad_accum_steps: 1 -> 2"]
+    for key in ("model.features", "task.name", "data.name", "data.batch_size", "optimizer.learning_rate",
+                "data.synthetic", "train.compute_dtype"):
+        assert not wdm.resumable(key), key
+    for key in ("distributed.coordinator_address", "checkpoint.keep", "data.data_dir", "workdir.lease_seconds"):
+        assert wdm.resumable(key), key
+
+
+def test_a_changed_config_stops_a_resume_and_an_allowed_change_is_kept_aside(tmp_path, caplog):
+    wd = str(tmp_path)
+    wdm.check_and_save_config(_smoke(), wd, allow_change=False)
+    # No checkpoint yet: a fresh start, whatever the old config.json says.
+    wdm.check_and_save_config(_smoke("data.image_size=48"), wd, allow_change=False)
+    os.makedirs(os.path.join(wd, "checkpoints", "3"))
+    with pytest.raises(wdm.ConfigChanged) as e:
+        wdm.check_and_save_config(_smoke("num_train_steps=9"), wd, allow_change=False)
+    msg = str(e.value)
+    assert "data.image_size: 48 -> 32" in msg and "num_train_steps" not in msg, msg
+    assert "--config.workdir.allow_config_change=true" in msg and f"--config.init_from={wd}" in msg
+
+    with caplog.at_level(logging.INFO):
+        wdm.check_and_save_config(_smoke("data.image_size=48", "num_train_steps=9"), wd, allow_change=False)
+    assert "num_train_steps: 6 -> 9" in caplog.text
+    assert json.load(open(os.path.join(wd, "config.json")))["num_train_steps"] == 9
+    kept = sorted(n for n in os.listdir(wd) if n.startswith("config.") and n != "config.json")
+    assert len(kept) == 2, kept  # the smoke config, then the 48-pixel one with 6 steps
+    assert json.load(open(os.path.join(wd, kept[-1])))["num_train_steps"] == 6
+
+    wdm.check_and_save_config(_smoke("data.image_size=64", "num_train_steps=9"), wd, allow_change=True)
+    assert json.load(open(os.path.join(wd, "config.json")))["data"]["image_size"] == 64
+    wdm.check_and_save_config(_smoke("data.image_size=64", "num_train_steps=9"), wd, allow_change=False)
+    assert len([n for n in os.listdir(wd) if n.startswith("config.")]) == 4  # an unchanged config is not kept twice
+
+
+def test_hold_releases_the_lock_when_the_run_fails(tmp_path):
+    wd = str(tmp_path / "wd")
+    with pytest.raises(RuntimeError, match="boom"):
+        with wdm.hold(_smoke(), wd):
+            assert os.path.exists(os.path.join(wd, LOCK_NAME))
+            with pytest.raises(WorkdirInUse):
+                with wdm.hold(_smoke(), wd):
+                    pass
+            raise RuntimeError("boom")
+    assert not os.path.exists(os.path.join(wd, LOCK_NAME))
+    assert os.path.exists(os.path.join(wd, "config.json"))
+    os.makedirs(os.path.join(wd, "checkpoints", "6"))
+    with pytest.raises(wdm.ConfigChanged):
+        with wdm.hold(_smoke("model.num_classes=2"), wd):
+            pass
+    assert not os.path.exists(os.path.join(wd, LOCK_NAME))
