@@ -19,7 +19,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrat.parallel import sharding
-from jaxrat.checkpoint import Checkpointer, Policy, PreemptionWatch, SaveSchedule, load_init
+from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule, load_init
+from jaxrat.cluster.preemption import PreemptionWatch
 from jaxrat.data import datasets, pipeline
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.input_feed import DeviceFeed
