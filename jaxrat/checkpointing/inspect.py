@@ -2,7 +2,8 @@
 
 One row per complete checkpoint: step, size on disk, why it was saved, its eval metrics, and which
 one is latest and best. Folders of a save that never finished are listed as incomplete (the next
-training start deletes them). This module only reads, and library code does not import it.
+training start deletes them), and checkpoints a restore found unreadable and moved to ``damaged/``
+as damaged. This module only reads, and library code does not import it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ MAX_METRIC_COLUMNS = 4
 
 
 def describe(path: str) -> dict[str, Any]:
-    """Everything the CLI prints, as data: rows per step, latest, best, incomplete folders."""
+    """Everything the CLI prints, as data: rows per step, latest, best, incomplete and damaged folders."""
     directory = store.checkpoint_dir(path)
     steps = store.committed_steps(directory)
     best = store.best_step(directory)
@@ -43,6 +44,7 @@ def describe(path: str) -> dict[str, Any]:
         "latest": steps[-1] if steps else None,
         "best": best[1] if best else None,
         "incomplete": store.incomplete_entries(directory),
+        "damaged": store.damaged_entries(directory),
     }
 
 
@@ -100,6 +102,9 @@ def format_table(info: dict[str, Any]) -> str:
                      "saved step)")
     if info["incomplete"]:
         lines.append(f"incomplete (never committed, deleted at the next start): {', '.join(info['incomplete'])}")
+    if info.get("damaged"):
+        lines.append(f"damaged (found unreadable at a restore, moved aside, never restored): "
+                     f"{', '.join(info['damaged'])}")
     return "\n".join(lines)
 
 

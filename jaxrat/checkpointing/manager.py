@@ -6,6 +6,11 @@ Orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it, or, with
 place and adds ``commit_success.txt`` last. Either way a killed save is never restored and its
 leftovers are deleted when the next run starts. Checkpoints hold arrays (OCDBT/Zarr) and JSON only;
 nothing is unpickled or executed on restore.
+
+Faults: a checkpoint that cannot be read back (truncated or corrupt files, or arrays whose digest
+differs from the one stored at save) is moved to ``damaged/`` and the next older one restored; a
+save that fails because the disk is full raises :class:`~jaxrat.errors.CheckpointError` after
+removing the failed step's folder, leaving the previous checkpoints as they were.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from jaxrat.checkpointing import store
+from jaxrat.checkpointing import digest, recovery, store
 from jaxrat.checkpointing.schedule import Policy, metric_fn, preservation
+from jaxrat.errors import CheckpointError, ConfigError
+from jaxrat.tree_paths import named_leaves
 
 
 class _Manager(ocp.CheckpointManager):
@@ -54,6 +62,7 @@ class Checkpointer:
             ),
         )
         self._mngr = _Manager(self.directory, item_names=("state", "data"), options=options)
+        self._state_reader = ocp.StandardCheckpointHandler()
         self._inflight: int | None = None
         self._metric: dict[int, float] = {}
         if p.tracks_best:
@@ -62,6 +71,7 @@ class Checkpointer:
                 if value is not None:
                     self._metric[step] = float(value)
         self.blocked_s: list[float] = []  # train-loop stall of each save, seconds
+        self._failed: int | None = None  # the step whose save failed; nothing is pending after it
 
     def latest_step(self) -> int | None:
         """Newest complete checkpoint step, or None."""
@@ -81,19 +91,24 @@ class Checkpointer:
         """
         if step in self._mngr.all_steps():
             return None
+        t0 = time.perf_counter()
+        self._finish_inflight()  # Orbax would wait here too; this names the step if that save failed
         items = {"state": ocp.args.StandardSave(state)}
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)
         clean = {k: float(v) for k, v in (metrics or {}).items()}
         meta = {"reason": reason, "eval_pending": eval_pending, "metrics": clean,
-                "process_count": jax.process_count(), "device_count": jax.device_count()}
+                "process_count": jax.process_count(), "device_count": jax.device_count(),
+                "digest": digest.digest(state)}
         if self.policy.tracks_best:
             meta.update(best_metric=self.policy.best_metric, best_mode=self.policy.best_mode)
             if self.policy.best_metric in clean:
                 self._metric[step] = clean[self.policy.best_metric]
-        t0 = time.perf_counter()
-        self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
-                        metrics=clean if self.policy.tracks_best else None)
+        try:
+            self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
+                            metrics=clean if self.policy.tracks_best else None)
+        except Exception as e:
+            self._save_failed(step, e)
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         # Orbax waited for the previous save before starting this one, so that one is committed.
@@ -130,33 +145,122 @@ class Checkpointer:
         """Restore ``step`` onto the shardings carried by ``abstract_state`` (any mesh, any process count).
 
         Returns (state, data_restored). The iterator is restored only when it was saved by the same
-        number of processes; otherwise the caller recomputes the data position from the step.
+        number of processes; otherwise the caller recomputes the data position from the step. A state
+        of other names or shapes than the checkpoint's raises ConfigError.
+
+        The items are read with Orbax's handlers, not its manager, because the manager ends a restore
+        with a barrier: a process that failed to read would skip it and leave the others waiting
+        there, out of step with every later barrier and collective.
         """
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        self._check_fits(step, abstract_state)
+        where = epath.Path(self.directory) / str(step)
+        state = self._state_reader.restore(where / "state", args=ocp.args.StandardRestore(abstract_state))
         data_ok = data_iter is not None and self._data_saved_for_this_topology(step)
         if data_ok:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        restored = self._mngr.restore(step, args=ocp.args.Composite(**items))
-        return restored["state"], data_ok
+            grain.checkpoint.CheckpointHandler().restore(where / "data",
+                                                         args=grain.checkpoint.CheckpointRestore(data_iter))
+        return state, data_ok
 
     def restore_latest(self, abstract_state: Any, data_iter: Any = None) -> tuple[int, Any, bool] | None:
-        """(step, state, data_restored) of the newest checkpoint, or None when there is none.
+        """(step, state, data_restored) of the newest readable checkpoint, or None when there is none.
 
-        See :meth:`restore` for the shardings and when the data iterator is restored.
+        A checkpoint that cannot be read (any process fails to read it, or its arrays' digest differs
+        from the one saved with it) is moved to ``damaged/`` with a warning, and the next older one
+        is tried. A checkpoint of another model (names or shapes differ) raises ConfigError and is
+        left in place. See :meth:`restore` for the shardings and the data iterator.
         """
-        step = self.latest_step()
-        if step is None:
-            return None
-        state, data_ok = self.restore(step, abstract_state, data_iter)
-        return step, state, data_ok
+        while (step := self.latest_step()) is not None:
+            problem = None
+            try:  # no collective in here: processes that fail and processes that do not stay in step
+                state, data_ok = self.restore(step, abstract_state, data_iter)
+            except ConfigError:
+                raise
+            except Exception as e:
+                if recovery.is_out_of_memory(e):
+                    raise
+                logging.debug("checkpoint: reading step %d failed", step, exc_info=True)
+                problem = recovery.short_reason(e)
+            if recovery.all_agree(problem is None):
+                # Every process holds the same global arrays and reads the same metadata: same verdict.
+                expected = self.step_metadata(step).get("digest")
+                bad = digest.mismatches(expected, state) if expected else []
+                if not bad:
+                    return step, state, data_ok
+                problem = f"{bad[0]} reads back different from what was saved ({len(bad)} arrays differ)"
+            self._set_aside(step, problem or "another process could not read it")
+        return None
+
+    def _check_fits(self, step: int, abstract_state: Any) -> None:
+        """A ConfigError when this run's state differs from the checkpoint's in names or shapes.
+
+        Orbax's error for that would look like damage; metadata that cannot be read is damage.
+        """
+        saved = named_leaves(ocp.PyTreeCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+                             .tree)
+        want = named_leaves(abstract_state)
+        hint = (f"resume with the config this workdir was started with ({os.path.dirname(self.directory)}/config.json)"
+                f", or give this run a new workdir")
+        for name, leaf in want.items():
+            have = saved.get(name)
+            shape = tuple(getattr(have, "shape", ()) or ())
+            if have is None or shape != tuple(leaf.shape):
+                held = "lacks it" if have is None else f"holds it with shape {shape}"
+                raise ConfigError(f"This run's {name} has shape {tuple(leaf.shape)} but the checkpoint of step {step} "
+                                  f"in {self.directory} {held}; {hint}.")
+        extra = sorted(set(saved) - set(want))
+        if extra:
+            raise ConfigError(f"The checkpoint of step {step} in {self.directory} holds {extra[0]}, which this run's "
+                              f"state lacks; {hint}.")
+
+    def _set_aside(self, step: int, problem: str) -> None:
+        where = os.path.join(self.directory, str(step))
+        moved = recovery.move_aside(self.directory, step)
+        self._metric.pop(step, None)
+        self._mngr.reload()
+        logging.warning("checkpoint %s cannot be read (%s), so it was moved to %s and the run resumes from the "
+                        "newest readable checkpoint, if any.", where, problem, moved)
 
     def wait(self) -> None:
-        """Block until pending async saves are durable, then update the best pointer."""
-        self._mngr.wait_until_finished()
-        self._inflight = None
+        """Block until pending async saves are durable, then update the best pointer.
+
+        Raises CheckpointError when the pending save failed because the disk is full.
+        """
+        self._finish_inflight()
         self._write_best_pointer()
 
     def close(self) -> None:
-        """Finish pending saves and release resources."""
-        self.wait()
-        self._mngr.close()
+        """Finish pending saves and release resources (after a failed save: only release)."""
+        if self._failed is None:
+            self.wait()
+        try:
+            self._mngr.close()
+            self._state_reader.close()
+        except Exception:
+            if self._failed is None:
+                raise
+            logging.debug("checkpoint: closing after the failed save of step %d", self._failed, exc_info=True)
+
+    def _finish_inflight(self) -> None:
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            step, self._inflight = self._inflight, None
+            self._save_failed(step, e)
+        self._inflight = None
+
+    def _save_failed(self, step: int | None, error: Exception) -> None:
+        """Clean up after a failed save and raise: one sentence when the disk is full."""
+        self._failed = -1 if step is None else step
+        if step is not None:
+            self._metric.pop(step, None)
+            recovery.remove_uncommitted(self.directory, step)
+        if not recovery.is_disk_full(error):
+            raise error
+        kept = store.committed_steps(self.directory)
+        what = "the last save" if step is None else f"step {step}"
+        previous = f"the last complete checkpoint (step {kept[-1]}) is intact" if kept else "no checkpoint was complete"
+        raise CheckpointError(
+            f"The disk holding {self.directory} is full, so the checkpoint of {what} could not be written and "
+            f"was removed; {previous}: free space or lower config.checkpoint.keep, then run the same command to "
+            f"resume."
+        ) from error

@@ -17,6 +17,9 @@ from jaxrat.errors import UserError
 BEST_FILE = "best.json"  # {"step", "metric", "mode", "value"}: written by process 0 after commits
 COMMIT_FILE = "commit_success.txt"
 METADATA_FILE = "_CHECKPOINT_METADATA"
+# Unreadable checkpoints are moved here as ``<step>-<UTC time>``: not a step name, so Orbax's manager,
+# its start-up cleanup (which removes only ``*.orbax-checkpoint-tmp*``) and ``committed_steps`` skip it.
+DAMAGED_DIR = "damaged"
 _STEP_RE = re.compile(r"^\d+$")
 
 
@@ -53,8 +56,25 @@ def incomplete_entries(directory: str) -> list[str]:
     return out
 
 
-def step_metadata(directory: str, step: int) -> dict[str, Any]:
-    """What jaxrat stored with a step (reason, metrics, eval_pending, topology); {} if unreadable."""
+def damaged_entries(directory: str) -> list[str]:
+    """Checkpoints found unreadable and moved aside, as paths relative to ``directory``, by step."""
+    aside = os.path.join(directory, DAMAGED_DIR)
+    if not os.path.isdir(aside):
+        return []
+    names = sorted(os.listdir(aside), key=lambda n: (_leading_int(n), n))
+    return [os.path.join(DAMAGED_DIR, n) for n in names]
+
+
+def _leading_int(name: str) -> int:
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def step_metadata(directory: str, step: int | str) -> dict[str, Any]:
+    """What jaxrat stored with a step (reason, metrics, eval_pending, topology); {} if unreadable.
+
+    ``step`` may also be a folder name relative to ``directory``, e.g. one of :func:`damaged_entries`.
+    """
     try:
         with open(os.path.join(directory, str(step), METADATA_FILE)) as f:
             raw = json.load(f)
