@@ -86,7 +86,7 @@ def main() -> None:
 
     import jax
 
-    from jaxrat.checkpoint import Checkpointer, Policy
+    from jaxrat.checkpointing import Checkpointer, Policy
 
     config, state = _build_state(args.config, args.set)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))

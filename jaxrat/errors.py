@@ -15,3 +15,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Missing, corrupt or inconsistent input data."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous ones are intact."""

@@ -13,8 +13,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrat import checkpoints
-from jaxrat.checkpoint import Checkpointer, Policy, SaveSchedule, load_init
+from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule, inspect, load_init, store
 from jaxrat.cluster import PreemptionWatch, preemption
 from jaxrat.errors import ConfigError, UserError
 
@@ -46,17 +45,17 @@ def test_keep_latest_every_pth_and_best_with_a_pointer(tmp_path):
         ck.save(step, _state(step, mesh), reason="steps", metrics=metrics)
     ck.close()
     # latest 2 (11, 12), every 5th (5, 10), best 2 by dice (4: 0.70, 8: 0.60)
-    assert checkpoints.committed_steps(ck.directory) == [4, 5, 8, 10, 11, 12]
+    assert store.committed_steps(ck.directory) == [4, 5, 8, 10, 11, 12]
     assert json.load(open(tmp_path / "checkpoints" / "best.json")) == {
         "step": 4, "metric": "eval/dice", "mode": "max", "value": 0.7}
-    info = checkpoints.describe(str(tmp_path))
+    info = inspect.describe(str(tmp_path))
     assert info["latest"] == 12 and info["best"]["step"] == 4 and not info["incomplete"]
     assert {r["step"]: r["reason"] for r in info["steps"]}[4] == "steps"
     assert all(r["bytes"] > 0 for r in info["steps"])
     # The pointer is only a shortcut: without it the metrics stored per step give the same answer.
     os.remove(tmp_path / "checkpoints" / "best.json")
-    assert checkpoints.best_step(ck.directory)[0] == 4
-    assert checkpoints.resolve(f"{tmp_path}:best") == (ck.directory, 4)
+    assert store.best_step(ck.directory)[0] == 4
+    assert store.resolve(f"{tmp_path}:best") == (ck.directory, 4)
 
 
 def test_min_mode_and_checkpoints_without_metrics_never_best(tmp_path):
@@ -67,8 +66,8 @@ def test_min_mode_and_checkpoints_without_metrics_never_best(tmp_path):
     ck.save(3, _state(3, mesh), reason="steps", metrics={"eval/loss": 0.2})
     ck.save(4, _state(4, mesh), reason="preemption")
     ck.close()
-    assert checkpoints.committed_steps(ck.directory) == [3, 4]
-    assert checkpoints.best_step(ck.directory)[0] == 3
+    assert store.committed_steps(ck.directory) == [3, 4]
+    assert store.best_step(ck.directory)[0] == 3
 
 
 @pytest.mark.parametrize("atomic_rename", [True, False], ids=["atomic_rename", "commit_file"])
@@ -86,8 +85,8 @@ def test_half_written_checkpoint_is_never_restored_and_is_cleaned_up(tmp_path, a
         for name in files:
             if name == "commit_success.txt":
                 os.remove(os.path.join(root, name))
-    assert checkpoints.committed_steps(directory) == [1]
-    assert checkpoints.incomplete_entries(directory) == [os.path.basename(partial)]
+    assert store.committed_steps(directory) == [1]
+    assert store.incomplete_entries(directory) == [os.path.basename(partial)]
 
     ck = Checkpointer(directory, policy)
     assert ck.latest_step() == 1
@@ -96,7 +95,7 @@ def test_half_written_checkpoint_is_never_restored_and_is_cleaned_up(tmp_path, a
     ck.save(3, _state(3, mesh), reason="steps")  # the manager finishes its start-up cleanup first
     ck.close()
     assert not os.path.exists(partial)
-    assert checkpoints.committed_steps(directory) == [1, 3]
+    assert store.committed_steps(directory) == [1, 3]
 
 
 def test_init_from_loads_params_or_also_optimizer_onto_new_shardings(tmp_path):
@@ -112,6 +111,48 @@ def test_init_from_loads_params_or_also_optimizer_onto_new_shardings(tmp_path):
     both = load_init(f"{tmp_path}/src/checkpoints/7", _abstract(fresh, mesh4), optimizer=True)
     assert set(both) == {"params", "opt_state"}
     assert jax.tree.structure(both["opt_state"]) == jax.tree.structure(fresh["opt_state"])
+
+
+def test_init_from_with_optimizer_restarts_the_schedule_and_keeps_the_moments(tmp_path):
+    import ml_collections as mlc
+
+    from jaxrat.optim import make_optimizer
+    from jaxrat.tree_paths import named_leaves
+
+    cfg = mlc.ConfigDict(dict(learning_rate=1e-2, warmup_steps=10, end_learning_rate_factor=0.01, clip_norm=1.0,
+                              b1=0.9, b2=0.999, weight_decay=0.05))
+    tx, schedule = make_optimizer(cfg, 100)
+    mesh = _mesh()
+    src = _state(0, mesh)
+    params, opt_state = src["params"], tx.init(src["params"])
+    update = jax.jit(tx.update)
+    for i in range(30):  # past the warmup: the source's rate is the cosine's, not the warmup's
+        grads = jax.tree.map(lambda p: jnp.sin(p + i), params)
+        _, opt_state = update(grads, opt_state, params)
+    ck = Checkpointer(str(tmp_path / "src" / "checkpoints"), Policy())
+    ck.save(30, dict(src, step=jnp.int32(30), opt_state=opt_state), reason="final")
+    ck.close()
+
+    fresh = dict(src, opt_state=tx.init(params))
+    loaded = load_init(str(tmp_path / "src"), _abstract(fresh, mesh), optimizer=True)["opt_state"]
+    got, saved = named_leaves(loaded), named_leaves(opt_state)
+    counts = {n: int(v) for n, v in got.items() if n.endswith("count")}
+    moments = [n for n in got if "/mu/" in n or "/nu/" in n]
+    assert moments and all(np.array_equal(got[n], saved[n]) for n in moments)
+    # Adam's bias-correction count stays with its warm moments; the schedule's counts start again.
+    assert {n: c for n, c in counts.items() if n.rpartition("/")[0] + "/mu/conv/kernel" in got} == {
+        n: 30 for n in counts if n.rpartition("/")[0] + "/mu/conv/kernel" in got}
+    schedule_counts = [n for n in counts if n.rpartition("/")[0] + "/mu/conv/kernel" not in got]
+    assert schedule_counts and all(counts[n] == 0 for n in schedule_counts)
+
+    grads = jax.tree.map(jnp.ones_like, params)
+    step0, after0 = update(grads, loaded, params)
+    assert schedule(0) == 0.0 and all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(step0))
+    unreset, _ = update(grads, opt_state, params)  # what loading the counts unchanged did: a full rate
+    assert float(jnp.abs(unreset["conv"]["kernel"]).max()) > 0
+    after = named_leaves(after0)
+    assert all(int(after[n]) == 1 for n in schedule_counts)  # step 1 uses schedule(1), the warmup's
+    assert float(schedule(1)) == pytest.approx(cfg.learning_rate / cfg.warmup_steps)
 
 
 def test_init_from_shape_mismatch_names_the_parameter(tmp_path):
@@ -130,16 +171,16 @@ def test_init_from_shape_mismatch_names_the_parameter(tmp_path):
 
 def test_resolve_names_what_is_missing(tmp_path):
     with pytest.raises(UserError, match="No checkpoints at"):
-        checkpoints.resolve(str(tmp_path / "nope"))
+        store.resolve(str(tmp_path / "nope"))
     ck = Checkpointer(str(tmp_path / "checkpoints"), Policy())
     ck.save(2, _state(2, _mesh()), reason="final")
     ck.close()
-    assert checkpoints.resolve(str(tmp_path)) == (ck.directory, 2)
-    assert checkpoints.resolve(f"{tmp_path}:latest") == (ck.directory, 2)
+    assert store.resolve(str(tmp_path)) == (ck.directory, 2)
+    assert store.resolve(f"{tmp_path}:latest") == (ck.directory, 2)
     with pytest.raises(UserError, match="no complete checkpoint at step 5; available: 2"):
-        checkpoints.resolve(f"{tmp_path}:5")
+        store.resolve(f"{tmp_path}:5")
     with pytest.raises(UserError, match="no ranked checkpoint"):
-        checkpoints.resolve(f"{tmp_path}:best")
+        store.resolve(f"{tmp_path}:best")
 
 
 def test_restore_unpickles_nothing(tmp_path, monkeypatch):
@@ -169,16 +210,38 @@ def test_cli_lists_steps_sizes_metrics_latest_best_and_incomplete(tmp_path, caps
     ck.save(6, _state(6, _mesh()), reason="preemption", eval_pending=True)
     ck.close()
     os.makedirs(tmp_path / "checkpoints" / "9.orbax-checkpoint-tmp-1")
-    assert checkpoints.main([str(tmp_path)]) == 0
+    assert inspect.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "latest: 6" in out and "best: 3 (eval/dice 0.2500, max)" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:1].isdigit()}
     assert "0.2500" in rows["3"] and "best" in rows["3"] and "KiB" in rows["3"]
     assert "preemption" in rows["6"] and "latest,eval pending" in rows["6"]
     assert "incomplete (never committed, deleted at the next start): 9.orbax-checkpoint-tmp-1" in out
-    assert checkpoints.main([str(tmp_path), "--json"]) == 0
+    assert inspect.main([str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["best"]["step"] == 3
-    assert checkpoints.main([str(tmp_path / "missing")]) == 2
+    assert inspect.main([str(tmp_path / "missing")]) == 2
+
+
+def test_cli_columns_are_task_agnostic_ranked_metric_first():
+    metrics = {"eval/zeta": 1.0, "eval/top5": 0.9, "eval/loss": 0.3, "eval/f1": 0.5, "eval/accuracy": 0.7}
+    info = {"directory": "/x", "latest": 2, "incomplete": [],
+            "best": {"step": 2, "metric": "eval/loss", "mode": "min", "value": 0.3},
+            "steps": [{"step": 2, "bytes": 10, "reason": "steps", "metrics": metrics, "eval_pending": False}]}
+    header = inspect.format_table(info).splitlines()[1].split()
+    assert header[header.index("for") + 1:-1] == ["eval/loss", "eval/accuracy", "eval/f1", "eval/top5"]
+
+
+def test_restore_latest_gives_the_newest_step_or_none(tmp_path):
+    mesh = _mesh()
+    ck = Checkpointer(str(tmp_path), Policy())
+    assert ck.restore_latest(_abstract(_state(0, mesh), mesh)) is None
+    ck.save(1, _state(1, mesh), reason="steps")
+    ck.save(2, _state(2, mesh), reason="steps")
+    ck.wait()
+    step, state, data_restored = ck.restore_latest(_abstract(_state(0, mesh), mesh))
+    ck.close()
+    assert step == 2 and not data_restored
+    np.testing.assert_array_equal(state["params"]["head"]["bias"], np.full(4, 2.0))
 
 
 @pytest.mark.parametrize("field,value,words", [

@@ -10,7 +10,7 @@ import random
 import signal
 import time
 
-from jaxrat import checkpoints
+from jaxrat.checkpointing import store
 from runner import losses_by_step
 from test_preempt import Run, assert_same_run, cached_env, compile_cache, train_steps_logged, wait_until  # noqa: F401
 
@@ -42,7 +42,7 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_run(tmp_path, compi
     startup = 15.0  # seconds from launch to the first new train step, updated as trials go
     start = time.time()
     while not finished and (time.time() - start < BUDGET_S or len(trials) < MIN_TRIALS):
-        before = checkpoints.committed_steps(ckdir)
+        before = store.committed_steps(ckdir)
         logged = max(train_steps_logged(wd), default=0)
         mode = MODES[len(trials)] if len(trials) < len(MODES) else rng.choice(MODES)
         run = Run(wd, ARGS, cached_env(1, cache), str(tmp_path / f"trial{len(trials)}.log"))
@@ -71,7 +71,7 @@ def test_random_kill9_and_resume_reproduce_the_uninterrupted_run(tmp_path, compi
         left = _tmp_dirs(ckdir)
         mid_save += bool(left) and code == -signal.SIGKILL
         trials.append({"mode": mode, "code": code, "restored": before[-1] if before else None,
-                       "after": checkpoints.committed_steps(ckdir), "tmp_left": left})
+                       "after": store.committed_steps(ckdir), "tmp_left": left})
         context = f"seed {seed}, trial {len(trials)}: {trials[-1]}\n{out[-3000:]}"
         assert code in (0, -signal.SIGKILL), context  # nothing may fail by itself
         if before and "resumed from step" in out:  # every start that got as far as restoring

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jaxrat import checkpoints
+from jaxrat.checkpointing import store
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from runner import REPO
 from test_multiprocess import env_with
@@ -92,7 +92,7 @@ def test_survivor_of_a_killed_peer_exits_for_requeue_naming_it_and_the_relaunch_
     assert last.startswith("jaxrat: error: process 1 of 2 (host ") and f"pid {procs[1].pid})" in last, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
 
-    kept = checkpoints.committed_steps(os.path.join(workdir, "checkpoints"))
+    kept = store.committed_steps(os.path.join(workdir, "checkpoints"))
     assert kept and kept[-1] < STEPS
     relaunch = [str(tmp_path / f"again{i}.log") for i in range(2)]
     assert stop(start_two(workdir, relaunch, cache), 300) == [0, 0], open(relaunch[0]).read()[-4000:]

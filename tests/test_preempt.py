@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrat import checkpoints
+from jaxrat.checkpointing import store
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from runner import REPO, env_with_devices, losses_by_step, main_cmd
 
@@ -144,8 +144,8 @@ def test_signals_save_exit_for_requeue_and_resume_exactly(reference, tmp_path):
     assert run.wait() == REQUEUE, run.output()[-4000:]
     first = preempted_step(run.output())
     assert 4 <= first < 20
-    assert checkpoints.committed_steps(ckdir) == [first]
-    meta = checkpoints.step_metadata(ckdir, first)
+    assert store.committed_steps(ckdir) == [first]
+    meta = store.step_metadata(ckdir, first)
     assert meta["reason"] == "preemption" and meta["eval_pending"] is False
 
     # 2. SIGTERM while evaluating at step 20, and a second SIGTERM once the save has started.
@@ -159,8 +159,8 @@ def test_signals_save_exit_for_requeue_and_resume_exactly(reference, tmp_path):
     out = run.output()
     assert f"resumed from step {first}" in out
     assert "preempted during evaluation at step 20" in out, out[-3000:]
-    assert checkpoints.committed_steps(ckdir) == [first, 20]
-    assert checkpoints.step_metadata(ckdir, 20)["eval_pending"] is True
+    assert store.committed_steps(ckdir) == [first, 20]
+    assert store.step_metadata(ckdir, 20)["eval_pending"] is True
     assert 20 not in losses_by_step(wd, "eval/dice")  # the cut evaluation wrote nothing
 
     # 3. Relaunch: the interrupted evaluation runs first, then training continues to the end.
@@ -173,7 +173,7 @@ def test_signals_save_exit_for_requeue_and_resume_exactly(reference, tmp_path):
 
 def test_init_from_best_starts_a_new_run_and_a_shape_mismatch_names_the_parameter(reference, tmp_path):
     base, cache, ref = reference
-    best, pointer = checkpoints.best_step(os.path.join(ref, "checkpoints"))
+    best, pointer = store.best_step(os.path.join(ref, "checkpoints"))
     assert pointer["metric"] == "eval/dice" and best in (20, 40)
     args = [*ARGS, f"--config.init_from={ref}:best"]  # same shapes and schedule: compiled code is cached
     run = Run(str(tmp_path / "new"), args, cached_env(1, cache), str(tmp_path / "new.log"))

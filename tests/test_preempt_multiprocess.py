@@ -17,7 +17,7 @@ import socket
 import numpy as np
 import pytest
 
-from jaxrat import checkpoints
+from jaxrat.checkpointing import store
 from runner import losses_by_step
 from test_preempt import (  # noqa: F401 (compile_cache is a fixture)
     REQUEUE, Run, cached_env, compile_cache, preempted_step, train_steps_logged, wait_until,
@@ -70,7 +70,7 @@ def _copy_as_of(src: str, dst: str, step: int) -> None:
     """A copy of a run as if it had stopped right after saving ``step``."""
     shutil.copytree(src, dst)
     ckdir = os.path.join(dst, "checkpoints")
-    for s in checkpoints.committed_steps(ckdir):
+    for s in store.committed_steps(ckdir):
         if s > step:
             shutil.rmtree(os.path.join(ckdir, str(s)))
     path = os.path.join(dst, "metrics.jsonl")
@@ -80,7 +80,7 @@ def _copy_as_of(src: str, dst: str, step: int) -> None:
 
 
 def _assert_continues(ref: str, wd: str) -> None:
-    assert {20, 40} <= set(checkpoints.committed_steps(os.path.join(wd, "checkpoints")))
+    assert {20, 40} <= set(store.committed_steps(os.path.join(wd, "checkpoints")))
     for key, rtol in (("train/foreground_fraction", 0.0), ("train/loss", 1e-5)):
         a, b = losses_by_step(ref, key), losses_by_step(wd, key)
         assert sorted(a) == sorted(b) == list(range(1, STEPS + 1)), (key, sorted(b))
@@ -117,8 +117,8 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_in_both_and_exits_for_re
     steps = [preempted_step(o) for o in outs]
     assert steps[0] == steps[1] < STEPS
     ckdir = os.path.join(wd, "checkpoints")
-    assert checkpoints.committed_steps(ckdir)[-1] == steps[0]
-    assert checkpoints.step_metadata(ckdir, steps[0])["reason"] in ("preemption", "steps")
+    assert store.committed_steps(ckdir)[-1] == steps[0]
+    assert store.step_metadata(ckdir, steps[0])["reason"] in ("preemption", "steps")
     assert sorted(os.listdir(os.path.join(ckdir, str(steps[0]), "data"))) == [
         "commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
 
