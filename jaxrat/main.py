@@ -12,6 +12,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrat.cli import fail, quiet_libraries
 from jaxrat.config import check_override_args
 from jaxrat.errors import UserError
 
@@ -26,9 +27,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from jaxrat import cluster, compile_cache  # before anything that touches JAX devices
 
-    if not flags.FLAGS["verbosity"].present:
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_QuietLibraries())
+    quiet_libraries()
     config = _CONFIG.value
     try:
         cluster.initialize(config.distributed)
@@ -46,20 +45,7 @@ def main(argv: list[str]) -> None:
             cluster.stop_if_peer_lost()  # a collective that failed because a peer died says so, in one sentence
             raise
     except UserError as e:
-        _fail(str(e))
-
-
-class _QuietLibraries(logging.Filter):
-    """Keep INFO lines from jaxrat only; libraries (Orbax logs a dozen lines per save) from WARNING up."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "/jaxrat/" in record.pathname.replace("\\", "/")
-
-
-def _fail(message: str) -> None:
-    print(f"jaxrat: error: {message}", file=sys.stderr, flush=True)
-    logging.shutdown()
-    sys.exit(2)
+        fail(str(e))
 
 
 def run() -> None:
@@ -67,7 +53,7 @@ def run() -> None:
     try:
         check_override_args(sys.argv[1:])
     except UserError as e:
-        _fail(str(e))
+        fail(str(e))
     app.run(main)
 
 

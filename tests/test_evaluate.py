@@ -1,0 +1,45 @@
+"""python -m jaxrat.evaluate: a trained run's checkpoint scored again, at its own or another resolution."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runner import REPO, env_with_devices, read_metrics, run_main
+
+pytestmark = pytest.mark.slow
+
+
+def _evaluate(workdir, *args):
+    return subprocess.run([sys.executable, "-m", "jaxrat.evaluate", f"--workdir={workdir}", *args], cwd=REPO,
+                          env=env_with_devices(2), capture_output=True, text=True, timeout=300)
+
+
+def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
+    wd = str(tmp_path / "run")
+    run_main(wd, "--config.checkpoint.best_metric=eval/dice", devices=1)
+    last = [r for r in read_metrics(wd) if "eval/dice" in r][-1]
+    before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
+
+    proc = _evaluate(wd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.load(open(os.path.join(wd, "eval", "step_6", "metrics.json")))
+    assert result["step"] == 6
+    for key in ("eval/dice", "eval/iou", "eval/loss", "eval/sensitivity"):
+        assert result["metrics"][key] == pytest.approx(last[key], abs=1e-6), key
+
+    proc = _evaluate(wd, "--step=best", "--name=at48", "--config.data.image_size=48")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    at48 = json.load(open(os.path.join(wd, "eval", "at48", "metrics.json")))
+    assert at48["config"]["data"]["image_size"] == 48 and at48["metrics"]["eval/num_images"] == 8
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # only read
+
+    proc = _evaluate(wd, "--config.data.imagesize=48")
+    assert proc.returncode == 2 and "Unknown config key --config.data.imagesize" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _evaluate(wd, "--step=3000")
+    assert proc.returncode == 2 and "no complete checkpoint at step 3000" in proc.stderr
+    proc = _evaluate(str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and "config.json not found" in proc.stderr

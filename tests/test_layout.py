@@ -1,0 +1,77 @@
+"""The package's shape: imports point one way, modules stay small enough to read in one sitting."""
+
+import ast
+import pathlib
+
+from runner import REPO
+
+PACKAGE = pathlib.Path(REPO, "jaxrat")
+
+# Higher layers may import lower ones, never the reverse; two rooms of one layer never import
+# each other. Inside a room (a package folder) imports are free.
+LAYERS = {
+    "main": 5, "launch": 5, "checkpoints": 5, "evaluate": 5, "cli": 5,
+    "trainer": 4, "experiments": 4,
+    "tasks": 3,
+    "models": 2, "data": 2,
+    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config": 1, "compile_cache": 1,
+    "errors": 0, "tree_paths": 0,
+}
+MAX_LINES = 420
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        yield name, path
+
+
+def _imports(path: pathlib.Path, name: str):
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                yield f"{base}.{node.module}" if node.module else base
+            elif node.module:
+                if node.module == "jaxrat":
+                    yield from (f"jaxrat.{a.name}" for a in node.names)
+                else:
+                    yield node.module
+
+
+def test_imports_point_down():
+    bad = []
+    for name, path in _modules():
+        room = _room(name)
+        if room not in LAYERS:
+            continue
+        for target in _imports(path, name):
+            if not target.startswith("jaxrat."):
+                continue
+            other = _room(target)
+            if other == room or other not in LAYERS:
+                continue
+            if LAYERS[other] >= LAYERS[room]:
+                bad.append(f"{name} imports {target}")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_every_room_has_a_layer():
+    rooms = {_room(name) for name, _ in _modules()} - {""}
+    assert rooms <= set(LAYERS), f"place these in LAYERS: {sorted(rooms - set(LAYERS))}"
+
+
+def test_no_module_is_too_long_to_read():
+    long = {name: n for name, path in _modules() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these: {long}"
