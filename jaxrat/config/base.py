@@ -29,6 +29,10 @@ def base_config() -> mlc.ConfigDict:
     c.data.image_size = 256
     c.data.batch_size = 8  # global batch over all devices and hosts
     c.data.eval_batch_size = 8  # global
+    # "auto": the largest per-device micro-batch whose compiled step fits the memory budget, with the
+    # accumulation that reaches target_batch_size (0: batch_size); batch_size is then what was chosen.
+    c.data.per_device_batch_size = ""
+    c.data.target_batch_size = 0
     c.data.random_flip = True
     c.data.num_threads = 2  # Grain reader threads per process
     c.data.prefetch_buffer = 4  # batches decoded ahead, per process
@@ -71,6 +75,10 @@ def base_config() -> mlc.ConfigDict:
     # and every parameter with fewer than 2 dimensions, get no weight decay.
     c.optimizer.weight_decay_exclude = r"(^|/)(bias|scale|freqs|table)$|embed|pos_"
     c.optimizer.grad_accum_steps = 1  # micro-batches per step: batch_size must divide by it
+    # Learning rate scaling when the batch is sized automatically: "none", "linear" or "sqrt" in
+    # global batch / reference_batch_size (the batch the learning rate was tuned for; 0: no scaling).
+    c.optimizer.lr_scaling = "none"
+    c.optimizer.reference_batch_size = 0
 
     c.train = mlc.ConfigDict()
     c.train.compute_dtype = "float32"  # or "bfloat16"; params stay float32
@@ -81,6 +89,10 @@ def base_config() -> mlc.ConfigDict:
     # JAX's persistent compilation cache: "" = $JAX_COMPILATION_CACHE_DIR, $JAXRAT_CACHE_DIR/xla or
     # ~/.cache/jaxrat/xla; "none" = off. A resumed or requeued run then skips most compilation.
     c.train.compilation_cache_dir = ""
+    # Memory a device may use, for automatic batch sizing: 0 = the device's own limit (GPUs report
+    # it; CPUs do not, so set it there); memory_margin of it is kept free.
+    c.train.memory_budget_gb = 0.0
+    c.train.memory_margin = 0.1
 
     c.checkpoint = mlc.ConfigDict()
     c.checkpoint.every_steps = 200  # 0: no step rule; the last step and preemptions always save

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import jax
 import ml_collections as mlc
@@ -19,7 +20,7 @@ from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
-from jaxrat.trainer import hooks
+from jaxrat.trainer import autotune, hooks
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
@@ -49,6 +50,14 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
+def _first_batch(iterator: Any) -> dict[str, np.ndarray]:
+    try:
+        return next(iterator)
+    finally:
+        if hasattr(iterator, "close"):
+            iterator.close()
+
+
 def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]:
     """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics."""
     t_created = time.perf_counter()
@@ -68,14 +77,18 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
     policy = Policy.from_config(config.checkpoint)
     hooks.check_best_metric(policy, task)
     logging.info("data: %s", task.prepare_data(workdir))
-    spec = make_state_spec(config, mesh, task)
-    train_step, eval_step = make_train_step(spec), make_eval_step(spec)
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
-    local_batch = config.data.batch_size // jax.process_count()
 
-    def train_iter(start_example: int):
+    def train_iter(start_example: int, local_batch: int = 0):
+        local_batch = local_batch or config.data.batch_size // jax.process_count()
         return task.train_iterator(start_example, local_batch=local_batch, process_index=jax.process_index(),
                                    process_count=jax.process_count(), processes_on_host=on_host)
+
+    if autotune.wanted(config):
+        autotune.size_batch(config, mesh, task, _first_batch(train_iter(0, local_batch=1)), workdir)
+        check_batch_sizes(config, mesh.size, jax.process_count())
+    spec = make_state_spec(config, mesh, task)
+    train_step, eval_step = make_train_step(spec), make_eval_step(spec)
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)

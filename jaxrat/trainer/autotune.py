@@ -1,0 +1,163 @@
+"""Automatic batch sizing: the largest per-device micro-batch whose compiled step fits the devices'
+memory, and the accumulation that reaches the target global batch.
+
+Fitting is read from XLA's own accounting of the compiled step (``memory_analysis()``: arguments,
+outputs and temporaries), so nothing is run and nothing runs out of memory to find out. On a GPU
+the budget is the device's memory limit; on CPU (no limit to read) ``train.memory_budget_gb`` says
+it, which is also how tests simulate a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from typing import Any, Callable
+
+import jax
+import ml_collections as mlc
+import numpy as np
+
+from jaxrat.errors import ConfigError
+
+LR_RULES = ("none", "linear", "sqrt")
+
+
+@dataclasses.dataclass
+class Choice:
+    """What automatic sizing decided, and why."""
+
+    per_device: int
+    devices: int
+    accum: int
+    global_batch: int
+    target: int
+    budget_bytes: int
+    tried: list[tuple[int, int]]  # (per-device micro-batch, compiled bytes), in the order tried
+    learning_rate: float
+
+    def table(self) -> str:
+        rows = [f"| {b} | {m / 2**20:.1f} | {'yes' if m <= self.budget_bytes else 'no'} |" for b, m in self.tried]
+        return "\n".join([
+            f"automatic batch size: budget {self.budget_bytes / 2**20:.0f} MiB per device",
+            "| per-device micro-batch | compiled step MiB | fits |", "|---|---|---|", *rows,
+            f"chosen: {self.per_device} per device x {self.devices} devices x {self.accum} accumulation steps = "
+            f"global batch {self.global_batch} (target {self.target}); learning rate {self.learning_rate:g}",
+        ])
+
+
+def wanted(config: mlc.ConfigDict) -> bool:
+    """Whether the config asks for automatic sizing (``data.per_device_batch_size = "auto"``)."""
+    return str(config.data.get("per_device_batch_size", "")).strip().lower() == "auto"
+
+
+def budget_bytes(config: mlc.ConfigDict) -> int:
+    """Bytes one device may use for the step: the config's budget, else the device's limit, with
+    ``train.memory_margin`` kept free (fragmentation, the allocator, the input prefetch)."""
+    configured = float(config.train.get("memory_budget_gb", 0.0))
+    if configured > 0:
+        total = configured * 2**30
+    else:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if not stats.get("bytes_limit"):
+            raise ConfigError("data.per_device_batch_size='auto' needs the devices' memory, which this platform does "
+                              "not report; set --config.train.memory_budget_gb.")
+        total = float(stats["bytes_limit"])
+    return int(total * (1.0 - float(config.train.get("memory_margin", 0.1))))
+
+
+def compiled_bytes(compile_step: Callable[[int], Any], per_device: int) -> int:
+    """Peak bytes per device of the step compiled for ``per_device`` examples per device."""
+    mem = compile_step(per_device).memory_analysis()
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - getattr(mem, "alias_size_in_bytes", 0))
+
+
+def choose(config: mlc.ConfigDict, devices: int, compile_step: Callable[[int], Any], *,
+           max_per_device: int = 4096) -> Choice:
+    """Double the per-device micro-batch while the compiled step fits, then bisect between the last
+    fit and the first miss; derive accumulation and the learning rate from the target batch."""
+    budget = budget_bytes(config)
+    tried: list[tuple[int, int]] = []
+
+    def fits(b: int) -> bool:
+        tried.append((b, compiled_bytes(compile_step, b)))
+        return tried[-1][1] <= budget
+
+    if not fits(1):
+        raise ConfigError(f"One example per device needs {tried[0][1] / 2**20:.0f} MiB, more than the budget of "
+                          f"{budget / 2**20:.0f} MiB; use a smaller model or image size, shard parameters "
+                          f"(--config.sharding.zero=3) or more memory.")
+    good, bad = 1, None
+    while bad is None and good * 2 <= max_per_device:
+        if fits(good * 2):
+            good *= 2
+        else:
+            bad = good * 2
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    target = int(config.data.get("target_batch_size", 0) or config.data.batch_size)
+    micro = good * devices
+    accum = max(1, math.ceil(target / micro))
+    per_device = math.ceil(target / (devices * accum))  # the smallest micro-batch that reaches the target
+    global_batch = per_device * devices * accum
+    return Choice(per_device, devices, accum, global_batch, target, budget, tried,
+                  scaled_learning_rate(config, global_batch))
+
+
+def scaled_learning_rate(config: mlc.ConfigDict, global_batch: int) -> float:
+    """``optimizer.learning_rate`` scaled from ``optimizer.reference_batch_size`` to ``global_batch``."""
+    rule = str(config.optimizer.get("lr_scaling", "none"))
+    if rule not in LR_RULES:
+        raise ConfigError(f"config.optimizer.lr_scaling={rule!r}; use one of {list(LR_RULES)}.")
+    ref = int(config.optimizer.get("reference_batch_size", 0) or 0)
+    lr = float(config.optimizer.learning_rate)
+    if rule == "none" or ref <= 0:
+        return lr
+    ratio = global_batch / ref
+    return lr * (ratio if rule == "linear" else math.sqrt(ratio))
+
+
+def apply(config: mlc.ConfigDict, choice: Choice, workdir: str) -> None:
+    """Write the choice into the config (batch, accumulation, learning rate) and ``WORKDIR/autotune.json``."""
+    config.data.batch_size = choice.global_batch
+    config.optimizer.grad_accum_steps = choice.accum
+    config.optimizer.learning_rate = choice.learning_rate
+    logging.info("%s", choice.table())
+    if jax.process_index() == 0:
+        path = os.path.join(workdir, "autotune.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(dataclasses.asdict(choice), f, indent=2)
+        os.replace(path + ".tmp", path)
+
+
+def abstract_batch(example: dict[str, np.ndarray], global_batch: int, sharding: Any) -> dict[str, Any]:
+    """Shapes of a global batch of ``global_batch`` examples like the rows of ``example``."""
+    return {k: jax.ShapeDtypeStruct((global_batch, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=sharding)
+            for k, v in example.items()}
+
+
+def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, example: dict[str, np.ndarray],
+               workdir: str) -> Choice:
+    """Choose and apply the batch for ``config`` on ``mesh``; ``example`` is a host batch of the task
+    (any size) that gives the fields' shapes and types."""
+    import copy
+
+    from jaxrat.trainer.state import make_state_spec
+    from jaxrat.trainer.step import make_train_step
+
+    probe_config = copy.deepcopy(config)
+    probe_config.optimizer.grad_accum_steps = 1  # one micro-batch is what must fit
+    spec = make_state_spec(probe_config, mesh, task)
+    step = make_train_step(spec)
+
+    def compile_step(per_device: int) -> Any:
+        batch = abstract_batch(example, per_device * mesh.size, spec.batch_sharding)
+        return step.lower(spec.abstract_with_shardings(), batch).compile()
+
+    choice = choose(config, mesh.size, compile_step)
+    apply(config, choice, workdir)
+    return choice

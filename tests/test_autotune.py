@@ -1,0 +1,73 @@
+"""Automatic batch sizing: the largest micro-batch whose compiled step fits, accumulation to the target."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrat.config import load_config
+from jaxrat.errors import ConfigError
+from jaxrat.parallel.mesh import make_mesh
+from jaxrat.tasks.base import load_task
+from jaxrat.trainer import autotune
+
+
+class _Fake:
+    def __init__(self, nbytes):
+        self.argument_size_in_bytes, self.output_size_in_bytes, self.temp_size_in_bytes = nbytes, 0, 0
+
+
+def _compile_step(per_example, fixed):
+    class Compiled:
+        def __init__(self, b):
+            self.b = b
+
+        def memory_analysis(self):
+            return _Fake(fixed + per_example * self.b)
+
+    return Compiled
+
+
+def test_choose_finds_the_largest_fitting_micro_batch_and_the_accumulation():
+    config = load_config("configs/isic.py:smoke")
+    config.train.memory_budget_gb = 1.0
+    config.train.memory_margin = 0.0
+    config.data.target_batch_size = 1000
+    budget = 2**30
+    step = _compile_step(per_example=budget // 37, fixed=1000)
+    choice = autotune.choose(config, devices=8, compile_step=step)
+    assert choice.per_device <= 36 and all(m <= budget for b, m in choice.tried if b == choice.per_device)
+    largest_fit = max(b for b, m in choice.tried if m <= budget)
+    assert largest_fit == 36 and any(b == 37 and m > budget for b, m in choice.tried)
+    assert choice.accum == 4 and choice.global_batch >= 1000 and choice.global_batch == choice.per_device * 8 * 4
+    config.optimizer.lr_scaling, config.optimizer.reference_batch_size = "linear", 500
+    assert autotune.scaled_learning_rate(config, 1000) == pytest.approx(2 * config.optimizer.learning_rate)
+    config.optimizer.lr_scaling = "sqrt"
+    assert autotune.scaled_learning_rate(config, 2000) == pytest.approx(2 * config.optimizer.learning_rate)
+
+
+def test_nothing_fits_and_no_budget_are_one_sentence():
+    config = load_config("configs/isic.py:smoke")
+    config.train.memory_budget_gb = 1e-6
+    with pytest.raises(ConfigError, match="One example per device needs"):
+        autotune.choose(config, devices=1, compile_step=_compile_step(10**6, 0))
+    config.train.memory_budget_gb = 0.0
+    with pytest.raises(ConfigError, match="memory_budget_gb"):
+        autotune.budget_bytes(config)  # CPUs do not report their memory
+
+
+@pytest.mark.slow
+def test_a_simulated_2gib_budget_picks_a_batch_that_fits_and_whose_double_does_not(tmp_path):
+    config = load_config("configs/isic.py:unet")
+    config.data.image_size = 128
+    config.data.per_device_batch_size = "auto"
+    config.train.memory_budget_gb = 2.0
+    mesh = make_mesh((("data", 1),), devices=jax.devices()[:1])
+    task = load_task(config)
+    example = {"image": np.zeros((1, 128, 128, 3), np.float32), "mask": np.zeros((1, 128, 128, 1), np.float32)}
+    choice = autotune.size_batch(config, mesh, task, example, str(tmp_path))
+    sizes = dict(choice.tried)
+    budget = autotune.budget_bytes(config)
+    assert sizes[choice.per_device] <= budget
+    over = [b for b, m in choice.tried if m > budget]
+    assert over and min(over) <= 2 * choice.per_device
+    assert config.data.batch_size == choice.global_batch and (tmp_path / "autotune.json").exists()
