@@ -378,3 +378,17 @@ def test_killed_task_requeues_the_job_and_the_rerun_resumes_exactly(slurm, tmp_p
     assert sorted(got) == sorted(want) == list(range(1, DEAD_PEER_STEPS + 1))
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
+
+
+def test_config_error_ends_the_job_without_requeue(slurm, tmp_path):
+    """Every task exits 2 on a config error; the rendered script must not requeue it (a rerun fails alike)."""
+    workdir = tmp_path / "job"
+    proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--tasks-per-node", "2",
+                "--time", "00:05:00", "--job-name", JOB_NAME, "--workdir", str(workdir), "--submit", "--wait",
+                "--wait-timeout", "240", "--", "--config.no_such_key=1"], 300, JAX_NUM_CPU_DEVICES="1")
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log = (workdir / f"slurm-{job}.out").read_text()
+    assert proc.returncode == 2, log[-3000:]
+    assert log.count("jaxrat: error: Unknown config key --config.no_such_key") == 2, log[-3000:]
+    assert "jaxrat: training step ended with status 2," in log and "requeue" not in log, log[-3000:]
+    assert job_field(job, "Restarts") == "0" and job_field(job, "JobState") == "FAILED"
