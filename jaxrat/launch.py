@@ -8,6 +8,10 @@ Without ``--submit`` the script is printed (a dry run). Every job runs the same
 scheduler's environment in each process, so the script exports nothing about ranks or ports.
 One process per GPU is the default (``--tasks-per-node`` or ``--one-process-per-node`` change
 it). Scripts request a warning signal before the time limit, checkpoint, and requeue themselves.
+
+Exit statuses the scripts act on: 0 done; 2 an error of the run itself (no requeue: a rerun would
+fail alike); 42 preempted or a process lost (requeue); anything else, e.g. a task killed by a
+signal (requeue at most ``--max-restarts`` times per job).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class JobSpec:
     data_key: str = "data.data_dir"
     cache_dir: str | None = None
     signal_lead: int = 300
+    max_restarts: int = 3
     extra_directives: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
     command: str = ""
@@ -107,6 +112,8 @@ def validate(spec: JobSpec, scheduler: str) -> None:
             f"--workdir {spec.run_dir!r} contains spaces, quotes or '$', which #SBATCH/#BSUB lines cannot "
             "expand or quote; pass the plain expanded path (e.g. --workdir \"$SCRATCH/runs/isic\" in your shell)."
         )
+    if spec.max_restarts < 0:
+        raise UserError(f"--max-restarts {spec.max_restarts} must be 0 (never requeue after a failure) or more.")
     if spec.local_data and not spec.stage_data:
         raise UserError("--local-data only makes sense with --stage-data SRC; add the dataset source to copy.")
 
@@ -161,6 +168,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "module": spec.module,
         "data_flag": data_flag,
         "preempted_exit_code": str(PREEMPTED_EXIT_CODE),
+        "max_restarts": str(spec.max_restarts),
         "extra": "".join(" " + _q(a) for a in spec.extra_args),
     }
     return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
@@ -253,7 +261,10 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
     p.add_argument("--data-key", default="data.data_dir", help="config field that receives the local copy")
     p.add_argument("--cache-dir", help="persistent JAX compilation cache (default: <workdir>/../jax_cache)")
     p.add_argument("--signal-lead", type=int, default=300, help="seconds before the limit to checkpoint")
-    p.add_argument("--directive", action="append", default=[], help="extra raw '#SBATCH'/'#BSUB' option, e.g. --directive=--constraint=a100")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="requeues after a failure (a process killed, status other than 0, 2, 42) per job")
+    p.add_argument("--directive", action="append", default=[],
+                   help="extra raw '#SBATCH'/'#BSUB' option, e.g. --directive=--constraint=a100")
     p.add_argument("--scheduler", default="auto", help="slurm, lsf or auto (the one whose submit command exists)")
     p.add_argument("--submit", action="store_true", help="submit instead of printing")
     p.add_argument("--wait", action="store_true", help="with --submit: block until the job ends")
@@ -270,8 +281,8 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
         partition=a.partition, account=a.account, qos=a.qos, cpus_per_task=a.cpus_per_task, mem=a.mem,
         job_name=a.job_name, workdir=a.workdir, python=a.python, module=a.module, setup=tuple(a.setup),
         stage_data=a.stage_data, local_data=a.local_data, data_key=a.data_key, cache_dir=a.cache_dir,
-        signal_lead=a.signal_lead, extra_directives=tuple(a.directive), extra_args=tuple(extra),
-        command=command,
+        signal_lead=a.signal_lead, max_restarts=a.max_restarts, extra_directives=tuple(a.directive),
+        extra_args=tuple(extra), command=command,
     )
     return spec, a
 

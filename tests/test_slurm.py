@@ -294,3 +294,101 @@ def test_launch_submit_runs_to_a_checkpoint(slurm, tmp_path):
     assert (workdir / "checkpoints" / "6").is_dir()
     assert (workdir / f"{JOB_NAME}.sbatch").is_file()
     assert list((workdir.parent / "jax_cache").iterdir())  # the persistent compilation cache was used
+
+
+DEAD_PEER_TIMEOUT = 15  # config.distributed.heartbeat_timeout of the job below
+DEAD_PEER_STEPS = 40
+DEAD_PEER_ARGS = [f"--config.num_train_steps={DEAD_PEER_STEPS}", "--config.checkpoint.every_steps=1",
+                  "--config.train.log_every=1", "--config.train.eval_every=100000", "--config.train.eval_at_end=false",
+                  "--config.checkpoint.best_metric=", f"--config.distributed.heartbeat_timeout={DEAD_PEER_TIMEOUT}"]
+
+
+def step_pids(job: str) -> dict[int, int]:
+    """Process index -> pid of the `python -m jaxrat.main` process of each task of the job's step 0."""
+    out = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, timeout=30).stdout
+    pids = {}
+    for line in out.splitlines()[1:]:
+        pid, _, step, _, task = line.split()
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if step == "0" and task != "-" and b"jaxrat.main" in cmdline:
+            pids[int(task)] = int(pid)
+    return pids
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["process1", "process0"])
+def test_killed_task_requeues_the_job_and_the_rerun_resumes_exactly(slurm, tmp_path, victim):
+    """The rendered sbatch script, one of its two tasks killed with -9 mid-run: the survivor stops
+    within the heartbeat timeout (naming the lost process; when process 0, the coordination service's
+    host, is killed, JAX aborts the survivor at once), the job requeues itself (srun's status is 128+9,
+    a failure within --max-restarts), and the rerun's per-step losses equal an uninterrupted run's."""
+    from runner import env_with_devices, losses_by_step, main_cmd
+
+    # The reference (same global batch; losses do not depend on the process count) runs meanwhile.
+    ref = str(tmp_path / "reference")
+    reference = subprocess.Popen(main_cmd(ref, *DEAD_PEER_ARGS), cwd=REPO, env=env_with_devices(2),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        workdir = tmp_path / "run"
+        proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--tasks-per-node",
+                    "2", "--time", "00:20:00", "--job-name", JOB_NAME, "--workdir", str(workdir), "--max-restarts",
+                    "1", "--submit", "--", *DEAD_PEER_ARGS], 60, JAX_NUM_CPU_DEVICES="1")
+        assert proc.returncode == 0, proc.stderr
+        job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+        log = workdir / f"slurm-{job}.out"
+
+        def steps() -> set[int]:
+            from test_preempt import train_steps_logged
+            return train_steps_logged(str(workdir))
+
+        wait_for(lambda: len(steps()) >= 4, 420, "4 train steps", log)
+        pids = step_pids(job)
+        assert sorted(pids) == [0, 1], subprocess.run(["scontrol", "listpids", job], capture_output=True,
+                                                      text=True).stdout
+        survivor = 1 - victim
+        os.kill(pids[victim], 9)
+        killed = time.monotonic()
+        wait_for(lambda: not Path(f"/proc/{pids[survivor]}").exists(), DEAD_PEER_TIMEOUT + 30, "the survivor to stop",
+                 log)
+        took = time.monotonic() - killed
+        assert took < DEAD_PEER_TIMEOUT + 15, f"the survivor took {took:.0f} s"
+        assert max(steps()) < DEAD_PEER_STEPS
+        wait_for(lambda: job_field(job, "Restarts") == "1" and job_field(job, "JobState") == "PENDING", 60,
+                 "the job to requeue itself", log)
+        text = log.read_text()
+        if victim == 1:
+            assert f"jaxrat: error: process 1 of 2 (host {os.uname().nodename}, pid {pids[1]})" in text, text[-3000:]
+            assert "task 0: Exited with exit code 42" in text, text[-3000:]
+        assert "jaxrat: training step ended with status 137" in text, text[-3000:]
+        assert "jaxrat: requeue 1 of at most 1 after a failure (--max-restarts)" in text, text[-3000:]
+        # A requeued job is held ~2 min; release it, not in the same second as the requeue (see above).
+        time.sleep(3)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+        wait_for(lambda: job_field(job, "JobState") == "COMPLETED", 420, "the requeued run to complete", log)
+        text = log.read_text()
+        assert "restart 1" in text and re.search(r"resumed from step \d+", text), text[-3000:]
+        assert reference.wait(timeout=420) == 0
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.wait(30)
+    got, want = losses_by_step(str(workdir)), losses_by_step(ref)
+    assert sorted(got) == sorted(want) == list(range(1, DEAD_PEER_STEPS + 1))
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
+
+
+def test_config_error_ends_the_job_without_requeue(slurm, tmp_path):
+    """Every task exits 2 on a config error; the rendered script must not requeue it (a rerun fails alike)."""
+    workdir = tmp_path / "job"
+    proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--tasks-per-node", "2",
+                "--time", "00:05:00", "--job-name", JOB_NAME, "--workdir", str(workdir), "--submit", "--wait",
+                "--wait-timeout", "240", "--", "--config.no_such_key=1"], 300, JAX_NUM_CPU_DEVICES="1")
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    log = (workdir / f"slurm-{job}.out").read_text()
+    assert proc.returncode == 2, log[-3000:]
+    assert log.count("jaxrat: error: Unknown config key --config.no_such_key") == 2, log[-3000:]
+    assert "jaxrat: training step ended with status 2," in log and "requeue" not in log, log[-3000:]
+    assert job_field(job, "Restarts") == "0" and job_field(job, "JobState") == "FAILED"
