@@ -113,8 +113,8 @@ def pipeline_rate(pairs, workers: int, seconds: float, batch: int, image_size: i
 
 def tfds_rate(root: str, max_side: int, seconds: float, batch: int, image_size: int, threads: int) -> dict:
     """Pipeline images/s reading the ArrayRecord conversion of ``root`` (0 workers)."""
-    from jaxrat.data.sources import isic_arrayrecord
     from jaxrat.data.badfiles import BadFilePolicy
+    from jaxrat.data.sources import isic_arrayrecord
 
     out = os.path.join(root + "_tfds", f"max_side_{max_side}")
     t0 = time.perf_counter()

@@ -39,7 +39,8 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     """Sum of result bytes per collective kind in optimized HLO text (async starts counted once)."""
     out = {k: 0 for k in _COLLECTIVES}
     for line in hlo.splitlines():
-        m = re.search(r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(", line)
+        m = re.search(r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(",
+                      line)
         if not m:
             continue
         for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
@@ -76,9 +77,8 @@ def main() -> None:
         state = s.abstract_with_shardings()
 
         def per_device(tree) -> int:
-            return sum(
-                int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
-            )
+            return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                       for x in jax.tree.leaves(tree))
 
         size = config.data.image_size
         batch = {

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule, inspect, load_init, store
 from jaxrat.cluster import PreemptionWatch, preemption

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrat.checkpointing import Checkpointer, Policy, inspect, store
 from jaxrat.checkpointing.recovery import is_disk_full

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from runner import losses_by_step, run_main
 from sklearn import metrics as skm
 
 from jaxrat.config import load_config
@@ -17,6 +16,7 @@ from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.class_weights import class_weights
 from jaxrat.tasks.classification import ClassificationTask, head_metrics
 from jaxrat.tasks.mixing import mix_batch
+from runner import losses_by_step, run_main
 
 CONFIG = "configs/classification.py"
 

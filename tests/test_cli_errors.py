@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from runner import read_metrics, run_main
 from jaxrat.config import check_override_args
 from jaxrat.data import badfiles
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.errors import ConfigError
-from runner import SMOKE
+from runner import SMOKE, read_metrics, run_main
 
 
 def test_unknown_key_suggests_the_right_one():
@@ -30,7 +29,8 @@ def test_wrong_type_is_named(arg):
 
 def test_valid_overrides_pass():
     check_override_args([f"--config={SMOKE}", "--config.data.batch_size=4", "--config.optimizer.learning_rate=1e-3",
-                         "--config.data.random_flip=false", "--config.data.data_dir=/x", "--config.num_train_steps", "3"])
+                         "--config.data.random_flip=false", "--config.data.data_dir=/x",
+                         "--config.num_train_steps", "3"])
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jaxrat.data import pipeline
+from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import coco
 from jaxrat.data.synthetic import coco as synthetic_coco
-from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.errors import DataError
 from jaxrat.tasks.detection import coco_eval
 

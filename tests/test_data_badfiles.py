@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from jaxrat.data import badfiles, imageio, pipeline, staging
+from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.errors import ConfigError, DataError
 
 TRAIN_IMG, TRAIN_MASK = isic.SPLIT_FOLDERS["train"]

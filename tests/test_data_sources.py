@@ -7,9 +7,9 @@ import pytest
 from PIL import Image
 
 from jaxrat.data import pipeline
+from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import folder, isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.errors import DataError
 
 
@@ -109,8 +109,8 @@ def test_generic_tfds_reader_and_missing_dataset(prepared, tmp_path):
 def test_isic_arrayrecord_with_max_side_stores_shrunk_images(tmp_path):
     from PIL import Image
 
-    from jaxrat.data.sources import isic_arrayrecord
     from jaxrat.data.imageio import load_rgb_with_size
+    from jaxrat.data.sources import isic_arrayrecord
 
     src = str(tmp_path / "isic")
     synthetic_isic.write_dataset(src, num_train=4, num_val=2, image_size=24, seed=3)

@@ -258,7 +258,8 @@ def test_open_mpi_4():
 
 def test_open_mpi_4_ipv6():
     uri = "1314521088.0;tcp6://[fe80::b9b:ac5d:9cf0:b858,2620:10d:c083:150e::3000:2]:43370"
-    assert D.detect(None, ompi4(OMPI_MCA_orte_hnp_uri=uri)).coordinator_address.startswith("[fe80::b9b:ac5d:9cf0:b858]:")
+    address = D.detect(None, ompi4(OMPI_MCA_orte_hnp_uri=uri)).coordinator_address
+    assert address.startswith("[fe80::b9b:ac5d:9cf0:b858]:")
 
 
 def test_open_mpi_splits_gpus_by_local_rank():

@@ -106,7 +106,8 @@ def test_negative_depth_is_refused():
 def test_device_put_in_the_thread_gives_sharded_global_arrays():
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.trainer.loop import to_global

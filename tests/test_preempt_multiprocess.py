@@ -20,7 +20,13 @@ import pytest
 from jaxrat.checkpointing import store
 from runner import losses_by_step
 from test_preempt import (  # noqa: F401 (compile_cache is a fixture)
-    REQUEUE, Run, cached_env, compile_cache, preempted_step, train_steps_logged, wait_until,
+    REQUEUE,
+    Run,
+    cached_env,
+    compile_cache,
+    preempted_step,
+    train_steps_logged,
+    wait_until,
 )
 
 STEPS = 40

@@ -28,8 +28,9 @@ def test_metrics_match_numpy_and_are_split_invariant():
     pred = (logits >= 0).astype(np.float32)
     expected = _numpy_metrics(pred, mask)
     valid = np.ones(10, np.float32)
-    whole = segmentation.finalize_metrics(segmentation.eval_sums(jnp.array(logits), jnp.array(mask), jnp.array(valid), **KW))
-    parts = [segmentation.eval_sums(jnp.array(logits[i:i + 3]), jnp.array(mask[i:i + 3]), jnp.array(valid[i:i + 3]), **KW)
+    sums = segmentation.eval_sums
+    whole = segmentation.finalize_metrics(sums(jnp.array(logits), jnp.array(mask), jnp.array(valid), **KW))
+    parts = [sums(jnp.array(logits[i:i + 3]), jnp.array(mask[i:i + 3]), jnp.array(valid[i:i + 3]), **KW)
              for i in range(0, 10, 3)]
     split = segmentation.finalize_metrics({k: sum(p[k] for p in parts) for k in parts[0]})
     for k, v in expected.items():
@@ -50,7 +51,8 @@ def test_padding_is_ignored():
     rng = np.random.default_rng(1)
     mask = (rng.random((4, 8, 8, 1)) < 0.5).astype(np.float32)
     logits = rng.normal(size=(4, 8, 8, 1)).astype(np.float32)
-    ref = segmentation.finalize_metrics(segmentation.eval_sums(jnp.array(logits[:3]), jnp.array(mask[:3]), jnp.ones(3), **KW))
+    ref = segmentation.finalize_metrics(
+        segmentation.eval_sums(jnp.array(logits[:3]), jnp.array(mask[:3]), jnp.ones(3), **KW))
     padded = segmentation.finalize_metrics(
         segmentation.eval_sums(jnp.array(logits), jnp.array(mask), jnp.array([1.0, 1, 1, 0]), **KW))
     for k in ref:

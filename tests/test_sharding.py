@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrat.parallel import sharding
 from jaxrat.errors import ConfigError
+from jaxrat.parallel import sharding
 from jaxrat.parallel.mesh import axis_sizes, make_mesh
 
 
@@ -33,7 +33,8 @@ def test_fsdp_spec_picks_largest_divisible_dim_and_skips_small():
 
 def test_rules_override_the_preset_by_path():
     mesh = make_mesh((("data", 2), ("fsdp", 4)))
-    tree = {"enc": {"kernel": jax.ShapeDtypeStruct((8, 16), np.float32), "bias": jax.ShapeDtypeStruct((16,), np.float32)},
+    tree = {"enc": {"kernel": jax.ShapeDtypeStruct((8, 16), np.float32),
+                    "bias": jax.ShapeDtypeStruct((16,), np.float32)},
             "mu": {"enc": {"kernel": jax.ShapeDtypeStruct((8, 16), np.float32)}}}
     out = sharding.tree_shardings(tree, mesh, shard=True, axis="fsdp", min_size=1,
                                   rules=(("enc/bias", "replicate"), ("mu/.*kernel", "(None, 'data')")))

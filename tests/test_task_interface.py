@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from runner import REPO, env_with_devices, losses_by_step, main_cmd, read_metrics
 
 TOY = os.path.join(REPO, "tests", "toy")
