@@ -14,7 +14,7 @@ accuracy (mean recall over the classes present in the labels) and the loss.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +24,15 @@ import optax
 from flax import nnx
 
 from jaxrat.errors import ConfigError
-from jaxrat.tasks.base import Batch, EvalAccumulator, Task
+from jaxrat.tasks.base import Batch, EvalAccumulator
 from jaxrat.tasks.class_weights import class_weights
+from jaxrat.tasks.image_task import ImageTask
 from jaxrat.tasks.mixing import mix_batch
 
 PER_HEAD = ("top1", "topk", "macro_f1", "balanced_accuracy", "loss")
 
 
-class ClassificationTask(Task):
+class ClassificationTask(ImageTask):
     """See the module docstring."""
 
     def __init__(self, config: mlc.ConfigDict) -> None:
@@ -50,7 +51,6 @@ class ClassificationTask(Task):
         self.loss_weights = tuple(float(w) for w in t.loss_weights)
         self.num_classes: tuple[int, ...] = tuple(int(c) for c in t.num_classes)
         self.weights: tuple[np.ndarray, ...] = ()
-        self._train = self._val = None
         self.vocabularies: dict[str, list] = {}
 
     # ---------------------------------------------------------------------------------- data
@@ -58,39 +58,20 @@ class ClassificationTask(Task):
         from jaxrat.data.datasets import resolve_classification
 
         d = self.config.data
-        self._train, self._val, self.vocabularies, found = resolve_classification(
+        self.train_source, self.val_source, self.vocabularies, found = resolve_classification(
             d, self.heads, workdir, seed=self.config.seed, process_index=jax.process_index())
         self.num_classes = tuple(c or f for c, f in zip(self.num_classes, found))
         for head, c, f in zip(self.heads, self.num_classes, found):
             if c < f:
                 raise ConfigError(f"config.task.num_classes gives head {head!r} {c} classes but its labels go up to "
                                   f"{f - 1}; raise it or set 0 to take it from the data.")
-        labels = np.stack([r["labels"] for r in self._train.records])
+        labels = np.stack([r["labels"] for r in self.train_source.records])
         self.weights = tuple(
             class_weights(labels[:, h], self.num_classes[h], self.config.task.class_weights, head,
                           beta=float(self.config.task.effective_beta))
             for h, head in enumerate(self.heads))
         classes = ", ".join(f"{h}: {c} classes" for h, c in zip(self.heads, self.num_classes))
-        return f"{len(self._train)} train and {len(self._val)} validation images ({classes})"
-
-    def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
-                       processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
-        from jaxrat.data import pipeline
-
-        d = self.config.data
-        return pipeline.train_iterator(
-            self._train, image_size=d.image_size, local_batch=local_batch, seed=self.config.seed,
-            process_index=process_index, process_count=process_count, start_example=start_example,
-            processes_on_host=processes_on_host, **pipeline.train_options(d))
-
-    def eval_batches(self, *, global_batch: int, process_index: int,
-                     process_count: int) -> Iterable[dict[str, np.ndarray]]:
-        from jaxrat.data import pipeline
-
-        d = self.config.data
-        return pipeline.eval_batches(self._val, image_size=d.image_size, global_batch=global_batch,
-                                     process_index=process_index, process_count=process_count,
-                                     **pipeline.eval_options(d))
+        return f"{len(self.train_source)} train and {len(self.val_source)} validation images ({classes})"
 
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
         from jaxrat.models import build_model

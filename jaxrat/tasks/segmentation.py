@@ -9,7 +9,7 @@ empty scores 1, never NaN.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
+from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows
+from jaxrat.tasks.image_task import ImageTask
 
 _EPS = 1e-6
 
@@ -93,7 +94,7 @@ METRICS = ("dice", "iou", "sensitivity", "specificity", "accuracy", "loss", "dic
 NUM_LOGGED_IMAGES = 4
 
 
-class SegmentationTask(Task):
+class SegmentationTask(ImageTask):
     """``config.task``: ``bce_weight``, ``dice_weight`` (loss) and ``threshold`` (eval metrics).
 
     A batch holds ``image`` (B, H, W, 3) ImageNet-normalised floats and ``mask`` (B, H, W, 1) in
@@ -111,33 +112,13 @@ class SegmentationTask(Task):
                               f"config file (see configs/isic.py).")
         self.bce_weight, self.dice_weight = float(t.bce_weight), float(t.dice_weight)
         self.threshold = float(t.threshold)
-        self._train = self._val = None
 
     def prepare_data(self, workdir: str) -> str:
         from jaxrat.data import datasets
 
-        self._train, self._val = datasets.resolve_segmentation(
+        self.train_source, self.val_source = datasets.resolve_segmentation(
             self.config.data, workdir, seed=self.config.seed, process_index=jax.process_index())
-        return f"{len(self._train)} train and {len(self._val)} validation images"
-
-    def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
-                       processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
-        from jaxrat.data import pipeline
-
-        d = self.config.data
-        return pipeline.train_iterator(
-            self._train, image_size=d.image_size, local_batch=local_batch, seed=self.config.seed,
-            process_index=process_index, process_count=process_count, start_example=start_example,
-            processes_on_host=processes_on_host, **pipeline.train_options(d))
-
-    def eval_batches(self, *, global_batch: int, process_index: int,
-                     process_count: int) -> Iterable[dict[str, np.ndarray]]:
-        from jaxrat.data import pipeline
-
-        d = self.config.data
-        return pipeline.eval_batches(self._val, image_size=d.image_size, global_batch=global_batch,
-                                     process_index=process_index, process_count=process_count,
-                                     **pipeline.eval_options(d))
+        return f"{len(self.train_source)} train and {len(self.val_source)} validation images"
 
     def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         loss, parts = loss_fn(model(batch["image"]), batch["mask"], bce_weight=self.bce_weight,
