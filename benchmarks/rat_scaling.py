@@ -133,7 +133,8 @@ def _fmt(r: dict | None, key: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     """Markdown table: full step per variant and size, doubling ratios, components."""
-    print("| variant | px | fwd+bwd s | x prev | temp GiB | x prev | arg GiB | sga1 s / GiB | mr1 s / GiB | head s / GiB |")
+    print("| variant | px | fwd+bwd s | x prev | temp GiB | x prev | arg GiB "
+          "| sga1 s / GiB | mr1 s / GiB | head s / GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     prev: dict = {}
     for r in sorted(rows, key=lambda r: (list(VARIANTS).index(r["variant"]), r["size"])):

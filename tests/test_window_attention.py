@@ -73,7 +73,9 @@ def test_window_covering_every_grid_equals_global():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("extra", [{}, dict(scales=(24, 12)), dict(attention="sparse")], ids=["single", "pyramid", "sparse"])
+@pytest.mark.parametrize(
+    "extra", [{}, dict(scales=(24, 12)), dict(attention="sparse")], ids=["single", "pyramid", "sparse"]
+)
 def test_small_window_shapes_and_finite_gradients(extra):
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 24, 20, 3))
     model = build(mr_attention="windowed", mr_window=3, **extra)
