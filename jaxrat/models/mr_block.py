@@ -14,15 +14,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.models.attention import DEFAULT_BLOCK_ELEMENTS, softmax_attention
+from jaxrat.models.attention import DEFAULT_BLOCK_ELEMENTS
 from jaxrat.models.layers import Mlp, layer_norm, linear
 from jaxrat.models.rose import RotarySpatialEmbedding
+from jaxrat.models.window_attention import MR_ATTENTION_TYPES, multires_attention
 
 Array = jax.Array
 
 
 class MultiResBlock(nnx.Module):
-    """One multi-resolution RoSE block; LayerNorm eps 1e-6 as in the reference."""
+    """One multi-resolution RoSE block; LayerNorm eps 1e-6 as in the reference.
+
+    ``attention="global"`` is the reference (every token sees every token, cost quadratic in
+    pixels); ``"windowed"`` tiles grids larger than ``window`` tokens per axis into windows that
+    see themselves and the small grids (linear cost, :mod:`jaxrat.models.window_attention`).
+    Both have the same parameters.
+    """
 
     def __init__(
         self,
@@ -43,10 +50,18 @@ class MultiResBlock(nnx.Module):
         norm_eps: float = 1e-6,
         max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
         slice_batch: int = 1,
+        attention: str = "global",
+        window: int = 16,
         dtype: Any = jnp.float32,
         *,
         rngs: nnx.Rngs,
     ) -> None:
+        if attention not in MR_ATTENTION_TYPES:
+            raise ValueError(f"mr_attention must be one of {MR_ATTENTION_TYPES}, got {attention!r}")
+        if window < 1:
+            raise ValueError(f"mr_window must be >= 1, got {window}")
+        self.attention = attention
+        self.window = window
         self.num_heads = num_heads
         self.head_dim = feature_dims // num_heads
         self.max_block_elements = max_block_elements
@@ -94,9 +109,14 @@ class MultiResBlock(nnx.Module):
             start = stop
         q = jnp.concatenate(q_parts, axis=1) * jnp.asarray(dh**-0.5, q.dtype)
         k = jnp.concatenate(k_parts, axis=1)
-        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        out = softmax_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
-        x = x + self.proj(out.transpose(0, 2, 1, 3).reshape(b, n, d))
+        segments = ([(leading.shape[1], None)] if leading is not None else []) + [
+            (xi.shape[1], tuple(g)) for xi, g in zip(xs, grid_shapes)
+        ]
+        out = multires_attention(
+            q, k, v, segments, self.window if self.attention == "windowed" else None,
+            max_block_elements=self.max_block_elements, slice_batch=self.slice_batch,
+        )
+        x = x + self.proj(out.reshape(b, n, d))
         x = x + self.mlp(self.norm2(x))
         start = 0
         new_leading = None

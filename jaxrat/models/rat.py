@@ -21,6 +21,10 @@ Departures from the reference, each a named option with the reference behaviour 
   with no rotation at all, flaw 4).
 * ``absolute_pos_grid``: a real learned absolute position embedding (the reference has none).
 * ``iters=0`` with ``return_maps`` raises (the reference returns uninitialised memory, flaw 17).
+* ``mr_attention="windowed"`` (default "global", the reference): multi-resolution attention in
+  ``mr_window``-token tiles on large grids, linear in pixels (:mod:`jaxrat.models.window_attention`).
+* ``remat="blocks"``: recompute each SGA layer and multi-resolution block in the backward pass
+  instead of keeping its activations (memory for time; default "none").
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from jaxrat.models.sga import SpatialGroupingAttention, as_tuple
 
 Array = jax.Array
 SGA_TYPES = ("dense", "sparse", "standard", "mixed")
+REMAT_TYPES = ("none", "blocks")
 
 
 @flax.struct.dataclass
@@ -102,6 +107,9 @@ class ResolutionAwareTransformer(nnx.Module):
       absolute_pos_grid: grid of a learned absolute position embedding added after the initial
         projection (None = none, as in the reference).
       max_block_elements, slice_batch: memory/speed knobs of the attention kernels.
+      mr_attention: "global" (reference) or "windowed" multi-resolution attention.
+      mr_window: window side in tokens for ``mr_attention="windowed"``.
+      remat: "none" or "blocks" (rematerialise every SGA layer and MR block in the backward pass).
       dtype: compute dtype; parameters stay float32.
       rngs: parameter initialisation and dropout randomness.
     """
@@ -136,12 +144,18 @@ class ResolutionAwareTransformer(nnx.Module):
         absolute_pos_grid: Optional[Sequence[int]] = None,
         max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
         slice_batch: int = 1,
+        mr_attention: str = "global",
+        mr_window: int = 16,
+        remat: str = "none",
         dtype: Any = jnp.float32,
         *,
         rngs: nnx.Rngs,
     ) -> None:
         if spatial_dims not in (1, 2, 3):
             raise ValueError(f"spatial_dims must be 1, 2 or 3, got {spatial_dims}")
+        if remat not in REMAT_TYPES:
+            raise ValueError(f"remat must be one of {REMAT_TYPES}, got {remat!r}")
+        self.remat = remat
         self.spatial_dims = spatial_dims
         self.feature_dims = feature_dims
         self.num_blocks = num_blocks
@@ -178,8 +192,8 @@ class ResolutionAwareTransformer(nnx.Module):
             MultiResBlock(
                 feature_dims, num_heads, spatial_dims, learnable=learnable_rose, learnable_scale=learnable_rose_scaling,
                 initial_scaling=rose_initial_scaling, mlp_ratio=mlp_ratio, mlp_dropout=mlp_dropout, mlp_bias=mlp_bias,
-                qkv_bias=qkv_bias, max_block_elements=max_block_elements, slice_batch=slice_batch, dtype=dtype,
-                rngs=rngs, **rose_kw,
+                qkv_bias=qkv_bias, max_block_elements=max_block_elements, slice_batch=slice_batch,
+                attention=mr_attention, window=mr_window, dtype=dtype, rngs=rngs, **rose_kw,
             )
             for _ in range(num_blocks)
         ])
@@ -259,12 +273,25 @@ class ResolutionAwareTransformer(nnx.Module):
         for block in range(self.num_blocks):
             sga = self.sga_layers[block]
             for s in range(n):
-                out = sga(tokens[s], grids[s], spacings[s], masks[s] if block == 0 else None, return_maps)
+                m = masks[s] if block == 0 else None
+                if self.remat == "blocks" and not return_maps:
+                    # Grids and spacings are static: closed over, not traced.
+                    g, sp = grids[s], spacings[s]
+                    x_s = nnx.remat(lambda layer, t, mk: layer(t, g, sp, mk).x)(sga, tokens[s], m)
+                    out = sga.output_geometry(x_s, g, sp)
+                else:
+                    out = sga(tokens[s], grids[s], spacings[s], m, return_maps)
                 tokens[s], grids[s], spacings[s] = out.x, out.grid_shape, out.spacing
                 if return_maps:
                     maps_q[s] = out.attn_q if maps_q[s] is None else jnp.matmul(out.attn_q, maps_q[s])
                     maps_k[s] = out.attn_k if maps_k[s] is None else jnp.matmul(out.attn_k, maps_k[s])
-            tokens, leading = self.mr_attn_layers[block](tokens, grids, spacings, leading)
+            mr = self.mr_attn_layers[block]
+            if self.remat == "blocks":
+                gs, sps = tuple(grids), tuple(spacings)
+                tokens, leading = nnx.remat(lambda layer, t, lead: layer(t, gs, sps, lead))(mr, tokens, leading)
+                tokens = list(tokens)
+            else:
+                tokens, leading = mr(tokens, grids, spacings, leading)
             for s in range(n):
                 features[s].append(tokens[s])
                 feature_grids[s].append(grids[s])

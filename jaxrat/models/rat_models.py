@@ -63,6 +63,10 @@ class RATSegmenter(nnx.Module):
       abs_grid: table grid of the absolute embedding (resized to every scale).
       reference_compat: reproduce the reference backbone exactly (SGA head reshaping).
       max_block_elements, slice_batch: attention kernel knobs.
+      mr_attention: "global" (reference: every token sees every token, quadratic in pixels) or
+        "windowed" (grids wider than ``mr_window`` tokens attend in tiles plus the small grids).
+      mr_window: tile side in tokens for the windowed multi-resolution attention.
+      remat: "none" or "blocks" (recompute every SGA layer and MR block in the backward pass).
       dtype: compute dtype; rngs: init and dropout randomness.
     """
 
@@ -92,6 +96,9 @@ class RATSegmenter(nnx.Module):
         reference_compat: bool = False,
         max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
         slice_batch: int = 1,
+        mr_attention: str = "global",
+        mr_window: int = 16,
+        remat: str = "none",
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -111,7 +118,8 @@ class RATSegmenter(nnx.Module):
                 sga_kernel_size=sga_kernel_size, stride=stride, num_heads=num_heads, iters=iters,
                 mlp_ratio=mlp_ratio, mlp_dropout=dropout, reference_compat=reference_compat,
                 absolute_pos_grid=tuple(abs_grid) if positional_encoding == "absolute" else None,
-                max_block_elements=max_block_elements, slice_batch=slice_batch, dtype=dtype, rngs=rngs, **pe,
+                max_block_elements=max_block_elements, slice_batch=slice_batch, mr_attention=mr_attention,
+                mr_window=mr_window, remat=remat, dtype=dtype, rngs=rngs, **pe,
             )
         except ValueError as e:
             raise ConfigError(f"invalid RAT config: {e}") from None

@@ -99,14 +99,12 @@ def window_indices(grid_shape: Sequence[int], kernel: Sequence[int], stride: Seq
     return np.where(ok, flat.reshape(n_out, -1), 0).astype(np.int32), ok
 
 
-def _windows(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
-    """(N, *grid, C) -> (N, N_out, taps, C), taps laid out as in :func:`window_indices`.
+def _blocked(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
+    """(N, *grid, C) -> (N, B_1..B_sd, s_1..s_sd, C): padded input cut into stride-blocks.
 
-    The input is padded and cut into stride-blocks; a window is ``ceil(k/s)`` consecutive blocks
-    per axis, i.e. a few plain slices. On CPU this, and its transpose (a few pads), is much faster
-    than gathers (scatter gradients), patch convolutions or one strided slice per tap.
+    B_d = out_d + ceil(k_d/s_d) - 1; a window is ``ceil(k/s)`` consecutive blocks per axis.
     """
-    n_img, grid, c = x.shape[0], x.shape[1:-1], x.shape[-1]
+    grid, c = x.shape[1:-1], x.shape[-1]
     sd = len(grid)
     out = strided_grid(grid, kernel, stride)
     nb = [-(-k // s) for k, s in zip(kernel, stride)]
@@ -116,19 +114,51 @@ def _windows(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
         cfg.append((lo, (o + b - 1) * s - n - lo, 0))  # negative high padding crops unused pixels
     cfg.append((0, 0, 0))
     xp = jax.lax.pad(x, jnp.zeros((), x.dtype), cfg)
-    blocked_shape = [n_img]
+    blocked_shape = [x.shape[0]]
     for o, s, b in zip(out, stride, nb):
         blocked_shape += [o + b - 1, s]
-    xb = xp.reshape(*blocked_shape, c)
     # (N, B_1, s_1, ..., B_sd, s_sd, C) -> (N, B_1..B_sd, s_1..s_sd, C)
     perm = [0] + [1 + 2 * d for d in range(sd)] + [2 + 2 * d for d in range(sd)] + [1 + 2 * sd]
-    xb = xb.transpose(perm)
+    return xp.reshape(*blocked_shape, c).transpose(perm)
+
+
+def _windows(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
+    """(N, *grid, C) -> (N, N_out, taps, C), taps laid out as in :func:`window_indices`.
+
+    A window is ``ceil(k/s)`` consecutive stride-blocks per axis, i.e. a few plain slices. On CPU
+    this, and its transpose (a few pads), is much faster than gathers (scatter gradients), patch
+    convolutions or one strided slice per tap. It copies each input ~(k/s)^sd times, so it is only
+    used on one-channel maps (the column sums); q.k and a.v run per block offset instead.
+    """
+    n_img, c, sd = x.shape[0], x.shape[-1], x.ndim - 2
+    out = strided_grid(x.shape[1:-1], kernel, stride)
+    nb = [-(-k // s) for k, s in zip(kernel, stride)]
+    xb = _blocked(x, kernel, stride)
     parts = []
     for j in np.ndindex(*nb):
         sl = (slice(None),) + tuple(slice(jd, jd + od) for jd, od in zip(j, out))
         parts.append(xb[sl])  # (N, o_1..o_sd, s_1..s_sd, C)
     w = jnp.stack(parts, axis=1 + sd)  # (N, o.., nbprod, s.., C)
     return w.reshape(n_img, int(np.prod(out)), -1, c)
+
+
+def _window_valid(grid_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int]) -> Array:
+    """(N_out, taps) validity of :func:`window_indices`, built from per-axis masks.
+
+    Broadcasting small per-axis masks in the graph keeps a multi-megabyte constant out of the
+    compiled program at 1024 px (it slowed compilation).
+    """
+    out = strided_grid(grid_shape, kernel, stride)
+    nb = [-(-k // s) for k, s in zip(kernel, stride)]
+    sd = len(grid_shape)
+    ok = jnp.ones((), bool)
+    for d, (n, o, k, s, b) in enumerate(zip(grid_shape, out, kernel, stride, nb)):
+        offset = np.arange(b)[:, None] * s + np.arange(s)[None, :]
+        pos = np.arange(o)[:, None, None] * s - (k - 1) // 2 + offset[None]
+        shape = [1] * (3 * sd)
+        shape[d], shape[sd + d], shape[2 * sd + d] = o, b, s
+        ok = ok & jnp.asarray(((offset[None] < k) & (pos >= 0) & (pos < n)).reshape(shape))
+    return ok.reshape(int(np.prod(out)), -1)
 
 
 def sparse_grouping(
@@ -143,28 +173,57 @@ def sparse_grouping(
     """Windowed SGA: each group attends to the k^sd inputs its strided conv window covers.
 
     q (B, H, No, dh), k/v (B, H, Ni, dh) -> (update (B,H,No,dh), A_q, A_k), the maps as
-    (B, H, No, taps) in the layout of :func:`window_indices`. The column sums are the transpose of
-    the window extraction, so neither direction needs a gather or scatter.
+    (B, H, No, taps) in the layout of :func:`window_indices`.
+
+    Keys and values are never copied into windows (that was ~(k/s)^sd = 9 copies of k and of v,
+    plus their saved residuals and cotangents: 3.2 GiB of temporaries at 256 px). Instead, for
+    each of the ``ceil(k/s)^sd`` block offsets the small query grid is shifted onto the blocked
+    key grid, so every product reads k and v in place; only logit-sized maps are stacked.
     """
     b, h, n_in, dh = k.shape
     n_out = q.shape[2]
-    to_img = lambda a: a.reshape(b * h, *grid_shape, a.shape[-1])
-    _, ok = window_indices(grid_shape, kernel, stride)  # (No, taps) static validity
-    kw = _windows(to_img(k), kernel, stride)  # (BH, No, taps, dh)
-    vw = _windows(to_img(v), kernel, stride)
-    qf = q.reshape(b * h, n_out, dh)
-    logits = jnp.einsum("nod,notd->not", qf, kw, preferred_element_type=jnp.float32)
+    n = b * h
+    sd = len(grid_shape)
+    out = strided_grid(grid_shape, kernel, stride)
+    nb = [-(-kk // s) for kk, s in zip(kernel, stride)]
+    to_img = lambda a: a.reshape(n, *grid_shape, a.shape[-1])
+    kb = _blocked(to_img(k), kernel, stride)  # (N, B.., s.., dh)
+    vb = _blocked(to_img(v), kernel, stride)
+    nblk, ns = int(np.prod(kb.shape[1:1 + sd])), int(np.prod(stride))
+    kb2, vb2 = kb.reshape(n, nblk, ns, dh), vb.reshape(n, nblk, ns, dh)
+    qg = q.reshape(n, *out, dh)
+    offsets = list(np.ndindex(*nb))
+
+    def shift_to_blocks(a: Array, j: tuple) -> Array:  # (N, o.., C) -> (N, B.., C), a[o] at B = o + j
+        cfg = [(0, 0, 0)] + [(jd, bd - 1 - jd, 0) for jd, bd in zip(j, nb)] + [(0, 0, 0)] * (a.ndim - 1 - sd)
+        return jax.lax.pad(a, jnp.zeros((), a.dtype), cfg)
+
+    def take_at_offset(a: Array, j: tuple) -> Array:  # (N, B.., ...) -> (N, o.., ...)
+        return a[(slice(None),) + tuple(slice(jd, jd + od) for jd, od in zip(j, out))]
+
+    parts = []
+    for j in offsets:
+        qs = shift_to_blocks(qg, j).reshape(n, nblk, dh)
+        lj = jnp.einsum("nbd,nbsd->nbs", qs, kb2, preferred_element_type=jnp.float32)
+        parts.append(take_at_offset(lj.reshape(n, *kb.shape[1:1 + sd], *stride), j))
+    logits = jnp.stack(parts, axis=1 + sd).reshape(n, n_out, -1)  # (N, No, taps)
+    ok = _window_valid(grid_shape, kernel, stride)
     a_k = jax.nn.softmax(jnp.where(ok, logits, -jnp.inf), axis=-1)
     if normalise_columns:
-        zeros = jnp.zeros((b * h, *grid_shape, 1), jnp.float32)
+        zeros = jnp.zeros((n, *grid_shape, 1), jnp.float32)
         _, transpose = jax.vjp(lambda z: _windows(z, kernel, stride), zeros)
-        col = transpose(a_k[..., None])[0]  # (BH, *grid, 1): each input's mass over its groups
+        col = transpose(a_k[..., None])[0]  # (N, *grid, 1): each input's mass over its groups
         a_q = a_k / (_windows(col, kernel, stride)[..., 0] + EPS)
     else:
         a_q = a_k
-    u = jnp.einsum("not,notd->nod", a_q, vw.astype(jnp.float32)).astype(q.dtype)
+    a_off = a_q.reshape(n, *out, len(offsets), *stride)
+    u = jnp.zeros((n, *out, dh), jnp.float32)
+    for i, j in enumerate(offsets):
+        aj = shift_to_blocks(a_off[(slice(None),) * (1 + sd) + (i,)], j).reshape(n, nblk, ns)
+        wj = jnp.einsum("nbs,nbsd->nbd", aj, vb2.astype(jnp.float32))
+        u = u + take_at_offset(wj.reshape(n, *kb.shape[1:1 + sd], dh), j)
     shape = (b, h, n_out, a_k.shape[-1])
-    return u.reshape(b, h, n_out, dh), a_q.reshape(shape), a_k.reshape(shape)
+    return u.astype(q.dtype).reshape(b, h, n_out, dh), a_q.reshape(shape), a_k.reshape(shape)
 
 
 def scatter_window_map(a: Array, idx: np.ndarray, ok: np.ndarray, num_inputs: int) -> Array:
@@ -245,6 +304,11 @@ class SpatialGroupingAttention(nnx.Module):
     def out_grid_shape(self, grid_shape: Sequence[int]) -> tuple[int, ...]:
         """Grid after this layer's strided convolution."""
         return strided_grid(grid_shape, self.kernel_size, self.stride)
+
+    def output_geometry(self, x: Array, grid_shape: Sequence[int], spacing: Sequence[float]) -> SGAOutput:
+        """Wrap already computed tokens with this layer's output grid and spacing (no maps)."""
+        out_spacing = tuple(float(s) * st for s, st in zip(spacing, self.stride))
+        return SGAOutput(x, self.out_grid_shape(grid_shape), out_spacing, None, None)
 
     def _split_heads(self, x: Array, compat: bool) -> Array:
         b, n, _ = x.shape
