@@ -11,10 +11,17 @@ USER_ERROR_EXIT_CODE = 2
 
 
 class _QuietLibraries(logging.Filter):
-    """Keep INFO lines from jaxrat only; libraries (Orbax logs a dozen lines per save) from WARNING up."""
+    """Keep INFO lines from jaxrat only; libraries (Orbax logs a dozen lines per save) from WARNING
+    up, and without their tracebacks: a failure jaxrat handles (a full disk during an async save)
+    is explained by jaxrat's own sentence, not by three stack traces from library threads."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "/jaxrat/" in record.pathname.replace("\\", "/")
+        if "/jaxrat/" in record.pathname.replace("\\", "/"):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
 
 
 def quiet_libraries() -> None:
@@ -27,5 +34,8 @@ def quiet_libraries() -> None:
 def fail(message: str) -> None:
     """Print ``jaxrat: error: message`` and exit with the user-error status (never requeued)."""
     print(f"jaxrat: error: {message}", file=sys.stderr, flush=True)
+    # Library tasks abandoned by the error (Orbax's async writes after a full disk) are reported by
+    # asyncio when they are collected at exit; the sentence above already said what happened.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     logging.shutdown()
     sys.exit(USER_ERROR_EXIT_CODE)

@@ -150,3 +150,18 @@ def test_smoke_trains_the_same_on_one_and_eight_devices(tmp_path):
     first = min(losses_by_step(str(tmp_path / "one")))
     assert losses_by_step(str(tmp_path / "one"))[first] == pytest.approx(
         losses_by_step(str(tmp_path / "eight"))[first], abs=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["mean", "leading"])
+def test_rat_classifier_gives_one_logits_array_per_head(pool):
+    import ml_collections as mlc
+    from flax import nnx
+
+    from jaxrat.models import build_model
+
+    model = build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3, 5), feature_dims=8, num_blocks=2,
+                                            num_heads=2, iters=1, pool=pool, dropout=0.0)), rngs=nnx.Rngs(0))
+    out = model(np.zeros((2, 16, 16, 3), np.float32))
+    assert [o.shape for o in out] == [(2, 3), (2, 5)] and all(np.all(np.isfinite(o)) for o in out)
+    with pytest.raises(ConfigError, match="model.pool"):
+        build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3,), pool="max")), rngs=nnx.Rngs(0))

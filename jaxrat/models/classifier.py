@@ -1,4 +1,5 @@
-"""Image classifiers with one or several label heads (``config.model.name = "cnn_classifier"``).
+"""Image classifiers with one or several label heads (``config.model.name``: ``cnn_classifier``,
+``rat_classifier``).
 
 A model returns one logits array per head, ``(B, num_classes[h])``, in the order of
 ``num_classes``; which head means what is the task's business.
@@ -12,8 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat.errors import ConfigError
 from jaxrat.models import register
+from jaxrat.models.rat_models import RATBackbone
 from jaxrat.models.unet import ConvBlock
+
+POOLS = ("mean", "leading")
 
 
 class Heads(nnx.Module):
@@ -53,3 +58,35 @@ class CNNClassifier(nnx.Module):
 def cnn_classifier(**kwargs: Any) -> CNNClassifier:
     """Factory for ``config.model.name = "cnn_classifier"`` (fields as :class:`CNNClassifier`)."""
     return CNNClassifier(**kwargs)
+
+
+class RATClassifier(RATBackbone):
+    """RAT backbone, pooled, then one linear head per label level.
+
+    Args:
+      num_classes: classes per head.
+      pool: "mean" (average of the final tokens of the first pyramid level) or "leading" (a learned
+        leading token that attends to every scale, as a class token).
+      **backbone: the fields of :class:`jaxrat.models.rat_models.RATBackbone`.
+    """
+
+    def __init__(self, *, num_classes: Sequence[int], pool: str = "mean", dtype: Any = jnp.float32, rngs: nnx.Rngs,
+                 **backbone: Any) -> None:
+        if pool not in POOLS:
+            raise ConfigError(f"model.pool must be one of {POOLS}, got {pool!r}.")
+        if pool == "leading":
+            backbone["leading_tokens"] = max(1, int(backbone.get("leading_tokens", 0)))
+        super().__init__(dtype=dtype, rngs=rngs, **backbone)
+        self.pool = pool
+        self.heads = Heads(self.feature_dims, num_classes, dtype=dtype, rngs=rngs)
+
+    def __call__(self, images: jax.Array) -> tuple[jax.Array, ...]:
+        first = self.features(images)[0]
+        pooled = first.leading[:, 0] if self.pool == "leading" else first.tokens.mean(axis=1)
+        return self.heads(pooled)
+
+
+@register("rat_classifier")
+def rat_classifier(**kwargs: Any) -> RATClassifier:
+    """Factory for ``config.model.name = "rat_classifier"`` (fields as :class:`RATClassifier`)."""
+    return RATClassifier(**kwargs)

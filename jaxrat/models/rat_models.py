@@ -42,11 +42,10 @@ def positional_kwargs(positional_encoding: str, rose_scaling: Optional[str], rot
     raise ConfigError(f"model.positional_encoding must be one of {POSITIONAL_ENCODINGS}, got {positional_encoding!r}.")
 
 
-class RATSegmenter(nnx.Module):
-    """RAT backbone + segmentation head; ``model(images)`` -> logits at the input resolution.
+class RATBackbone(nnx.Module):
+    """The RAT backbone with its input pyramid, as every RAT task model uses it.
 
     Args:
-      num_classes: output channels (1 for binary lesion masks).
       in_channels: image channels.
       feature_dims, num_blocks, num_heads, iters, mlp_ratio, dropout, sga_kernel_size, stride,
         proj_kernel_size, rotary_ratio: backbone dimensions (reference names; ``dropout`` is the
@@ -58,9 +57,8 @@ class RATSegmenter(nnx.Module):
         resized by scales[i] / scales[0] (so any input size works).
       pyramid_spacing: "relative" (level spacing scales[0]/scales[i], the physical pixel size) or
         "unit" (spacing 1 at every level, as the reference experiments).
-      head: "decoder" (multi-level decoder, default) or "reference" (final-grid MLP head).
-      decoder_dim: channels of the decoder head.
       abs_grid: table grid of the absolute embedding (resized to every scale).
+      leading_tokens: learned tokens that attend to every scale (e.g. one to classify with).
       reference_compat: reproduce the reference backbone exactly (SGA head reshaping).
       max_block_elements, slice_batch: attention kernel knobs.
       mr_attention: "global" (reference: every token sees every token, quadratic in pixels) or
@@ -73,7 +71,6 @@ class RATSegmenter(nnx.Module):
     def __init__(
         self,
         *,
-        num_classes: int = 1,
         in_channels: int = 3,
         feature_dims: int = 128,
         num_blocks: int = 4,
@@ -90,9 +87,8 @@ class RATSegmenter(nnx.Module):
         rose_scaling: Optional[str] = None,
         scales: Optional[Sequence[int]] = None,
         pyramid_spacing: str = "relative",
-        head: str = "decoder",
-        decoder_dim: int = 32,
         abs_grid: Sequence[int] = (32, 32),
+        leading_tokens: int = 0,
         reference_compat: bool = False,
         max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
         slice_batch: int = 1,
@@ -102,14 +98,11 @@ class RATSegmenter(nnx.Module):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
-        if head not in HEADS:
-            raise ConfigError(f"model.head must be one of {HEADS}, got {head!r}.")
         if pyramid_spacing not in ("relative", "unit"):
             raise ConfigError(f"model.pyramid_spacing must be 'relative' or 'unit', got {pyramid_spacing!r}.")
         self.scales = tuple(int(s) for s in scales) if scales else None
         self.pyramid_spacing = pyramid_spacing
-        self.head_type = head
-        self.spatial_dims = 2
+        self.feature_dims, self.num_blocks = feature_dims, num_blocks
         pe = positional_kwargs(positional_encoding, rose_scaling, rotary_ratio)
         try:
             self.backbone = ResolutionAwareTransformer(
@@ -118,15 +111,11 @@ class RATSegmenter(nnx.Module):
                 sga_kernel_size=sga_kernel_size, stride=stride, num_heads=num_heads, iters=iters,
                 mlp_ratio=mlp_ratio, mlp_dropout=dropout, reference_compat=reference_compat,
                 absolute_pos_grid=tuple(abs_grid) if positional_encoding == "absolute" else None,
-                max_block_elements=max_block_elements, slice_batch=slice_batch, mr_attention=mr_attention,
-                mr_window=mr_window, remat=remat, dtype=dtype, rngs=rngs, **pe,
+                leading_tokens=leading_tokens, max_block_elements=max_block_elements, slice_batch=slice_batch,
+                mr_attention=mr_attention, mr_window=mr_window, remat=remat, dtype=dtype, rngs=rngs, **pe,
             )
         except ValueError as e:
             raise ConfigError(f"invalid RAT config: {e}") from None
-        if head == "decoder":
-            self.head = MultiLevelDecoderHead(feature_dims, num_blocks + 1, num_classes, decoder_dim, dtype=dtype, rngs=rngs)
-        else:
-            self.head = ReferenceSegmentationHead(feature_dims, num_classes, dtype=dtype, rngs=rngs)
 
     def pyramid(self, images: Array) -> tuple[list[Array], list[tuple[float, float]]]:
         """The input pyramid and per-level spacing for an image batch (B, H, W, C)."""
@@ -137,17 +126,46 @@ class RATSegmenter(nnx.Module):
         for s in self.scales:
             f = s / self.scales[0]
             size = (max(1, round(h * f)), max(1, round(w * f)))
-            levels.append(images if size == (h, w) else jax.image.resize(images, (b, *size, c), "linear", antialias=True))
+            if size != (h, w):
+                images_at = jax.image.resize(images, (b, *size, c), "linear", antialias=True)
+            levels.append(images if size == (h, w) else images_at)
             sp = (h / size[0], w / size[1]) if self.pyramid_spacing == "relative" else (1.0, 1.0)
             spacings.append(sp)
         return levels, spacings
 
+    def features(self, images: Array, *, return_features: bool = False) -> list[Any]:
+        """The backbone's output per pyramid level (:class:`jaxrat.models.rat.ScaleOutput`)."""
+        levels, spacings = self.pyramid(images)
+        return self.backbone(levels, input_spacing=spacings, return_features=return_features)
+
+
+class RATSegmenter(RATBackbone):
+    """RAT backbone + segmentation head; ``model(images)`` -> logits at the input resolution.
+
+    Args:
+      num_classes: output channels (1 for binary lesion masks).
+      head: "decoder" (multi-level decoder, default) or "reference" (final-grid MLP head).
+      decoder_dim: channels of the decoder head.
+      **backbone: the fields of :class:`RATBackbone`.
+    """
+
+    def __init__(self, *, num_classes: int = 1, head: str = "decoder", decoder_dim: int = 32, dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs, **backbone: Any) -> None:
+        if head not in HEADS:
+            raise ConfigError(f"model.head must be one of {HEADS}, got {head!r}.")
+        super().__init__(dtype=dtype, rngs=rngs, **backbone)
+        self.head_type = head
+        self.spatial_dims = 2
+        d, n = self.feature_dims, self.num_blocks
+        if head == "decoder":
+            self.head = MultiLevelDecoderHead(d, n + 1, num_classes, decoder_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.head = ReferenceSegmentationHead(d, num_classes, dtype=dtype, rngs=rngs)
+
     def __call__(self, images: Array) -> Array:
         """(B, H, W, C) float images -> (B, H, W, num_classes) logits."""
-        levels, spacings = self.pyramid(images)
         decoder = self.head_type == "decoder"
-        outs = self.backbone(levels, input_spacing=spacings, return_features=decoder)
-        first = outs[0]
+        first = self.features(images, return_features=decoder)[0]
         out_grid = images.shape[1:3]
         if decoder:
             return self.head(first.features, first.feature_grids, out_grid)
