@@ -5,7 +5,9 @@ The solver is the shortest-augmenting-path (Jonker-Volgenant) algorithm as in Cr
 dual variables kept so reduced costs stay non-negative, each search's inner step vectorised over
 all queries. Targets are the rows (T <= Q), so every valid target gets exactly one query and the
 result is the minimum-cost assignment of the valid targets; padded targets are moved behind the
-valid ones and never searched, so their costs cannot influence anything.
+valid ones and never searched, so their costs cannot influence anything. A greedy start (a target
+whose cheapest query no other target wants takes it) leaves few searches when boxes are few and
+queries many: about 3 sequential loop steps per image instead of 25 on COCO-like batches.
 
 Why pure JAX rather than a host callback to scipy: it runs inside the jitted step on every backend
 and never leaves the device (a callback blocks the accelerator on a host round trip per step), and
@@ -24,7 +26,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrat.tasks.detection import boxes as box_ops
 
@@ -53,16 +56,20 @@ class _Search(NamedTuple):
     steps: jax.Array
 
 
-def _solve(cost: jax.Array, n_rows: jax.Array) -> jax.Array:
-    """Minimum-cost assignment of rows ``0..n_rows-1`` of ``cost`` (n, m), n <= m, to distinct columns.
+def _solve(cost: jax.Array, n_rows: jax.Array, col4row: jax.Array,
+           row4col: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Extends a partial assignment of ``cost`` (n, m), n <= m, by one augmenting path per row ``0..n_rows-1``.
 
-    Returns ``col4row`` (n,) int32, -1 for rows at or beyond ``n_rows``. Unbatched; vmap it.
+    Needs ``cost >= 0`` with every given pair ``(i, col4row[i])`` at cost 0 (zero duals are then
+    feasible and tight). Returns ``col4row`` (n,) int32 and the number of sequential loop steps
+    taken (what the solver's time grows with; the benchmark reports it). Unbatched; vmap it.
     """
     n, m = cost.shape
-    rows, cols = jnp.arange(n), jnp.arange(m)
+    rows = jnp.arange(n)
     inf = jnp.array(jnp.inf, cost.dtype)
 
-    def augment_one(cur: jax.Array, u: jax.Array, v: jax.Array, col4row: jax.Array, row4col: jax.Array):
+    def augment_one(cur: jax.Array, u: jax.Array, v: jax.Array, col4row: jax.Array, row4col: jax.Array,
+                    steps: jax.Array) -> tuple:
         def search_cond(s: _Search) -> jax.Array:
             # The step bound only matters if costs were non-finite; each step settles one column.
             return (s.sink < 0) & (s.steps < m)
@@ -99,41 +106,53 @@ def _solve(cost: jax.Array, n_rows: jax.Array) -> jax.Array:
             return c[0] >= 0
 
         def aug_body(c: tuple) -> tuple:
-            j, col4row, row4col = c
+            j, col4row, row4col, k = c
             i = s.path[j]
             prev = col4row[i]
-            return jnp.where(i == cur, -1, prev), col4row.at[i].set(j), row4col.at[j].set(i)
+            return jnp.where(i == cur, -1, prev), col4row.at[i].set(j), row4col.at[j].set(i), k + 1
 
-        _, col4row, row4col = jax.lax.while_loop(aug_cond, aug_body, (s.sink, col4row, row4col))
-        return u, v, col4row, row4col
+        _, col4row, row4col, k = jax.lax.while_loop(aug_cond, aug_body, (s.sink, col4row, row4col, s.steps))
+        return u, v, col4row, row4col, steps + k + 1
 
     def outer_cond(c: tuple) -> jax.Array:
         return c[0] < n_rows
 
     def outer_body(c: tuple) -> tuple:
-        cur, u, v, col4row, row4col = c
-        return (cur + 1, *augment_one(cur, u, v, col4row, row4col))
+        return (c[0] + 1, *augment_one(*c))
 
-    init = (jnp.array(0, jnp.int32), jnp.zeros(n, cost.dtype), jnp.zeros(m, cost.dtype),
-            jnp.full(n, -1, jnp.int32), jnp.full(m, -1, jnp.int32))
-    return jax.lax.while_loop(outer_cond, outer_body, init)[3]
+    zero = jnp.array(0, jnp.int32)
+    init = (zero, jnp.zeros(n, cost.dtype), jnp.zeros(m, cost.dtype), col4row, row4col, zero)
+    out = jax.lax.while_loop(outer_cond, outer_body, init)
+    return out[3], out[5]
 
 
-def _match_rows(cost_tq: jax.Array, valid: jax.Array) -> jax.Array:
-    """One problem: (T, Q) costs, (T,) valid -> (T,) query per target (0 for padding)."""
+def _match_rows(cost_tq: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One problem: (T, Q) costs, (T,) valid -> (T,) query per target (0 for padding), loop steps."""
     cost_tq = jnp.where(jnp.isfinite(cost_tq), cost_tq, _BIG)
     # Subtracting each row's minimum changes no assignment and keeps float32 duals small.
     cost_tq = cost_tq - cost_tq.min(axis=1, keepdims=True)
-    order = jnp.argsort(~valid, stable=True)  # valid rows first, in their original order
-    col4row = _solve(cost_tq[order], valid.sum().astype(jnp.int32))
+    n, m = cost_tq.shape
+    # Greedy start (JV's column reduction): a row whose cheapest column no other row wants takes it.
+    # Each such pair costs 0 after the shift, so zero duals stay tight and the solver need only
+    # augment the remaining rows: most of them when boxes are few and queries many, as in COCO.
+    best = jnp.argmin(cost_tq, axis=1).astype(jnp.int32)
+    claims = jnp.zeros(m, jnp.int32).at[best].add(valid.astype(jnp.int32))
+    greedy = valid & (claims[best] == 1)
+    todo = valid & ~greedy
+    # Rows to augment first, then greedy ones, then padding (never touched).
+    order = jnp.argsort(jnp.where(todo, 0, jnp.where(valid, 1, 2)), stable=True)
+    position = jnp.argsort(order)
+    col4row = jnp.where(greedy, best, -1)[order]
+    row4col = jnp.full(m, -1, jnp.int32).at[jnp.where(greedy, best, m)].set(position.astype(jnp.int32), mode="drop")
+    col4row, steps = _solve(cost_tq[order], todo.sum().astype(jnp.int32), col4row, row4col)
     pred = jnp.zeros_like(col4row).at[order].set(col4row)
-    return jnp.where(valid, pred, 0)
+    return jnp.where(valid, pred, 0), steps
 
 
 def _match_local(cost: jax.Array, valid: jax.Array) -> Match:
     cost = jax.lax.stop_gradient(cost).astype(jnp.float32)
     valid = valid.astype(bool)
-    pred_index = jax.vmap(_match_rows)(jnp.swapaxes(cost, 1, 2), valid)
+    pred_index, _ = jax.vmap(_match_rows)(jnp.swapaxes(cost, 1, 2), valid)
     onehot = (pred_index[:, :, None] == jnp.arange(cost.shape[1])) & valid[:, :, None]  # (B, T, Q)
     return Match(pred_index=pred_index.astype(jnp.int32), target_valid=valid,
                  target_index=jnp.argmax(onehot, axis=1).astype(jnp.int32), query_matched=onehot.any(axis=1))
