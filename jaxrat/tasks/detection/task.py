@@ -129,6 +129,13 @@ class DetectionTask(Task):
     def __init__(self, config: mlc.ConfigDict) -> None:
         super().__init__(config)
         self.t = config.task
+        queries = int(config.model.get("num_queries", 0) or 0)
+        if queries and queries < int(self.t.max_boxes):
+            from jaxrat.errors import ConfigError
+
+            # Every target needs its own query: the matcher cannot assign more boxes than queries.
+            raise ConfigError(f"config.model.num_queries={queries} < config.task.max_boxes={self.t.max_boxes}; "
+                              f"raise the queries or lower max_boxes.")
         self.num_classes = int(config.model.get("num_classes", 0) or 0)
         self._train = self._val = None
 
