@@ -95,18 +95,29 @@ class DecoderLayer(nnx.Module):
 
 
 class CNNBackbone(nnx.Module):
-    """A few stride-2 conv stages (for smoke tests and quick demos); every stage's tokens and grid."""
+    """Stride-2 conv stages, each conv-GroupNorm-GELU then a residual conv-GroupNorm-GELU (for smoke
+    tests and quick demos); every stage's tokens and grid. GroupNorm keeps it free of batch statistics."""
 
     def __init__(self, in_channels: int, widths: Sequence[int], *, dtype: Any, rngs: nnx.Rngs) -> None:
         chans = (in_channels, *widths)
-        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), strides=2, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-                               for a, b in zip(chans[:-1], chans[1:])])
+
+        def norm(c: int) -> nnx.GroupNorm:
+            return nnx.GroupNorm(c, num_groups=min(8, c), dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+        def conv(a: int, b: int, stride: int) -> nnx.Conv:
+            return nnx.Conv(a, b, (3, 3), strides=stride, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+        self.down = nnx.List([conv(a, b, 2) for a, b in zip(chans[:-1], chans[1:])])
+        self.refine = nnx.List([conv(b, b, 1) for b in widths])
+        self.norm1 = nnx.List([norm(b) for b in widths])
+        self.norm2 = nnx.List([norm(b) for b in widths])
         self.widths = tuple(widths)
 
     def __call__(self, images: Array, pad_mask: Array) -> list[tuple[Array, tuple[int, int]]]:
         x, out = images, []
-        for c in self.convs:
-            x = jax.nn.gelu(c(x))
+        for down, refine, n1, n2 in zip(self.down, self.refine, self.norm1, self.norm2):
+            x = jax.nn.gelu(n1(down(x)))
+            x = x + jax.nn.gelu(n2(refine(x)))
             out.append((x.reshape(x.shape[0], -1, x.shape[-1]), tuple(x.shape[1:3])))
         return out
 
