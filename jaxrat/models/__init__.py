@@ -22,7 +22,8 @@ from jaxrat.errors import ConfigError
 ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
 # Modules imported lazily on first lookup so importing jaxrat.models stays cheap.
-_BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat_models", "jaxrat.models.classifier")
+_BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat_models", "jaxrat.models.classifier",
+                    "jaxrat.models.detr")
 
 
 def register(name: str) -> Callable[[ModelFactory], ModelFactory]:

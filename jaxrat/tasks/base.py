@@ -28,6 +28,7 @@ Batch = Mapping[str, Any]
 BUILTIN_TASKS = {
     "segmentation": "jaxrat.tasks.segmentation:SegmentationTask",
     "classification": "jaxrat.tasks.classification:ClassificationTask",
+    "detection": "jaxrat.tasks.detection.task:DetectionTask",
 }
 
 

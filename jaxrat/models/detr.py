@@ -1,0 +1,230 @@
+"""DETR-family detector over multi-scale tokens (``config.model.name = "detr"``).
+
+``model(images, pad_mask)`` takes a letterboxed batch (B, S, S, C) and its pad mask (B, S, S), > 0
+where the canvas is padding, and returns ``(logits, boxes)`` stacked over decoder layers, the final
+layer last: ``(L, B, Q, num_classes + 1)`` (last = no object; ``num_classes`` with ``focal``) and
+``(L, B, Q, 4)`` sigmoid ``(cx, cy, w, h)`` normalised to the canvas. Earlier layers feed the
+auxiliary losses.
+
+The memory the queries attend to is every backbone stage's tokens (RAT's ``return_features``: the
+initial projection and every block; or a small strided CNN for fast smoke tests), each token with a
+sine embedding of its normalised grid position plus a learned level embedding, so queries know
+where a token lies whatever the stage's resolution. Tokens wholly in the padding are left out of
+the cross-attention, so the letterbox cannot attract queries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrat.errors import ConfigError
+from jaxrat.models import register
+from jaxrat.models.layers import layer_norm, linear
+
+Array = jax.Array
+BACKBONES = ("rat", "cnn")
+
+
+def sine_positions(grid: Sequence[int], dim: int, temperature: float = 1e4) -> Array:
+    """(h*w, dim) DETR sine embedding of cell centres in [0, 1]; half the channels for y, half for x."""
+    h, w = grid
+    ys = (jnp.arange(h, dtype=jnp.float32) + 0.5) / h
+    xs = (jnp.arange(w, dtype=jnp.float32) + 0.5) / w
+    n = dim // 4
+    freqs = temperature ** (-jnp.arange(n, dtype=jnp.float32) / max(n, 1)) * 2 * jnp.pi
+
+    def embed(v: Array) -> Array:
+        a = v[:, None] * freqs
+        return jnp.concatenate([jnp.sin(a), jnp.cos(a)], -1)
+
+    ey, ex = embed(ys), embed(xs)
+    pos = jnp.concatenate([jnp.repeat(ey[:, None], w, 1), jnp.repeat(ex[None], h, 0)], -1).reshape(h * w, -1)
+    return jnp.pad(pos, ((0, 0), (0, dim - pos.shape[-1])))
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with separate query, key and value inputs and a key padding mask."""
+
+    def __init__(self, dim: int, num_heads: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        if dim % num_heads:
+            raise ConfigError(f"model.hidden_dim={dim} must divide by model.decoder_heads={num_heads}.")
+        self.num_heads = num_heads
+        self.q = linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.k = linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.v = linear(dim, dim, dtype=dtype, rngs=rngs)
+        self.o = linear(dim, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, q: Array, k: Array, v: Array, key_ok: Optional[Array] = None) -> Array:
+        b, nq, d = q.shape
+        h = self.num_heads
+
+        def split(x: Array) -> Array:
+            return x.reshape(b, x.shape[1], h, d // h)
+
+        logits = jnp.einsum("bqhd,bkhd->bhqk", split(self.q(q)), split(self.k(k))).astype(jnp.float32)
+        logits = logits / jnp.sqrt(d // h).astype(jnp.float32)
+        if key_ok is not None:
+            logits = jnp.where(key_ok[:, None, None, :], logits, -1e9)
+        weights = jax.nn.softmax(logits, -1).astype(v.dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, split(self.v(v))).reshape(b, nq, d)
+        return self.o(out)
+
+
+class DecoderLayer(nnx.Module):
+    """DETR's post-norm layer: query self-attention, cross-attention over the memory, FFN."""
+
+    def __init__(self, dim: int, num_heads: int, ffn_dim: int, dropout: float, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        self.self_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs)
+        self.cross_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs)
+        self.fc1 = linear(dim, ffn_dim, dtype=dtype, rngs=rngs)
+        self.fc2 = linear(ffn_dim, dim, dtype=dtype, rngs=rngs)
+        self.norm1 = layer_norm(dim, 1e-5, dtype=dtype, rngs=rngs)
+        self.norm2 = layer_norm(dim, 1e-5, dtype=dtype, rngs=rngs)
+        self.norm3 = layer_norm(dim, 1e-5, dtype=dtype, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, tgt: Array, query_pos: Array, memory: Array, memory_pos: Array, key_ok: Array) -> Array:
+        q = tgt + query_pos
+        tgt = self.norm1(tgt + self.drop(self.self_attn(q, q, tgt)))
+        tgt = self.norm2(tgt + self.drop(self.cross_attn(tgt + query_pos, memory + memory_pos, memory, key_ok)))
+        return self.norm3(tgt + self.drop(self.fc2(self.drop(jax.nn.relu(self.fc1(tgt))))))
+
+
+class CNNBackbone(nnx.Module):
+    """Stride-2 conv stages, each conv-GroupNorm-GELU then a residual conv-GroupNorm-GELU (for smoke
+    tests and quick demos); every stage's tokens and grid. GroupNorm keeps it free of batch statistics."""
+
+    def __init__(self, in_channels: int, widths: Sequence[int], *, dtype: Any, rngs: nnx.Rngs) -> None:
+        chans = (in_channels, *widths)
+
+        def norm(c: int) -> nnx.GroupNorm:
+            return nnx.GroupNorm(c, num_groups=min(8, c), dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+        def conv(a: int, b: int, stride: int) -> nnx.Conv:
+            return nnx.Conv(a, b, (3, 3), strides=stride, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+        self.down = nnx.List([conv(a, b, 2) for a, b in zip(chans[:-1], chans[1:])])
+        self.refine = nnx.List([conv(b, b, 1) for b in widths])
+        self.norm1 = nnx.List([norm(b) for b in widths])
+        self.norm2 = nnx.List([norm(b) for b in widths])
+        self.widths = tuple(widths)
+
+    def __call__(self, images: Array, pad_mask: Array) -> list[tuple[Array, tuple[int, int]]]:
+        x, out = images, []
+        for down, refine, n1, n2 in zip(self.down, self.refine, self.norm1, self.norm2):
+            x = jax.nn.gelu(n1(down(x)))
+            x = x + jax.nn.gelu(n2(refine(x)))
+            out.append((x.reshape(x.shape[0], -1, x.shape[-1]), tuple(x.shape[1:3])))
+        return out
+
+
+class RATBackbone(nnx.Module):
+    """RAT (``ResolutionAwareTransformer``) on one image with its pad mask; every stage's tokens."""
+
+    def __init__(self, in_channels: int, *, dtype: Any, rngs: nnx.Rngs, positional_encoding: str = "rose",
+                 rose_scaling: Optional[str] = None, rotary_ratio: float = 0.5, **kwargs: Any) -> None:
+        from jaxrat.models.rat import ResolutionAwareTransformer
+        from jaxrat.models.rat_models import positional_kwargs
+
+        pe = positional_kwargs(positional_encoding, rose_scaling, rotary_ratio)
+        try:
+            self.net = ResolutionAwareTransformer(spatial_dims=2, input_features=in_channels, dtype=dtype, rngs=rngs,
+                                                  **kwargs, **pe)
+        except ValueError as e:
+            raise ConfigError(f"invalid RAT config: {e}") from None
+
+    def __call__(self, images: Array, pad_mask: Array) -> list[tuple[Array, tuple[int, int]]]:
+        out = self.net(images, mask=pad_mask, return_features=True)[0]
+        return list(zip(out.features, out.feature_grids))
+
+
+class DETR(nnx.Module):
+    """Backbone + DETR transformer decoder; see the module docstring.
+
+    Args:
+      num_classes: object classes (the task sets it from the data); a no-object logit is added
+        unless ``focal``.
+      backbone: "rat" (fields in ``rat``: ResolutionAwareTransformer arguments such as
+        feature_dims, num_blocks, num_heads, sga_attention_type) or "cnn" (``cnn_widths``).
+      hidden_dim, num_queries, decoder_layers, decoder_heads, ffn_dim, dropout: the decoder.
+      feature_levels: which backbone stages (0 = the first) the queries attend to; None = all.
+        The first RAT stage is at full resolution: leave it out for large canvases.
+      focal: sigmoid class logits (no no-object class) for the focal loss.
+    """
+
+    def __init__(self, *, num_classes: int, in_channels: int = 3, backbone: str = "rat", rat: Any = None,
+                 cnn_widths: Sequence[int] = (32, 64, 128), hidden_dim: int = 128, num_queries: int = 100,
+                 decoder_layers: int = 6, decoder_heads: int = 8, ffn_dim: int = 512, dropout: float = 0.0,
+                 feature_levels: Optional[Sequence[int]] = None, focal: bool = False, dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs) -> None:
+        if backbone not in BACKBONES:
+            raise ConfigError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}.")
+        if backbone == "rat":
+            rat_kwargs = dict(rat or {})
+            self.backbone = RATBackbone(in_channels, dtype=dtype, rngs=rngs, **rat_kwargs)
+            dims = [int(rat_kwargs.get("feature_dims", 128))] * (int(rat_kwargs.get("num_blocks", 4)) + 1)
+        else:
+            self.backbone = CNNBackbone(in_channels, cnn_widths, dtype=dtype, rngs=rngs)
+            dims = list(cnn_widths)
+        self.levels = tuple(range(len(dims))) if feature_levels is None else tuple(int(i) for i in feature_levels)
+        if not self.levels or any(not 0 <= i < len(dims) for i in self.levels):
+            raise ConfigError(f"model.feature_levels={feature_levels} must name backbone stages 0..{len(dims) - 1}.")
+        self.proj = nnx.List([linear(dims[i], hidden_dim, dtype=dtype, rngs=rngs) for i in self.levels])
+        self.level_embed = nnx.Param(jax.random.normal(rngs.params(), (len(self.levels), hidden_dim)) * 0.02)
+        self.query_embed = nnx.Param(jax.random.normal(rngs.params(), (num_queries, hidden_dim)))
+        self.layers = nnx.List([DecoderLayer(hidden_dim, decoder_heads, ffn_dim, dropout, dtype=dtype, rngs=rngs)
+                                for _ in range(decoder_layers)])
+        self.out_norm = layer_norm(hidden_dim, 1e-5, dtype=dtype, rngs=rngs)
+        self.class_head = linear(hidden_dim, num_classes + (0 if focal else 1), dtype=dtype, rngs=rngs)
+        self.box_mlp = nnx.List([linear(hidden_dim, hidden_dim, dtype=dtype, rngs=rngs),
+                                 linear(hidden_dim, hidden_dim, dtype=dtype, rngs=rngs),
+                                 linear(hidden_dim, 4, dtype=dtype, rngs=rngs)])
+        if focal:  # prior probability 0.01 per class, as RetinaNet/Deformable DETR: stable early focal loss
+            self.class_head.bias[...] = jnp.full(self.class_head.bias.shape, -4.595, jnp.float32)
+        self.dtype = dtype
+
+    def memory(self, images: Array, pad_mask: Array) -> tuple[Array, Array, Array]:
+        """Projected tokens of the chosen stages, their position embeddings, and which are not padding."""
+        stages = self.backbone(images, pad_mask)
+        content = (pad_mask <= 0).astype(jnp.float32)[..., None]
+        tokens, pos, ok = [], [], []
+        for j, i in enumerate(self.levels):
+            t, grid = stages[i]
+            tokens.append(self.proj[j](t))
+            pos.append(sine_positions(grid, self.level_embed.shape[-1]) + self.level_embed[j][None])
+            # Area resize: a token whose cell holds any content stays visible.
+            frac = jax.image.resize(content, (content.shape[0], *grid, 1), "linear", antialias=True)
+            ok.append(frac.reshape(frac.shape[0], -1) > 1e-3)
+        memory = jnp.concatenate(tokens, 1)
+        memory_pos = jnp.concatenate(pos, 0)[None].astype(memory.dtype)
+        return memory, jnp.broadcast_to(memory_pos, memory.shape), jnp.concatenate(ok, 1)
+
+    def __call__(self, images: Array, pad_mask: Optional[Array] = None) -> tuple[Array, Array]:
+        """(B, S, S, C) images, (B, S, S) pad mask -> stacked per-layer (logits, boxes); see the module docstring."""
+        if pad_mask is None:
+            pad_mask = jnp.zeros(images.shape[:3], jnp.float32)
+        images = images.astype(self.dtype)
+        memory, memory_pos, key_ok = self.memory(images, pad_mask)
+        b = images.shape[0]
+        query_pos = jnp.broadcast_to(self.query_embed[...].astype(memory.dtype)[None], (b, *self.query_embed.shape))
+        tgt = jnp.zeros_like(query_pos)
+        logits, boxes = [], []
+        for layer in self.layers:
+            tgt = layer(tgt, query_pos, memory, memory_pos, key_ok)
+            h = self.out_norm(tgt)
+            logits.append(self.class_head(h))
+            x = h
+            for k, fc in enumerate(self.box_mlp):
+                x = fc(x) if k == len(self.box_mlp) - 1 else jax.nn.relu(fc(x))
+            boxes.append(jax.nn.sigmoid(x.astype(jnp.float32)))
+        return jnp.stack(logits).astype(jnp.float32), jnp.stack(boxes)
+
+
+@register("detr")
+def detr(**kwargs: Any) -> DETR:
+    """Factory for ``config.model.name = "detr"`` (fields as :class:`DETR`)."""
+    return DETR(**kwargs)

@@ -1,0 +1,283 @@
+"""Object detection on COCO 2017 (``config.task.name = "detection"``): DETR set loss, COCOeval metrics.
+
+Data: the official COCO layout (``jaxrat.data.sources.coco``), or with ``data.synthetic`` a small
+synthetic COCO written under the workdir. Every image is letterboxed to the square canvas
+``data.image_size`` (top-left, zero padding). A batch holds
+
+- ``image`` (B, S, S, 3) ImageNet-normalised, ``pad_mask`` (B, S, S) 1 on padding (RAT's polarity),
+- ``boxes`` (B, T, 4) normalised ``(cx, cy, w, h)`` on the canvas, ``labels`` (B, T) contiguous
+  ids, ``box_valid`` (B, T) with T = ``task.max_boxes``;
+- eval batches also ``valid``, ``image_id``, ``orig_size`` (w, h) of the stored image and
+  ``content_size`` (w, h) of the image on the canvas: what maps predictions back to COCO pixels.
+
+Training augmentations keep boxes aligned: scale jitter (rescale, then random crop or pad; boxes
+leaving the crop are dropped, cut ones clipped) and a left-right flip.
+
+``config.task``: ``max_boxes``, ``cost_class``/``cost_bbox``/``cost_giou`` (matching),
+``ce_weight``/``bbox_weight``/``giou_weight`` (loss), ``eos_coef``, ``focal``, ``focal_alpha``,
+``focal_gamma``, ``aux_loss``, ``num_detections`` (per image, for COCOeval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterable, Iterator, Mapping
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+from flax import nnx
+
+from jaxrat.data import transforms as T
+from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
+from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
+from jaxrat.tasks.detection import boxes as box_ops
+from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
+from jaxrat.tasks.detection.losses import num_target_boxes, set_criterion
+
+METRICS = (*STAT_NAMES, "num_images")
+
+
+# ------------------------------------------------------------------------------------------ data
+@dataclasses.dataclass(frozen=True)
+class DecodeCocoSized(DecodeCoco):
+    """DecodeCoco plus the stored image's ``orig_size`` (w, h) and a content ``mask``.
+
+    The size comes from the record because JPEG draft decoding may return a smaller image; the all-ones
+    mask moves with the image through every geometric op, so after letterboxing, cropping and
+    flipping its zeros are exactly the padding."""
+
+    def map(self, rec: dict[str, Any]) -> T.Example:
+        ex = super().map(rec)
+        ex["orig_size"] = np.asarray([rec["width"], rec["height"]], np.float32)
+        ex["mask"] = np.ones(ex["image"].shape[:2], np.uint8)
+        return ex
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishDetection(grain.transforms.Map):
+    """Normalised, padded example -> the task's batch fields (see the module docstring)."""
+
+    def map(self, ex: T.Example) -> T.Example:
+        content = ex["mask"][..., 0] > 0.5
+        xyxy = ex["boxes"].astype(np.float32)
+        cxcywh = np.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2,
+                           xyxy[:, 2] - xyxy[:, 0], xyxy[:, 3] - xyxy[:, 1]], -1)
+        out = {
+            "image": ex["image"],
+            "pad_mask": (~content).astype(np.float32),
+            "boxes": cxcywh * ex["box_valid"][:, None],
+            "labels": ex["labels"].astype(np.int32),
+            "box_valid": ex["box_valid"],
+            "image_id": np.int32(ex["image_id"]),
+            "orig_size": ex["orig_size"],
+            # Letterboxing is top-left, so the content is the rows and columns with any content pixel.
+            "content_size": np.asarray([content.any(0).sum(), content.any(1).sum()], np.float32),
+        }
+        if "valid" in ex:
+            out["valid"] = ex["valid"]
+        return out
+
+
+def detection_ops(image_size: int, max_boxes: int, *, train: bool, data_cfg: Any = None) -> list:
+    """Letterbox to the canvas (train: scale jitter + flip), normalise, pad the boxes, finish."""
+    get = (lambda k, d: data_cfg.get(k, d)) if data_cfg is not None else (lambda k, d: d)
+    jitter = tuple(float(s) for s in get("scale_jitter", (1.0, 1.0)))
+    if train and jitter != (1.0, 1.0):
+        ops: list = [T.ScaleJitter(image_size, scale=jitter)]
+    else:
+        ops = [T.Resize(image_size, keep_aspect=True)]
+    if train and get("random_flip", True):
+        ops.append(T.RandomFlip(horizontal=0.5, vertical=0.0))  # scenes have an up: no vertical flip
+    if train and get("color_jitter", 0.0):
+        c = float(get("color_jitter", 0.0))
+        ops.append(T.ColorJitter(c, c, c, c / 2))
+    return ops + [T.Normalize(), PadBoxes(max_boxes), FinishDetection()]
+
+
+def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
+    """(train, validation) :class:`CocoDetection` for ``config.data``; writes synthetic COCO if asked."""
+    from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
+    from jaxrat.data.sources.coco import CocoDetection
+
+    record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
+    policy = BadFilePolicy(data_cfg.get("on_bad_file", "fail"), record)
+    root = os.path.expanduser(data_cfg.data_dir or "")
+    if data_cfg.synthetic and not root:
+        from jaxrat.data.synthetic.coco import write_coco
+
+        # One copy per process on its own disk: correct whether or not the workdir is shared.
+        root = write_coco(os.path.join(workdir, "synthetic_data", f"process_{process_index}"),
+                          num_train=data_cfg.synthetic_train, num_val=data_cfg.synthetic_val,
+                          image_size=data_cfg.get("synthetic_image_size", data_cfg.image_size), seed=seed,
+                          num_classes=data_cfg.get("synthetic_classes", 5))
+    root = root or os.path.expanduser("~/data/coco2017")
+    train = CocoDetection(root, "train", policy=policy, skip_empty=True)
+    val = CocoDetection(root, "validation", policy=policy)
+    for ds in (train, val):
+        ds.loader = DecodeCocoSized()
+    return train, val
+
+
+# ------------------------------------------------------------------------------------------ task
+class DetectionTask(Task):
+    """See the module docstring."""
+
+    def __init__(self, config: mlc.ConfigDict) -> None:
+        super().__init__(config)
+        self.t = config.task
+        queries = int(config.model.get("num_queries", 0) or 0)
+        if queries and queries < int(self.t.max_boxes):
+            from jaxrat.errors import ConfigError
+
+            # Every target needs its own query: the matcher cannot assign more boxes than queries.
+            raise ConfigError(f"config.model.num_queries={queries} < config.task.max_boxes={self.t.max_boxes}; "
+                              f"raise the queries or lower max_boxes.")
+        self.num_classes = int(config.model.get("num_classes", 0) or 0)
+        self._train = self._val = None
+
+    def prepare_data(self, workdir: str) -> str:
+        self._train, self._val = resolve_coco(self.config.data, workdir, seed=self.config.seed,
+                                              process_index=jax.process_index())
+        self.num_classes = self._train.num_classes
+        return f"{len(self._train)} train and {len(self._val)} validation images ({self.num_classes} classes)"
+
+    def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
+                       processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.train_iterator(
+            self._train.example_source(), image_size=d.image_size, local_batch=local_batch, seed=self.config.seed,
+            process_index=process_index, process_count=process_count, start_example=start_example,
+            processes_on_host=processes_on_host,
+            ops=detection_ops(d.image_size, int(self.t.max_boxes), train=True, data_cfg=d),
+            num_workers=d.get("num_workers", -1), worker_ram_budget_gb=d.get("worker_ram_budget_gb", 0.0),
+            num_threads=d.get("num_threads", 2), prefetch=d.get("prefetch_buffer", 4))
+
+    def eval_batches(self, *, global_batch: int, process_index: int,
+                     process_count: int) -> Iterable[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.eval_batches(self._val.example_source(), image_size=d.image_size, global_batch=global_batch,
+                                     process_index=process_index, process_count=process_count,
+                                     num_threads=d.get("num_threads", 2),
+                                     ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False))
+
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+        from jaxrat.models import build_model
+
+        model_config = mlc.ConfigDict(self.config.model.to_dict())
+        model_config.num_classes = self.num_classes
+        model_config.focal = bool(self.t.focal)
+        return build_model(model_config, dtype=dtype, rngs=rngs)
+
+    # ------------------------------------------------------------------------- inside jit
+    def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        t = self.t
+        logits, pred_boxes = model(batch["image"], batch["pad_mask"])
+        layers = [(logits[i], pred_boxes[i]) for i in range(logits.shape[0])]
+        if not t.aux_loss:
+            layers = layers[-1:]
+        valid = batch["box_valid"] > 0
+        # Under the GSPMD step the arrays are global, so this sum counts every device's boxes.
+        num_boxes = num_target_boxes(valid)
+        total, parts = set_criterion(
+            layers, batch["labels"], batch["boxes"], valid, num_boxes,
+            cost_class=float(t.cost_class), cost_bbox=float(t.cost_bbox), cost_giou=float(t.cost_giou),
+            ce_weight=float(t.ce_weight), bbox_weight=float(t.bbox_weight), giou_weight=float(t.giou_weight),
+            focal=bool(t.focal), eos_coef=float(t.eos_coef), focal_alpha=float(t.focal_alpha),
+            focal_gamma=float(t.focal_gamma))
+        logged = {k: parts[k] for k in ("loss_ce", "loss_bbox", "loss_giou")}
+        return total, {**logged, "boxes_per_image": jnp.mean(valid.sum(-1).astype(jnp.float32))}
+
+    def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:
+        logits, pred_boxes = model(batch["image"], batch["pad_mask"])
+        scores, labels, boxes = postprocess(logits[-1], pred_boxes[-1], focal=bool(self.t.focal),
+                                            num_detections=int(self.t.num_detections))
+        return {"num_images": jnp.sum(batch["valid"])}, {"scores": scores, "labels": labels, "boxes": boxes}
+
+    # ----------------------------------------------------------------------------- host side
+    def new_eval(self) -> EvalAccumulator:
+        return DetectionEval(self._val.annotation_file, self._val.category_ids)
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return METRICS
+
+
+def postprocess(logits: jax.Array, pred_boxes: jax.Array, *, focal: bool,
+                num_detections: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top detections per image: (scores (B, K), contiguous labels (B, K), canvas-normalised xyxy (B, K, 4)).
+
+    Softmax: each query's best real class (DETR). Focal: the best (query, class) pairs over all of
+    them (Deformable DETR), so one query may report several classes.
+    """
+    logits = logits.astype(jnp.float32)
+    xyxy = box_ops.cxcywh_to_xyxy(pred_boxes.astype(jnp.float32))
+    q = logits.shape[1]
+    if focal:
+        c = logits.shape[-1]
+        flat = jax.nn.sigmoid(logits).reshape(logits.shape[0], -1)
+        scores, idx = jax.lax.top_k(flat, min(num_detections, flat.shape[1]))
+        labels, query = idx % c, idx // c
+    else:
+        prob = jax.nn.softmax(logits, -1)[..., :-1]
+        best, cls = prob.max(-1), prob.argmax(-1)
+        scores, query = jax.lax.top_k(best, min(num_detections, q))
+        labels = jnp.take_along_axis(cls, query, 1)
+    boxes = jnp.take_along_axis(xyxy, query[..., None], 1)
+    return scores, labels.astype(jnp.int32), boxes
+
+
+def to_original(boxes: np.ndarray, content_size: np.ndarray, canvas: int) -> np.ndarray:
+    """Canvas-normalised xyxy (N, K, 4) -> normalised to the original image, clipped to it."""
+    scale = (canvas / np.maximum(content_size, 1.0))[:, None, :]  # (N, 1, 2): w, h
+    return np.clip(boxes * np.concatenate([scale, scale], -1), 0.0, 1.0)
+
+
+class DetectionEval(EvalAccumulator):
+    """Collects this process's predictions, gathers every process's in :meth:`finalize`, scores once."""
+
+    FIELDS = ("image_id", "orig_size", "content_size", "valid")
+
+    def __init__(self, annotation_file: str, category_ids: list[int]) -> None:
+        super().__init__()
+        self.annotation_file, self.category_ids = annotation_file, list(category_ids)
+        self.rows: dict[str, list[np.ndarray]] = {}
+
+    def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
+        self.add_sums(sums)
+        canvas = batch["image"].shape[1]
+        local = {k: host_rows(v) for k, v in outputs.items()}
+        local["boxes"] = to_original(local["boxes"], np.asarray(batch["content_size"]), canvas)
+        for k in self.FIELDS:
+            local[k] = np.asarray(batch[k])
+        for k, v in local.items():
+            self.rows.setdefault(k, []).append(v)
+
+    def gathered(self) -> dict[str, np.ndarray]:
+        """Every process's rows (same shapes everywhere: eval batches are equal in number and size)."""
+        local = {k: np.concatenate(v) for k, v in self.rows.items()}
+        if jax.process_count() == 1 or not local:
+            return local
+        from jax.experimental import multihost_utils
+
+        return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(local, tiled=True).items()}
+
+    def finalize(self) -> dict[str, float]:
+        rows = self.gathered()
+        n = float(self.fetched_totals().get("num_images", 0.0))
+        if not rows:
+            return {**{k: 0.0 for k in STAT_NAMES}, "num_images": n}
+        keep = rows["valid"] > 0
+        k = rows["scores"].shape[1]
+        results = to_coco_results(
+            self.category_ids, np.repeat(rows["image_id"][keep], k), rows["boxes"][keep].reshape(-1, 4),
+            rows["scores"][keep].reshape(-1), rows["labels"][keep].reshape(-1),
+            np.repeat(rows["orig_size"][keep], k, axis=0))
+        return {**evaluate(self.annotation_file, results), "num_images": n}
