@@ -68,7 +68,13 @@ class EvalAccumulator(abc.ABC):
 
 
 class Task(abc.ABC):
-    """A problem to train on: data, model, loss, metrics. See the module docstring."""
+    """A problem to train on: data, model, loss, metrics. See the module docstring.
+
+    ``mesh`` is set by the trainer before any step is traced: the device mesh the batch is sharded
+    over, for per-device work inside the step (e.g. matching under ``shard_map``).
+    """
+
+    mesh: jax.sharding.Mesh | None = None
 
     def __init__(self, config: mlc.ConfigDict) -> None:
         self.config = config

@@ -21,6 +21,7 @@ leaving the crop are dropped, cut ones clipped) and a left-right flip.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -37,6 +38,7 @@ from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
 from jaxrat.tasks.detection.losses import num_target_boxes, set_criterion
+from jaxrat.tasks.detection.matching import hungarian_match
 
 METRICS = (*STAT_NAMES, "num_images")
 
@@ -191,7 +193,7 @@ class DetectionTask(Task):
             cost_class=float(t.cost_class), cost_bbox=float(t.cost_bbox), cost_giou=float(t.cost_giou),
             ce_weight=float(t.ce_weight), bbox_weight=float(t.bbox_weight), giou_weight=float(t.giou_weight),
             focal=bool(t.focal), eos_coef=float(t.eos_coef), focal_alpha=float(t.focal_alpha),
-            focal_gamma=float(t.focal_gamma))
+            focal_gamma=float(t.focal_gamma), matcher=functools.partial(hungarian_match, mesh=self.mesh))
         logged = {k: parts[k] for k in ("loss_ce", "loss_bbox", "loss_giou")}
         return total, {**logged, "boxes_per_image": jnp.mean(valid.sum(-1).astype(jnp.float32))}
 
