@@ -118,7 +118,8 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _spawn(impl: str, size: int, reps: int, pyramid: bool, timeout: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", impl, "--size", str(size), "--reps", str(reps)] + (["--pyramid"] if pyramid else [])
+    cmd = [sys.executable, __file__, "--child", impl, "--size", str(size), "--reps", str(reps)]
+    cmd += ["--pyramid"] if pyramid else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -12,13 +12,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from runner import losses_by_step, read_metrics, run_main
 
 from jaxrat.config import load_config
 from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES
+from runner import losses_by_step, read_metrics, run_main
 
 CONFIG = "configs/coco.py"
 

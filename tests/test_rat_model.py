@@ -132,7 +132,8 @@ def test_backbone_outputs_per_scale_with_maps_and_leading_tokens():
 
 
 def test_masked_pixels_are_replaced():
-    model = ResolutionAwareTransformer(input_features=1, feature_dims=16, num_blocks=1, num_heads=2, iters=1, rngs=nnx.Rngs(0))
+    model = ResolutionAwareTransformer(input_features=1, feature_dims=16, num_blocks=1, num_heads=2, iters=1,
+                                       rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 12, 12, 1))
     mask = jnp.zeros((1, 12, 12)).at[0, 0, 0].set(1.0)
     run = nnx.jit(lambda m, x, mask: m(x, mask=mask)[0].tokens)

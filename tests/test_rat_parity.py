@@ -70,10 +70,12 @@ CASES = {
     "masks_pyramid": dict(cfg=BASE, sizes=[(18, 18), (9, 9)], masks=True),
     "rope": dict(cfg=dict(BASE, rose_initial_scaling="rope"), sizes=[(16, 16)], spacing=[(1.0, 1.0)]),
     "identity": dict(cfg=dict(BASE, rose_initial_scaling="identity"), sizes=[(16, 12)], spacing=[(0.5, 1.5)]),
-    "frozen_rose_full_ratio": dict(cfg=dict(BASE, learnable_rose=False, learnable_rose_scaling=False, rotary_ratio=1.0), sizes=[(15, 15)]),
+    "frozen_rose_full_ratio": dict(cfg=dict(BASE, learnable_rose=False, learnable_rose_scaling=False, rotary_ratio=1.0),
+                                   sizes=[(15, 15)]),
     "no_rotation": dict(cfg=dict(BASE, rotary_ratio=0.0), sizes=[(15, 15)]),
     "3d": dict(cfg=BASE, sizes=[(8, 9, 10)], sd=3, spacing=[(2.0, 1.0, 1.0)]),
-    "1d_kernel5_stride2": dict(cfg=dict(BASE, sga_kernel_size=5, stride=2, proj_kernel_size=3, iters=1), sizes=[(40,)], sd=1),
+    "1d_kernel5_stride2": dict(cfg=dict(BASE, sga_kernel_size=5, stride=2, proj_kernel_size=3, iters=1), sizes=[(40,)],
+                               sd=1),
     "leading_tokens": dict(cfg=dict(BASE, leading_tokens=2, num_heads=2, mlp_ratio=2), sizes=[(12, 12)], channels=1),
 }
 
@@ -139,7 +141,8 @@ def test_gradient_parity():
     expected = convert_state_dict(ref_grads, ours)
     got = nnx.to_pure_dict(g_params)
     worst = 0.0
-    for (path, e), (_, g) in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree_util.tree_flatten_with_path(got)[0]):
+    flat = jax.tree_util.tree_flatten_with_path
+    for (path, e), (_, g) in zip(flat(expected)[0], flat(got)[0]):
         if np.abs(e).max() == 0 and np.abs(g).max() == 0:
             continue
         err = rel_err(g, e)

@@ -12,7 +12,8 @@ from jaxrat.models.rose import RotarySpatialEmbedding
 
 
 def make(mode, **kw):
-    args = dict(feature_dims=16, num_heads=2, spatial_dims=2, rotary_ratio=1.0, learnable_scale=True, initial_scaling=mode)
+    args = dict(feature_dims=16, num_heads=2, spatial_dims=2, rotary_ratio=1.0, learnable_scale=True,
+                initial_scaling=mode)
     args.update(kw)
     return RotarySpatialEmbedding(**args, rngs=nnx.Rngs(0))
 

@@ -9,7 +9,13 @@ import pytest
 from flax import nnx
 
 from jaxrat.models import attention as A
-from jaxrat.models.sga import SpatialGroupingAttention, scatter_window_map, sparse_grouping, strided_grid, window_indices
+from jaxrat.models.sga import (
+    SpatialGroupingAttention,
+    scatter_window_map,
+    sparse_grouping,
+    strided_grid,
+    window_indices,
+)
 
 
 def _qkv(shape_q, shape_k, seed=0):
@@ -57,7 +63,8 @@ def test_kernel_matches_naive_values_and_gradients(normalise, block, slice_batch
 def test_kernel_never_holds_full_attention_tensor():
     q, k, v, _ = _qkv((2, 4, 256, 16), (2, 4, 4096, 16))
     full = 2 * 4 * 256 * 4096 * 4  # one (B, H, groups, pixels) float32 tensor
-    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(A.grouping_attention(q, k, v, max_block_elements=256 * 512) ** 2), argnums=(0, 1, 2)))
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(A.grouping_attention(q, k, v, max_block_elements=256 * 512) ** 2),
+                         argnums=(0, 1, 2)))
     temp = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
     assert temp < full / 4, (temp, full)
 
@@ -72,7 +79,8 @@ def test_grouping_maps_properties():
 
 @pytest.mark.parametrize(
     "grid,kernel,stride",
-    [((11, 9), (7, 7), (3, 3)), ((10,), (5,), (2,)), ((5, 6, 7), (3, 3, 3), (2, 1, 2)), ((8, 8), (3, 3), (1, 1)), ((9, 9), (4, 4), (1, 1))],
+    [((11, 9), (7, 7), (3, 3)), ((10,), (5,), (2,)), ((5, 6, 7), (3, 3, 3), (2, 1, 2)), ((8, 8), (3, 3), (1, 1)),
+     ((9, 9), (4, 4), (1, 1))],
 )
 def test_sparse_matches_windowed_dense(grid, kernel, stride):
     out = strided_grid(grid, kernel, stride)

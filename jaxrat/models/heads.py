@@ -76,8 +76,10 @@ class MultiLevelDecoderHead(nnx.Module):
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
-        self.lateral = nnx.List([linear(dim, decoder_dim, dtype=dtype, rngs=rngs, init="torch") for _ in range(num_stages)])
-        self.refine = nnx.List([_Refine(decoder_dim, spatial_dims, dtype=dtype, rngs=rngs) for _ in range(num_stages - 1)])
+        self.lateral = nnx.List([linear(dim, decoder_dim, dtype=dtype, rngs=rngs, init="torch")
+                                 for _ in range(num_stages)])
+        self.refine = nnx.List([_Refine(decoder_dim, spatial_dims, dtype=dtype, rngs=rngs)
+                                for _ in range(num_stages - 1)])
         self.out = linear(decoder_dim, num_classes, dtype=dtype, rngs=rngs, init="torch")
 
     def __call__(self, features: Sequence[Array], grids: Sequence[Sequence[int]], out_grid: Sequence[int]) -> Array:

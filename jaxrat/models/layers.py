@@ -36,7 +36,8 @@ def torch_default_uniform(fan_in: int):
     return init
 
 
-def linear(din: int, dout: int, *, use_bias: bool = True, dtype: Dtype, rngs: nnx.Rngs, init: str = "trunc") -> nnx.Linear:
+def linear(din: int, dout: int, *, use_bias: bool = True, dtype: Dtype, rngs: nnx.Rngs,
+           init: str = "trunc") -> nnx.Linear:
     """Dense layer with the reference's transformer init ("trunc") or PyTorch's default ("torch")."""
     kernel_init = trunc_normal_init() if init == "trunc" else torch_default_uniform(din)
     bias_init = nnx.initializers.zeros_init() if init == "trunc" else torch_default_uniform(din)
@@ -69,7 +70,8 @@ def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.Lay
 class Mlp(nnx.Module):
     """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout."""
 
-    def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype,
+                 rngs: nnx.Rngs) -> None:
         self.fc1 = linear(dim, hidden, use_bias=bias, dtype=dtype, rngs=rngs)
         self.fc2 = linear(hidden, dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.drop1 = nnx.Dropout(dropout, rngs=rngs)

@@ -74,7 +74,8 @@ class MultiResBlock(nnx.Module):
         self.qkv = linear(feature_dims, 3 * feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.proj = linear(feature_dims, feature_dims, dtype=dtype, rngs=rngs)
         self.norm2 = layer_norm(feature_dims, norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype, rngs=rngs)
+        self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype,
+                       rngs=rngs)
 
     def __call__(
         self,

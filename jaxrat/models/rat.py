@@ -78,7 +78,8 @@ def block_attention_types(sga_attention_type: str | Sequence[str], num_blocks: i
             n_sparse = (num_blocks + 1) // 2
             return ("sparse",) * n_sparse + ("dense",) * (num_blocks - n_sparse)
         if sga_attention_type not in SGA_TYPES:
-            raise ValueError(f"sga_attention_type must be one of {SGA_TYPES} or a per-block list, got {sga_attention_type!r}")
+            raise ValueError(f"sga_attention_type must be one of {SGA_TYPES} or a per-block list, "
+                             f"got {sga_attention_type!r}")
         return (sga_attention_type,) * num_blocks
     types = tuple(sga_attention_type)
     if len(types) != num_blocks or any(t not in ("dense", "sparse", "standard") for t in types):
@@ -168,7 +169,8 @@ class ResolutionAwareTransformer(nnx.Module):
             padding: Any = "SAME"
         else:
             padding = [(p, p) for p in as_tuple(proj_padding, spatial_dims, int)]
-        self.init_proj = conv(input_features, feature_dims, self.proj_kernel_size, padding=padding, dtype=dtype, rngs=rngs)
+        self.init_proj = conv(input_features, feature_dims, self.proj_kernel_size, padding=padding, dtype=dtype,
+                              rngs=rngs)
         self.leading_tokens = (
             nnx.Param(jax.random.uniform(rngs.params(), (1, leading_tokens, feature_dims), jnp.float32))
             if leading_tokens > 0 else None
@@ -248,7 +250,10 @@ class ResolutionAwareTransformer(nnx.Module):
         if len({im.shape[0] for im in images}) != 1:
             raise ValueError("all pyramid levels must have the same batch size")
         spacings = self._spacings(input_spacing, n)
-        masks = [mask] if (mask is not None and not isinstance(mask, (list, tuple))) else (list(mask) if mask is not None else [None] * n)
+        if mask is None:
+            masks = [None] * n
+        else:
+            masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
         if len(masks) != n:
             raise ValueError(f"got {len(masks)} masks for {n} images")
         masks = [None if m is None else self.dilate_mask(m) for m in masks]
@@ -268,7 +273,8 @@ class ResolutionAwareTransformer(nnx.Module):
         maps_k: list[Optional[Array]] = [None] * n
         leading = None
         if self.leading_tokens is not None and not self.reference_compat:
-            leading = jnp.broadcast_to(self.leading_tokens[...], (images[0].shape[0],) + self.leading_tokens.shape[1:]).astype(tokens[0].dtype)
+            shape = (images[0].shape[0],) + self.leading_tokens.shape[1:]
+            leading = jnp.broadcast_to(self.leading_tokens[...], shape).astype(tokens[0].dtype)
 
         for block in range(self.num_blocks):
             sga = self.sga_layers[block]

@@ -131,7 +131,8 @@ class RotarySpatialEmbedding(nnx.Module):
             # Same float32 arithmetic as the reference so frozen frequencies match exactly.
             exponents = np.arange(m, dtype=np.float32) * np.float32(2.0) / np.float32(m * 2)
             f = np.exp(-exponents * np.float32(math.log(theta)))
-            freqs = jnp.asarray(np.repeat(f[:, None], spatial_dims, 1).reshape(self.num_rotary_heads, self.num_planes, spatial_dims))
+            freqs = np.repeat(f[:, None], spatial_dims, 1)
+            freqs = jnp.asarray(freqs.reshape(self.num_rotary_heads, self.num_planes, spatial_dims))
             if learnable:
                 if init_jitter_std > 0:
                     eps = jax.random.normal(rngs.params(), freqs.shape) * init_jitter_std

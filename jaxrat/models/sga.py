@@ -69,7 +69,8 @@ def strided_grid(grid_shape: Sequence[int], kernel: Sequence[int], stride: Seque
     return tuple((n + 2 * ((k - 1) // 2) - k) // s + 1 for n, k, s in zip(grid_shape, kernel, stride))
 
 
-def window_indices(grid_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def window_indices(grid_shape: Sequence[int], kernel: Sequence[int],
+                   stride: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Each output group's window taps as flat input indices, in the layout of :func:`_windows`.
 
     A window is read as ``ceil(k/s)`` whole stride-blocks per axis, so it has ``ceil(k/s)*s >= k``
@@ -279,17 +280,21 @@ class SpatialGroupingAttention(nnx.Module):
         self.num_heads = num_heads
         self.head_dim = feature_dims // num_heads
         self.kernel_size = as_tuple(kernel_size, spatial_dims, int)
-        self.stride = tuple(max(1, k // 2) for k in self.kernel_size) if stride is None else as_tuple(stride, spatial_dims, int)
+        self.stride = (tuple(max(1, k // 2) for k in self.kernel_size) if stride is None
+                       else as_tuple(stride, spatial_dims, int))
         self.iters = iters
         self.attention = attention
         self.reference_compat = reference_compat
         self.max_block_elements = max_block_elements
         self.slice_batch = slice_batch
-        padding = "SAME" if all(s == 1 for s in self.stride) else [((k - 1) // 2, (k - 1) // 2) for k in self.kernel_size]
-        self.strider = conv(feature_dims, feature_dims, self.kernel_size, strides=self.stride, padding=padding, dtype=dtype, rngs=rngs)
+        padding = ("SAME" if all(s == 1 for s in self.stride)
+                   else [((k - 1) // 2, (k - 1) // 2) for k in self.kernel_size])
+        self.strider = conv(feature_dims, feature_dims, self.kernel_size, strides=self.stride, padding=padding,
+                            dtype=dtype, rngs=rngs)
         self.kv = linear(feature_dims, 2 * feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.q = linear(feature_dims, feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype, rngs=rngs)
+        self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype,
+                       rngs=rngs)
         # temp scales the keys only and starts at 1/sqrt(D) (not 1/sqrt(dh)): reference flaw 16.
         self.temp = nnx.Param(jnp.full((1,), 1.0 / math.sqrt(feature_dims), jnp.float32))
         self.rose = RotarySpatialEmbedding(
@@ -352,7 +357,8 @@ class SpatialGroupingAttention(nnx.Module):
         for _ in range(self.iters):
             q = self.rose(self.q(xo).reshape(b, n_out, h, dh), out_grid, out_spacing).transpose(0, 2, 1, 3)
             if self.attention == "dense":
-                u = grouping_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
+                u = grouping_attention(q, k, v, max_block_elements=self.max_block_elements,
+                                       slice_batch=self.slice_batch)
             elif self.attention == "standard":
                 u = softmax_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
             else:

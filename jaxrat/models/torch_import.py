@@ -130,7 +130,8 @@ def convert_state_dict(
         elif kind == "conv":
             w = np.transpose(w, tuple(range(2, w.ndim)) + (1, 0))
         if w.shape != np.shape(leaf):
-            raise ValueError(f"{key}: reference shape {w.shape} does not match Flax shape {np.shape(leaf)}; check the config")
+            raise ValueError(f"{key}: reference shape {w.shape} does not match Flax shape {np.shape(leaf)}; "
+                             f"check the config")
         return w.astype(np.float32)
 
     converted = jax.tree_util.tree_map_with_path(convert, target)
@@ -223,7 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """CLI: convert a reference state dict to a Flax ``.npz``."""
     parser = argparse.ArgumentParser(prog="python -m jaxrat.models.torch_import", description=__doc__.split("\n")[0])
     parser.add_argument("--state-dict", required=True, help=".pt/.pth (torch.save of a state dict) or .npz")
-    parser.add_argument("--config", default=None, help="JSON file of reference constructor kwargs (default: reference defaults)")
+    parser.add_argument("--config", default=None,
+                        help="JSON file of reference constructor kwargs (default: reference defaults)")
     parser.add_argument("--out", required=True, help="output .npz of Flax params")
     parser.add_argument("--prefix", default="", help="strip this key prefix (e.g. 'backbone.')")
     parser.add_argument("--non-strict", action="store_true", help="allow missing/unused entries")
