@@ -82,8 +82,8 @@ def test_cli_with_reference_checkpoint(tmp_path):
     assert main(["--state-dict", str(tmp_path / "rat.pt"), "--config", str(tmp_path / "rat.json"),
                  "--out", str(tmp_path / "rat.npz"), "--prefix", "backbone."]) == 0
 
-    model = ResolutionAwareTransformer(**cfg, reference_compat=True, rngs=nnx.Rngs(5))
-    ours = load_params_npz(model, tmp_path / "rat.npz")
+    flax_model = ResolutionAwareTransformer(**cfg, reference_compat=True, rngs=nnx.Rngs(5))
+    ours = load_params_npz(flax_model, tmp_path / "rat.npz")
     x = np.random.default_rng(0).standard_normal((1, 2, 15, 15)).astype(np.float32)
     with torch.no_grad():
         want = model(torch.from_numpy(x))[0]["x_out"].numpy()
