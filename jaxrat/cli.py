@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 from absl import flags
 
@@ -24,11 +25,59 @@ class _QuietLibraries(logging.Filter):
         return True
 
 
+class _DropClosedLoopTracebacks:
+    """A stand-in for sys.stderr that drops one kind of library noise: when an Orbax save fails
+    (a full disk), its event loop closes while TensorStore writes are still in flight, and each of
+    them prints "RuntimeError: Event loop is closed" with a stack trace straight to sys.stderr, not
+    through logging. jaxrat explains the failure in one sentence; every other line, and every
+    other traceback, passes through unchanged."""
+
+    _NOISE = "RuntimeError: Event loop is closed"
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._partial = ""
+        self._held: list[str] = []  # the lines of a traceback not yet finished
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+            for line in lines:
+                self._line(line + "\n")
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if self._held:
+            self._held.append(line)
+            if not line[:1].isspace() and not line.startswith("Traceback"):  # the exception's own line
+                if line.strip() != self._NOISE:
+                    self._stream.write("".join(self._held))
+                self._held = []
+        elif line.startswith("Traceback (most recent call last):"):
+            self._held = [line]
+        else:
+            self._stream.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._partial and not self._held:
+                self._stream.write(self._partial)
+                self._partial = ""
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def quiet_libraries() -> None:
-    """Filter library INFO lines out of the log, unless the user asked for a verbosity."""
+    """Filter library INFO lines and known library noise out of the log, unless the user asked
+    for a verbosity."""
     if not flags.FLAGS["verbosity"].present:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_QuietLibraries())
+        if not isinstance(sys.stderr, _DropClosedLoopTracebacks):
+            sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
 
 
 def fail(message: str) -> None:

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh "dev,reference"
 .venv/bin/ruff check jaxrat tests benchmarks configs scripts
-exec .venv/bin/python -m pytest -q -ra "$@"
+exec .venv/bin/python -m pytest -q -ra --durations=25 "$@"

@@ -1,0 +1,62 @@
+"""The stderr filter that drops TensorStore's "Event loop is closed" stack traces (printed when an
+Orbax save fails mid-write) and lets everything else through."""
+
+import io
+import subprocess
+import sys
+import textwrap
+
+from jaxrat.cli import _DropClosedLoopTracebacks
+
+NOISE = ('Traceback (most recent call last):\n'
+         '  File "/usr/lib/python3.11/asyncio/base_events.py", line 806, in call_soon_threadsafe\n'
+         '    self._check_closed()\n'
+         "RuntimeError: Event loop is closed\n")
+REAL = ('Traceback (most recent call last):\n'
+        '  File "x.py", line 1, in <module>\n'
+        "ValueError: a real error\n")
+
+
+def test_drops_the_closed_loop_traceback_and_keeps_everything_else():
+    out = io.StringIO()
+    err = _DropClosedLoopTracebacks(out)
+    text = "before\n" + NOISE + REAL + NOISE + "after, no newline"
+    for i in range(0, len(text), 7):  # written in pieces, as threads and print() do
+        err.write(text[i:i + 7])
+    err.flush()
+    assert out.getvalue() == "before\n" + REAL + "after, no newline"
+
+
+def test_a_chained_traceback_is_kept_whole():
+    out = io.StringIO()
+    err = _DropClosedLoopTracebacks(out)
+    chained = REAL + "\nDuring handling of the above exception, another exception occurred:\n\n" + REAL
+    err.write(chained)
+    assert out.getvalue() == chained
+
+
+def test_tensorstore_callbacks_on_a_closed_loop_print_nothing():
+    # The real thing: TensorStore futures finishing after their asyncio loop closed.
+    script = textwrap.dedent("""
+        import asyncio, sys, time
+        import tensorstore as ts
+        from jaxrat.cli import _DropClosedLoopTracebacks
+        sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
+        for _ in range(3):
+            promise, future = ts.Promise.new()
+            async def waiter():
+                await future
+            loop = asyncio.new_event_loop()
+            loop.create_task(waiter())
+            loop.run_until_complete(asyncio.sleep(0.01))
+            loop.close()
+            promise.set_result(1)
+        time.sleep(0.2)
+        print("the end", file=sys.stderr, flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Event loop is closed" not in proc.stderr and "the end" in proc.stderr, proc.stderr
+    unfiltered = subprocess.run([sys.executable, "-c", script.replace("sys.stderr = _Drop", "_ = _Drop")],
+                                capture_output=True, text=True, timeout=120)
+    assert "Event loop is closed" in unfiltered.stderr  # the check above can fail
