@@ -25,7 +25,7 @@ class Heads(nnx.Module):
     """LayerNorm on pooled features, then one linear layer per head."""
 
     def __init__(self, dim: int, num_classes: Sequence[int], *, dtype: Any, rngs: nnx.Rngs) -> None:
-        self.norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+        self.norm = nnx.LayerNorm(dim, use_fast_variance=False, dtype=dtype, rngs=rngs)
         self.heads = nnx.List([nnx.Linear(dim, int(n), dtype=dtype, rngs=rngs) for n in num_classes])
 
     def __call__(self, pooled: jax.Array) -> tuple[jax.Array, ...]:
