@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(REPO, "configs", "isic.py") + ":smoke"
@@ -66,3 +70,60 @@ def kill_when_ready(cmd: list[str], ready: str, what: str, timeout: float = 60.0
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(devices: int) -> dict[str, str]:
+    """Environment of one process of a multi-process run: ``devices`` CPU devices, no launcher variables."""
+    drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "LSF_", "JSM_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
+    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in names}
+    env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_processes(workdir: Path, processes: int, devices: int, args: list[str], config: str = SMOKE,
+                  timeout: int = 600) -> list[str]:
+    """Run jaxrat.main in ``processes`` processes on 127.0.0.1 sharing ``devices`` CPU devices (explicit
+    coordinator flags); assert every one exits 0 and return their logs."""
+    port = free_port()
+    procs = []
+    for i in range(processes):
+        cmd = [sys.executable, "-m", "jaxrat.main", "--config", config, "--workdir", str(workdir), *args]
+        if processes > 1:
+            cmd += [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                    f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
+        log = open(workdir.parent / f"{workdir.name}-{i}.log", "w+")
+        env = process_env(devices // processes)
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    logs = []
+    try:
+        for proc, log in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            logs.append(log.read())
+            log.close()
+    for i, ((proc, _), text) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {i}/{processes} exited {proc.returncode}:\n{text[-4000:]}"
+    return logs
+
+
+def assert_same_losses(a: dict[int, float], b: dict[int, float], *, rtol: float = 0.0, atol: float = 0.0,
+                       what: str = "") -> float:
+    """Same steps, and the values at each equal within the tolerances; returns the largest difference."""
+    assert sorted(a) == sorted(b) and a, (what, sorted(a), sorted(b))
+    x, y = np.array([a[k] for k in sorted(a)]), np.array([b[k] for k in sorted(b)])
+    np.testing.assert_allclose(y, x, rtol=rtol, atol=atol, err_msg=what)
+    return float(np.abs(x - y).max())

@@ -13,16 +13,14 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from runner import run_processes
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 DEVICES = 8  # global device count of every run compared here
 STEPS = 8
 # Checkpoints at 3, 6 and 8; no evaluation in the middle (it only costs time here).
@@ -31,50 +29,9 @@ OVERRIDES = [f"--config.num_train_steps={STEPS}", "--config.checkpoint.every_ste
 TIMEOUT = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_with(devices: int) -> dict[str, str]:
-    drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "LSF_", "JSM_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
-    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) and k not in names}
-    env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    return env
-
-
 def train(workdir: Path, processes: int, devices: int = DEVICES, extra: tuple[str, ...] = ()) -> list[str]:
     """Run jaxrat.main in `processes` processes sharing `devices` CPU devices; return their logs."""
-    port = free_port()
-    procs = []
-    for i in range(processes):
-        cmd = [sys.executable, "-m", "jaxrat.main", "--config", "configs/isic.py:smoke", "--workdir", str(workdir),
-               *OVERRIDES, *extra]
-        if processes > 1:
-            cmd += [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-                    f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
-        log = open(workdir.parent / f"{workdir.name}-{i}.log", "w+")
-        env = env_with(devices // processes)
-        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    logs = []
-    try:
-        for proc, log in procs:
-            proc.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.seek(0)
-            logs.append(log.read())
-            log.close()
-    for i, ((proc, _), text) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"process {i}/{processes} exited {proc.returncode}:\n{text[-4000:]}"
-    return logs
+    return run_processes(workdir, processes, devices, [*OVERRIDES, *extra], timeout=TIMEOUT)
 
 
 def losses(workdir: Path) -> dict[int, float]:

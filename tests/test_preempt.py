@@ -15,7 +15,7 @@ import pytest
 
 from jaxrat.checkpointing import store
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
-from runner import REPO, env_with_devices, losses_by_step, main_cmd
+from runner import REPO, SMOKE, env_with_devices, losses_by_step, main_cmd
 
 REQUEUE = PREEMPTED_EXIT_CODE  # what launch/*.sbatch requeue on
 TIMEOUT = 240
@@ -39,10 +39,10 @@ def cached_env(devices: int, cache_dir: str) -> dict[str, str]:
 class Run:
     """One ``jaxrat.main`` process with its output in a file."""
 
-    def __init__(self, workdir: str, args: list[str], env: dict[str, str], log: str):
+    def __init__(self, workdir: str, args: list[str], env: dict[str, str], log: str, config: str = SMOKE):
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(main_cmd(workdir, *args), env=env, cwd=REPO, stdout=self._log,
+        self.proc = subprocess.Popen(main_cmd(workdir, *args, config=config), env=env, cwd=REPO, stdout=self._log,
                                      stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = TIMEOUT) -> int:

@@ -140,23 +140,35 @@ def abstract_batch(example: dict[str, np.ndarray], global_batch: int, sharding: 
             for k, v in example.items()}
 
 
+def train_step_lowering(config: mlc.ConfigDict, mesh: jax.sharding.Mesh,
+                        task: Any) -> Callable[[dict[str, np.ndarray], int], Any]:
+    """``lower(example, global_batch)``: the train step of ``config`` on ``mesh`` lowered (``jax.stages.Lowered``)
+    for ``global_batch`` examples shaped like the rows of ``example``, from shapes alone: no data, no
+    parameters, nothing allocated. ``.compile()`` it for XLA's memory accounting."""
+    from jaxrat.trainer.state import make_state_spec
+    from jaxrat.trainer.step import make_train_step
+
+    spec = make_state_spec(config, mesh, task)
+    step = make_train_step(spec)
+
+    def lower(example: dict[str, np.ndarray], global_batch: int) -> Any:
+        return step.lower(spec.abstract_with_shardings(), abstract_batch(example, global_batch, spec.batch_sharding))
+
+    return lower
+
+
 def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, example: dict[str, np.ndarray],
                workdir: str) -> Choice:
     """Choose and apply the batch for ``config`` on ``mesh``; ``example`` is a host batch of the task
     (any size) that gives the fields' shapes and types."""
     import copy
 
-    from jaxrat.trainer.state import make_state_spec
-    from jaxrat.trainer.step import make_train_step
-
     probe_config = copy.deepcopy(config)
     probe_config.optimizer.grad_accum_steps = 1  # one micro-batch is what must fit
-    spec = make_state_spec(probe_config, mesh, task)
-    step = make_train_step(spec)
+    lower = train_step_lowering(probe_config, mesh, task)
 
     def compile_step(per_device: int) -> Any:
-        batch = abstract_batch(example, per_device * mesh.size, spec.batch_sharding)
-        return step.lower(spec.abstract_with_shardings(), batch).compile()
+        return lower(example, per_device * mesh.size).compile()
 
     choice = choose(config, mesh.size, compile_step)
     apply(config, choice, workdir)

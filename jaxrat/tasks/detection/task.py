@@ -100,6 +100,15 @@ def detection_ops(image_size: int, max_boxes: int, *, train: bool, data_cfg: Any
     return ops + [T.Normalize(), PadBoxes(max_boxes), FinishDetection()]
 
 
+def example_batch(config: mlc.ConfigDict) -> dict[str, np.ndarray]:
+    """One all-zero training example (a batch of 1) with every field, shape and dtype of a train batch
+    of ``config``: what lowering or sizing the step from shapes alone needs (no data)."""
+    s, t, f = int(config.data.image_size), int(config.task.max_boxes), np.float32
+    return {"image": np.zeros((1, s, s, 3), f), "pad_mask": np.zeros((1, s, s), f), "boxes": np.zeros((1, t, 4), f),
+            "labels": np.zeros((1, t), np.int32), "box_valid": np.zeros((1, t), f),
+            "image_id": np.zeros((1,), np.int32), "orig_size": np.zeros((1, 2), f), "content_size": np.zeros((1, 2), f)}
+
+
 def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     """(train, validation) :class:`CocoDetection` for ``config.data``; writes synthetic COCO if asked."""
     from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
