@@ -25,6 +25,7 @@ CONFIGS = {"classification": "configs/classification.py:smoke", "detection": "co
 KEYS = {"classification": ("train/loss", "train/shape/loss", "train/kind/loss", "eval/loss", "eval/kind/loss"),
         "detection": ("train/loss", "train/loss_ce", "train/loss_bbox", "train/loss_giou")}
 STEPS = 8
+TIMEOUT = 600  # per run: compiling the detection step takes minutes on a busy 2-core machine
 ARGS = [f"--config.num_train_steps={STEPS}", "--config.train.log_every=1", "--config.train.eval_every=4",
         "--config.checkpoint.every_steps=2", "--config.checkpoint.best_metric="]
 
@@ -40,7 +41,7 @@ def reference(request, tmp_path_factory, compile_cache) -> tuple[str, str]:  # n
     """(task name, workdir) of the uninterrupted 1-device run."""
     wd = str(tmp_path_factory.mktemp(request.param) / "one")
     run = Run(wd, ARGS, cached_env(1, compile_cache), wd + ".log", config=CONFIGS[request.param])
-    assert run.wait() == 0, run.output()[-4000:]
+    assert run.wait(TIMEOUT) == 0, run.output()[-4000:]
     assert sorted(losses_by_step(wd)) == list(range(1, STEPS + 1))
     return request.param, wd
 
@@ -63,13 +64,13 @@ def test_kill9_after_a_checkpoint_and_resume_match_the_uninterrupted_run(referen
     wd = str(tmp_path / "killed")
     run = Run(wd, ARGS, cached_env(1, compile_cache), wd + ".log", config=CONFIGS[name])
     try:
-        wait_until(lambda: store.committed_steps(f"{wd}/checkpoints"), [run], what="the first checkpoint")
+        wait_until(lambda: store.committed_steps(f"{wd}/checkpoints"), [run], TIMEOUT, "the first checkpoint")
         run.proc.send_signal(signal.SIGKILL)
         assert run.wait(60) == -signal.SIGKILL
     finally:
         run.kill()
     assert max(train_steps_logged(wd)) < STEPS, "the run finished before it could be killed"
     resumed = Run(wd, ARGS, cached_env(1, compile_cache), wd + ".resumed.log", config=CONFIGS[name])
-    assert resumed.wait() == 0, resumed.output()[-4000:]
+    assert resumed.wait(TIMEOUT) == 0, resumed.output()[-4000:]
     assert "resumed from step" in resumed.output()
     assert_runs_agree(name, ref, wd, atol=1e-6)
