@@ -129,6 +129,19 @@ def base_config() -> mlc.ConfigDict:
     c.distributed.heartbeat_timeout = 100
     c.distributed.coordinator_port = -1
 
+    # Where metrics go (docs/tracking.md); only process 0 writes, and a failing tracker costs a warning.
+    c.tracking = mlc.ConfigDict()
+    c.tracking.backends = ("tensorboard", "jsonl")  # add "mlflow" and/or "wandb" (pip install 'jaxrat[tracking]')
+    c.tracking.experiment = "jaxrat"  # MLflow experiment
+    c.tracking.run_name = ""  # empty: the workdir's name
+    c.tracking.tags = ()  # (key, value) pairs for MLflow tags / W&B tags
+    c.tracking.mlflow_uri = ""  # e.g. "http://mlflow:5000"; empty: $MLFLOW_TRACKING_URI, else WORKDIR/mlflow.db
+    c.tracking.wandb_project = "jaxrat"
+    c.tracking.wandb_entity = ""
+    c.tracking.wandb_mode = "offline"  # "offline" (WORKDIR/wandb; `wandb sync` later) or "online"
+    c.tracking.queue_size = 1000  # MLflow calls waiting for the server; beyond that, logs are dropped
+    c.tracking.close_timeout_s = 30.0  # how long the end of a run waits for MLflow to take the last logs
+
     # One run per workdir and resumes with the same config (docs/workdir.md).
     c.workdir = mlc.ConfigDict()
     c.workdir.lock = True  # WORKDIR/run.lock; False only where the filesystem cannot hold one
