@@ -133,17 +133,26 @@ class SegmentationTask(ImageTask):
         return sums, jax.nn.sigmoid(logits)
 
     def new_eval(self) -> EvalAccumulator:
-        return _SegmentationEval(log_images=bool(self.config.train.log_images))
+        return _SegmentationEval(log_images=bool(self.config.train.log_images), threshold=self.threshold)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         return METRICS
 
 
+def overlay(image: np.ndarray, truth: np.ndarray, pred: np.ndarray) -> np.ndarray:
+    """The input with the ground truth tinted green and the prediction red (both: yellow).
+
+    ``image`` (N, H, W, 3) in [0, 1]; ``truth`` and ``pred`` boolean (N, H, W, 1)."""
+    tint = np.concatenate([pred, truth, np.zeros_like(pred)], -1).astype(np.float32)
+    marked = (truth | pred).astype(np.float32)
+    return image * (1 - 0.5 * marked) + 0.5 * tint
+
+
 class _SegmentationEval(EvalAccumulator):
-    def __init__(self, log_images: bool) -> None:
+    def __init__(self, log_images: bool, threshold: float = 0.5) -> None:
         super().__init__()
-        self._want_images = log_images
+        self._want_images, self._threshold = log_images, threshold
         self._images: dict[str, np.ndarray] = {}
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
@@ -155,10 +164,12 @@ class _SegmentationEval(EvalAccumulator):
             if n == 0:  # this process's share of the first batch is all padding
                 return
             probs = host_rows(outputs)[:n]
+            image = np.clip((batch["image"][:n] * IMAGENET_STD + IMAGENET_MEAN) / 255.0, 0, 1)
             self._images = {
-                "eval/input": (batch["image"][:n] * IMAGENET_STD + IMAGENET_MEAN) / 255.0,
+                "eval/input": image,
                 "eval/mask": np.repeat(batch["mask"][:n], 3, -1),
                 "eval/prediction": np.repeat(probs, 3, -1),
+                "eval/overlay": overlay(image, batch["mask"][:n] > 0.5, probs >= self._threshold),
             }
 
     def finalize(self) -> dict[str, float]:
