@@ -37,6 +37,7 @@ from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
 from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
+from jaxrat.tasks.detection.drawing import boxes_images
 from jaxrat.tasks.detection.losses import num_target_boxes, set_criterion
 from jaxrat.tasks.detection.matching import hungarian_match
 
@@ -205,7 +206,8 @@ class DetectionTask(Task):
 
     # ----------------------------------------------------------------------------- host side
     def new_eval(self) -> EvalAccumulator:
-        return DetectionEval(self._val.annotation_file, self._val.category_ids)
+        return DetectionEval(self._val.annotation_file, self._val.category_ids,
+                             log_images=bool(self.config.train.log_images))
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -247,15 +249,18 @@ class DetectionEval(EvalAccumulator):
 
     FIELDS = ("image_id", "orig_size", "content_size", "valid")
 
-    def __init__(self, annotation_file: str, category_ids: list[int]) -> None:
+    def __init__(self, annotation_file: str, category_ids: list[int], log_images: bool = False) -> None:
         super().__init__()
         self.annotation_file, self.category_ids = annotation_file, list(category_ids)
         self.rows: dict[str, list[np.ndarray]] = {}
+        self._want_images, self._images = log_images, {}
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
         self.add_sums(sums)
         canvas = batch["image"].shape[1]
         local = {k: host_rows(v) for k, v in outputs.items()}
+        if self._want_images and not self._images:  # the same first images at every eval
+            self._images = boxes_images(batch, local)
         local["boxes"] = to_original(local["boxes"], np.asarray(batch["content_size"]), canvas)
         for k in self.FIELDS:
             local[k] = np.asarray(batch[k])
@@ -283,3 +288,7 @@ class DetectionEval(EvalAccumulator):
             rows["scores"][keep].reshape(-1), rows["labels"][keep].reshape(-1),
             np.repeat(rows["orig_size"][keep], k, axis=0))
         return {**evaluate(self.annotation_file, results), "num_images": n}
+
+    def images(self) -> dict[str, np.ndarray]:
+        """The first eval images with true (green) and detected (red) boxes."""
+        return self._images
