@@ -49,6 +49,8 @@ class MLflowTracker(TrackerBase):
         _require_mlflow()
         for k, v in HTTP_ENV.items():
             os.environ.setdefault(k, v)
+        # Every refused connection would log its own retry line; the guard's one warning says it all.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         # Empty: $MLFLOW_TRACKING_URI, else a database in the workdir (mlflow's own default is the
         # current directory, which on a cluster is wherever the job happened to start).
         self.uri = (tracking.get("mlflow_uri", "") or os.environ.get("MLFLOW_TRACKING_URI", "")
