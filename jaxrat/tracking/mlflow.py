@@ -63,6 +63,7 @@ class MLflowTracker(TrackerBase):
         self._id_file = os.path.join(workdir, "mlflow_run.json")
         self._mlflow_client = None  # made in the thread: opening a database may take seconds
         self.run_id: str | None = None
+        self._resumed = False
         self._queue: queue.Queue = queue.Queue(maxsize=int(tracking.get("queue_size", 1000)))
         self._guard = Guard()
         self._failures, self._paused_until, self._dropped = 0, 0.0, 0
@@ -90,9 +91,18 @@ class MLflowTracker(TrackerBase):
         from mlflow.entities import Param
 
         params = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(hparams.items())]
-        for i in range(0, len(params), MAX_PARAMS_PER_CALL):
-            chunk = params[i:i + MAX_PARAMS_PER_CALL]
-            self._submit(lambda chunk=chunk: self._client.log_batch(self._ensure_run(), params=chunk))
+        self._submit(lambda: self._log_params(params))
+
+    def _log_params(self, params: list) -> None:
+        run_id = self._ensure_run()
+        # A resumed run's params are there already; MLflow refuses to change one (e.g. num_train_steps).
+        known = self._client.get_run(run_id).data.params if self._resumed else {}
+        changed = [p.key for p in params if p.key in known and known[p.key] != p.value]
+        if changed:
+            logging.warning("mlflow: %s changed on resume; the MLflow run keeps the first values", ", ".join(changed))
+        fresh = [p for p in params if p.key not in known]
+        for i in range(0, len(fresh), MAX_PARAMS_PER_CALL):
+            self._client.log_batch(run_id, params=fresh[i:i + MAX_PARAMS_PER_CALL])
 
     def log_artifact(self, path: str) -> None:
         self._submit(lambda: self._client.log_artifact(self._ensure_run(), path))
@@ -151,7 +161,7 @@ class MLflowTracker(TrackerBase):
             try:
                 self._client.get_run(previous)
                 self._client.update_run(previous, status="RUNNING")
-                self.run_id = previous
+                self.run_id, self._resumed = previous, True
                 logging.info("mlflow: continuing run %s", previous)
                 return previous
             except Exception as e:  # deleted on the server, or another server: start a new run

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from typing import Any, Mapping
 
@@ -61,7 +62,10 @@ class WandbTracker(TrackerBase):
         self._run.config.update(dict(hparams), allow_val_change=True)
 
     def log_artifact(self, path: str) -> None:
-        self._run.save(path, base_path=os.path.dirname(path), policy="now")
+        # A copy in the run's folder (not W&B's symlink, which would follow later rewrites of the file).
+        copy = os.path.join(self._run.dir, os.path.basename(path))
+        shutil.copyfile(path, copy)
+        self._run.save(copy, base_path=self._run.dir, policy="now")
 
     def log_reference(self, name: str, path: str) -> None:
         self._run.summary[name] = path
