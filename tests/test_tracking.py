@@ -174,3 +174,31 @@ def test_the_segmentation_overlay_tints_truth_green_and_prediction_red():
     pred = np.array([True, False, True, False]).reshape(1, 1, 4, 1)
     out = overlay(image, truth, pred)[0, 0]
     np.testing.assert_allclose(out, [[0.75, 0.75, 0.25], [0.25, 0.75, 0.25], [0.75, 0.25, 0.25], [0.5, 0.5, 0.5]])
+
+
+def test_mlflow_default_store_is_in_the_workdir_and_a_resume_continues_its_run(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from mlflow.tracking import MlflowClient
+
+    tracking = mlc.ConfigDict({"backends": ("mlflow",), "mlflow_uri": "", "experiment": "e", "run_name": "",
+                               "tags": (("team", "rat"),)})
+    for steps in (2, 3):  # the first run, then its resume with one more step
+        writer = MetricWriter(str(tmp_path), is_main=True, tracking=tracking)
+        writer.write_hparams({"num_train_steps": steps, "seed": 0})
+        for step in range(1, steps + 1):
+            writer.write_scalars(step, {"train/loss": 1.0 / step})
+        (tmp_path / "summary.json").write_text('{"steps": %d}' % steps)
+        writer.log_artifact(str(tmp_path / "summary.json"))
+        writer.log_reference("checkpoint/last", f"/w/checkpoints/{steps}")
+        writer.close()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == tmp_path.name and run.data.tags["team"] == "rat"
+    assert run.data.params == {"num_train_steps": "2", "seed": "0"}  # MLflow keeps a param's first value
+    assert "num_train_steps changed on resume" in caplog.text
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == \
+        [(1, 1.0), (2, 0.5), (1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+    assert run.data.tags["checkpoint/last"] == "/w/checkpoints/3"
+    (stored,) = glob.glob(str(tmp_path / "mlflow_artifacts" / "*" / "artifacts" / "summary.json"))
+    assert open(stored).read() == '{"steps": 3}'

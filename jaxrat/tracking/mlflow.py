@@ -53,8 +53,10 @@ class MLflowTracker(TrackerBase):
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         # Empty: $MLFLOW_TRACKING_URI, else a database in the workdir (mlflow's own default is the
         # current directory, which on a cluster is wherever the job happened to start).
-        self.uri = (tracking.get("mlflow_uri", "") or os.environ.get("MLFLOW_TRACKING_URI", "")
-                    or "sqlite:///" + os.path.join(workdir, "mlflow.db"))
+        self.uri = tracking.get("mlflow_uri", "") or os.environ.get("MLFLOW_TRACKING_URI", "")
+        # The workdir's own database keeps its artifacts beside it, not in the current directory.
+        self._artifacts = None if self.uri else os.path.join(workdir, "mlflow_artifacts")
+        self.uri = self.uri or "sqlite:///" + os.path.join(workdir, "mlflow.db")
         self.experiment = tracking.get("experiment", "") or "jaxrat"
         self.run_name = tracking.get("run_name", "") or os.path.basename(os.path.normpath(workdir))
         self.tags = {str(k): str(v) for k, v in tuple(tracking.get("tags", ()))}
@@ -167,7 +169,8 @@ class MLflowTracker(TrackerBase):
             except Exception as e:  # deleted on the server, or another server: start a new run
                 logging.info("mlflow: cannot continue run %s (%s); starting a new one", previous, describe(e))
         exp = self._client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(self.experiment)
+        exp_id = (exp.experiment_id if exp is not None
+                  else self._client.create_experiment(self.experiment, artifact_location=self._artifacts))
         run = self._client.create_run(exp_id, run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id
         tmp = self._id_file + ".tmp"
