@@ -107,8 +107,10 @@ def mlflow_server(root: str):
            "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", f"{root}/artifacts",
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     log_path = os.path.join(root, "server.log")
+    # No job runner: its worker processes would each import mlflow, for jobs no test submits.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def kill() -> None:
         with contextlib.suppress(ProcessLookupError):
