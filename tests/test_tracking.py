@@ -88,6 +88,8 @@ def test_processes_other_than_0_open_no_tracker(tmp_path):
 def test_unknown_backend_and_missing_package_are_one_sentence(monkeypatch):
     with pytest.raises(ConfigError, match="unknown backends"):
         check_tracking(mlc.ConfigDict({"backends": ("tensorboard", "neptune")}))
+    with pytest.raises(ConfigError, match="wandb_mode='ofline'"):
+        check_tracking(mlc.ConfigDict({"backends": ("wandb",), "wandb_mode": "ofline"}))
     import importlib.util
 
     real = importlib.util.find_spec

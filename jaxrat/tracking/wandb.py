@@ -30,9 +30,7 @@ class WandbTracker(TrackerBase):
             raise ConfigError("config.tracking.backends includes 'wandb' but the wandb package is not installed; "
                               "run pip install 'jaxrat[tracking]'.") from None
         self._wandb = wandb
-        mode = tracking.get("wandb_mode", "offline") or "offline"
-        if mode not in ("offline", "online", "disabled"):
-            raise ConfigError(f"config.tracking.wandb_mode={mode!r}; use 'offline', 'online' or 'disabled'.")
+        mode = tracking.get("wandb_mode", "offline") or "offline"  # checked by writers.check_tracking
         # The same W&B run id across resumes of this workdir.
         id_file = os.path.join(workdir, "wandb_run.json")
         try:

@@ -20,6 +20,7 @@ from jaxrat.tracking.base import Guard, Tracker, describe, flatten
 
 DEFAULT_BACKENDS = ("tensorboard", "jsonl")
 BACKENDS = ("tensorboard", "jsonl", "mlflow", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _setting(tracking: Any, key: str, default: Any) -> Any:
@@ -35,6 +36,9 @@ def check_tracking(tracking: Any) -> None:
     if unknown:
         raise ConfigError(f"config.tracking.backends={backends!r} names unknown backends {unknown}; "
                           f"choose from {BACKENDS}.")
+    mode = _setting(tracking, "wandb_mode", "offline")
+    if "wandb" in backends and mode not in WANDB_MODES:
+        raise ConfigError(f"config.tracking.wandb_mode={mode!r}; use one of {WANDB_MODES}.")
     for name in ("mlflow", "wandb"):
         if name in backends and importlib.util.find_spec(name) is None:
             raise ConfigError(f"config.tracking.backends includes {name!r} but the {name} package is not installed; "
