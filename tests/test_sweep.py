@@ -268,8 +268,8 @@ def test_summary_table_of_fake_runs(tmp_path):
 
 
 def test_min_mode_best_and_plot_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
-    fake_run(tmp_path, "r", [{"step": 1, "eval/loss": 0.5}, {"step": 2, "eval/loss": 0.3}, {"step": 3, "eval/loss": 0.4}],
-             total=3, best="eval/loss", mode="min")
+    losses = [{"step": 1, "eval/loss": 0.5}, {"step": 2, "eval/loss": 0.3}, {"step": 3, "eval/loss": 0.4}]
+    fake_run(tmp_path, "r", losses, total=3, best="eval/loss", mode="min")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     runs = summary.write_summary(str(tmp_path))
     assert runs[0].best == (2, 0.3) and "best eval/loss (min)" in summary.table(runs)[0]
