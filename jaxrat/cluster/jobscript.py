@@ -196,6 +196,8 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
     workdir = _q(spec.run_dir)
     values = {
         "command": spec.command or "python -m jaxrat.launch ...",
+        "how_to_submit": ("The same command without --dry-run submits the variants not finished yet." if spec.array
+                          else "Regenerate with that command (add --submit to submit)."),
         "job_name": job_name,
         "nodes": str(spec.nodes),
         "tasks_per_node": str(t),
