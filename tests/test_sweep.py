@@ -7,8 +7,10 @@ import csv
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,38 @@ def test_min_mode_best_and_plot_skipped_without_matplotlib(tmp_path, monkeypatch
 def test_summary_of_an_empty_folder_says_so(tmp_path):
     with pytest.raises(UserError, match="holds no runs"):
         summary.report(str(tmp_path))
+
+
+FAKE_TRAINER = """#!/bin/bash
+# Stands in for `python -m jaxrat.main`: fails for variant base, waits for SIGTERM (exit 42) for lr_high.
+workdir=$(printf '%s\\n' "$@" | sed -n 's/^--workdir=//p')
+mkdir -p "$workdir"
+case "$workdir" in
+  */base) exit 1 ;;
+  */lr_high) trap 'echo term > "$workdir/got"; exit 42' TERM; touch "$workdir/started"
+             for i in $(seq 600); do sleep 0.1; done; exit 0 ;;
+esac
+"""
+
+
+def test_local_sweep_goes_on_after_a_failure_and_stops_when_terminated(tmp_path):
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_TRAINER)
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    code = ("import sys; from jaxrat.experiments import sweep as s; "
+            f"sys.exit(s.run_local({TOY!r}, {str(root)!r}, s.load_sweep({TOY!r}), python={str(fake)!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "lr_high" / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # as a scheduler preempting the sweep would
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 42, out
+    assert "sweep [1/3] base: ended with status 1" in out  # the failure did not stop the sweep
+    assert (root / "lr_high" / "got").read_text() == "term\n"  # passed on to the run
+    assert "sweep [2/3] lr_high: ended with status 42" in out and "sweep: stopped" in out
+    assert not (root / "wide").exists()

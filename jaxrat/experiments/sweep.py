@@ -19,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -177,6 +178,26 @@ def write_manifest(root: str, config: str, variants: list[Variant], common: Sequ
     os.replace(os.path.join(root, MANIFEST + ".tmp"), os.path.join(root, MANIFEST))
 
 
+def _train(cmd: list[str]) -> int:
+    """Run one training to its end. A SIGTERM to the sweep is passed on (the run checkpoints and
+    exits 42, as when preempted); on Ctrl-C, which the run receives too, give it time to stop."""
+    proc = subprocess.Popen(cmd)
+    on_main = threading.current_thread() is threading.main_thread()  # only there may handlers change
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM)) if on_main else None
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def run_local(config: str, root: str, variants: list[Variant], common: Sequence[str] = (), *,
               dry_run: bool = False, python: str = sys.executable) -> int:
     """Train the unfinished ``variants`` one after another; the exit status of the sweep.
@@ -200,7 +221,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
         if dry_run:
             continue
         try:
-            status = subprocess.call(cmd)
+            status = _train(cmd)
         except KeyboardInterrupt:
             print(f"{head}: interrupted; rerun the sweep to resume it", flush=True)
             return 130
