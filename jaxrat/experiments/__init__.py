@@ -1,0 +1,1 @@
+"""Experiments over trained runs and configs: sweeps, resolution robustness, their tables and plots."""
