@@ -162,17 +162,17 @@ def to_markdown(table: dict[str, Any]) -> str:
 def plot(table: dict[str, Any], path: str) -> None:
     """One panel per metric that varies over the grid (all metrics if none does): value against
     input size, one line per spacing, the training size dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a cluster node
-    import matplotlib.pyplot as plt
+    # A bare Figure draws with Agg whatever pyplot's backend is: no display needed on a cluster
+    # node, and a notebook's inline plotting is left as it was.
+    from matplotlib.figure import Figure
 
     rows = table["rows"]
     varying = [m for m in table["metrics"] if len({r["metrics"].get(m) for r in rows}) > 1]
     names = varying or table["metrics"]
     cols = min(3, len(names))
     n_rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.2 * n_rows), squeeze=False)
+    fig = Figure(figsize=(4.2 * cols, 3.2 * n_rows))
+    axes = fig.subplots(n_rows, cols, squeeze=False)
     for ax, m in zip(axes.flat, names):
         for spacing in table["spacings"]:
             pts = [(r["size"], r["metrics"][m]) for r in rows if r["spacing"] == spacing and m in r["metrics"]]
@@ -191,5 +191,4 @@ def plot(table: dict[str, Any], path: str) -> None:
     fig.suptitle(f"step {table['step']}, trained at {table['train_size']} px (dashed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=100)
-    plt.close(fig)
     os.replace(path + ".tmp.png", path)
