@@ -57,6 +57,9 @@ def test_robustness_at_three_sizes_writes_the_tables_and_the_plot(tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert len(os.listdir(os.path.join(out, "points"))) == 6
 
+    proc = robustness("--sizes=31")  # the smoke U-Net halves its input: 31 does not fit
+    assert proc.returncode == 2 and "cannot be evaluated at size 31" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
     proc = robustness("--sizes=24,big")
     assert proc.returncode == 2 and "--sizes=24,big" in proc.stderr and "Traceback" not in proc.stderr
     proc = robustness("--sizes=24", "--spacings=0.5")

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import ml_collections as mlc
 
 from jaxrat.checkpointing.store import resolve
-from jaxrat.errors import ConfigError
+from jaxrat.errors import ConfigError, UserError
 
 OUT_DIR = "robustness"
 FILES = ("table.md", "table.csv", "table.json", "plot.png")
@@ -83,8 +83,15 @@ def run_robustness(config: mlc.ConfigDict, workdir: str, *, sizes: Sequence[int]
         point.data.image_size = size
         point.data.eval_spacing = spacing  # added when the run's config predates the field
         logging.info("robustness: size %d, spacing %g", size, spacing)
-        _, metrics = evaluate(point, workdir, str(step_number), out_dir=os.path.join(out, "points",
-                              point_name(size, spacing)), data_dir=out)
+        try:
+            _, metrics = evaluate(point, workdir, str(step_number), out_dir=os.path.join(out, "points",
+                                  point_name(size, spacing)), data_dir=out)
+        except UserError:
+            raise
+        except Exception as e:  # a shape the model cannot take surfaces deep inside JAX
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ConfigError(f"The model cannot be evaluated at size {size} ({type(e).__name__}: {first}); "
+                              f"leave {size} out of --sizes or pick a size its downsampling divides.") from e
         rows.append({"size": size, "spacing": spacing, "metrics": {k: float(v) for k, v in metrics.items()}})
     table = make_table(rows, train_size=train_size, workdir=workdir, step=step_number)
     if write:
