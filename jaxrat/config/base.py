@@ -26,6 +26,9 @@ def base_config() -> mlc.ConfigDict:
     c.data.synthetic = False  # generate a synthetic dataset under the workdir (off when data_dir is given)
     c.data.synthetic_train = 256
     c.data.synthetic_val = 64
+    # Side the synthetic images are generated at (0: image_size). The pipeline resizes them to
+    # image_size like real data, so evaluating at another image_size reads the very same images.
+    c.data.synthetic_image_size = 0
     c.data.image_size = 256
     c.data.batch_size = 8  # global batch over all devices and hosts
     c.data.eval_batch_size = 8  # global
@@ -54,6 +57,9 @@ def base_config() -> mlc.ConfigDict:
     c.data.elastic_prob = 0.0  # probability of an elastic deformation per image
     c.data.elastic_alpha = 34.0  # its largest displacement, pixels
     c.data.elastic_sigma = 4.0  # its smoothness, pixels
+    # Evaluation only: each image is resampled at this many times its pixel spacing (downsampled by
+    # it after the resize to image_size, then back up), as if recorded at a coarser resolution.
+    c.data.eval_spacing = 1.0
 
     c.model = mlc.ConfigDict()
     c.model.name = "unet"

@@ -155,7 +155,18 @@ def train_options(data_cfg: Any) -> dict[str, Any]:
 def eval_options(data_cfg: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`eval_batches` from a ``config.data`` section."""
     ops = augment_ops(data_cfg.image_size, keep_aspect_ratio=_cfg(data_cfg, "keep_aspect_ratio", False), train=False)
+    coarsen = eval_coarsen(data_cfg)
+    if coarsen:
+        ops.insert(-1, coarsen)  # after the resize, before Normalize
     return {"ops": ops, "num_threads": _cfg(data_cfg, "num_threads", 2)}
+
+
+def eval_coarsen(data_cfg: Any) -> T.Coarsen | None:
+    """The :class:`~jaxrat.data.transforms.Coarsen` op for ``data.eval_spacing`` (None at 1)."""
+    spacing = float(_cfg(data_cfg, "eval_spacing", 1.0))
+    if spacing < 1:
+        raise ConfigError(f"config.data.eval_spacing={spacing}; use 1 (the input as it is) or more (coarser detail).")
+    return T.Coarsen(spacing) if spacing != 1 else None
 
 
 def _decode_target(image_size: int, ops: Sequence[Any]) -> tuple[int, int]:

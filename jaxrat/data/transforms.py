@@ -111,6 +111,24 @@ class Resize(grain.transforms.Map):
 
 
 @dataclasses.dataclass(frozen=True)
+class Coarsen(grain.transforms.Map):
+    """The image as if recorded at ``spacing`` times its pixel spacing and resampled back onto its
+    grid: downsampled (antialiased) by ``spacing``, then upsampled to its own size. Labels (mask,
+    boxes) are left as they are: the scene is the same, only its detail is lost."""
+
+    spacing: float = 1.0
+
+    def map(self, ex: Example) -> Example:
+        if self.spacing == 1.0:
+            return ex
+        ex = dict(ex)
+        h, w = ex["image"].shape[:2]
+        small = pil_resize(ex["image"], max(1, round(h / self.spacing)), max(1, round(w / self.spacing)), False)
+        ex["image"] = pil_resize(small, h, w, nearest=False)
+        return ex
+
+
+@dataclasses.dataclass(frozen=True)
 class RandomResizedCrop(grain.transforms.RandomMap):
     """Crop a random region covering ``scale`` of the area with aspect ratio in ``ratio`` (log-
     uniform), then resize it to ``size`` (the Inception/torchvision recipe)."""

@@ -98,6 +98,10 @@ def detection_ops(image_size: int, max_boxes: int, *, train: bool, data_cfg: Any
     if train and get("color_jitter", 0.0):
         c = float(get("color_jitter", 0.0))
         ops.append(T.ColorJitter(c, c, c, c / 2))
+    if not train and data_cfg is not None:
+        from jaxrat.data.pipeline import eval_coarsen
+
+        ops += [op for op in (eval_coarsen(data_cfg),) if op]
     return ops + [T.Normalize(), PadBoxes(max_boxes), FinishDetection()]
 
 
@@ -110,12 +114,13 @@ def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     policy = BadFilePolicy(data_cfg.get("on_bad_file", "fail"), record)
     root = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and not root:
+        from jaxrat.data.datasets import synthetic_image_size
         from jaxrat.data.synthetic.coco import write_coco
 
         # One copy per process on its own disk: correct whether or not the workdir is shared.
         root = write_coco(os.path.join(workdir, "synthetic_data", f"process_{process_index}"),
                           num_train=data_cfg.synthetic_train, num_val=data_cfg.synthetic_val,
-                          image_size=data_cfg.get("synthetic_image_size", data_cfg.image_size), seed=seed,
+                          image_size=synthetic_image_size(data_cfg), seed=seed,
                           num_classes=data_cfg.get("synthetic_classes", 5))
     root = root or os.path.expanduser("~/data/coco2017")
     train = CocoDetection(root, "train", policy=policy, skip_empty=True)
@@ -169,7 +174,7 @@ class DetectionTask(Task):
         return pipeline.eval_batches(self._val.example_source(), image_size=d.image_size, global_batch=global_batch,
                                      process_index=process_index, process_count=process_count,
                                      num_threads=d.get("num_threads", 2),
-                                     ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False))
+                                     ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False, data_cfg=d))
 
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
         from jaxrat.models import build_model
