@@ -162,41 +162,54 @@ def test_mask_is_resized_once_from_its_stored_size(tmp_path):
     assert out["image"].shape == (48, 48, 3)
 
 
-def _multiscale_model_and_task(multiscale_loss=True):
-    config = load_config(f"{REPO}/configs/isic_multiscale.py:smoke")
-    config.task.multiscale_loss = multiscale_loss
-    from jaxrat.models import build_model
+class _ThreeLevels(nnx.Module):
+    """A stand-in multi-scale segmenter: one 1x1 conv applied to the input and to its 2x and 4x
+    average-pooled copies (the RAT's own levels are checked below, once compiled)."""
 
-    return build_model(config.model, rngs=nnx.Rngs(0)), segmentation.SegmentationTask(config)
+    def __init__(self):
+        self.conv = nnx.Conv(3, 1, (1, 1), rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.level_logits(x)[0]
+
+    def level_logits(self, x):
+        return [self.conv(nnx.avg_pool(x, (f, f), (f, f)) if f > 1 else x) for f in (1, 2, 4)]
 
 
 def test_multiscale_loss_is_the_mean_of_the_per_level_losses():
-    model, task = _multiscale_model_and_task()
-    _, single = _multiscale_model_and_task(multiscale_loss=False)
-    model.eval()
+    config = load_config(f"{REPO}/configs/isic_multiscale.py:smoke")
+    config.task.multiscale_loss = True
+    task = segmentation.SegmentationTask(config)
+    model = _ThreeLevels()
     rng = np.random.default_rng(0)
     images = jnp.array(rng.normal(size=(2, 16, 16, 3)).astype(np.float32))
     mask = np.zeros((2, 16, 16, 1), np.float32)
     mask[0, 2:10, 5:14], mask[1, 7:15, 1:8] = 1, 1
     # Nearest resize by 2 and 4 picks the pixel centres 1, 3, 5, ... and 2, 6, 10, ... (here by hand).
-    targets = [jnp.array(t) for t in (mask, mask[:, 1::2, 1::2], mask[:, 2::4, 2::4])]
+    targets = [mask, mask[:, 1::2, 1::2], mask[:, 2::4, 2::4]]
+    per_level = [float(segmentation.loss_fn(lv, jnp.array(t), bce_weight=0.5, dice_weight=0.5)[0])
+                 for lv, t in zip(model.level_logits(images), targets)]
+    batch = {"image": images, "mask": jnp.array(mask)}
+    loss, parts = task.loss(model, batch, jax.random.key(0))
+    assert float(loss) == pytest.approx(np.mean(per_level), rel=1e-6)
+    for k, v in enumerate(per_level):
+        assert float(parts[f"loss_level_{k}"]) == pytest.approx(v, rel=1e-6)
+    assert len({round(v, 6) for v in per_level}) == 3  # the levels differ: the mean is no accident
+    config.task.multiscale_loss = False
+    loss0, _ = segmentation.SegmentationTask(config).loss(model, batch, jax.random.key(0))
+    assert float(loss0) == pytest.approx(per_level[0], rel=1e-6)
 
-    @nnx.jit  # one compile instead of minutes of op-by-op RAT on CPU
-    def run(model, images, mask):
-        levels = model.level_logits(images)
-        per_level = [segmentation.loss_fn(lv, t, bce_weight=0.5, dice_weight=0.5)[0] for lv, t in zip(levels, targets)]
-        batch = {"image": images, "mask": mask}
-        return (levels, model(images), per_level, task.loss(model, batch, jax.random.key(0)),
-                single.loss(model, batch, jax.random.key(0))[0])
 
-    levels, full, per_level, (loss, parts), loss0 = run(model, images, jnp.array(mask))
+def test_rat_predicts_every_pyramid_level_and_level_0_is_its_output():
+    from jaxrat.models import build_model
+
+    config = load_config(f"{REPO}/configs/isic_multiscale.py:smoke")
+    model = build_model(config.model, rngs=nnx.Rngs(0))
+    model.eval()
+    images = jnp.array(np.random.default_rng(0).normal(size=(1, 16, 16, 3)).astype(np.float32))
+    levels, full = nnx.jit(lambda m, x: (m.level_logits(x), m(x)))(model, images)  # one compile
     assert [lv.shape[1:3] for lv in levels] == [(16, 16), (8, 8), (4, 4)]  # scales (256, 128, 64)
     np.testing.assert_allclose(levels[0], full, atol=1e-6)
-    assert float(loss) == pytest.approx(float(np.mean(per_level)), rel=1e-6)
-    for k, v in enumerate(per_level):
-        assert float(parts[f"loss_level_{k}"]) == pytest.approx(float(v), rel=1e-6)
-    assert len({round(float(v), 6) for v in per_level}) == 3  # the levels differ: the mean is no accident
-    assert float(loss0) == pytest.approx(float(per_level[0]), rel=1e-6)
 
 
 def test_multiscale_loss_needs_a_multiscale_model():
