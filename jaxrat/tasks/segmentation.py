@@ -100,6 +100,8 @@ class SegmentationTask(ImageTask):
 
         self.train_source, self.val_source = datasets.resolve_segmentation(
             self.config.data, workdir, seed=self.config.seed, process_index=jax.process_index())
+        if self.eval_original_resolution:
+            self._original_resolution()  # a source that cannot re-read its masks fails now, not at the first eval
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images"
 
     def eval_batches(self, *, global_batch: int, process_index: int,
