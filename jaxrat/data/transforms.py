@@ -1,7 +1,9 @@
 """Seeded Grain transforms on example dicts, aware of masks and boxes.
 
-An example is a dict with ``image`` (uint8 H x W x 3) and optionally ``mask`` (uint8 H x W,
-nearest-neighbour resampled), ``boxes`` (float32 N x 4, normalised ``x1, y1, x2, y2`` in [0, 1])
+An example is a dict with ``image`` (uint8 H x W x 3) and optionally ``mask`` (uint8, nearest-
+neighbour resampled; straight from a decoder it may be larger than a JPEG decoded at reduced
+scale, and the first resize or resized crop takes it from its original size to the target in one
+resampling, see :func:`align_mask`), ``boxes`` (float32 N x 4, normalised ``x1, y1, x2, y2`` in [0, 1])
 with per-box arrays (``labels``, ``is_crowd``, ``area``) kept in step with them. Any other key
 is passed through. Every geometric op moves the mask and the boxes with the image, so the same op
 serves segmentation and detection; random ops draw only from the ``rng`` Grain gives them (seeded
@@ -49,8 +51,28 @@ def _filter_boxes(ex: Example, keep: np.ndarray) -> Example:
     return ex
 
 
+def align_mask(ex: Example) -> Example:
+    """The example with its mask on the image's pixel grid (nearest resize when they differ).
+
+    A decoder may return the mask at its original size beside an image decoded at a reduced JPEG
+    scale; :func:`resize` and :class:`RandomResizedCrop` resample such a mask once, from its
+    original size to the target, and every other op aligns it first. (Resizing it to the reduced
+    image and then again to the target moved lesion edges by up to a pixel.)"""
+    if "mask" in ex and ex["mask"].shape[:2] != ex["image"].shape[:2]:
+        ex = dict(ex)
+        ex["mask"] = pil_resize(ex["mask"], *ex["image"].shape[:2], nearest=True)
+    return ex
+
+
+def full_size(ex: Example) -> tuple[int, int]:
+    """(H, W) of the image as stored: the mask's shape when there is one (it is never decoded at a
+    reduced scale), else the image's."""
+    return tuple(ex["mask"].shape[:2]) if "mask" in ex else tuple(ex["image"].shape[:2])  # type: ignore[return-value]
+
+
 def resize(ex: Example, h: int, w: int) -> Example:
-    """Resize image and mask to (h, w), ignoring the aspect ratio; normalised boxes are unchanged."""
+    """Resize image and mask to (h, w), ignoring the aspect ratio; normalised boxes are unchanged.
+    Image and mask are each resized from their own size (see :func:`align_mask`)."""
     ex = dict(ex)
     ex["image"] = pil_resize(ex["image"], h, w, nearest=False)
     if "mask" in ex:
@@ -60,7 +82,7 @@ def resize(ex: Example, h: int, w: int) -> Example:
 
 def crop(ex: Example, y0: int, x0: int, h: int, w: int) -> Example:
     """Crop [y0, y0+h) x [x0, x0+w) (inside the image); boxes are clipped and empty ones dropped."""
-    ex = dict(ex)
+    ex = dict(align_mask(ex))
     H, W = ex["image"].shape[:2]
     ex["image"] = ex["image"][y0 : y0 + h, x0 : x0 + w]
     if "mask" in ex:
@@ -76,7 +98,7 @@ def crop(ex: Example, y0: int, x0: int, h: int, w: int) -> Example:
 
 def pad(ex: Example, h: int, w: int) -> Example:
     """Pad bottom/right with zeros (mask: background) to (h, w); boxes stay on their pixels."""
-    ex = dict(ex)
+    ex = dict(align_mask(ex))
     H, W = ex["image"].shape[:2]
     if (H, W) == (h, w):
         return ex
@@ -104,10 +126,16 @@ class Resize(grain.transforms.Map):
         h, w = _hw(self.size)
         if not self.keep_aspect:
             return resize(ex, h, w)
-        H, W = ex["image"].shape[:2]
-        s = min(h / H, w / W)
-        nh, nw = max(1, min(h, round(H * s))), max(1, min(w, round(W * s)))
-        return pad(resize(ex, nh, nw), h, w)
+        # The stored size: a JPEG decoded at reduced scale may round differently.
+        return pad(resize(ex, *letterbox_shape(*full_size(ex), self.size)), h, w)
+
+
+def letterbox_shape(height: int, width: int, size: int | Sequence[int]) -> tuple[int, int]:
+    """(h, w) an ``height x width`` image takes inside a ``size`` canvas when its aspect is kept
+    (:class:`Resize` with ``keep_aspect``; the rest is padding at the bottom/right)."""
+    h, w = _hw(size)
+    s = min(h / height, w / width)
+    return max(1, min(h, round(height * s))), max(1, min(w, round(width * s)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +168,16 @@ class RandomResizedCrop(grain.transforms.RandomMap):
     def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
         H, W = ex["image"].shape[:2]
         y0, x0, ch, cw = self.window(H, W, rng)
-        return resize(crop(ex, y0, x0, ch, cw), *_hw(self.size))
+        h, w = _hw(self.size)
+        mask = ex.get("mask")
+        if mask is None or mask.shape[:2] == (H, W):
+            return resize(crop(ex, y0, x0, ch, cw), h, w)
+        # A mask larger than a reduced JPEG decode: the same window, in its own pixels, resampled once.
+        sy, sx = mask.shape[0] / H, mask.shape[1] / W
+        box = (x0 * sx, y0 * sy, (x0 + cw) * sx, (y0 + ch) * sy)
+        out = resize(crop({k: v for k, v in ex.items() if k != "mask"}, y0, x0, ch, cw), h, w)
+        out["mask"] = np.asarray(Image.fromarray(mask).resize((w, h), Image.NEAREST, box=box))
+        return out
 
     def window(self, H: int, W: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         """The crop ``(y0, x0, h, w)`` for an ``H x W`` image: its area ``h * w`` lies in
@@ -201,7 +238,7 @@ class RandomFlip(grain.transforms.RandomMap):
     vertical: float = 0.5
 
     def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
-        ex = dict(ex)
+        ex = dict(align_mask(ex))
         for axis, p in ((1, self.horizontal), (0, self.vertical)):
             if rng.random() < p:
                 ex["image"] = np.flip(ex["image"], axis=axis)
@@ -230,7 +267,7 @@ class RandomRotation(grain.transforms.RandomMap):
 
 def rotate(ex: Example, angle: float) -> Example:
     """Deterministic rotation by ``angle`` degrees counter-clockwise (see RandomRotation)."""
-    ex = dict(ex)
+    ex = dict(align_mask(ex))
     H, W = ex["image"].shape[:2]
     ex["image"] = np.asarray(Image.fromarray(ex["image"]).rotate(angle, Image.BILINEAR, fillcolor=(0, 0, 0)))
     if "mask" in ex:
@@ -312,7 +349,7 @@ class ElasticDeform(grain.transforms.RandomMap):
             raise ConfigError("ElasticDeform cannot move boxes; disable elastic deformation for detection.")
         if rng.random() >= self.prob:
             return ex
-        ex = dict(ex)
+        ex = dict(align_mask(ex))
         H, W = ex["image"].shape[:2]
         dy, dx = (ndimage.gaussian_filter(rng.uniform(-1, 1, (H, W)), self.sigma, mode="constant") for _ in range(2))
         # alpha bounds how far a pixel moves (the length of its move, not each axis alone) ...
@@ -344,7 +381,7 @@ class Pyramid(grain.transforms.Map):
     scales: tuple[float, ...] = (0.5, 0.25)
 
     def map(self, ex: Example) -> Example:
-        ex = dict(ex)
+        ex = dict(align_mask(ex))
         H, W = ex["image"].shape[:2]
         ex["spacing"] = np.ones(2, np.float32)
         for k, (h, w) in enumerate(self.level_shapes(H, W), start=1):
@@ -368,6 +405,7 @@ class Normalize(grain.transforms.Map):
 
     def map(self, ex: Example) -> Example:
         mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
+        ex = align_mask(ex)  # a pipeline without a resize: batches need the mask on the image grid
         out = {}
         for k, v in ex.items():
             if _LEVEL_KEY.fullmatch(k) and k.startswith("image"):
