@@ -11,226 +11,28 @@ it). Scripts request a warning signal before the time limit, checkpoint, and req
 
 Exit statuses the scripts act on: 0 done; 2 an error of the run itself (no requeue: a rerun would
 fail alike); 42 preempted or a process lost (requeue); anything else, e.g. a task killed by a
-signal (requeue at most ``--max-restarts`` times per job).
+signal (requeue at most ``--max-restarts`` times per job). The rendering itself lives in
+:mod:`jaxrat.cluster.jobscript`, which ``python -m jaxrat.sweep`` also uses for job arrays.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import shlex
-import shutil
-import subprocess
 import sys
-from importlib import resources
-from pathlib import Path
 
-from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE
+from jaxrat.cluster.jobscript import (  # noqa: F401  (re-exported: the renderer's public names)
+    SCHEDULERS,
+    JobSpec,
+    add_job_arguments,
+    detect_scheduler,
+    job_fields,
+    render,
+    submit,
+    validate,
+)
 from jaxrat.errors import UserError
-
-SCHEDULERS = ("slurm", "lsf")
-_TEMPLATES = {"slurm": "slurm.sbatch", "lsf": "lsf.bsub"}
-_TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2})(?::(\d{2}))?$")
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """Everything a job script needs; built from the command line by :func:`parse_args`."""
-
-    config: str
-    nodes: int = 1
-    gpus_per_node: int = 0
-    tasks_per_node: int | None = None  # None: one per GPU (or 1 without GPUs)
-    time: str = "04:00:00"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    job_name: str | None = None
-    workdir: str | None = None
-    python: str = sys.executable
-    module: str = "jaxrat.main"
-    setup: tuple[str, ...] = ()
-    stage_data: str | None = None
-    local_data: str | None = None
-    data_key: str = "data.data_dir"
-    cache_dir: str | None = None
-    signal_lead: int = 300
-    max_restarts: int = 3
-    extra_directives: tuple[str, ...] = ()
-    extra_args: tuple[str, ...] = ()
-    command: str = ""
-
-    @property
-    def ntasks_per_node(self) -> int:
-        if self.tasks_per_node is not None:
-            return self.tasks_per_node
-        return self.gpus_per_node or 1
-
-    @property
-    def name(self) -> str:
-        if self.job_name:
-            return self.job_name
-        stem, _, variant = self.config.partition(":")
-        return "jaxrat-" + Path(stem).stem + (f"-{variant}" if variant else "")
-
-    @property
-    def run_dir(self) -> str:
-        return self.workdir or f"runs/{self.name.removeprefix('jaxrat-')}"
-
-
-def validate(spec: JobSpec, scheduler: str) -> None:
-    """Raise :class:`UserError` with one sentence for a request no scheduler could run."""
-    if scheduler not in SCHEDULERS:
-        raise UserError(f"--scheduler {scheduler!r} is unknown; use one of {', '.join(SCHEDULERS)} (or auto).")
-    stem = spec.config.partition(":")[0]
-    if not stem.endswith(".py"):
-        raise UserError(f"--config {spec.config!r} is not a config file; pass e.g. configs/isic.py[:variant].")
-    if not Path(stem).is_file():
-        raise UserError(f"--config file {stem!r} does not exist here; run from the repository root or give its path.")
-    if spec.nodes < 1:
-        raise UserError(f"--nodes {spec.nodes} must be at least 1.")
-    if spec.gpus_per_node < 0:
-        raise UserError(f"--gpus-per-node {spec.gpus_per_node} must be 0 (CPU) or more.")
-    t = spec.ntasks_per_node
-    if t < 1:
-        raise UserError(f"--tasks-per-node {t} must be at least 1.")
-    g = spec.gpus_per_node
-    if g and t > 1 and g % t:
-        raise UserError(
-            f"{g} GPUs per node cannot be split evenly over {t} processes per node; use a divisor of {g} "
-            "(one process per GPU is the default, --one-process-per-node drives all GPUs from one)."
-        )
-    if not _TIME.match(spec.time):
-        raise UserError(f"--time {spec.time!r} is not a duration; write HH:MM:SS or D-HH:MM:SS, e.g. 24:00:00.")
-    if spec.signal_lead < 60:
-        raise UserError(f"--signal-lead {spec.signal_lead} s is too short to save a checkpoint; use 60 or more.")
-    if re.search(r"[\s$'\"]", spec.run_dir):
-        raise UserError(
-            f"--workdir {spec.run_dir!r} contains spaces, quotes or '$', which #SBATCH/#BSUB lines cannot "
-            "expand or quote; pass the plain expanded path (e.g. --workdir \"$SCRATCH/runs/isic\" in your shell)."
-        )
-    if spec.max_restarts < 0:
-        raise UserError(f"--max-restarts {spec.max_restarts} must be 0 (never requeue after a failure) or more.")
-    if spec.local_data and not spec.stage_data:
-        raise UserError("--local-data only makes sense with --stage-data SRC; add the dataset source to copy.")
-
-
-def _minutes(duration: str) -> int:
-    days, h, m, s = _TIME.match(duration).groups()  # type: ignore[union-attr]
-    return int(days or 0) * 1440 + int(h) * 60 + int(m) + (1 if s and int(s) else 0)
-
-
-def _q(value: str) -> str:
-    """Shell-quote, but keep $VAR and $(...) references working (they are meant for the job)."""
-    return f'"{value}"' if "$" in value else shlex.quote(value)
-
-
-def render(spec: JobSpec, scheduler: str = "slurm") -> str:
-    """The job script text for ``scheduler`` ("slurm" or "lsf")."""
-    validate(spec, scheduler)
-    template = resources.files("jaxrat").joinpath("launch_templates", _TEMPLATES[scheduler]).read_text()
-    g, t = spec.gpus_per_node, spec.ntasks_per_node
-    if scheduler == "slurm":
-        pairs = [("gpus-per-node", g or None), ("cpus-per-task", spec.cpus_per_task), ("mem", spec.mem),
-                 ("partition", spec.partition), ("account", spec.account), ("qos", spec.qos)]
-        lines = [f"#SBATCH --{k}={v}\n" for k, v in pairs if v is not None]
-        lines += [f"#SBATCH {d}\n" for d in spec.extra_directives]
-        time = spec.time
-    else:
-        pairs = [("-gpu", f'"num={g}:mode=exclusive_process"' if g else None), ("-q", spec.partition),
-                 ("-P", spec.account), ("-M", spec.mem)]
-        lines = [f"#BSUB {k} {v}\n" for k, v in pairs if v is not None]
-        lines += [f"#BSUB {d}\n" for d in spec.extra_directives]
-        time = f"{_minutes(spec.time) // 60}:{_minutes(spec.time) % 60:02d}"
-    stage, data_flag = "", ""
-    if spec.stage_data:
-        stage = _stage_block(spec, scheduler)
-        data_flag = f' --config.{spec.data_key}="$LOCAL_DATA"'
-    values = {
-        "command": spec.command or "python -m jaxrat.launch ...",
-        "job_name": spec.name,
-        "nodes": str(spec.nodes),
-        "tasks_per_node": str(t),
-        "total_tasks": str(spec.nodes * t),
-        "resource_lines": "".join(lines),
-        "time": time,
-        "workdir": _q(spec.run_dir),
-        "signal_lead": str(spec.signal_lead),
-        "signal_lead_min": str(max(1, spec.signal_lead // 60)),
-        "config": _q(spec.config),
-        "python": _q(spec.python),
-        "cache_dir": _q(spec.cache_dir) if spec.cache_dir else '"$(dirname "$WORKDIR")/jax_cache"',
-        "setup": "".join(f"{line}\n" for line in spec.setup),
-        "stage": stage,
-        "module": spec.module,
-        "data_flag": data_flag,
-        "preempted_exit_code": str(PREEMPTED_EXIT_CODE),
-        "max_restarts": str(spec.max_restarts),
-        "extra": "".join(" " + _q(a) for a in spec.extra_args),
-    }
-    return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
-
-
-def _stage_block(spec: JobSpec, scheduler: str) -> str:
-    job = "$SLURM_JOB_ID" if scheduler == "slurm" else "$LSB_JOBID"
-    local = _q(spec.local_data or f"${{TMPDIR:-/tmp}}/jaxrat-data-{job}")
-    copy = ("mkdir -p \"$1\" && if command -v rsync >/dev/null; then rsync -a \"$0\"/ \"$1\"/; "
-            "else cp -a \"$0\"/. \"$1\"/; fi")
-    if scheduler == "slurm":
-        per_node = 'srun --ntasks-per-node=1 --ntasks="$SLURM_JOB_NUM_NODES" --kill-on-bad-exit=1'
-    else:
-        per_node = "blaunch -z \"$(echo $LSB_MCPU_HOSTS | awk '{for (i = 1; i <= NF; i += 2) print $i}')\""
-    return (
-        "# Copy the dataset once to each node's local disk; training reads it from there.\n"
-        f"LOCAL_DATA={local}\n"
-        f"{per_node} bash -c {shlex.quote(copy)} {_q(spec.stage_data)} \"$LOCAL_DATA\"\n"  # type: ignore[arg-type]
-    )
-
-
-def detect_scheduler() -> str | None:
-    """The scheduler whose submit command is on PATH ("slurm", "lsf"), or None."""
-    if shutil.which("sbatch"):
-        return "slurm"
-    if shutil.which("bsub"):
-        return "lsf"
-    return None
-
-
-def submit(script: str, spec: JobSpec, scheduler: str, *, wait: bool, timeout: float) -> int:
-    """Write the script into the workdir, submit it, and return the exit status.
-
-    With ``wait`` the call blocks until the job ends (bounded by ``timeout`` seconds) and
-    returns the job's exit status; otherwise 0 once the scheduler accepted the job.
-    """
-    workdir = Path(spec.run_dir)
-    workdir.mkdir(parents=True, exist_ok=True)  # the scheduler writes the job log there
-    path = workdir / f"{spec.name}.{'sbatch' if scheduler == 'slurm' else 'bsub'}"
-    path.write_text(script)
-    if scheduler == "slurm":
-        cmd = ["sbatch", "--parsable"] + (["--wait"] if wait else []) + [str(path)]
-        stdin = None
-    else:
-        cmd = ["bsub"] + (["-K"] if wait else [])
-        stdin = script
-    try:
-        proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout if wait else 60)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"`{' '.join(cmd)}` did not return within {timeout:.0f} s; check the queue "
-                        "(squeue/bjobs) and raise --wait-timeout if the job is just slow.") from None
-    except FileNotFoundError:
-        raise UserError(f"{cmd[0]} is not on PATH; submit from a {scheduler} login node.") from None
-    out = (proc.stdout + proc.stderr).strip()
-    if scheduler == "slurm" and proc.stdout.strip():
-        job = proc.stdout.strip().splitlines()[0].split(";")[0]
-        print(f"submitted job {job}: script {path}, log {workdir}/slurm-{job}.out", flush=True)
-    elif out:
-        print(out, flush=True)
-    if proc.returncode and not (wait and scheduler == "slurm" and proc.stdout.strip()):
-        raise UserError(f"{cmd[0]} refused the job: {out or 'exit status ' + str(proc.returncode)}")
-    return proc.returncode
 
 
 def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
@@ -241,49 +43,17 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(prog="python -m jaxrat.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="config file[:variant], as for jaxrat.main")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=0, help="0 for CPU-only nodes")
-    p.add_argument("--tasks-per-node", type=int, help="processes per node (default: one per GPU)")
-    p.add_argument("--one-process-per-node", action="store_true", help="one process drives all GPUs of its node")
-    p.add_argument("--time", default="04:00:00", help="wall-clock limit, HH:MM:SS or D-HH:MM:SS")
-    p.add_argument("--partition", help="SLURM partition / LSF queue")
-    p.add_argument("--account", help="SLURM account / LSF project")
-    p.add_argument("--qos")
-    p.add_argument("--cpus-per-task", type=int)
-    p.add_argument("--mem", help="memory per node, e.g. 200G")
-    p.add_argument("--job-name")
     p.add_argument("--workdir", help="run directory on shared storage (default runs/<config>[-variant])")
-    p.add_argument("--python", default=sys.executable, help="python on the compute nodes (default: this one)")
-    p.add_argument("--module", default="jaxrat.main", help="entry module, e.g. jaxrat.evaluate")
-    p.add_argument("--setup", action="append", default=[], help="shell line run before training (repeatable)")
-    p.add_argument("--stage-data", metavar="SRC", help="copy this dataset directory to node-local disk first")
-    p.add_argument("--local-data", metavar="DIR", help="node-local target for --stage-data")
-    p.add_argument("--data-key", default="data.data_dir", help="config field that receives the local copy")
-    p.add_argument("--cache-dir", help="persistent JAX compilation cache (default: <workdir>/../jax_cache)")
-    p.add_argument("--signal-lead", type=int, default=300, help="seconds before the limit to checkpoint")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="requeues after a failure (a process killed, status other than 0, 2, 42) per job")
-    p.add_argument("--directive", action="append", default=[],
-                   help="extra raw '#SBATCH'/'#BSUB' option, e.g. --directive=--constraint=a100")
+    add_job_arguments(p)
     p.add_argument("--scheduler", default="auto", help="slurm, lsf or auto (the one whose submit command exists)")
     p.add_argument("--submit", action="store_true", help="submit instead of printing")
     p.add_argument("--wait", action="store_true", help="with --submit: block until the job ends")
     p.add_argument("--wait-timeout", type=float, default=24 * 3600, help="seconds --wait may block")
     a = p.parse_args(argv)
-    if a.one_process_per_node and a.tasks_per_node not in (None, 1):
-        p.error("--one-process-per-node contradicts --tasks-per-node; give only one of them")
     command = " ".join(shlex.quote(x) for x in ["python", "-m", "jaxrat.launch", *argv]
                        + (["--", *extra] if extra else []))
     command = re.sub(r" --(submit|wait)\b", "", command)
-    spec = JobSpec(
-        config=a.config, nodes=a.nodes, gpus_per_node=a.gpus_per_node,
-        tasks_per_node=1 if a.one_process_per_node else a.tasks_per_node, time=a.time,
-        partition=a.partition, account=a.account, qos=a.qos, cpus_per_task=a.cpus_per_task, mem=a.mem,
-        job_name=a.job_name, workdir=a.workdir, python=a.python, module=a.module, setup=tuple(a.setup),
-        stage_data=a.stage_data, local_data=a.local_data, data_key=a.data_key, cache_dir=a.cache_dir,
-        signal_lead=a.signal_lead, max_restarts=a.max_restarts, extra_directives=tuple(a.directive),
-        extra_args=tuple(extra), command=command,
-    )
+    spec = JobSpec(config=a.config, workdir=a.workdir, extra_args=tuple(extra), command=command, **job_fields(p, a))
     return spec, a
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 INTEGRATION_MODULES = {
     "test_checkpoint_kill", "test_cli_errors", "test_colabs", "test_data_training", "test_distributed_init",
     "test_distributed_mpi", "test_multiprocess", "test_preempt", "test_preempt_multiprocess", "test_slurm",
-    "test_task_runs", "test_training",
+    "test_sweep_run", "test_task_runs", "test_tracking_runs", "test_training",
 }
 
 

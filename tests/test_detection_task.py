@@ -112,6 +112,32 @@ def test_coco_eval_through_task_equals_pycocotools(task):
     assert got["num_images"] == len(task._val)
 
 
+def test_eval_images_show_true_boxes_green_and_detections_red(task):
+    from jaxrat.tasks.detection.task import DetectionEval
+
+    b = _eval_rows(task)[0]
+    s = task.config.data.image_size
+    cx, cy, bw, bh = np.moveaxis(b["boxes"], -1, 0)
+    xyxy = np.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2], -1).astype(np.float32)
+    scores = np.zeros(xyxy.shape[:2], np.float32)
+    scores[:, 0] = 0.9  # each image's first true box is also detected; the rest only drawn as truth
+    outputs = {"scores": scores, "labels": np.zeros_like(scores, np.int32), "boxes": xyxy}
+    acc = DetectionEval(task._val.annotation_file, task._val.category_ids, log_images=True)
+    acc.update({"num_images": jnp.asarray(b["valid"].sum())}, b, {k: jnp.asarray(v) for k, v in outputs.items()})
+    acc.update({"num_images": jnp.asarray(b["valid"].sum())}, b, {k: jnp.asarray(v) for k, v in outputs.items()})
+    images = acc.images()
+    assert images["eval/boxes"].shape == images["eval/input"].shape == (4, s, s, 3)
+    corner = lambda i, j: tuple((xyxy[i, j, 1::-1] * (s - 1)).astype(int))  # noqa: E731  (row, col) top-left
+    with_two = [i for i in range(4) if b["box_valid"][i, :2].all()]
+    assert with_two, "the synthetic COCO has images with two boxes"
+    for i in with_two:
+        img = images["eval/boxes"][i]
+        assert tuple(img[corner(i, 0)]) == (1.0, 0.0, 0.0)  # the detection, drawn over its true box
+        assert (img == (0.0, 1.0, 0.0)).all(-1).any()  # the true boxes nothing detected
+    untouched = images["eval/boxes"] == images["eval/input"]
+    assert untouched.mean() > 0.5  # outlines only
+
+
 def _tiny_detr(backbone="cnn", focal=False):
     cfg = dict(name="detr", backbone=backbone, cnn_widths=(8, 16), hidden_dim=16, num_queries=10, decoder_layers=3,
                decoder_heads=2, ffn_dim=32, num_classes=4, focal=focal,

@@ -19,7 +19,8 @@ def _evaluate(workdir, *args):
 
 def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     wd = str(tmp_path / "run")
-    run_main(wd, "--config.checkpoint.best_metric=eval/dice", devices=1)
+    # Metrics at the original resolution too (the synthetic images are larger than the 32 px smoke size).
+    run_main(wd, "--config.checkpoint.best_metric=eval/dice", "--config.task.eval_original_resolution=True", devices=1)
     last = [r for r in read_metrics(wd) if "eval/dice" in r][-1]
     before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
 
@@ -27,13 +28,15 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.load(open(os.path.join(wd, "eval", "step_6", "metrics.json")))
     assert result["step"] == 6
-    for key in ("eval/dice", "eval/iou", "eval/loss", "eval/sensitivity"):
+    for key in ("eval/dice", "eval/iou", "eval/loss", "eval/sensitivity", "eval/jaccard_thresholded", "eval/orig/dice",
+                "eval/orig/jaccard_thresholded", "eval/orig/specificity"):
         assert result["metrics"][key] == pytest.approx(last[key], abs=1e-6), key
 
     proc = _evaluate(wd, "--step=best", "--name=at48", "--config.data.image_size=48")
     assert proc.returncode == 0, proc.stderr[-3000:]
     at48 = json.load(open(os.path.join(wd, "eval", "at48", "metrics.json")))
     assert at48["config"]["data"]["image_size"] == 48 and at48["metrics"]["eval/num_images"] == 8
+    assert at48["metrics"]["eval/orig/num_images"] == 8
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # only read
 
     proc = _evaluate(wd, "--config.data.imagesize=48")

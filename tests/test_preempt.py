@@ -147,6 +147,9 @@ def test_signals_save_exit_for_requeue_and_resume_exactly(reference, tmp_path):
     assert store.committed_steps(ckdir) == [first]
     meta = store.step_metadata(ckdir, first)
     assert meta["reason"] == "preemption" and meta["eval_pending"] is False
+    summary = json.load(open(os.path.join(wd, "summary.json")))  # written on the way out, too
+    assert summary["status"] == "preempted" and summary["steps"]["last"] == first
+    assert summary["checkpoints"]["last"] == os.path.join(ckdir, str(first))
 
     # 2. SIGTERM while evaluating at step 20, and a second SIGTERM once the save has started.
     run = Run(wd, ARGS, cached_env(1, cache), str(tmp_path / "2.log"))
@@ -168,6 +171,9 @@ def test_signals_save_exit_for_requeue_and_resume_exactly(reference, tmp_path):
     assert run.wait() == 0, run.output()[-4000:]
     out = run.output()
     assert "resumed from step 20" in out and "eval step 20:" in out
+    summary = json.load(open(os.path.join(wd, "summary.json")))
+    assert summary["status"] == "finished" and summary["steps"]["first"] == 20
+    assert summary["steps"]["last"] == summary["steps"]["total"]
     assert_same_run(ref, wd)
 
 

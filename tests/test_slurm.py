@@ -392,3 +392,61 @@ def test_config_error_ends_the_job_without_requeue(slurm, tmp_path):
     assert log.count("jaxrat: error: Unknown config key --config.no_such_key") == 2, log[-3000:]
     assert "jaxrat: training step ended with status 2," in log and "requeue" not in log, log[-3000:]
     assert job_field(job, "Restarts") == "0" and job_field(job, "JobState") == "FAILED"
+
+
+ARRAY_SWEEP = textwrap.dedent("""
+    # Three variants of the smoke config (tests/toy/sweep_config.py); "slow" runs long enough to be
+    # killed after its first checkpoint.
+    import sys
+    sys.path.insert(0, {toy!r})
+    from sweep_config import get_config  # noqa: F401
+    def get_sweep(arg=None):
+        return [("slow", ["--config.num_train_steps=200", "--config.checkpoint.every_steps=5",
+                          "--config.train.eval_every=100"]),
+                ("base", []),
+                ("lr_high", ["--config.optimizer.learning_rate=0.01"])]
+""")
+
+
+def test_sweep_job_array_kill_one_element_and_resubmit(slurm, tmp_path):
+    """`python -m jaxrat.sweep --slurm`: one array element per variant, each in its own workdir; one
+    element cancelled after its first checkpoint; the same command again submits only that one, which
+    resumes from its checkpoint; the summary then lists all three finished."""
+    from jaxrat.checkpointing.store import committed_steps
+
+    config = tmp_path / "sweep_config.py"
+    config.write_text(ARRAY_SWEEP.format(toy=str(REPO / "tests" / "toy")))
+    root = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "jaxrat.sweep", "--config", str(config), "--root", str(root), "--slurm",
+           "--job-name", JOB_NAME, "--time", "00:15:00"]
+    proc = run(cmd, 60, JAX_NUM_CPU_DEVICES="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    assert "#SBATCH --array=0-2\n" in (root / "sweep.sbatch").read_text()
+    slow = root / "slow" / "checkpoints"
+    wait_for(lambda: committed_steps(str(slow)), 420, "the first checkpoint of element 0",
+             root / f"slurm-{job}_0.out")
+    subprocess.run(["scancel", f"{job}_0"], check=True, timeout=30)
+    for i in (1, 2):
+        wait_for(lambda: job_field(f"{job}_{i}", "JobState") == "COMPLETED", 420, f"array element {i} to complete",
+                 root / f"slurm-{job}_{i}.out")
+    wait_for(lambda: job_field(f"{job}_0", "JobState") == "CANCELLED", 60, "element 0 to be cancelled")
+    for name in ("base", "lr_high"):
+        assert (root / name / "checkpoints" / "4" / "commit_success.txt").is_file()
+
+    proc = run(cmd, 60, JAX_NUM_CPU_DEVICES="1")  # the same command: only the unfinished element goes
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "base: finished" in proc.stderr and "lr_high: finished" in proc.stderr
+    killed_at = int(re.search(r"slow: at step (\d+) of 200, submitting", proc.stderr).group(1))
+    assert 5 <= killed_at < 200
+    again = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    assert "#SBATCH --array=0\n" in (root / "sweep.sbatch").read_text()
+    log = root / f"slurm-{again}_0.out"
+    wait_for(lambda: job_field(f"{again}_0", "JobState") == "COMPLETED", 420, "the resubmitted element", log)
+    assert f"resumed from step {killed_at}" in log.read_text(), log.read_text()[-3000:]
+    assert committed_steps(str(slow))[-1] == 200
+
+    proc = run([sys.executable, "-m", "jaxrat.summarize", str(root)], 60)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("slow", "base", "lr_high"):
+        assert re.search(rf"^\| {name} \| finished \| (200|4) \|", proc.stdout, re.M), proc.stdout

@@ -210,9 +210,10 @@ def test_config_fields_are_split_into_what_is_trained_and_how(tmp_path):
     assert free == ['mesh.axes: [["data", -1], ["fsdp", 1]] -> [["data", 2]]', "num_train_steps: 6 -> 9",
                     "optimizer.grad_accum_steps: 1 -> 2"]
     for key in ("model.features", "task.name", "data.name", "data.batch_size", "optimizer.learning_rate",
-                "data.synthetic", "train.compute_dtype"):
+                "data.synthetic", "data.synthetic_image_size", "train.compute_dtype"):
         assert not wdm.resumable(key), key
-    for key in ("distributed.coordinator_address", "checkpoint.keep", "data.data_dir", "workdir.lease_seconds"):
+    for key in ("distributed.coordinator_address", "checkpoint.keep", "data.data_dir", "workdir.lease_seconds",
+                "data.eval_spacing"):
         assert wdm.resumable(key), key
 
 

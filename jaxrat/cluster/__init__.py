@@ -2,8 +2,9 @@
 
 ``detect`` is pure (config and environment in, :class:`ClusterSpec` out); ``initialize`` joins the
 job, must run before any other JAX use, and starts the lost-peer watchdog (``peers``);
-``preemption`` owns the stop signals and the requeue exit status. Importing this package does not
-import JAX.
+``preemption`` owns the stop signals and the requeue exit status; ``jobscript`` renders and submits
+the SLURM/LSF job scripts (single runs and sweep job arrays; not imported here). Importing this
+package does not import JAX.
 """
 
 from jaxrat.cluster.detect import ClusterSpec, detect

@@ -26,6 +26,9 @@ def base_config() -> mlc.ConfigDict:
     c.data.synthetic = False  # generate a synthetic dataset under the workdir (off when data_dir is given)
     c.data.synthetic_train = 256
     c.data.synthetic_val = 64
+    # Side the synthetic images are generated at (0: image_size). The pipeline resizes them to
+    # image_size like real data, so evaluating at another image_size reads the very same images.
+    c.data.synthetic_image_size = 0
     c.data.image_size = 256
     c.data.batch_size = 8  # global batch over all devices and hosts
     c.data.eval_batch_size = 8  # global
@@ -54,6 +57,9 @@ def base_config() -> mlc.ConfigDict:
     c.data.elastic_prob = 0.0  # probability of an elastic deformation per image
     c.data.elastic_alpha = 34.0  # its largest displacement, pixels
     c.data.elastic_sigma = 4.0  # its smoothness, pixels
+    # Evaluation only: each image is resampled at this many times its pixel spacing (downsampled by
+    # it after the resize to image_size, then back up), as if recorded at a coarser resolution.
+    c.data.eval_spacing = 1.0
 
     c.model = mlc.ConfigDict()
     c.model.name = "unet"
@@ -128,6 +134,19 @@ def base_config() -> mlc.ConfigDict:
     c.distributed.initialization_timeout = 300
     c.distributed.heartbeat_timeout = 100
     c.distributed.coordinator_port = -1
+
+    # Where metrics go (docs/tracking.md); only process 0 writes, and a failing tracker costs a warning.
+    c.tracking = mlc.ConfigDict()
+    c.tracking.backends = ("tensorboard", "jsonl")  # add "mlflow" and/or "wandb" (pip install 'jaxrat[tracking]')
+    c.tracking.experiment = "jaxrat"  # MLflow experiment
+    c.tracking.run_name = ""  # empty: the workdir's name
+    c.tracking.tags = ()  # (key, value) pairs for MLflow tags / W&B tags
+    c.tracking.mlflow_uri = ""  # e.g. "http://mlflow:5000"; empty: $MLFLOW_TRACKING_URI, else WORKDIR/mlflow.db
+    c.tracking.wandb_project = "jaxrat"
+    c.tracking.wandb_entity = ""
+    c.tracking.wandb_mode = "offline"  # "offline" (WORKDIR/wandb; `wandb sync` later) or "online"
+    c.tracking.queue_size = 1000  # MLflow calls waiting for the server; beyond that, logs are dropped
+    c.tracking.close_timeout_s = 30.0  # how long the end of a run waits for MLflow to take the last logs
 
     # One run per workdir and resumes with the same config (docs/workdir.md).
     c.workdir = mlc.ConfigDict()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+from typing import Any
 
 import ml_collections as mlc
 
@@ -20,18 +21,24 @@ def load_config(spec: str) -> mlc.ConfigDict:
     flag (which applies the overrides) loads the same file.
     """
     path, _, variant = spec.partition(":")
-    if not os.path.isfile(path):
-        raise ConfigError(f"Config file {path} does not exist; pass e.g. --config configs/isic.py:demo.")
-    name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = load_config_module(path)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"Config file {path} defines no get_config(); see configs/isic.py for the shape of one.")
     try:
         return module.get_config(variant) if variant else module.get_config()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def load_config_module(path: str) -> Any:
+    """Import the config file at ``path`` as a module (for ``get_config``, ``get_sweep``)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"Config file {path} does not exist; pass e.g. --config configs/isic.py:demo.")
+    name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 _KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}

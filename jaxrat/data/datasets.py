@@ -31,6 +31,12 @@ def _get(cfg: Any, name: str, default: Any) -> Any:
     return cfg.get(name, default) if hasattr(cfg, "get") else getattr(cfg, name, default)
 
 
+def synthetic_image_size(data_cfg: Any) -> int:
+    """The side synthetic images are generated at: ``data.synthetic_image_size``, or ``data.image_size``
+    when that is 0 (or absent, in configs written before the field existed)."""
+    return int(_get(data_cfg, "synthetic_image_size", 0) or data_cfg.image_size)
+
+
 def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int
 ) -> tuple[ExampleSource, ExampleSource]:
@@ -60,8 +66,8 @@ def resolve_segmentation(
     elif data_cfg.synthetic:
         # One copy per process on its own disk: correct whether or not the workdir is shared.
         data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
-        synthetic_isic.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val, data_cfg.image_size,
-                                     seed)
+        synthetic_isic.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
+                                     synthetic_image_size(data_cfg), seed)
     data_dir = data_dir or isic.default_data_dir()
     local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
     if local:
@@ -104,7 +110,7 @@ def resolve_classification(
     if data_cfg.synthetic and not data_dir:
         data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
         written = synthetic_classification.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
-                                                         data_cfg.image_size, seed)
+                                                         synthetic_image_size(data_cfg), seed)
         source, (train_csv, val_csv) = "csv", (written["train"], written["validation"])
     if not data_dir:
         raise ConfigError("config.data.data_dir is empty; point it at the folder of your images (and CSVs).")

@@ -155,7 +155,18 @@ def train_options(data_cfg: Any) -> dict[str, Any]:
 def eval_options(data_cfg: Any) -> dict[str, Any]:
     """Keyword arguments of :func:`eval_batches` from a ``config.data`` section."""
     ops = augment_ops(data_cfg.image_size, keep_aspect_ratio=_cfg(data_cfg, "keep_aspect_ratio", False), train=False)
+    coarsen = eval_coarsen(data_cfg)
+    if coarsen:
+        ops.insert(-1, coarsen)  # after the resize, before Normalize
     return {"ops": ops, "num_threads": _cfg(data_cfg, "num_threads", 2)}
+
+
+def eval_coarsen(data_cfg: Any) -> T.Coarsen | None:
+    """The :class:`~jaxrat.data.transforms.Coarsen` op for ``data.eval_spacing`` (None at 1)."""
+    spacing = float(_cfg(data_cfg, "eval_spacing", 1.0))
+    if spacing < 1:
+        raise ConfigError(f"config.data.eval_spacing={spacing}; use 1 (the input as it is) or more (coarser detail).")
+    return T.Coarsen(spacing) if spacing != 1 else None
 
 
 def _decode_target(image_size: int, ops: Sequence[Any]) -> tuple[int, int]:
@@ -339,6 +350,7 @@ def _allow_grain_flags() -> None:
 class _EvalFetch(grain.transforms.Map):
     data: ExampleSource
     ops: tuple
+    with_index: bool = False
 
     def map(self, i: int) -> T.Example:
         n = len(self.data)
@@ -351,6 +363,8 @@ class _EvalFetch(grain.transforms.Map):
         for op in self.ops:
             ex = op.map(ex)
         ex["valid"] = np.float32(valid)
+        if self.with_index:
+            ex["index"] = np.int32(min(i, n - 1))
         return ex
 
     def _stand_in(self, i: int) -> T.Example:
@@ -375,10 +389,12 @@ def eval_batches(
     process_count: int,
     num_threads: int = 2,
     ops: Sequence[Any] | None = None,
+    with_index: bool = False,
 ) -> Iterator[dict[str, np.ndarray]]:
     """This host's eval batches; the set is padded to whole global batches and ``valid`` marks real
     examples, so every host runs the same number of eval steps and padding never counts. Under
-    ``skip`` an undecodable file also counts as padding."""
+    ``skip`` an undecodable file also counts as padding. ``with_index`` adds ``index`` (int32), the
+    example's position in ``data`` (e.g. to read its mask again at the original resolution)."""
     data = as_source(data)
     if not len(data):
         raise DataError("The evaluation set is empty; check --config.data.data_dir.")
@@ -388,7 +404,7 @@ def eval_batches(
     data = dataclasses.replace(data, loader=_with_decode_target(data.loader, image_size, ops))
     n = len(data)
     padded = -(-n // global_batch) * global_batch
-    ds = grain.MapDataset.range(padded)[process_index::process_count].map(_EvalFetch(data, ops))
+    ds = grain.MapDataset.range(padded)[process_index::process_count].map(_EvalFetch(data, ops, with_index))
     local_batch = global_batch // process_count
     it = ds.to_iter_dataset(_read_options(num_threads, 2)).batch(local_batch, drop_remainder=True)
     return iter(it)

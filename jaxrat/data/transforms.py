@@ -1,7 +1,9 @@
 """Seeded Grain transforms on example dicts, aware of masks and boxes.
 
-An example is a dict with ``image`` (uint8 H x W x 3) and optionally ``mask`` (uint8 H x W,
-nearest-neighbour resampled), ``boxes`` (float32 N x 4, normalised ``x1, y1, x2, y2`` in [0, 1])
+An example is a dict with ``image`` (uint8 H x W x 3) and optionally ``mask`` (uint8, nearest-
+neighbour resampled; straight from a decoder it may be larger than a JPEG decoded at reduced
+scale, and the first resize or resized crop takes it from its original size to the target in one
+resampling, see :func:`align_mask`), ``boxes`` (float32 N x 4, normalised ``x1, y1, x2, y2`` in [0, 1])
 with per-box arrays (``labels``, ``is_crowd``, ``area``) kept in step with them. Any other key
 is passed through. Every geometric op moves the mask and the boxes with the image, so the same op
 serves segmentation and detection; random ops draw only from the ``rng`` Grain gives them (seeded
@@ -13,83 +15,32 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Sequence
 
 import grain
 import numpy as np
 from PIL import Image
 
+from jaxrat.data.geometry import (  # noqa: F401  (re-exported: transforms is where callers look)
+    PER_BOX_KEYS,
+    Example,
+    _filter_boxes,
+    _hw,
+    align_mask,
+    crop,
+    full_size,
+    letterbox_shape,
+    pad,
+    pil_resize,
+    resize,
+)
 from jaxrat.errors import ConfigError
 
-Example = dict[str, np.ndarray]
-PER_BOX_KEYS = ("boxes", "labels", "is_crowd", "area")
 _LEVEL_KEY = re.compile(r"(image|mask)(_\d+)?")  # image, image_1, mask_2, ... (not image_id)
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 # Largest displacement difference between neighbouring pixels (pixels per pixel) in ElasticDeform;
 # below 0.5 the warp x -> x + d(x) cannot fold (its Jacobian stays positive).
 MAX_ELASTIC_STRAIN = 0.4
-
-
-def _hw(size: int | Sequence[int]) -> tuple[int, int]:
-    return (int(size), int(size)) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
-
-
-def pil_resize(a: np.ndarray, h: int, w: int, nearest: bool) -> np.ndarray:
-    if a.shape[:2] == (h, w):
-        return a
-    mode = Image.NEAREST if nearest else Image.BILINEAR
-    return np.asarray(Image.fromarray(a).resize((w, h), mode))
-
-
-def _filter_boxes(ex: Example, keep: np.ndarray) -> Example:
-    for k in PER_BOX_KEYS:
-        if k in ex:
-            ex[k] = ex[k][keep]
-    return ex
-
-
-def resize(ex: Example, h: int, w: int) -> Example:
-    """Resize image and mask to (h, w), ignoring the aspect ratio; normalised boxes are unchanged."""
-    ex = dict(ex)
-    ex["image"] = pil_resize(ex["image"], h, w, nearest=False)
-    if "mask" in ex:
-        ex["mask"] = pil_resize(ex["mask"], h, w, nearest=True)
-    return ex
-
-
-def crop(ex: Example, y0: int, x0: int, h: int, w: int) -> Example:
-    """Crop [y0, y0+h) x [x0, x0+w) (inside the image); boxes are clipped and empty ones dropped."""
-    ex = dict(ex)
-    H, W = ex["image"].shape[:2]
-    ex["image"] = ex["image"][y0 : y0 + h, x0 : x0 + w]
-    if "mask" in ex:
-        ex["mask"] = ex["mask"][y0 : y0 + h, x0 : x0 + w]
-    if "boxes" in ex and len(ex["boxes"]):
-        px = ex["boxes"] * np.array([W, H, W, H], np.float32) - np.array([x0, y0, x0, y0], np.float32)
-        px = np.clip(px, 0, np.array([w, h, w, h], np.float32))
-        keep = (px[:, 2] > px[:, 0]) & (px[:, 3] > px[:, 1])
-        ex["boxes"] = (px / np.array([w, h, w, h], np.float32)).astype(np.float32)
-        ex = _filter_boxes(ex, keep)
-    return ex
-
-
-def pad(ex: Example, h: int, w: int) -> Example:
-    """Pad bottom/right with zeros (mask: background) to (h, w); boxes stay on their pixels."""
-    ex = dict(ex)
-    H, W = ex["image"].shape[:2]
-    if (H, W) == (h, w):
-        return ex
-    img = np.zeros((h, w, 3), ex["image"].dtype)
-    img[:H, :W] = ex["image"]
-    ex["image"] = img
-    if "mask" in ex:
-        m = np.zeros((h, w), ex["mask"].dtype)
-        m[:H, :W] = ex["mask"]
-        ex["mask"] = m
-    if "boxes" in ex:
-        ex["boxes"] = (ex["boxes"] * np.array([W / w, H / h, W / w, H / h], np.float32)).astype(np.float32)
-    return ex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +55,26 @@ class Resize(grain.transforms.Map):
         h, w = _hw(self.size)
         if not self.keep_aspect:
             return resize(ex, h, w)
-        H, W = ex["image"].shape[:2]
-        s = min(h / H, w / W)
-        nh, nw = max(1, min(h, round(H * s))), max(1, min(w, round(W * s)))
-        return pad(resize(ex, nh, nw), h, w)
+        # The stored size: a JPEG decoded at reduced scale may round differently.
+        return pad(resize(ex, *letterbox_shape(*full_size(ex), self.size)), h, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coarsen(grain.transforms.Map):
+    """The image as if recorded at ``spacing`` times its pixel spacing and resampled back onto its
+    grid: downsampled (antialiased) by ``spacing``, then upsampled to its own size. Labels (mask,
+    boxes) are left as they are: the scene is the same, only its detail is lost."""
+
+    spacing: float = 1.0
+
+    def map(self, ex: Example) -> Example:
+        if self.spacing == 1.0:
+            return ex
+        ex = dict(ex)
+        h, w = ex["image"].shape[:2]
+        small = pil_resize(ex["image"], max(1, round(h / self.spacing)), max(1, round(w / self.spacing)), False)
+        ex["image"] = pil_resize(small, h, w, nearest=False)
+        return ex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +89,16 @@ class RandomResizedCrop(grain.transforms.RandomMap):
     def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
         H, W = ex["image"].shape[:2]
         y0, x0, ch, cw = self.window(H, W, rng)
-        return resize(crop(ex, y0, x0, ch, cw), *_hw(self.size))
+        h, w = _hw(self.size)
+        mask = ex.get("mask")
+        if mask is None or mask.shape[:2] == (H, W):
+            return resize(crop(ex, y0, x0, ch, cw), h, w)
+        # A mask larger than a reduced JPEG decode: the same window, in its own pixels, resampled once.
+        sy, sx = mask.shape[0] / H, mask.shape[1] / W
+        box = (x0 * sx, y0 * sy, (x0 + cw) * sx, (y0 + ch) * sy)
+        out = resize(crop({k: v for k, v in ex.items() if k != "mask"}, y0, x0, ch, cw), h, w)
+        out["mask"] = np.asarray(Image.fromarray(mask).resize((w, h), Image.NEAREST, box=box))
+        return out
 
     def window(self, H: int, W: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
         """The crop ``(y0, x0, h, w)`` for an ``H x W`` image: its area ``h * w`` lies in
@@ -183,7 +159,7 @@ class RandomFlip(grain.transforms.RandomMap):
     vertical: float = 0.5
 
     def random_map(self, ex: Example, rng: np.random.Generator) -> Example:
-        ex = dict(ex)
+        ex = dict(align_mask(ex))
         for axis, p in ((1, self.horizontal), (0, self.vertical)):
             if rng.random() < p:
                 ex["image"] = np.flip(ex["image"], axis=axis)
@@ -212,7 +188,7 @@ class RandomRotation(grain.transforms.RandomMap):
 
 def rotate(ex: Example, angle: float) -> Example:
     """Deterministic rotation by ``angle`` degrees counter-clockwise (see RandomRotation)."""
-    ex = dict(ex)
+    ex = dict(align_mask(ex))
     H, W = ex["image"].shape[:2]
     ex["image"] = np.asarray(Image.fromarray(ex["image"]).rotate(angle, Image.BILINEAR, fillcolor=(0, 0, 0)))
     if "mask" in ex:
@@ -294,7 +270,7 @@ class ElasticDeform(grain.transforms.RandomMap):
             raise ConfigError("ElasticDeform cannot move boxes; disable elastic deformation for detection.")
         if rng.random() >= self.prob:
             return ex
-        ex = dict(ex)
+        ex = dict(align_mask(ex))
         H, W = ex["image"].shape[:2]
         dy, dx = (ndimage.gaussian_filter(rng.uniform(-1, 1, (H, W)), self.sigma, mode="constant") for _ in range(2))
         # alpha bounds how far a pixel moves (the length of its move, not each axis alone) ...
@@ -326,7 +302,7 @@ class Pyramid(grain.transforms.Map):
     scales: tuple[float, ...] = (0.5, 0.25)
 
     def map(self, ex: Example) -> Example:
-        ex = dict(ex)
+        ex = dict(align_mask(ex))
         H, W = ex["image"].shape[:2]
         ex["spacing"] = np.ones(2, np.float32)
         for k, (h, w) in enumerate(self.level_shapes(H, W), start=1):
@@ -350,6 +326,7 @@ class Normalize(grain.transforms.Map):
 
     def map(self, ex: Example) -> Example:
         mean, std = np.asarray(self.mean, np.float32), np.asarray(self.std, np.float32)
+        ex = align_mask(ex)  # a pipeline without a resize: batches need the mask on the image grid
         out = {}
         for k, v in ex.items():
             if _LEVEL_KEY.fullmatch(k) and k.startswith("image"):

@@ -166,10 +166,20 @@ class RATSegmenter(RATBackbone):
         """(B, H, W, C) float images -> (B, H, W, num_classes) logits."""
         decoder = self.head_type == "decoder"
         first = self.features(images, return_features=decoder)[0]
-        out_grid = images.shape[1:3]
-        if decoder:
-            return self.head(first.features, first.feature_grids, out_grid)
-        return self.head(first.tokens, first.grid_shape, out_grid)
+        return self._predict(first, images.shape[1:3])
+
+    def level_logits(self, images: Array) -> list[Array]:
+        """Logits of every pyramid level at that level's own size, finest first: the head (shared)
+        applied to each level's backbone output, as the reference's multi-scale model predicts.
+        Level 0 equals ``self(images)``; a single-scale model returns ``[self(images)]``."""
+        levels, _ = self.pyramid(images)
+        outs = self.features(images, return_features=self.head_type == "decoder")
+        return [self._predict(o, lv.shape[1:3]) for o, lv in zip(outs, levels)]
+
+    def _predict(self, out: Any, out_grid: Sequence[int]) -> Array:
+        if self.head_type == "decoder":
+            return self.head(out.features, out.feature_grids, out_grid)
+        return self.head(out.tokens, out.grid_shape, out_grid)
 
 
 @register("rat")

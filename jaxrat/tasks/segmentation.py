@@ -2,14 +2,21 @@
 
 Eval metrics are computed from sums, so they are exact whatever the batch split: each eval step
 returns per-batch sums (inside jit, so they are reduced across all devices and hosts) and
-:func:`finalize_metrics` turns the accumulated sums into Dice, IoU, sensitivity, specificity and
-accuracy. Per-image Dice/IoU are averaged over images; an image whose mask and prediction are both
-empty scores 1, never NaN.
+:func:`finalize_metrics` turns the accumulated sums into the metrics of
+:mod:`jaxrat.tasks.segmentation_metrics` (per-image Dice, IoU and the ISIC challenge's thresholded
+Jaccard; pooled and per-image sensitivity, specificity, accuracy). With
+``config.task.eval_original_resolution`` the same metrics are also computed at each image's
+original resolution (``eval/orig/...``): the predicted probabilities are resized back on the host
+and compared with the mask as stored, as the challenge scores submissions.
+
+``config.task.multiscale_loss`` (multi-scale RAT only): the loss is the mean of the loss of every
+pyramid level's prediction against the mask resized (nearest) to that level, as in the reference;
+otherwise only the finest level is supervised. Metrics always use the finest level.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +25,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrat.errors import ConfigError
+from jaxrat.tasks import segmentation_metrics as metrics
 from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows
 from jaxrat.tasks.image_task import ImageTask
 
@@ -48,57 +57,27 @@ def eval_sums(
     fp = (pred * (1 - mask)).sum(axes)
     fn = ((1 - pred) * mask).sum(axes)
     tn = ((1 - pred) * (1 - mask)).sum(axes)
-    union = tp + fp + fn
-    empty = union == 0
-    dice = jnp.where(empty, 1.0, 2 * tp / jnp.maximum(2 * tp + fp + fn, 1))
-    iou = jnp.where(empty, 1.0, tp / jnp.maximum(union, 1))
     bce = optax.sigmoid_binary_cross_entropy(logits, mask).mean(axes)
     p = jax.nn.sigmoid(logits)
     soft = (2 * (p * mask).sum(axes) + _EPS) / (p.sum(axes) + mask.sum(axes) + _EPS)
     loss = bce_weight * bce + dice_weight * (1 - soft)
     v = valid.astype(jnp.float32)
-    return {
-        "count": v.sum(),
-        "dice_sum": (dice * v).sum(),
-        "iou_sum": (iou * v).sum(),
-        "loss_sum": (loss * v).sum(),
-        "tp": (tp * v).sum(),
-        "fp": (fp * v).sum(),
-        "fn": (fn * v).sum(),
-        "tn": (tn * v).sum(),
-    }
+    return {**metrics.sums_from_counts(tp, fp, fn, tn, v, jnp), "loss_sum": (loss * v).sum()}
 
 
-def finalize_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-    """Turn accumulated :func:`eval_sums` into metrics (all in [0, 1] except the loss)."""
-    s = {k: float(np.asarray(v, np.float64)) for k, v in sums.items()}
-    n = max(s["count"], 1.0)
-
-    def ratio(num: float, den: float) -> float:
-        return num / den if den > 0 else 1.0  # nothing to find and nothing found: perfect
-
-    return {
-        "dice": s["dice_sum"] / n,
-        "iou": s["iou_sum"] / n,
-        "loss": s["loss_sum"] / n,
-        "dice_global": ratio(2 * s["tp"], 2 * s["tp"] + s["fp"] + s["fn"]),
-        "sensitivity": ratio(s["tp"], s["tp"] + s["fn"]),
-        "specificity": ratio(s["tn"], s["tn"] + s["fp"]),
-        "accuracy": ratio(s["tp"] + s["tn"], s["tp"] + s["tn"] + s["fp"] + s["fn"]),
-        "num_images": s["count"],
-    }
-
-
-METRICS = ("dice", "iou", "sensitivity", "specificity", "accuracy", "loss", "dice_global", "num_images")
+finalize_metrics = metrics.finalize_metrics
+METRICS = metrics.METRICS
 # Eval images logged per evaluation (the first ones of the split).
 NUM_LOGGED_IMAGES = 4
 
 
 class SegmentationTask(ImageTask):
-    """``config.task``: ``bce_weight``, ``dice_weight`` (loss) and ``threshold`` (eval metrics).
+    """``config.task``: ``bce_weight``, ``dice_weight`` (loss), ``threshold`` (eval metrics), and
+    optionally ``eval_original_resolution`` and ``multiscale_loss`` (both False when absent).
 
     A batch holds ``image`` (B, H, W, 3) ImageNet-normalised floats and ``mask`` (B, H, W, 1) in
-    {0, 1}; eval batches also ``valid`` (1 for a real image, 0 for padding).
+    {0, 1}; eval batches also ``valid`` (1 for a real image, 0 for padding) and, for metrics at the
+    original resolution, ``index`` (the example's position in the eval split).
     """
 
     def __init__(self, config: mlc.ConfigDict) -> None:
@@ -106,25 +85,43 @@ class SegmentationTask(ImageTask):
         t = config.task
         missing = [k for k in ("bce_weight", "dice_weight", "threshold") if k not in t]
         if missing:
-            from jaxrat.errors import ConfigError
-
             raise ConfigError(f"config.task lacks {', '.join(missing)} for the segmentation task; set them in the "
                               f"config file (see configs/isic.py).")
         self.bce_weight, self.dice_weight = float(t.bce_weight), float(t.dice_weight)
         self.threshold = float(t.threshold)
+        self.eval_original_resolution = bool(t.get("eval_original_resolution", False))
+        self.multiscale_loss = bool(t.get("multiscale_loss", False))
+        if self.multiscale_loss and not (config.model.get("name") == "rat" and config.model.get("scales")):
+            raise ConfigError("config.task.multiscale_loss=True needs a multi-scale RAT (config.model.name='rat' with "
+                              "config.model.scales, as in configs/isic_multiscale.py); set it False otherwise.")
 
     def prepare_data(self, workdir: str) -> str:
         from jaxrat.data import datasets
 
         self.train_source, self.val_source = datasets.resolve_segmentation(
             self.config.data, workdir, seed=self.config.seed, process_index=jax.process_index())
+        if self.eval_original_resolution:
+            self._original_resolution()  # a source that cannot re-read its masks fails now, not at the first eval
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images"
 
+    def eval_batches(self, *, global_batch: int, process_index: int,
+                     process_count: int) -> Iterable[dict[str, np.ndarray]]:
+        from jaxrat.data import pipeline
+
+        d = self.config.data
+        return pipeline.eval_batches(self.val_source, image_size=d.image_size, global_batch=global_batch,
+                                     process_index=process_index, process_count=process_count,
+                                     with_index=self.eval_original_resolution, **pipeline.eval_options(d))
+
     def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        loss, parts = loss_fn(model(batch["image"]), batch["mask"], bce_weight=self.bce_weight,
-                              dice_weight=self.dice_weight)
+        kw = dict(bce_weight=self.bce_weight, dice_weight=self.dice_weight)
+        mask = batch["mask"]
+        if not self.multiscale_loss:
+            loss, parts = loss_fn(model(batch["image"]), mask, **kw)
+        else:
+            loss, parts = multiscale_loss_fn(model.level_logits(batch["image"]), mask, **kw)
         # Exact in float32 (a sum of 0/1 pixels): a fingerprint of which examples a step saw.
-        return loss, {**parts, "foreground_fraction": jnp.mean(batch["mask"])}
+        return loss, {**parts, "foreground_fraction": jnp.mean(mask)}
 
     def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:
         logits = model(batch["image"])
@@ -133,21 +130,64 @@ class SegmentationTask(ImageTask):
         return sums, jax.nn.sigmoid(logits)
 
     def new_eval(self) -> EvalAccumulator:
-        return _SegmentationEval(log_images=bool(self.config.train.log_images))
+        return _SegmentationEval(log_images=bool(self.config.train.log_images), threshold=self.threshold,
+                                 original=self._original_resolution() if self.eval_original_resolution else None)
+
+    def _original_resolution(self) -> metrics.OriginalResolution:
+        from jaxrat.data import transforms as T
+
+        source, d = self.val_source, self.config.data
+        read = getattr(source.loader, "original_mask", None)
+        if read is None:
+            where = source.name or "the eval set"
+            raise ConfigError(f"config.task.eval_original_resolution=True: the loader of {where} cannot read masks "
+                              "as stored; set it False.")
+        keep = bool(d.get("keep_aspect_ratio", False))
+        return metrics.OriginalResolution(
+            original_mask=lambda i: read(source.records[i]), threshold=self.threshold,
+            content=(lambda h, w: T.letterbox_shape(h, w, d.image_size)) if keep else (lambda h, w: None))
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return METRICS
+        return METRICS + (metrics.ORIGINAL_METRICS if self.eval_original_resolution else ())
+
+
+def multiscale_loss_fn(level_logits: Sequence[jax.Array], mask: jax.Array, *, bce_weight: float,
+                       dice_weight: float) -> tuple[jax.Array, dict]:
+    """The mean over pyramid levels of :func:`loss_fn`, each level's logits against ``mask`` resized
+    (nearest) to that level; the parts are averaged too, and ``loss_level_<k>`` added."""
+    losses, parts = [], []
+    for logits in level_logits:
+        target = mask if logits.shape[1:3] == mask.shape[1:3] else jax.image.resize(
+            mask, (*mask.shape[:1], *logits.shape[1:3], mask.shape[-1]), "nearest")
+        loss, p = loss_fn(logits, target, bce_weight=bce_weight, dice_weight=dice_weight)
+        losses.append(loss)
+        parts.append(p)
+    mean = {k: sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+    return sum(losses) / len(losses), {**mean, **{f"loss_level_{k}": v for k, v in enumerate(losses)}}
+
+
+def overlay(image: np.ndarray, truth: np.ndarray, pred: np.ndarray) -> np.ndarray:
+    """The input with the ground truth tinted green and the prediction red (both: yellow).
+
+    ``image`` (N, H, W, 3) in [0, 1]; ``truth`` and ``pred`` boolean (N, H, W, 1)."""
+    tint = np.concatenate([pred, truth, np.zeros_like(pred)], -1).astype(np.float32)
+    marked = (truth | pred).astype(np.float32)
+    return image * (1 - 0.5 * marked) + 0.5 * tint
 
 
 class _SegmentationEval(EvalAccumulator):
-    def __init__(self, log_images: bool) -> None:
+    def __init__(self, log_images: bool, threshold: float = 0.5,
+                 original: metrics.OriginalResolution | None = None) -> None:
         super().__init__()
-        self._want_images = log_images
+        self._want_images, self._threshold = log_images, threshold
         self._images: dict[str, np.ndarray] = {}
+        self._original = original
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
         self.add_sums(sums)
+        if self._original is not None:
+            self._original.update(host_rows(outputs), batch["index"], batch["valid"])
         if self._want_images and not self._images:
             from jaxrat.data.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
@@ -155,14 +195,19 @@ class _SegmentationEval(EvalAccumulator):
             if n == 0:  # this process's share of the first batch is all padding
                 return
             probs = host_rows(outputs)[:n]
+            image = np.clip((batch["image"][:n] * IMAGENET_STD + IMAGENET_MEAN) / 255.0, 0, 1)
             self._images = {
-                "eval/input": (batch["image"][:n] * IMAGENET_STD + IMAGENET_MEAN) / 255.0,
+                "eval/input": image,
                 "eval/mask": np.repeat(batch["mask"][:n], 3, -1),
                 "eval/prediction": np.repeat(probs, 3, -1),
+                "eval/overlay": overlay(image, batch["mask"][:n] > 0.5, probs >= self._threshold),
             }
 
     def finalize(self) -> dict[str, float]:
-        return finalize_metrics(self.fetched_totals())
+        out = finalize_metrics(self.fetched_totals())
+        if self._original is not None:
+            out.update({metrics.ORIGINAL_PREFIX + k: v for k, v in finalize_metrics(self._original.sums()).items()})
+        return out
 
     def images(self) -> dict[str, np.ndarray]:
         return self._images

@@ -1,87 +1,133 @@
-"""Metric writers: console (every process), TensorBoard + metrics.jsonl (process 0 only).
+"""The run's metric writer: console progress (every process) and the trackers (process 0 only).
 
-TensorBoard files are written with tensorboardX rather than clu.metric_writers, which imports
-TensorFlow (+1.4 GB, +6 s per start) for nothing else. Logs are not worth a training run: a write
-that fails (disk full, quota, a vanished network mount) costs a warning, and ``metrics.jsonl``
-never keeps half a line.
+:class:`MetricWriter` fans each call out to the trackers chosen by ``config.tracking.backends``
+(``tensorboard``, ``jsonl``, ``mlflow``, ``wandb``). Logs are not worth a training run: a tracker
+that fails (disk full, quota, a vanished mount, a server that went away) costs a warning and is
+tried again at its next call, ``metrics.jsonl`` never keeps half a line, and network trackers
+work in their own thread so a dead server never stalls a step.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxrat.errors import ConfigError, UserError
+from jaxrat.tracking.base import Guard, Tracker, describe, flatten
+
+DEFAULT_BACKENDS = ("tensorboard", "jsonl")
+BACKENDS = ("tensorboard", "jsonl", "mlflow", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _setting(tracking: Any, key: str, default: Any) -> Any:
+    return tracking.get(key, default) if tracking is not None else default
+
+
+def check_tracking(tracking: Any) -> None:
+    """Before training starts: every backend is known and its package installed (one sentence if not)."""
+    import importlib.util
+
+    backends = tuple(_setting(tracking, "backends", DEFAULT_BACKENDS))
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"config.tracking.backends={backends!r} names unknown backends {unknown}; "
+                          f"choose from {BACKENDS}.")
+    mode = _setting(tracking, "wandb_mode", "offline")
+    if "wandb" in backends and mode not in WANDB_MODES:
+        raise ConfigError(f"config.tracking.wandb_mode={mode!r}; use one of {WANDB_MODES}.")
+    for name in ("mlflow", "wandb"):
+        if name in backends and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"config.tracking.backends includes {name!r} but the {name} package is not installed; "
+                              f"run pip install 'jaxrat[tracking]'.")
+
+
+def open_trackers(workdir: str, tracking: Any = None) -> list[Tracker]:
+    """The trackers ``tracking.backends`` names (``tracking``: a ``config.tracking`` section or None).
+
+    A backend whose package is missing is a :class:`ConfigError`; one that cannot start (its folder
+    cannot be written) costs a warning and is left out.
+    """
+    check_tracking(tracking)
+    backends = tuple(_setting(tracking, "backends", DEFAULT_BACKENDS))
+    trackers: list[Tracker] = []
+    for name in dict.fromkeys(backends):
+        try:
+            trackers.append(_open(name, workdir, tracking))
+        except UserError:
+            raise
+        except Exception as e:  # a tracker that cannot start is not worth the run either
+            logging.warning("%s: cannot start (%s); training goes on without it", name, describe(e))
+    return trackers
+
+
+def _open(name: str, workdir: str, tracking: Any) -> Tracker:
+    if name == "tensorboard":
+        from jaxrat.tracking.tensorboard import TensorBoardTracker
+
+        return TensorBoardTracker(workdir)
+    if name == "jsonl":
+        from jaxrat.tracking.jsonl import JsonlTracker
+
+        return JsonlTracker(workdir)
+    if name == "mlflow":
+        from jaxrat.tracking.mlflow import MLflowTracker
+
+        return MLflowTracker(workdir, tracking)
+    from jaxrat.tracking.wandb import WandbTracker
+
+    return WandbTracker(workdir, tracking)
+
 
 class MetricWriter:
-    """Writes scalars and images under ``workdir``; only process 0 touches files."""
+    """Sends scalars, images, the config and the run's files to every tracker; only process 0 has any."""
 
-    def __init__(self, workdir: str, *, is_main: bool):
+    def __init__(self, workdir: str, *, is_main: bool, tracking: Any = None,
+                 trackers: Sequence[Tracker] | None = None) -> None:
         self.is_main = is_main
-        self._tb = None
-        self._fd: int | None = None
-        self._path = os.path.join(workdir, "metrics.jsonl")
-        self._failing: set[str] = set()
-        if is_main:
-            from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
+        self._guard = Guard()
+        if not is_main:
+            self.trackers: list[Tracker] = []
+        elif trackers is not None:
+            self.trackers = list(trackers)
+        else:
+            self.trackers = open_trackers(workdir, tracking)
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def _guard(self, what: str, write: Callable[[], Any]) -> None:
-        try:
-            write()
-        except OSError as e:
-            if what not in self._failing:
-                logging.warning("%s: cannot write (%s); training goes on, and these logs resume once writing works",
-                                what, e.strerror or e)
-            self._failing.add(what)
-            return
-        if what in self._failing:
-            logging.warning("%s: writing again", what)
-            self._failing.discard(what)
-
-    def _append_line(self, line: str) -> None:
-        """One ``write`` per line; a partial one (disk full midway) is cut back off."""
-        data = line.encode()
-        start = os.lseek(self._fd, 0, os.SEEK_END)
-        written = os.write(self._fd, data)
-        if written < len(data):
-            os.ftruncate(self._fd, start)
-            raise OSError(28, "No space left on device")
+    def _each(self, call: str, *args: Any) -> None:
+        for t in self.trackers:
+            self._guard.call(t.name, lambda t=t: getattr(t, call)(*args))
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        """One JSON line ``{"step": step, name: value, ...}`` and one TensorBoard scalar per name."""
-        if not self.is_main:
-            return
-        clean = {k: float(v) for k, v in scalars.items()}
-        line = json.dumps({"step": int(step), "time": time.time(), **clean}) + "\n"
-        self._guard(self._path, lambda: self._append_line(line))
-        for k, v in clean.items():
-            self._guard("tensorboard", lambda: self._tb.add_scalar(k, v, int(step)))
+        """One JSON line ``{"step": step, name: value, ...}``, and one scalar per name in every other tracker."""
+        self._each("log_scalars", int(step), {k: float(v) for k, v in scalars.items()})
 
     def write_images(self, step: int, images: Mapping[str, np.ndarray]) -> None:
         """Images as (N, H, W, C) floats in [0, 1]."""
-        if not self.is_main:
-            return
-        for k, v in images.items():
-            self._guard("tensorboard", lambda: self._tb.add_images(k, np.clip(np.asarray(v), 0, 1), int(step),
-                                                                   dataformats="NHWC"))
+        self._each("log_images", int(step), images)
+
+    def write_hparams(self, config: Mapping[str, Any]) -> None:
+        """The run's config (nested dicts), flattened to ``{"optimizer.learning_rate": 1e-3, ...}``."""
+        self._each("log_hparams", flatten(config))
+
+    def log_artifact(self, path: str) -> None:
+        """A small file the run wrote (its summary)."""
+        self._each("log_artifact", path)
+
+    def log_reference(self, name: str, path: str) -> None:
+        """A large thing the run wrote (a checkpoint), named by its path."""
+        self._each("log_reference", name, path)
 
     def flush(self) -> None:
-        """Push buffered events to disk."""
-        if self.is_main:
-            self._guard("tensorboard", self._tb.flush)
+        """Push buffered events."""
+        self._each("flush")
 
-    def close(self) -> None:
-        """Flush and close files."""
-        if self.is_main:
-            self._guard("tensorboard", self._tb.close)
-            os.close(self._fd)
+    def close(self, status: str = "finished") -> None:
+        """End every tracker's run (``status``: "finished", "failed" or "preempted")."""
+        self._each("close", status)
+        self.trackers = []
 
 
 def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed: float, done: int) -> str:

@@ -41,6 +41,8 @@ class Chrono:
         self.data_wait = 0.0
         self._last_output: jax.Array | None = None
         self._first_step_s: float | None = None
+        self.total_steps = 0  # dispatched in this run
+        self._t_first_done: float | None = None
 
     def devices_busy(self) -> bool:
         """Whether the last dispatched step is still running."""
@@ -54,9 +56,11 @@ class Chrono:
         """
         first = self._last_output is None
         self._last_output, self.steps, self.data_wait = output, self.steps + 1, self.data_wait + waited_s
+        self.total_steps += 1
         if first:
             jax.block_until_ready(output)
-            self._first_step_s = time.perf_counter() - self.t_created
+            self._t_first_done = time.perf_counter()
+            self._first_step_s = self._t_first_done - self.t_created
             logging.info("first step done %.1f s after the run started (setup, restore, compilation)",
                          self._first_step_s)
 
@@ -75,6 +79,34 @@ class Chrono:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
+    def examples_per_sec(self) -> float | None:
+        """Examples/s over this run after its first step (compilation left out); None before two steps.
+
+        Call it when the last step is done (after the last log step's fetch)."""
+        if self._t_first_done is None or self.total_steps < 2:
+            return None
+        span = max(time.perf_counter() - self._t_first_done, 1e-9)
+        return (self.total_steps - 1) * self.global_batch / span
+
+
+def device_memory() -> dict[str, float]:
+    """GiB in use and at peak on this process's busiest device, where the backend reports it (GPUs
+    and TPUs do; CPUs return nothing, and then so does this)."""
+    stats = [s for d in jax.local_devices() if (s := _memory_stats(d))]
+    out = {}
+    for key, name in (("bytes_in_use", "train/device_memory_gb"), ("peak_bytes_in_use", "train/device_peak_memory_gb")):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            out[name] = max(values) / 2**30
+    return out
+
+
+def _memory_stats(device: jax.Device) -> dict[str, Any] | None:
+    try:
+        return device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+
 
 class TrainLog:
     """Keeps each step's metrics on the device until a log step, then fetches them all at once
@@ -85,6 +117,8 @@ class TrainLog:
         self.writer, self.chrono, self.total, self.every = writer, chrono, total_steps, every
         self.last_good = last_good
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+        self.last: dict[str, float] = {}  # the last window's scalars, for the run summary
+        self.last_step = 0
 
     def add(self, step: int, metrics: dict[str, jax.Array]) -> bool:
         """Queue ``step``'s metrics; returns whether ``step`` is a log step (and logs it)."""
@@ -109,7 +143,9 @@ class TrainLog:
         scalars = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "train/nonfinite"}
         scalars["train/learning_rate"] = float(fetched[-1]["train/learning_rate"])
         scalars.update(self.chrono.window())
+        scalars.update(device_memory())
         self.writer.write_scalars(step, scalars)
+        self.last, self.last_step = scalars, step
         if jax.process_index() == 0:
             logging.info("%s", format_progress(step, self.total, scalars, self.chrono.elapsed(),
                                                step - self.chrono.start_step))
@@ -125,6 +161,9 @@ class Evaluation:
         self.config, self.task, self.eval_step, self.to_global, self.writer = config, task, eval_step, to_global, writer
         self.total = config.num_train_steps
         self.last: dict[str, float] = {}
+        self.last_step: int | None = None
+        # The best value of checkpoint.best_metric among this run's evals: {"metric", "value", "step"}.
+        self.best: dict[str, Any] | None = None
 
     def due(self, step: int) -> bool:
         t = self.config.train
@@ -142,7 +181,8 @@ class Evaluation:
             acc.update(sums, batch, outputs)
         metrics = acc.finalize()
         named = {f"eval/{k}": v for k, v in metrics.items()}
-        self.last = metrics
+        self.last, self.last_step = metrics, step
+        self._rank(step, named)
         self.writer.write_scalars(step, named)
         images = acc.images() if self.config.train.log_images else {}
         if images:
@@ -152,6 +192,14 @@ class Evaluation:
             order = [k for k in known if k in metrics] + sorted(set(metrics) - set(known))
             logging.info("eval step %d: %s", step, " ".join(f"{k} {metrics[k]:.4f}" for k in order))
         return named
+
+    def _rank(self, step: int, named: dict[str, float]) -> None:
+        c = self.config.checkpoint
+        value = named.get(c.best_metric)
+        if value is None:
+            return
+        if self.best is None or (value > self.best["value"] if c.best_mode == "max" else value < self.best["value"]):
+            self.best = {"metric": c.best_metric, "mode": c.best_mode, "value": float(value), "step": step}
 
 
 class Saver:

@@ -16,11 +16,12 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy
+from jaxrat.cluster import Preempted
 from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.tasks.base import load_task
-from jaxrat.tracking.writers import MetricWriter
-from jaxrat.trainer import autotune, hooks
+from jaxrat.tracking.writers import MetricWriter, check_tracking
+from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
@@ -70,6 +71,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
     # ---- world
     mesh = make_mesh(config.mesh.axes)
     check_batch_sizes(config, mesh.size, jax.process_count())
+    check_tracking(config.get("tracking"))
     logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())
 
     # ---- task, data, state
@@ -95,13 +97,15 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
     state, first, total = start.state, start.step, config.num_train_steps
 
     # ---- loop
-    writer = MetricWriter(workdir, is_main=jax.process_index() == 0)
+    writer = MetricWriter(workdir, is_main=jax.process_index() == 0, tracking=config.get("tracking"))
+    writer.write_hparams(config.to_dict())
     chrono = hooks.Chrono(config.data.batch_size, first, t_created)
     saver = hooks.Saver(ckpt, policy, total, writer)
     log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
     evaluation = hooks.Evaluation(config, task, eval_step, put, writer)
     feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+    done, status, images_per_sec = first, "failed", None
     try:
         if start.eval_pending and evaluation.run(first, state["params"], saver.preemption_requested) is None:
             saver.stop_for_preemption(first, state, feed.consumed_state(), eval_pending=True)
@@ -120,10 +124,24 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
                 log.flush(done)
                 saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=True)
             saver.maybe_save(done, state, feed.consumed_state(), log_step=log_step, metrics=evaluated)
+        images_per_sec = chrono.examples_per_sec()
         saver.finish()
+        status = "finished"
+    except Preempted:
+        status = "preempted"
+        raise
     finally:
         feed.close()
-        writer.close()
+        try:  # the summary is not worth hiding why a run failed
+            summary = run_summary.build(
+                config, workdir, status=status, mesh=mesh, first=first, last=done,
+                wall_time_s=time.perf_counter() - t_created, last_train=log.last,
+                images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
+                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory)
+            run_summary.publish(writer, workdir, summary)
+        except Exception as e:
+            logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
+        writer.close(status)
         ckpt.close()
     if first >= total:
         logging.info("nothing to do: workdir already at step %d of %d", first, total)

@@ -29,10 +29,10 @@ CONFIG_NAME = "config.json"
 # must match the checkpoint's config.json; a prefix ending in "." covers its whole section.
 RESUMABLE = (
     "num_train_steps", "init_from", "train.log_every", "train.eval_every", "train.eval_at_end",
-    "train.log_images", "checkpoint.", "mesh.", "sharding.", "distributed.", "workdir.",
+    "train.log_images", "checkpoint.", "mesh.", "sharding.", "distributed.", "workdir.", "tracking.",
     "data.data_dir", "data.stage_to_local_dir", "data.num_threads", "data.prefetch_buffer",
     "data.device_prefetch", "data.num_workers", "data.worker_ram_budget_gb", "data.on_bad_file",
-    "data.eval_batch_size", "optimizer.grad_accum_steps",
+    "data.eval_batch_size", "data.eval_spacing", "optimizer.grad_accum_steps",
 )
 
 

@@ -22,6 +22,7 @@ import re
 from typing import Sequence
 
 import grain
+import numpy as np
 
 from jaxrat.data import imageio
 from jaxrat.data import transforms as T
@@ -191,8 +192,10 @@ class DecodePair(grain.transforms.Map):
     """(image, mask) paths or :class:`~jaxrat.data.imageio.Encoded` bytes -> {"image": uint8 RGB,
     "mask": uint8 {0,1}}; the sizes must match.
 
-    ``at_least=(w, h)`` lets JPEGs decode at a reduced scale no smaller than that (the mask is
-    then resized to the decoded image, as the following resize would do anyway)."""
+    ``at_least=(w, h)`` lets JPEGs decode at a reduced scale no smaller than that. The mask keeps
+    its original size then: the pipeline's first resize takes it to the target size in one
+    nearest-neighbour step (:func:`jaxrat.data.transforms.align_mask`); resizing it to the reduced
+    image first, then again to the target, shifted its edges by up to a pixel."""
 
     at_least: tuple[int, int] | None = None
 
@@ -206,9 +209,11 @@ class DecodePair(grain.transforms.Map):
                 f"mask is {mask.shape[1]}x{mask.shape[0]} but image {source_name(img_path)} is {w}x{h}",
                 "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
             )
-        if image.shape[:2] != mask.shape:
-            mask = T.pil_resize(mask, image.shape[0], image.shape[1], nearest=True)
         return {"image": image, "mask": mask}
+
+    def original_mask(self, pair: tuple[str, str]) -> np.ndarray:
+        """The mask of ``pair`` at its stored size, uint8 {0, 1} (for original-resolution metrics)."""
+        return load_mask(pair[1])
 
 
 @dataclasses.dataclass(frozen=True)

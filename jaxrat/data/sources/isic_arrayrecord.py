@@ -165,10 +165,16 @@ class DecodeRecord(grain.transforms.Map):
     at_least: tuple[int, int] | None = None
 
     def map(self, rec: dict[str, Any]) -> dict[str, np.ndarray]:
+        return DecodePair(self.at_least).map(self._pair(rec))
+
+    def original_mask(self, rec: dict[str, Any]) -> np.ndarray:
+        """The record's mask as stored, uint8 {0, 1} (for original-resolution metrics)."""
+        return DecodePair().original_mask(self._pair(rec))
+
+    def _pair(self, rec: dict[str, Any]) -> tuple[Encoded, Encoded]:
         image_id = rec["image_id"].decode() if isinstance(rec["image_id"], bytes) else str(rec["image_id"])
         name = f"{self.where}[{image_id}]"
-        pair = (Encoded(f"{name} image", rec["image"]), Encoded(f"{name} mask", rec["mask"]))
-        return DecodePair(self.at_least).map(pair)
+        return Encoded(f"{name} image", rec["image"]), Encoded(f"{name} mask", rec["mask"])
 
 
 def example_source(data_dir: str, split: str, policy: BadFilePolicy, split_file: str = "") -> ExampleSource:

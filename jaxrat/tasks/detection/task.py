@@ -37,6 +37,7 @@ from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
 from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
+from jaxrat.tasks.detection.drawing import boxes_images
 from jaxrat.tasks.detection.losses import num_target_boxes, set_criterion
 from jaxrat.tasks.detection.matching import hungarian_match
 
@@ -97,6 +98,10 @@ def detection_ops(image_size: int, max_boxes: int, *, train: bool, data_cfg: Any
     if train and get("color_jitter", 0.0):
         c = float(get("color_jitter", 0.0))
         ops.append(T.ColorJitter(c, c, c, c / 2))
+    if not train and data_cfg is not None:
+        from jaxrat.data.pipeline import eval_coarsen
+
+        ops += [op for op in (eval_coarsen(data_cfg),) if op]
     return ops + [T.Normalize(), PadBoxes(max_boxes), FinishDetection()]
 
 
@@ -118,12 +123,13 @@ def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     policy = BadFilePolicy(data_cfg.get("on_bad_file", "fail"), record)
     root = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and not root:
+        from jaxrat.data.datasets import synthetic_image_size
         from jaxrat.data.synthetic.coco import write_coco
 
         # One copy per process on its own disk: correct whether or not the workdir is shared.
         root = write_coco(os.path.join(workdir, "synthetic_data", f"process_{process_index}"),
                           num_train=data_cfg.synthetic_train, num_val=data_cfg.synthetic_val,
-                          image_size=data_cfg.get("synthetic_image_size", data_cfg.image_size), seed=seed,
+                          image_size=synthetic_image_size(data_cfg), seed=seed,
                           num_classes=data_cfg.get("synthetic_classes", 5))
     root = root or os.path.expanduser("~/data/coco2017")
     train = CocoDetection(root, "train", policy=policy, skip_empty=True)
@@ -177,7 +183,7 @@ class DetectionTask(Task):
         return pipeline.eval_batches(self._val.example_source(), image_size=d.image_size, global_batch=global_batch,
                                      process_index=process_index, process_count=process_count,
                                      num_threads=d.get("num_threads", 2),
-                                     ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False))
+                                     ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False, data_cfg=d))
 
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
         from jaxrat.models import build_model
@@ -214,7 +220,8 @@ class DetectionTask(Task):
 
     # ----------------------------------------------------------------------------- host side
     def new_eval(self) -> EvalAccumulator:
-        return DetectionEval(self._val.annotation_file, self._val.category_ids)
+        return DetectionEval(self._val.annotation_file, self._val.category_ids,
+                             log_images=bool(self.config.train.log_images))
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -256,15 +263,18 @@ class DetectionEval(EvalAccumulator):
 
     FIELDS = ("image_id", "orig_size", "content_size", "valid")
 
-    def __init__(self, annotation_file: str, category_ids: list[int]) -> None:
+    def __init__(self, annotation_file: str, category_ids: list[int], log_images: bool = False) -> None:
         super().__init__()
         self.annotation_file, self.category_ids = annotation_file, list(category_ids)
         self.rows: dict[str, list[np.ndarray]] = {}
+        self._want_images, self._images = log_images, {}
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
         self.add_sums(sums)
         canvas = batch["image"].shape[1]
         local = {k: host_rows(v) for k, v in outputs.items()}
+        if self._want_images and not self._images:  # the same first images at every eval
+            self._images = boxes_images(batch, local)
         local["boxes"] = to_original(local["boxes"], np.asarray(batch["content_size"]), canvas)
         for k in self.FIELDS:
             local[k] = np.asarray(batch[k])
@@ -292,3 +302,7 @@ class DetectionEval(EvalAccumulator):
             rows["scores"][keep].reshape(-1), rows["labels"][keep].reshape(-1),
             np.repeat(rows["orig_size"][keep], k, axis=0))
         return {**evaluate(self.annotation_file, results), "num_images": n}
+
+    def images(self) -> dict[str, np.ndarray]:
+        """The first eval images with true (green) and detected (red) boxes."""
+        return self._images

@@ -1,0 +1,123 @@
+"""Every benchmark in one command: one markdown summary and one JSON, with the machine and commit.
+
+    python benchmarks/run_all.py            # the full set (hours on a 2-core CPU; minutes on a GPU)
+    python benchmarks/run_all.py --quick    # small sizes and few repetitions, ~15-25 min on 2 CPU cores
+    python benchmarks/run_all.py --only rat_bench first_step
+
+Each benchmark runs as its own subprocess (so one that fails or runs out of memory does not take
+the others with it) and writes its own JSON under ``--results``; its printed table is kept too.
+The summary (``SUMMARY.md`` and ``summary.json`` there) lists, per benchmark, the command, whether
+it finished, its wall time and its table. Timings from a machine that is busy with other work are
+not worth comparing: the summary records the load average before and after each benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (quick arguments, full arguments); each script also gets --out <results>/<name>.json
+BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
+    "rat_bench": (["--sizes", "64", "96", "--reference-sizes", "64", "96", "--reps", "1"],
+                  ["--sizes", "64", "96", "128", "--reference-sizes", "64", "96", "128", "--reps", "3"]),
+    "rat_scaling": (["--variants", "windowed", "--sizes", "128", "256", "--time-up-to", "128", "--reps", "1"],
+                    ["--sizes", "128", "256", "512", "1024", "--time-up-to", "512"]),
+    "zero_memory": (["--image-size", "64", "--batch-size", "8"], []),
+    "detection_matching": (["--targets", "10", "50", "--reps", "2"], []),
+    "data_pipeline": (["--config", "configs/isic.py:demo", "--images", "16", "--seconds", "5", "--workers", "0,1"],
+                      []),
+    "checkpoint_stall": (["--reps", "2"], []),
+    "first_step": ([], []),
+}
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import jax  # imported here so --help stays instant
+
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        cpu = names[0] if names else ""
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    devices = jax.devices()
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    commit = git.stdout.strip()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+            "host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
+            "jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": f"{len(devices)} x {devices[0].device_kind}"}
+
+
+def run_one(name: str, args: list[str], results: Path, timeout: float) -> dict:
+    out = results / f"{name}.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args, "--out", str(out)]
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code, stdout, stderr = "timeout", (e.stdout or b"").decode(errors="replace"), ""
+    row = {"command": " ".join(["python", f"benchmarks/{name}.py", *args]),
+           "status": "ok" if code == 0 else f"failed ({code})",
+           "seconds": round(time.perf_counter() - t0, 1), "load_before": round(load0, 1),
+           "load_after": round(os.getloadavg()[0], 1), "table": stdout.strip()[-6000:]}
+    if code == 0 and out.exists():
+        row["result"] = json.loads(out.read_text())
+    elif code != 0:
+        row["error"] = stderr.strip()[-2000:]
+    return row
+
+
+def markdown(info: dict, rows: dict[str, dict], quick: bool) -> str:
+    lines = [f"# jaxrat benchmarks{' (quick)' if quick else ''}", "",
+             f"{info['date']}, commit {info['commit']}: {info['devices']} ({info['backend']}), {info['cpu']}, "
+             f"{info['cores']} cores, {info['memory_gib']} GiB, jax {info['jax']}.", "",
+             "| benchmark | status | wall s | load avg before/after |", "| --- | --- | --- | --- |"]
+    lines += [f"| {n} | {r['status']} | {r['seconds']} | {r['load_before']} / {r['load_after']} |"
+              for n, r in rows.items()]
+    for name, row in rows.items():
+        lines += ["", f"## {name}", "", f"`{row['command']}`", "", "```", row["table"] or "(no output)", "```"]
+        if "error" in row:
+            lines += ["", "Error (last lines):", "", "```", row["error"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
+    parser.add_argument("--results", default="", help="folder for the JSON files and the summary "
+                        "(default benchmarks/results, or benchmarks/results/quick with --quick)")
+    parser.add_argument("--timeout", type=float, default=0,
+                        help="seconds per benchmark (default 1800 quick, 14400 full)")
+    args = parser.parse_args()
+    results = Path(args.results or REPO / "benchmarks" / "results" / ("quick" if args.quick else ""))
+    results.mkdir(parents=True, exist_ok=True)
+    timeout = args.timeout or (1800 if args.quick else 14400)
+    info = machine()
+    rows = {}
+    for name in args.only:
+        print(f"-- {name} ...", flush=True)
+        rows[name] = run_one(name, BENCHMARKS[name][0 if args.quick else 1], results, timeout)
+        print(f"   {rows[name]['status']} in {rows[name]['seconds']} s", flush=True)
+    (results / "SUMMARY.md").write_text(markdown(info, rows, args.quick))
+    (results / "summary.json").write_text(json.dumps({"machine": info, "quick": args.quick, "benchmarks": rows},
+                                                     indent=2, default=str))
+    print(f"wrote {results / 'SUMMARY.md'} and {results / 'summary.json'}")
+    if any(r["status"] != "ok" for r in rows.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

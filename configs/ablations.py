@@ -1,0 +1,70 @@
+"""The RAT ablation study on ISIC 2018: five axes, one change at a time from the ISIC RAT.
+
+    python -m jaxrat.sweep --config configs/ablations.py --root runs/ablations --slurm --gpus-per-node 1
+    python -m jaxrat.summarize runs/ablations
+
+Variants of the base (``--config configs/ablations.py:VARIANT``), as in configs/isic.py:
+  (none)  real ISIC 2018 data, the RAT of configs/isic.py (single scale, RoSE, dense SGA, windowed
+          multi-resolution attention, 4 blocks of 128 channels).
+  demo    synthetic lesions at 48 px; every variant trains in minutes on a CPU.
+  smoke   tiny and fast, for tests (a 2-block RAT of 8 channels).
+
+The sweep (``get_sweep``), each variant the base with one change (docs/experiments.md):
+  positional encoding  pe_none, pe_absolute, pe_rope (the base: RoSE)
+  attention            attn_sparse, attn_standard (SGA variants; base: dense SGA) and mr_global
+                       (global multi-resolution attention; base: windowed)
+  multi-scale          multiscale: the [256, 128, 64] pyramid of configs/isic_multiscale.py
+  depth                depth_half, depth_1.5x (num_blocks)
+  width                width_half, width_2x (feature_dims)
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections as mlc
+
+from jaxrat.config import load_config
+
+_ISIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
+
+
+def get_config(arg: str | None = None) -> mlc.ConfigDict:
+    """The base of the study for ``arg`` in {None, "demo", "smoke"}: the ISIC RAT, single scale."""
+    if arg not in (None, "", "demo", "smoke"):
+        raise ValueError(f"Unknown variant {arg!r} for configs/ablations.py; use demo, smoke or none.")
+    c = load_config(f"{_ISIC}:{arg}" if arg else _ISIC)
+    if c.model.name != "rat":  # isic.py's smoke variant trains a U-Net; the ablations need a (tiny) RAT
+        c.model = mlc.ConfigDict(dict(name="rat", num_classes=1, feature_dims=8, num_blocks=2, num_heads=2, iters=1,
+                                      dropout=0.0, attention="dense", positional_encoding="rose", head="decoder",
+                                      decoder_dim=8, mr_attention="windowed", mr_window=16))
+    # Declared here so that the multi-scale variant can set them (unknown keys are refused): no
+    # pyramid (a single image) unless scales is given.
+    c.model.scales = ()
+    c.model.pyramid_spacing = "relative"
+    return c
+
+
+def get_sweep(arg: str | None = None) -> dict[str, list[str]]:
+    """The ablation variants, named, as overrides of :func:`get_config` (``arg``)."""
+    m = get_config(arg).model
+    blocks, dims = m.num_blocks, m.feature_dims
+    return {
+        "baseline": [],
+        # positional encoding: RoSE against none, a learned absolute embedding, and RoPE
+        "pe_none": ["--config.model.positional_encoding=none"],
+        "pe_absolute": ["--config.model.positional_encoding=absolute"],
+        "pe_rope": ["--config.model.positional_encoding=rope"],
+        # attention: SGA's dense form against its sparse (windowed) and standard-attention forms, and
+        # the multi-resolution blocks' global attention against their windowed form
+        "attn_sparse": ["--config.model.attention=sparse"],
+        "attn_standard": ["--config.model.attention=standard"],
+        "mr_global": ["--config.model.mr_attention=global"],
+        # multi-scale: the image pyramid of configs/isic_multiscale.py
+        "multiscale": ["--config.model.scales=(256,128,64)"],
+        # depth and width, half and one and a half or twice the base
+        "depth_half": [f"--config.model.num_blocks={max(1, blocks // 2)}"],
+        "depth_1.5x": [f"--config.model.num_blocks={blocks + max(1, blocks // 2)}"],
+        "width_half": [f"--config.model.feature_dims={dims // 2}"],
+        "width_2x": [f"--config.model.feature_dims={dims * 2}"],
+    }

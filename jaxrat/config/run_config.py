@@ -1,0 +1,70 @@
+"""A trained run's own config (``WORKDIR/config.json``), read back for evaluation with overrides."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from typing import Any
+
+import ml_collections as mlc
+
+from jaxrat.config.loader import flatten
+from jaxrat.errors import ConfigError, UserError
+
+
+def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:
+    """The run's resolved config with ``--config.a.b=value`` overrides applied (types kept).
+
+    Synthetic data is pinned to the side it was generated at in training (``data.synthetic_image_size``,
+    which follows ``data.image_size`` when 0), so an override of ``data.image_size`` evaluates the
+    same images resized, as it would real data, rather than a new dataset drawn at the new size.
+    """
+    path = os.path.join(workdir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path} not found; pass the --workdir of a training run.") from None
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); it was not written by jaxrat, or was damaged.") from None
+    config = mlc.ConfigDict(_tuples(raw))
+    data = config.get("data")
+    if data is not None and data.get("synthetic") and "image_size" in data:
+        data.synthetic_image_size = int(data.get("synthetic_image_size", 0) or data.image_size)
+    flat = flatten(config)
+    for item in overrides:
+        key, eq, value = item.removeprefix("--config.").partition("=")
+        if not eq:
+            raise ConfigError(f"{item}: write overrides as --config.KEY=VALUE.")
+        if key not in flat:
+            raise ConfigError(f"Unknown config key --config.{key} for this run; see {path} for its keys.")
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = _parse(value, flat[key], key)
+    return config
+
+
+def _tuples(x: Any) -> Any:
+    """JSON lists back to the tuples the config files use (mesh axes, heads, scales)."""
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    return x
+
+
+def _parse(value: str, current: Any, key: str) -> Any:
+    if isinstance(current, str):
+        return value
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--config.{key}={value} is not a Python literal like {current!r}; fix the value.") from None
+    if isinstance(current, bool) or isinstance(parsed, bool):
+        return bool(parsed)
+    if isinstance(current, float) and isinstance(parsed, int):
+        return float(parsed)
+    return parsed

@@ -1,0 +1,239 @@
+"""Ablation sweeps: named variants of one config, each trained in its own workdir ``ROOT/<name>``.
+
+A config file opts in with ``get_sweep(arg=None)`` next to its ``get_config``, returning either
+``{name: overrides}`` or ``[(name, overrides), ...]``, where ``overrides`` is a list of
+``"--config.key=value"`` strings (the ``--config.`` prefix may be left out) or a dict
+``{"key": value}``. Variants run one after another here (:func:`run_local`) or as the elements
+of one job array (``jaxrat.cluster.jobscript``, via ``python -m jaxrat.sweep --slurm``). A variant
+whose workdir holds the final checkpoint is finished and skipped; any other resumes from its
+checkpoints, because that is what ``jaxrat.main`` does with a workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxrat.checkpointing.store import committed_steps, step_metadata
+from jaxrat.cluster.jobscript import ELEMENT_NAME
+from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.errors import ConfigError
+
+MANIFEST = "sweep.json"  # ROOT/sweep.json: the config, variants and common overrides of the last invocation
+_OVERRIDE = re.compile(r"^--config\.[A-Za-z_][\w.]*=")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One run of a sweep: its name (also its workdir under the root) and its config overrides."""
+
+    name: str
+    overrides: tuple[str, ...]
+
+
+def _override(item: Any, where: str) -> str:
+    if not isinstance(item, str):
+        raise ConfigError(f"{where}: {item!r} is not an override; write '--config.key=value' strings.")
+    text = item if item.startswith("--") else f"--config.{item}"
+    if not _OVERRIDE.match(text):
+        raise ConfigError(f"{where}: {item!r} is not an override; write '--config.key=value', e.g. "
+                          "'--config.model.num_blocks=2'.")
+    return text
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_value(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
+
+
+def parse_sweep(raw: Any, source: str = "get_sweep()") -> list[Variant]:
+    """The variants of ``get_sweep()``'s return value, checked for shape and names (not keys)."""
+    if isinstance(raw, Mapping):
+        pairs = list(raw.items())
+    elif isinstance(raw, Sequence) and not isinstance(raw, str) and all(
+            isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 for p in raw):
+        pairs = [tuple(p) for p in raw]
+    else:
+        raise ConfigError(f"{source} returned {type(raw).__name__}; return {{name: [overrides]}} or a list of "
+                          "(name, [overrides]) pairs.")
+    if not pairs:
+        raise ConfigError(f"{source} returned no variants; name at least one.")
+    variants, seen = [], set()
+    for name, overrides in pairs:
+        if not isinstance(name, str) or not ELEMENT_NAME.match(name):
+            raise ConfigError(f"{source}: variant name {name!r} cannot name a workdir; use letters, digits, '.', "
+                              "'_' and '-'.")
+        if name in seen:
+            raise ConfigError(f"{source} names the variant {name!r} twice; give each variant its own name.")
+        seen.add(name)
+        where = f"{source} variant {name!r}"
+        if isinstance(overrides, Mapping):
+            items = [f"--config.{k}={_value(v)}" for k, v in overrides.items()]
+        elif isinstance(overrides, Sequence) and not isinstance(overrides, str):
+            items = list(overrides)
+        else:
+            raise ConfigError(f"{where}: overrides must be a list of '--config.key=value' strings or a dict.")
+        variants.append(Variant(name, tuple(_override(o, where) for o in items)))
+    return variants
+
+
+def load_sweep(config: str, common: Sequence[str] = ()) -> list[Variant]:
+    """The variants of ``config`` (``path[:arg]``, calling ``get_sweep(arg)``), every override checked.
+
+    Each variant's overrides, followed by ``common``, must name existing config keys with values of
+    the right type (the check ``jaxrat.main`` makes), so a typo fails here and not in job 4 of 5.
+    """
+    path, _, arg = config.partition(":")
+    module = load_config_module(path)
+    if not hasattr(module, "get_sweep"):
+        raise ConfigError(f"Config file {path} defines no get_sweep(); add one returning {{name: "
+                          "['--config.key=value', ...]}} (see configs/ablations.py).")
+    try:
+        raw = module.get_sweep(arg) if arg else module.get_sweep()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    variants = parse_sweep(raw, f"{path}: get_sweep()")
+    common = tuple(_override(o, "--config overrides") for o in common)
+    for v in variants:
+        check_override_args(["--config", config, *v.overrides, *common])
+    return variants
+
+
+def select(variants: list[Variant], only: Sequence[str]) -> list[Variant]:
+    """The variants named in ``only`` (all when empty), in sweep order."""
+    names = [v.name for v in variants]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise ConfigError(f"--only {','.join(unknown)}: no such variant; this sweep has {', '.join(names)}.")
+    return [v for v in variants if not only or v.name in only]
+
+
+# ------------------------------------------------------------------------------ finished or not
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """How far a variant's workdir got: its newest committed checkpoint against the steps asked for."""
+
+    step: int | None
+    total: int
+    eval_pending: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """The final step is checkpointed and its evaluation done (a run preempted in the final
+        evaluation saved the final step with the eval still pending)."""
+        return self.step is not None and self.step >= self.total and not self.eval_pending
+
+    def describe(self) -> str:
+        if self.finished:
+            return "finished"
+        if self.step is None:
+            return "not started"
+        return f"at step {self.step} of {self.total}"
+
+
+def target_steps(config: str, overrides: Sequence[str]) -> int:
+    """``num_train_steps`` of ``config`` after ``overrides`` (the last one naming it wins)."""
+    for o in reversed(overrides):
+        if o.startswith("--config.num_train_steps="):
+            return int(o.partition("=")[2])
+    return int(load_config(config).num_train_steps)
+
+
+def run_state(workdir: str, total: int) -> RunState:
+    """The :class:`RunState` of ``workdir`` for a run of ``total`` steps (read-only)."""
+    directory = os.path.join(workdir, "checkpoints")
+    steps = committed_steps(directory)
+    if not steps:
+        return RunState(None, total)
+    return RunState(steps[-1], total, bool(step_metadata(directory, steps[-1]).get("eval_pending")))
+
+
+# ------------------------------------------------------------------------------------ running
+
+def train_command(config: str, workdir: str, overrides: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The ``python -m jaxrat.main`` command line of one variant."""
+    return [python, "-m", "jaxrat.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+
+
+def write_manifest(root: str, config: str, variants: list[Variant], common: Sequence[str]) -> None:
+    """``ROOT/sweep.json``: what was swept, for the summary's order and its overrides column."""
+    os.makedirs(root, exist_ok=True)
+    data = {"config": config, "common": list(common),
+            "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in variants]}
+    with open(os.path.join(root, MANIFEST + ".tmp"), "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(os.path.join(root, MANIFEST + ".tmp"), os.path.join(root, MANIFEST))
+
+
+def _train(cmd: list[str]) -> int:
+    """Run one training to its end. A SIGTERM to the sweep is passed on (the run checkpoints and
+    exits 42, as when preempted); on Ctrl-C, which the run receives too, give it time to stop."""
+    proc = subprocess.Popen(cmd)
+    on_main = threading.current_thread() is threading.main_thread()  # only there may handlers change
+    previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM)) if on_main else None
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def run_local(config: str, root: str, variants: list[Variant], common: Sequence[str] = (), *,
+              dry_run: bool = False, python: str = sys.executable) -> int:
+    """Train the unfinished ``variants`` one after another; the exit status of the sweep.
+
+    A failed variant (a crash, a config error) does not stop the others; a preempted one (status
+    42) or an interrupt does, since whoever asked this process to stop meant the whole sweep.
+    """
+    failed: list[str] = []
+    for i, v in enumerate(variants, 1):
+        workdir = os.path.join(root, v.name)
+        args = [*v.overrides, *common]
+        state = run_state(workdir, target_steps(config, args))
+        head = f"sweep [{i}/{len(variants)}] {v.name}"
+        if state.finished:
+            print(f"{head}: finished (step {state.step}), skipped", flush=True)
+            continue
+        cmd = train_command(config, workdir, args, python)
+        verb = "would resume" if dry_run else "resuming"
+        what = f"{verb} {state.describe()}" if state.step is not None else ("would train" if dry_run else "training")
+        print(f"{head}: {what}: {shlex.join(cmd)}", flush=True)
+        if dry_run:
+            continue
+        try:
+            status = _train(cmd)
+        except KeyboardInterrupt:
+            print(f"{head}: interrupted; rerun the sweep to resume it", flush=True)
+            return 130
+        if status == 0:
+            continue
+        failed.append(v.name)
+        print(f"{head}: ended with status {status}", flush=True)
+        if status in (42, -signal.SIGINT, -signal.SIGTERM, 130, 143):
+            print("sweep: stopped (the run was preempted or interrupted); rerun the sweep to resume", flush=True)
+            return status if status > 0 else 128 - status
+    if failed:
+        print(f"sweep: {len(failed)} of {len(variants)} variants failed ({', '.join(failed)}); their logs are "
+              "above, and a rerun resumes them", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,53 @@
+"""TensorBoard event files under ``WORKDIR/tensorboard``, written with tensorboardX.
+
+tensorboardX rather than clu.metric_writers, which imports TensorFlow (+1.4 GB, +6 s per start)
+for nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from jaxrat.tracking.base import TrackerBase
+
+
+class TensorBoardTracker(TrackerBase):
+    """Scalars, images, and the config (HParams dashboard + a text table)."""
+
+    name = "tensorboard"
+
+    def __init__(self, workdir: str) -> None:
+        from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
+
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        for k, v in scalars.items():
+            self._tb.add_scalar(k, v, int(step))
+
+    def log_images(self, step: int, images: Mapping[str, np.ndarray]) -> None:
+        for k, v in images.items():
+            self._tb.add_images(k, np.clip(np.asarray(v), 0, 1), int(step), dataformats="NHWC")
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        from tensorboardX.summary import hparams as hparams_summary
+
+        # In this run's own event file (add_hparams would start another run folder), so the HParams
+        # dashboard lists the run's config beside its scalars.
+        clean = {k: ("" if v is None else v) for k, v in hparams.items()}
+        for summary in hparams_summary(clean, {}):
+            self._tb.file_writer.add_summary(summary)
+        table = "\n".join(f"| {k} | {v} |" for k, v in sorted(hparams.items()))
+        self._tb.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
+
+    def log_reference(self, name: str, path: str) -> None:
+        self._tb.add_text(name, path, 0)
+
+    def flush(self) -> None:
+        self._tb.flush()
+
+    def close(self, status: str = "finished") -> None:
+        self._tb.close()

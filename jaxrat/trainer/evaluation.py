@@ -1,0 +1,56 @@
+"""Score one checkpoint of a trained run under a (possibly changed) config, with the training loop's
+own eval machinery, so the numbers are those training would have logged."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import ml_collections as mlc
+
+from jaxrat.checkpointing import load_init
+from jaxrat.checkpointing.store import resolve
+from jaxrat.parallel.mesh import make_mesh
+from jaxrat.tasks.base import load_task
+from jaxrat.tracking.writers import MetricWriter
+from jaxrat.trainer.hooks import Evaluation
+from jaxrat.trainer.loop import check_batch_sizes, to_global
+from jaxrat.trainer.state import make_state_spec
+from jaxrat.trainer.step import make_eval_step
+
+
+def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "latest", name: str = "", *,
+                        out_dir: str | None = None, data_dir: str | None = None) -> tuple[int, dict[str, float]]:
+    """Evaluate checkpoint ``step_spec`` (a step, "best" or "latest") of ``workdir`` under ``config``.
+
+    Writes ``metrics.json`` (and ``metrics.jsonl`` + TensorBoard) to ``out_dir`` (default
+    ``workdir/eval/NAME``, NAME defaulting to ``step_<step>``); the task prepares its data under
+    ``data_dir`` (default ``out_dir``: where synthetic data is written). Checkpoints are only read.
+    Returns ``(step, {"eval/<metric>": value})``.
+    """
+    directory, step = resolve(f"{workdir}:{step_spec}")
+    mesh = make_mesh(config.mesh.axes)
+    check_batch_sizes(config, mesh.size, jax.process_count())
+    task = load_task(config)
+    out_dir = out_dir or os.path.join(workdir, "eval", name or f"step_{step}")
+    os.makedirs(out_dir, exist_ok=True)
+    logging.info("data: %s", task.prepare_data(data_dir or out_dir))
+    spec = make_state_spec(config, mesh, task)
+    params = load_init(f"{directory}:{step}", spec.abstract_with_shardings())["params"]
+    writer = MetricWriter(out_dir, is_main=jax.process_index() == 0)
+    try:
+        evaluation = Evaluation(config, task, make_eval_step(spec), lambda b: to_global(b, spec.batch_sharding),
+                                writer)
+        metrics = evaluation.run(step, params, interrupt=lambda: False)
+    finally:
+        writer.close()
+    if jax.process_index() == 0:
+        result = {"workdir": workdir, "step": step, "metrics": metrics,
+                  "config": json.loads(config.to_json_best_effort())}
+        with open(os.path.join(out_dir, "metrics.json.tmp"), "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+        os.replace(os.path.join(out_dir, "metrics.json.tmp"), os.path.join(out_dir, "metrics.json"))
+        logging.info("wrote %s", os.path.join(out_dir, "metrics.json"))
+    return step, metrics

@@ -1,0 +1,78 @@
+"""What a finished (or preempted) run leaves for people: ``summary.json`` and ``summary.md``.
+
+Config, hardware and mesh, steps, wall time, images/s, best and last metrics, checkpoint paths.
+Process 0 writes the files and hands them (and the checkpoint paths) to the trackers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import jax
+import ml_collections as mlc
+
+from jaxrat.checkpointing import store
+from jaxrat.tracking.summary import write_summary
+from jaxrat.tracking.writers import MetricWriter
+
+
+def hardware(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """The devices and processes this run used."""
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
+            "local_device_count": jax.local_device_count(), "process_count": jax.process_count(),
+            "host": socket.gethostname(), "mesh": {str(k): int(v) for k, v in mesh.shape.items()}}
+
+
+def checkpoints(directory: str) -> dict[str, Any]:
+    """Paths of the last and best committed checkpoints (best: ``checkpoint.best_metric`` ranked)."""
+    steps = store.committed_steps(directory)
+    out: dict[str, Any] = {"directory": directory, "steps": steps,
+                           "last": os.path.join(directory, str(steps[-1])) if steps else None, "best": None}
+    best = store.best_step(directory)
+    if best is not None:
+        out["best"] = os.path.join(directory, str(best[0]))
+        out["best_pointer"] = best[1]
+    return out
+
+
+def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.sharding.Mesh, first: int, last: int,
+          wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
+          last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str) -> dict[str, Any]:
+    """The summary's content (every process may call it; only process 0 writes it)."""
+    hw = hardware(mesh)
+    return {
+        "workdir": workdir, "status": status, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "task": config.task.name, "model": config.model.name,
+        "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
+        "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
+        "hardware": hw, "mesh": hw["mesh"],
+        "last_train": last_train, "last_eval": {f"eval/{k}": v for k, v in last_eval.items()}, "best": best,
+        "checkpoints": checkpoints(checkpoint_dir),
+        "config": json.loads(config.to_json_best_effort()),
+    }
+
+
+def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any]) -> None:
+    """Write the files (process 0), hand them and the checkpoint paths to the trackers; a write
+    that fails costs a warning."""
+    if jax.process_index() != 0:
+        return
+    try:
+        paths = write_summary(workdir, summary)
+    except OSError as e:
+        logging.warning("run summary: cannot write it under %s (%s)", workdir, e.strerror or e)
+        paths = []
+    for path in paths:
+        writer.log_artifact(path)
+    for which in ("last", "best"):
+        path = summary["checkpoints"].get(which)
+        if path:
+            writer.log_reference(f"checkpoint/{which}", path)
+    if paths:
+        logging.info("run summary: %s", paths[0])
