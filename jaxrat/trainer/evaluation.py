@@ -12,6 +12,7 @@ import ml_collections as mlc
 
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
+from jaxrat.cluster.together import compiled_together
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
@@ -41,8 +42,8 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     params = load_init(f"{directory}:{step}", spec.abstract_with_shardings())["params"]
     writer = MetricWriter(out_dir, is_main=jax.process_index() == 0)
     try:
-        evaluation = Evaluation(config, task, make_eval_step(spec), lambda b: to_global(b, spec.batch_sharding),
-                                writer)
+        eval_step = compiled_together(make_eval_step(spec), "eval step")
+        evaluation = Evaluation(config, task, eval_step, lambda b: to_global(b, spec.batch_sharding), writer)
         metrics = evaluation.run(step, params, interrupt=lambda: False)
     finally:
         writer.close()

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Preempted
+from jaxrat.cluster.together import compiled_together
 from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.tasks.base import load_task
@@ -90,7 +91,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
         autotune.size_batch(config, mesh, task, _first_batch(train_iter(0, local_batch=1)), workdir)
         check_batch_sizes(config, mesh.size, jax.process_count())
     spec = make_state_spec(config, mesh, task)
-    train_step, eval_step = make_train_step(spec), make_eval_step(spec)
+    train_step = compiled_together(make_train_step(spec), "train step")
+    eval_step = compiled_together(make_eval_step(spec), "eval step")
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)
