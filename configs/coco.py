@@ -52,7 +52,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
 
     c.model = mlc.ConfigDict(dict(
         name="detr", backbone="rat", hidden_dim=256, num_queries=100, decoder_layers=6, decoder_heads=8,
-        ffn_dim=2048, dropout=0.1, feature_levels=(1, 2, 3, 4), cnn_widths=(32, 64, 128),
+        ffn_dim=2048, dropout=0.1, feature_levels=(1, 2, 3, 4), cnn_widths=(32, 64, 128), box_refine=False,
+        query_level=None, head="detr",
         rat=dict(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_ratio=4, mlp_dropout=0.1,
                  sga_kernel_size=7, proj_kernel_size=7, sga_attention_type="sparse", positional_encoding="rose")))
 
@@ -77,8 +78,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.checkpoint.every_steps = 500
         c.train.log_every = 50
         c.task.num_detections = 20
+        c.task.focal = True
         c.model.update(dict(backbone="cnn", cnn_widths=(32, 64, 96, 128), feature_levels=(1, 2, 3), hidden_dim=96,
-                            num_queries=20, decoder_layers=3, decoder_heads=4, ffn_dim=256))
+                            num_queries=64, decoder_layers=3, decoder_heads=4, ffn_dim=256, box_refine=True,
+                            query_level=2))
     elif variant == "smoke":
         c.data.synthetic_train = 16
         c.data.synthetic_val = 8
