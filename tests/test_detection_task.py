@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.config import load_config
+from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
@@ -138,21 +139,45 @@ def test_eval_images_show_true_boxes_green_and_detections_red(task):
     assert untouched.mean() > 0.5  # outlines only
 
 
-def _tiny_detr(backbone="cnn", focal=False):
+def _tiny_detr(backbone="cnn", focal=False, **extra):
     cfg = dict(name="detr", backbone=backbone, cnn_widths=(8, 16), hidden_dim=16, num_queries=10, decoder_layers=3,
-               decoder_heads=2, ffn_dim=32, num_classes=4, focal=focal,
+               decoder_heads=2, ffn_dim=32, num_classes=4, focal=focal, **extra,
                rat=dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, sga_kernel_size=3, proj_kernel_size=3))
     return build_model(mlc.ConfigDict(cfg), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("backbone,focal", [("cnn", False), ("cnn", True), ("rat", False)])
-def test_detr_output_shapes(backbone, focal):
-    model = _tiny_detr(backbone, focal)
+@pytest.mark.parametrize("backbone,focal,extra", [("cnn", False, {}), ("cnn", True, {"box_refine": True}),
+                                                  ("rat", False, {}), ("cnn", False, {"head": "reference"})])
+def test_detr_output_shapes(backbone, focal, extra):
+    model = _tiny_detr(backbone, focal, **extra)
     images = jnp.ones((2, 16, 16, 3))
     pad = jnp.zeros((2, 16, 16)).at[1, :, 10:].set(1.0)
     logits, boxes = model(images, pad)
-    assert logits.shape == (3, 2, 10, 4 if focal else 5) and boxes.shape == (3, 2, 10, 4)
+    layers = 1 if extra.get("head") == "reference" else 3
+    assert logits.shape == (layers, 2, 10, 4 if focal else 5) and boxes.shape == (layers, 2, 10, 4)
     assert bool(jnp.all((boxes >= 0) & (boxes <= 1))) and bool(jnp.isfinite(logits).all())
+
+
+def test_token_queries_start_at_their_cells():
+    # query_level: one query per cell of that stage (16 px / stride 4 = 4x4), its first box centred on
+    # the cell; a stage outside feature_levels is one sentence.
+    model = _tiny_detr(box_refine=True, query_level=1, focal=True)
+    logits, boxes = model(jnp.ones((2, 16, 16, 3)))
+    assert logits.shape == (3, 2, 16, 4) and boxes.shape == (3, 2, 16, 4)
+    assert jnp.allclose(boxes[0, 0, :5, :2], jnp.array([[0.125, 0.125], [0.375, 0.125], [0.625, 0.125],
+                                                         [0.875, 0.125], [0.125, 0.375]]), atol=1e-5)
+    with pytest.raises(ConfigError, match="query_level"):
+        _tiny_detr(box_refine=True, query_level=1, feature_levels=(0,))
+
+
+def test_box_refine_starts_at_the_anchors():
+    # The box head's last layer starts at zero, so every layer's first boxes are the learned anchors,
+    # spread over the canvas rather than all at its centre.
+    model = _tiny_detr(box_refine=True)
+    _, boxes = model(jnp.ones((1, 16, 16, 3)))
+    anchors = jax.nn.sigmoid(model.anchors[...])
+    assert jnp.allclose(boxes, jnp.broadcast_to(anchors, boxes.shape), atol=1e-5)
+    assert float(anchors[:, :2].std()) > 0.1
 
 
 @pytest.mark.parametrize("focal", [False, True])

@@ -38,9 +38,13 @@ def torch_default_uniform(fan_in: int):
 
 def linear(din: int, dout: int, *, use_bias: bool = True, dtype: Dtype, rngs: nnx.Rngs,
            init: str = "trunc") -> nnx.Linear:
-    """Dense layer with the reference's transformer init ("trunc") or PyTorch's default ("torch")."""
-    kernel_init = trunc_normal_init() if init == "trunc" else torch_default_uniform(din)
-    bias_init = nnx.initializers.zeros_init() if init == "trunc" else torch_default_uniform(din)
+    """Dense layer with the reference's transformer init ("trunc"), PyTorch's default ("torch"), or
+    Glorot-uniform weights with zero bias ("xavier", DETR's decoder init)."""
+    if init == "xavier":
+        kernel_init, bias_init = nnx.initializers.xavier_uniform(), nnx.initializers.zeros_init()
+    else:
+        kernel_init = trunc_normal_init() if init == "trunc" else torch_default_uniform(din)
+        bias_init = nnx.initializers.zeros_init() if init == "trunc" else torch_default_uniform(din)
     return nnx.Linear(din, dout, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init,
                       dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
