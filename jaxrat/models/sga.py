@@ -76,8 +76,6 @@ class SpatialGroupingAttention(nnx.Module):
       attention: "dense" | "sparse" | "standard" (see module docstring).
       reference_compat: reproduce the reference's value-head reshaping (flaw 1).
       max_block_elements, slice_batch: memory/speed knobs of the dense kernel.
-      remat_iters: recompute each grouping iteration in the backward pass (``nnx.remat``), so
-        the backward keeps only each iteration's input groups instead of their intermediates.
       dtype: compute dtype (params are float32).
     """
 
@@ -104,7 +102,6 @@ class SpatialGroupingAttention(nnx.Module):
         reference_compat: bool = False,
         max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
         slice_batch: int = 1,
-        remat_iters: bool = False,
         dtype: Any = jnp.float32,
         *,
         rngs: nnx.Rngs,
@@ -125,7 +122,6 @@ class SpatialGroupingAttention(nnx.Module):
         self.reference_compat = reference_compat
         self.max_block_elements = max_block_elements
         self.slice_batch = slice_batch
-        self.remat_iters = remat_iters
         padding = ("SAME" if all(s == 1 for s in self.stride)
                    else [((k - 1) // 2, (k - 1) // 2) for k in self.kernel_size])
         self.strider = conv(feature_dims, feature_dims, self.kernel_size, strides=self.stride, padding=padding,
@@ -211,12 +207,9 @@ class SpatialGroupingAttention(nnx.Module):
         # keeps only these and recomputes its maps)
         keys, values = ((sparse_blocks(k, geom), sparse_blocks(v, geom)) if self.attention == "sparse" and self.iters
                         else (k, v))
-        step = lambda layer, xo, kk, vv: layer._iteration(xo, kk, vv, geom, out_spacing)
-        if self.remat_iters:
-            step = nnx.remat(step)
         q = None
         for _ in range(self.iters):
-            xo, q = step(self, xo, keys, values)
+            xo, q = self._iteration(xo, keys, values, geom, out_spacing)
 
         attn_q = attn_k = None
         if return_maps:
