@@ -10,9 +10,12 @@ from flax import nnx
 
 from jaxrat.models import attention as A
 from jaxrat.models.sga import (
+    Geometry,
     SpatialGroupingAttention,
     scatter_window_map,
+    sparse_blocks,
     sparse_grouping,
+    sparse_update,
     strided_grid,
     window_indices,
 )
@@ -106,6 +109,41 @@ def test_sparse_matches_windowed_dense(grid, kernel, stride):
     col = scatter_window_map(a_k, idx, ok, n_in).sum(-2)
     # each pixel's mass is split over the groups that see it: column sums are c / (c + eps)
     np.testing.assert_allclose(scatter_window_map(a_q, idx, ok, n_in).sum(-2), col / (col + A.EPS), rtol=1e-5)
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+@pytest.mark.parametrize(
+    "grid,kernel,stride",
+    [((11, 9), (7, 7), (3, 3)), ((10,), (5,), (2,)), ((5, 6, 7), (3, 3, 3), (2, 1, 2)), ((9, 9), (4, 4), (1, 1))],
+)
+def test_sparse_update_custom_vjp_matches_autodiff(grid, kernel, stride, normalise):
+    # The layer's kernel (custom VJP, maps recomputed in the backward) against autodiff of the
+    # plain form: same values, same gradients of q, k and v.
+    geom = Geometry(grid, kernel, stride)
+    n_out, n_in = int(np.prod(strided_grid(grid, kernel, stride))), int(np.prod(grid))
+    q, k, v, g = _qkv((2, 3, n_out, 4), (2, 3, n_in, 4), seed=3)
+    custom = lambda q, k, v: sparse_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom, normalise)
+    plain = lambda q, k, v: sparse_grouping(q, k, v, grid, kernel, stride, normalise)[0]
+    out_c, grads_c = _value_and_vjp(custom)(q, k, v, g)
+    out_p, grads_p = _value_and_vjp(plain)(q, k, v, g)
+    np.testing.assert_array_equal(out_c, out_p)
+    for a, b in zip(grads_c, grads_p):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_iterations_do_not_keep_their_maps_for_the_backward():
+    # Each grouping iteration's backward recomputes its logit-sized maps; if XLA merged that
+    # with the forward (CSE) or hoisted it, every iteration's maps would stay alive at once:
+    # ~8 logit-sized buffers more per iteration instead of ~4 (the MLP's own residuals).
+    def temp(iters, size=36):
+        layer = SpatialGroupingAttention(16, 2, 7, 4, iters=iters, attention="sparse", rngs=nnx.Rngs(0))
+        graph, params, rest = nnx.split(layer, nnx.Param, ...)
+        loss = lambda p, x: jnp.sum(nnx.merge(graph, p, rest)(x, (size, size), (1.0, 1.0)).x ** 2)
+        x = jax.ShapeDtypeStruct((2, size * size, 16), jnp.float32)
+        return jax.jit(jax.grad(loss)).lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = 2 * 4 * 12 * 12 * 81 * 4  # (B, H, groups, taps) f32
+    assert (temp(3) - temp(1)) / 2 < 6 * logits_bytes
 
 
 def test_window_covers_the_conv_receptive_field():

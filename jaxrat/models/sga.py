@@ -24,18 +24,25 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxrat.models.attention import (
     DEFAULT_BLOCK_ELEMENTS,
-    EPS,
     grouping_attention,
     grouping_maps,
     softmax_attention,
 )
 from jaxrat.models.layers import Mlp, conv, layer_norm, linear
 from jaxrat.models.rose import RotarySpatialEmbedding
+from jaxrat.models.sparse_sga import (  # noqa: F401  (re-exported: the kernels' public names)
+    Geometry,
+    scatter_window_map,
+    sparse_blocks,
+    sparse_grouping,
+    sparse_update,
+    strided_grid,
+    window_indices,
+)
 
 Array = jax.Array
 ATTENTION_TYPES = ("dense", "sparse", "standard")
@@ -60,178 +67,6 @@ def as_tuple(value: Any, n: int, cast=None) -> tuple:
         if len(out) != n:
             raise ValueError(f"expected {n} values, got {value!r}")
     return tuple(cast(v) for v in out) if cast else out
-
-
-def strided_grid(grid_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
-    """Output grid of the strider conv (pad (k-1)//2, or "same" when every stride is 1)."""
-    if all(s == 1 for s in stride):
-        return tuple(grid_shape)
-    return tuple((n + 2 * ((k - 1) // 2) - k) // s + 1 for n, k, s in zip(grid_shape, kernel, stride))
-
-
-def window_indices(grid_shape: Sequence[int], kernel: Sequence[int],
-                   stride: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Each output group's window taps as flat input indices, in the layout of :func:`_windows`.
-
-    A window is read as ``ceil(k/s)`` whole stride-blocks per axis, so it has ``ceil(k/s)*s >= k``
-    taps per axis; taps beyond the kernel or outside the image are invalid. Returns
-    (N_out, taps) int32 indices (invalid taps point at 0) and the bool validity.
-    """
-    out = strided_grid(grid_shape, kernel, stride)
-    nb = [-(-k // s) for k, s in zip(kernel, stride)]
-    per_axis_idx, per_axis_ok = [], []
-    for n, o, k, s, b in zip(grid_shape, out, kernel, stride, nb):
-        offset = np.arange(b)[:, None] * s + np.arange(s)[None, :]  # (nb, s) tap offset in the window
-        pos = np.arange(o)[:, None, None] * s - (k - 1) // 2 + offset[None]  # (o, nb, s)
-        per_axis_idx.append(pos)
-        per_axis_ok.append((offset[None] < k) & (pos >= 0) & (pos < n))
-    sd = len(grid_shape)
-    strides_in = np.cumprod((1,) + tuple(grid_shape[::-1]))[:-1][::-1]
-    flat = np.zeros((), np.int64)
-    ok = np.ones((), bool)
-    for d in range(sd):
-        # layout (o_1..o_sd, nb_1..nb_sd, s_1..s_sd)
-        shape = [1] * (3 * sd)
-        shape[d], shape[sd + d], shape[2 * sd + d] = out[d], nb[d], stride[d]
-        flat = flat + np.clip(per_axis_idx[d], 0, grid_shape[d] - 1).reshape(shape) * strides_in[d]
-        ok = ok & per_axis_ok[d].reshape(shape)
-    n_out = int(np.prod(out))
-    ok = ok.reshape(n_out, -1)
-    return np.where(ok, flat.reshape(n_out, -1), 0).astype(np.int32), ok
-
-
-def _blocked(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
-    """(N, *grid, C) -> (N, B_1..B_sd, s_1..s_sd, C): padded input cut into stride-blocks.
-
-    B_d = out_d + ceil(k_d/s_d) - 1; a window is ``ceil(k/s)`` consecutive blocks per axis.
-    """
-    grid, c = x.shape[1:-1], x.shape[-1]
-    sd = len(grid)
-    out = strided_grid(grid, kernel, stride)
-    nb = [-(-k // s) for k, s in zip(kernel, stride)]
-    cfg = [(0, 0, 0)]
-    for n, o, k, s, b in zip(grid, out, kernel, stride, nb):
-        lo = (k - 1) // 2
-        cfg.append((lo, (o + b - 1) * s - n - lo, 0))  # negative high padding crops unused pixels
-    cfg.append((0, 0, 0))
-    xp = jax.lax.pad(x, jnp.zeros((), x.dtype), cfg)
-    blocked_shape = [x.shape[0]]
-    for o, s, b in zip(out, stride, nb):
-        blocked_shape += [o + b - 1, s]
-    # (N, B_1, s_1, ..., B_sd, s_sd, C) -> (N, B_1..B_sd, s_1..s_sd, C)
-    perm = [0] + [1 + 2 * d for d in range(sd)] + [2 + 2 * d for d in range(sd)] + [1 + 2 * sd]
-    return xp.reshape(*blocked_shape, c).transpose(perm)
-
-
-def _windows(x: Array, kernel: Sequence[int], stride: Sequence[int]) -> Array:
-    """(N, *grid, C) -> (N, N_out, taps, C), taps laid out as in :func:`window_indices`.
-
-    A window is ``ceil(k/s)`` consecutive stride-blocks per axis, i.e. a few plain slices. On CPU
-    this, and its transpose (a few pads), is much faster than gathers (scatter gradients), patch
-    convolutions or one strided slice per tap. It copies each input ~(k/s)^sd times, so it is only
-    used on one-channel maps (the column sums); q.k and a.v run per block offset instead.
-    """
-    n_img, c, sd = x.shape[0], x.shape[-1], x.ndim - 2
-    out = strided_grid(x.shape[1:-1], kernel, stride)
-    nb = [-(-k // s) for k, s in zip(kernel, stride)]
-    xb = _blocked(x, kernel, stride)
-    parts = []
-    for j in np.ndindex(*nb):
-        sl = (slice(None),) + tuple(slice(jd, jd + od) for jd, od in zip(j, out))
-        parts.append(xb[sl])  # (N, o_1..o_sd, s_1..s_sd, C)
-    w = jnp.stack(parts, axis=1 + sd)  # (N, o.., nbprod, s.., C)
-    return w.reshape(n_img, int(np.prod(out)), -1, c)
-
-
-def _window_valid(grid_shape: Sequence[int], kernel: Sequence[int], stride: Sequence[int]) -> Array:
-    """(N_out, taps) validity of :func:`window_indices`, built from per-axis masks.
-
-    Broadcasting small per-axis masks in the graph keeps a multi-megabyte constant out of the
-    compiled program at 1024 px (it slowed compilation).
-    """
-    out = strided_grid(grid_shape, kernel, stride)
-    nb = [-(-k // s) for k, s in zip(kernel, stride)]
-    sd = len(grid_shape)
-    ok = jnp.ones((), bool)
-    for d, (n, o, k, s, b) in enumerate(zip(grid_shape, out, kernel, stride, nb)):
-        offset = np.arange(b)[:, None] * s + np.arange(s)[None, :]
-        pos = np.arange(o)[:, None, None] * s - (k - 1) // 2 + offset[None]
-        shape = [1] * (3 * sd)
-        shape[d], shape[sd + d], shape[2 * sd + d] = o, b, s
-        ok = ok & jnp.asarray(((offset[None] < k) & (pos >= 0) & (pos < n)).reshape(shape))
-    return ok.reshape(int(np.prod(out)), -1)
-
-
-def sparse_grouping(
-    q: Array,
-    k: Array,
-    v: Array,
-    grid_shape: Sequence[int],
-    kernel: Sequence[int],
-    stride: Sequence[int],
-    normalise_columns: bool = True,
-) -> tuple[Array, Array, Array]:
-    """Windowed SGA: each group attends to the k^sd inputs its strided conv window covers.
-
-    q (B, H, No, dh), k/v (B, H, Ni, dh) -> (update (B,H,No,dh), A_q, A_k), the maps as
-    (B, H, No, taps) in the layout of :func:`window_indices`.
-
-    Keys and values are never copied into windows (that was ~(k/s)^sd = 9 copies of k and of v,
-    plus their saved residuals and cotangents: 3.2 GiB of temporaries at 256 px). Instead, for
-    each of the ``ceil(k/s)^sd`` block offsets the small query grid is shifted onto the blocked
-    key grid, so every product reads k and v in place; only logit-sized maps are stacked.
-    """
-    b, h, n_in, dh = k.shape
-    n_out = q.shape[2]
-    n = b * h
-    sd = len(grid_shape)
-    out = strided_grid(grid_shape, kernel, stride)
-    nb = [-(-kk // s) for kk, s in zip(kernel, stride)]
-    to_img = lambda a: a.reshape(n, *grid_shape, a.shape[-1])
-    kb = _blocked(to_img(k), kernel, stride)  # (N, B.., s.., dh)
-    vb = _blocked(to_img(v), kernel, stride)
-    nblk, ns = int(np.prod(kb.shape[1:1 + sd])), int(np.prod(stride))
-    kb2, vb2 = kb.reshape(n, nblk, ns, dh), vb.reshape(n, nblk, ns, dh)
-    qg = q.reshape(n, *out, dh)
-    offsets = list(np.ndindex(*nb))
-
-    def shift_to_blocks(a: Array, j: tuple) -> Array:  # (N, o.., C) -> (N, B.., C), a[o] at B = o + j
-        cfg = [(0, 0, 0)] + [(jd, bd - 1 - jd, 0) for jd, bd in zip(j, nb)] + [(0, 0, 0)] * (a.ndim - 1 - sd)
-        return jax.lax.pad(a, jnp.zeros((), a.dtype), cfg)
-
-    def take_at_offset(a: Array, j: tuple) -> Array:  # (N, B.., ...) -> (N, o.., ...)
-        return a[(slice(None),) + tuple(slice(jd, jd + od) for jd, od in zip(j, out))]
-
-    parts = []
-    for j in offsets:
-        qs = shift_to_blocks(qg, j).reshape(n, nblk, dh)
-        lj = jnp.einsum("nbd,nbsd->nbs", qs, kb2, preferred_element_type=jnp.float32)
-        parts.append(take_at_offset(lj.reshape(n, *kb.shape[1:1 + sd], *stride), j))
-    logits = jnp.stack(parts, axis=1 + sd).reshape(n, n_out, -1)  # (N, No, taps)
-    ok = _window_valid(grid_shape, kernel, stride)
-    a_k = jax.nn.softmax(jnp.where(ok, logits, -jnp.inf), axis=-1)
-    if normalise_columns:
-        zeros = jnp.zeros((n, *grid_shape, 1), jnp.float32)
-        _, transpose = jax.vjp(lambda z: _windows(z, kernel, stride), zeros)
-        col = transpose(a_k[..., None])[0]  # (N, *grid, 1): each input's mass over its groups
-        a_q = a_k / (_windows(col, kernel, stride)[..., 0] + EPS)
-    else:
-        a_q = a_k
-    a_off = a_q.reshape(n, *out, len(offsets), *stride)
-    u = jnp.zeros((n, *out, dh), jnp.float32)
-    for i, j in enumerate(offsets):
-        aj = shift_to_blocks(a_off[(slice(None),) * (1 + sd) + (i,)], j).reshape(n, nblk, ns)
-        wj = jnp.einsum("nbs,nbsd->nbd", aj, vb2.astype(jnp.float32))
-        u = u + take_at_offset(wj.reshape(n, *kb.shape[1:1 + sd], dh), j)
-    shape = (b, h, n_out, a_k.shape[-1])
-    return u.astype(q.dtype).reshape(b, h, n_out, dh), a_q.reshape(shape), a_k.reshape(shape)
-
-
-def scatter_window_map(a: Array, idx: np.ndarray, ok: np.ndarray, num_inputs: int) -> Array:
-    """(B,H,No,taps) window weights -> dense (B,H,No,N_in) map."""
-    dense = jnp.zeros(a.shape[:3] + (num_inputs,), a.dtype)
-    rows = np.broadcast_to(np.arange(idx.shape[0])[:, None], idx.shape)
-    return dense.at[:, :, rows, idx].add(jnp.where(ok, a, 0.0))
 
 
 class SpatialGroupingAttention(nnx.Module):
@@ -327,6 +162,21 @@ class SpatialGroupingAttention(nnx.Module):
             return u.reshape(b, n, h * dh)
         return u.transpose(0, 2, 1, 3).reshape(b, n, h * dh)
 
+    def _iteration(self, xo: Array, k: Array, v: Array, geom: Geometry,
+                   out_spacing: tuple[float, ...]) -> tuple[Array, Array]:
+        """One grouping round: (groups (B, N_out, D), keys, values) -> (new groups, queries)."""
+        b, n_out, _ = xo.shape
+        h, dh = self.num_heads, self.head_dim
+        q = self.rose(self.q(xo).reshape(b, n_out, h, dh), geom.out, out_spacing).transpose(0, 2, 1, 3)
+        if self.attention == "dense":
+            u = grouping_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
+        elif self.attention == "standard":
+            u = softmax_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
+        else:
+            u = sparse_update(q, k, v, geom)  # k, v blocked (sparse_blocks)
+        xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
+        return xo + self.norm3(self.mlp(xo)), q
+
     def __call__(
         self,
         x: Array,
@@ -345,7 +195,6 @@ class SpatialGroupingAttention(nnx.Module):
 
         xo = self.strider(x.reshape(b, *grid_shape, d))
         xo = self.norm1(xo.reshape(b, -1, d))
-        n_out = xo.shape[1]
         h, dh = self.num_heads, self.head_dim
 
         k, v = jnp.split(self.kv(x), 2, axis=-1)
@@ -353,18 +202,14 @@ class SpatialGroupingAttention(nnx.Module):
         k = k.transpose(0, 2, 1, 3)
         v = self._split_heads(v, self.reference_compat)
 
+        geom = Geometry(grid_shape, self.kernel_size, self.stride)
+        # sparse: k and v are blocked once and shared by every iteration (the kernel's backward
+        # keeps only these and recomputes its maps)
+        keys, values = ((sparse_blocks(k, geom), sparse_blocks(v, geom)) if self.attention == "sparse" and self.iters
+                        else (k, v))
         q = None
         for _ in range(self.iters):
-            q = self.rose(self.q(xo).reshape(b, n_out, h, dh), out_grid, out_spacing).transpose(0, 2, 1, 3)
-            if self.attention == "dense":
-                u = grouping_attention(q, k, v, max_block_elements=self.max_block_elements,
-                                       slice_batch=self.slice_batch)
-            elif self.attention == "standard":
-                u = softmax_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
-            else:
-                u = sparse_grouping(q, k, v, grid_shape, self.kernel_size, self.stride)[0]
-            xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
-            xo = xo + self.norm3(self.mlp(xo))
+            xo, q = self._iteration(xo, keys, values, geom, out_spacing)
 
         attn_q = attn_k = None
         if return_maps:
