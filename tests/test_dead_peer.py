@@ -15,8 +15,7 @@ import pytest
 
 from jaxrat.checkpointing import store
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
-from runner import REPO
-from test_multiprocess import env_with
+from runner import REPO, process_env
 from test_preempt import compile_cache, train_steps_logged  # noqa: F401 (compile_cache is a fixture)
 
 pytestmark = pytest.mark.slow
@@ -38,7 +37,7 @@ def start_two(workdir: str, logs: list[str], cache: str) -> list[subprocess.Pope
                f"--config.distributed.coordinator_address=127.0.0.1:{port}", "--config.distributed.num_processes=2",
                f"--config.distributed.process_id={i}"]
         with open(logs[i], "w") as log:
-            env = env_with(1)
+            env = process_env(1)
             env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")  # the relaunch skips compilation
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
