@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
 
-from absl import flags
+from absl import app, flags
 
 USER_ERROR_EXIT_CODE = 2
 
@@ -88,3 +89,10 @@ def fail(message: str) -> None:
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     logging.shutdown()
     sys.exit(USER_ERROR_EXIT_CODE)
+
+
+def run_with_config_overrides(main: Callable[[list[str], list[str]], None]) -> None:
+    """``absl.app.run(main)`` for a command that also takes ``--config.KEY=VALUE`` overrides: they are
+    not absl flags, so they are set apart and handed to ``main(argv, overrides)``."""
+    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+    app.run(lambda argv: main(argv, overrides), argv=[a for a in sys.argv if not a.startswith("--config.")])

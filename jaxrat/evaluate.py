@@ -11,13 +11,9 @@ several resolutions.
 
 from __future__ import annotations
 
-import os
-import sys
+from absl import flags
 
-from absl import app, flags
-
-from jaxrat.cli import fail, quiet_libraries
-from jaxrat.config import load_run_config
+from jaxrat.cli import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
@@ -28,17 +24,13 @@ flags.mark_flags_as_required(["workdir"])
 
 def main(argv: list[str], overrides: list[str]) -> None:
     """Initialise the runtime from the run's config, then evaluate."""
-    from jaxrat import cluster, compile_cache
-    from jaxrat.trainer.evaluation import evaluate_checkpoint
+    from jaxrat.trainer.evaluation import evaluate_checkpoint, open_trained_run
 
     quiet_libraries()
     try:
         if argv[1:]:
             raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --step, --name and --config.KEY=VALUE.")
-        workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
-        config = load_run_config(workdir, overrides)
-        cluster.initialize(config.distributed)
-        compile_cache.enable(config.train.get("compilation_cache_dir", ""))
+        workdir, config = open_trained_run(_WORKDIR.value, overrides)
         evaluate_checkpoint(config, workdir, _STEP.value, _NAME.value)
     except UserError as e:
         fail(str(e))
@@ -46,9 +38,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
 
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.evaluate``)."""
-    # --config.* overrides are not absl flags: they go to main() beside absl's parse of the rest.
-    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
-    app.run(lambda argv: main(argv, overrides), argv=[a for a in sys.argv if not a.startswith("--config.")])
+    run_with_config_overrides(main)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,9 @@ The same command runs under ``srun``/``mpirun`` on many hosts.
 
 from __future__ import annotations
 
-import os
-import sys
+from absl import flags
 
-from absl import app, flags
-
-from jaxrat.cli import fail, quiet_libraries
-from jaxrat.config import load_run_config
+from jaxrat.cli import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
@@ -29,9 +25,8 @@ flags.mark_flags_as_required(["workdir", "sizes"])
 
 def main(argv: list[str], overrides: list[str]) -> None:
     """Initialise the runtime from the run's config, then evaluate the grid and write the table."""
-    from jaxrat import cluster, compile_cache
     from jaxrat.experiments.robustness import parse_sizes, parse_spacings, run_robustness
-    from jaxrat.trainer.evaluation import evaluate_checkpoint
+    from jaxrat.trainer.evaluation import evaluate_checkpoint, open_trained_run
 
     quiet_libraries()
     try:
@@ -39,10 +34,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
             raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --sizes, --spacings, --step and "
                             f"--config.KEY=VALUE.")
         sizes, spacings = parse_sizes(_SIZES.value), parse_spacings(_SPACINGS.value)
-        workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
-        config = load_run_config(workdir, overrides)
-        cluster.initialize(config.distributed)
-        compile_cache.enable(config.train.get("compilation_cache_dir", ""))
+        workdir, config = open_trained_run(_WORKDIR.value, overrides)
         import jax
 
         run_robustness(config, workdir, sizes=sizes, spacings=spacings, step=_STEP.value,
@@ -53,8 +45,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
 
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.robustness``)."""
-    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
-    app.run(lambda argv: main(argv, overrides), argv=[a for a in sys.argv if not a.startswith("--config.")])
+    run_with_config_overrides(main)
 
 
 if __name__ == "__main__":

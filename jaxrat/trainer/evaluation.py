@@ -10,9 +10,11 @@ import os
 import jax
 import ml_collections as mlc
 
+from jaxrat import cluster, compile_cache
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
 from jaxrat.cluster.together import compiled_together
+from jaxrat.config import load_run_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
@@ -20,6 +22,16 @@ from jaxrat.trainer.hooks import Evaluation
 from jaxrat.trainer.loop import check_batch_sizes, to_global
 from jaxrat.trainer.state import make_state_spec
 from jaxrat.trainer.step import make_eval_step
+
+
+def open_trained_run(workdir: str, overrides: list[str]) -> tuple[str, mlc.ConfigDict]:
+    """The absolute ``workdir`` and its run's config with ``overrides``, the runtime started as for
+    training (``jax.distributed`` from the launcher's environment, the compilation cache)."""
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    config = load_run_config(workdir, overrides)
+    cluster.initialize(config.distributed)
+    compile_cache.enable(config.train.get("compilation_cache_dir", ""))
+    return workdir, config
 
 
 def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "latest", name: str = "", *,
