@@ -15,6 +15,7 @@ import pytest
 
 from jaxrat.checkpointing import store
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
+from jaxrat.experiments.summary import read_metrics
 from runner import REPO, SMOKE, env_with_devices, losses_by_step, main_cmd
 
 REQUEUE = PREEMPTED_EXIT_CODE  # what launch/*.sbatch requeue on
@@ -82,18 +83,7 @@ def wait_until(cond, runs, timeout: float = TIMEOUT, what: str = "") -> None:
 def train_steps_logged(workdir: str) -> set[int]:
     """Steps with a train line in metrics.jsonl so far (a line being written is skipped)."""
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return set()
-    steps = set()
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if "train/loss" in row:
-                steps.add(row["step"])
-    return steps
+    return {row["step"] for row in read_metrics(path) if "train/loss" in row} if os.path.exists(path) else set()
 
 
 def save_started(directory: str, step: int) -> bool:
