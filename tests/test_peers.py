@@ -102,3 +102,38 @@ def test_once_process_0_finished_its_missing_store_blames_no_one():
     store.down = True  # process 0 ended normally, taking the store with it
     beat(dogs[1:], clock, 60)
     assert dogs[1].lost() is None and dogs[2].lost() is None
+
+
+def test_a_stopped_watchdog_waits_for_a_call_in_flight_then_never_calls_the_client_again():
+    import threading
+    import time
+
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 3)
+    inside, release = threading.Event(), threading.Event()
+    real_get = store.key_value_dir_get
+
+    def slow_get(prefix):  # a call that is inside the client when the process starts to exit
+        inside.set()
+        release.wait(5)
+        return real_get(prefix)
+
+    store.key_value_dir_get = slow_get
+    caller = threading.Thread(target=dogs[0].exchange)
+    caller.start()
+    inside.wait(5)
+    stopper = threading.Thread(target=dogs[0].stop)
+    stopper.start()
+    time.sleep(0.2)
+    assert stopper.is_alive()  # stop() waits for the call to come back out of the client
+    release.set()
+    caller.join(5)
+    stopper.join(5)
+    assert not stopper.is_alive()
+    store.down = True  # any further call would raise inside exchange; none is made
+    calls = []
+    store.key_value_set = lambda *a, **k: calls.append(a)
+    dogs[0].exchange()
+    clock.now += 60
+    assert calls == [] and dogs[0].lost() is None

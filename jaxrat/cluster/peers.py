@@ -52,7 +52,9 @@ class PeerWatchdog:
         self._contact = now  # last successful exchange with the coordination service
         self._count = 0
         self._finishing = False
+        self._stopped = False
         self._lock = threading.Lock()
+        self._calling = threading.Lock()  # held while a thread is inside the client (C++)
 
     def start(self) -> None:
         """Publish who this process is, then beat and judge in two daemon threads."""
@@ -72,11 +74,14 @@ class PeerWatchdog:
         """One beat: publish ours, read everyone's (the beat thread calls this every ``interval``)."""
         self._count += 1
         mine = _DONE if self._finishing else str(self._count)
-        try:
-            self._client.key_value_set(f"{_KEY}/beat/{self.process_id}", mine, allow_overwrite=True)
-            entries = self._client.key_value_dir_get(f"{_KEY}/")
-        except Exception:  # the coordinator is unreachable: the judge decides when that is too long
-            return
+        with self._calling:
+            if self._stopped:
+                return
+            try:
+                self._client.key_value_set(f"{_KEY}/beat/{self.process_id}", mine, allow_overwrite=True)
+                entries = self._client.key_value_dir_get(f"{_KEY}/")
+            except Exception:  # the coordinator is unreachable: the judge decides when that is too long
+                return
         now = self._clock()
         with self._lock:
             self._contact = now
@@ -87,10 +92,19 @@ class PeerWatchdog:
                 elif int(p) != self.process_id and self._beat.get(int(p)) != value:
                     self._beat[int(p)], self._seen[int(p)] = value, now
 
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Stop calling the client and judging; returns once no call is in flight (at most ``wait_s``)."""
+        if self._calling.acquire(timeout=wait_s):
+            self._stopped = True
+            self._calling.release()
+        self._stopped = True
+
     def lost(self) -> str | None:
         """The sentence naming a lost process, or None while every peer beats or has finished."""
         now = self._clock()
         with self._lock:
+            if self._stopped:
+                return None
             if now - self._contact > self.timeout:
                 # Without the store (process 0 hosts it) no beat can be read: only process 0 can be judged.
                 silent = [0] if self.process_id != 0 and self._beat.get(0) != _DONE else []
@@ -115,12 +129,12 @@ class PeerWatchdog:
             return dict(self._beat)
 
     def _beat_loop(self) -> None:
-        while True:
+        while not self._stopped:
             self.exchange()
             time.sleep(self.interval)
 
     def _judge_loop(self) -> None:
-        while True:
+        while not self._stopped:
             time.sleep(self.interval)
             sentence = self.lost()
             if sentence is not None:
@@ -141,11 +155,22 @@ def start_watchdog(client: Any, process_id: int, num_processes: int, timeout: fl
     global _active
     watchdog = PeerWatchdog(client, process_id, num_processes, timeout)
     watchdog.start()
-    # At exit the process says it is finishing, yet keeps judging: a survivor whose error
-    # came from a lost peer still ends with the sentence rather than wait at JAX's shutdown barrier.
-    atexit.register(watchdog.finish)
+    atexit.register(_at_exit, watchdog)
     _active = watchdog
     return watchdog
+
+
+def _at_exit(watchdog: PeerWatchdog) -> None:
+    """Say this process is finishing, leave JAX's distributed system while still judging (a survivor
+    whose error came from a lost peer ends with the sentence rather than wait at JAX's shutdown
+    barrier), then stop the watchdog. JAX's own exit handler would shut the client down later, when
+    the beat thread may be inside a call to it; a daemon thread still inside C++ when the interpreter
+    finalises is killed by a forced unwind, and the process aborts (status 134) after a clean run."""
+    import jax
+
+    watchdog.finish()
+    jax.distributed.shutdown()
+    watchdog.stop()
 
 
 def stop_if_peer_lost() -> None:
