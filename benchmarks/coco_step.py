@@ -8,7 +8,7 @@ The step is lowered from shapes alone (``autotune.train_step_lowering``: no data
 compiled, and ``memory_analysis()`` of the compiled step gives the bytes per device (arguments,
 outputs, temporaries, less what is aliased by donation). With ``--time`` (default) it then runs the
 step on zero images with random boxes (3 per image; COCO averages 7.3) and times, median over
-reps after a warm-up:
+reps after a warm-up (the two steps alternate rep by rep):
 
 - ``step``: the real train step (forward, the Hungarian matching of every decoder layer, backward, AdamW);
 - ``step_free_match``: the same step with matching replaced by a free assignment (target t -> query t),
@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,17 @@ def _batch(config, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return batch
 
 
+def _runner(step, state, gbatch):
+    """A no-argument call of ``step`` that carries its own state forward."""
+    box = [state]
+
+    def run() -> jax.Array:
+        box[0], metrics = step(box[0], gbatch)
+        return metrics["train/loss"]
+
+    return run
+
+
 def timings(config, mesh, args: argparse.Namespace, compiled) -> dict:
     """Median step time with the real matcher (``compiled``) and with a free one, and the matcher alone."""
     batch = _batch(config, args.batch, np.random.default_rng(0))
@@ -106,19 +118,24 @@ def timings(config, mesh, args: argparse.Namespace, compiled) -> dict:
     def free(cost: jax.Array, valid: jax.Array, mesh: object = None) -> object:
         return _free_match(cost, valid)  # target t -> query t: elementwise, nothing to solve
 
+    runs = {}
     for name, matcher in (("step", hungarian_match), ("step_free_match", free)):
         detection_task.hungarian_match = matcher  # what DetectionTask.loss calls, per device under shard_map
         spec = make_state_spec(config, mesh, _task(config))
         state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
         step = compiled if matcher is hungarian_match else make_train_step(spec)
-        gbatch = to_global(batch, spec.batch_sharding)
-        box = [state]
-
-        def run() -> jax.Array:
-            box[0], metrics = step(box[0], gbatch)
-            return metrics["train/loss"]
-
-        out[f"{name}_ms"] = _median_ms(run, args.reps)
+        runs[name] = _runner(step, state, to_global(batch, spec.batch_sharding))
+        jax.block_until_ready(runs[name]())  # compile (the free step) and warm up
+    # Alternate the two steps rep by rep so that a slow spell of a shared machine hits both alike.
+    times = {name: [] for name in runs}
+    for _ in range(args.reps):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(run())
+            times[name].append((time.perf_counter() - t) * 1e3)
+    for name, ts in times.items():
+        out[f"{name}_ms"] = statistics.median(ts)
+        out[f"{name}_all_ms"] = ts
     detection_task.hungarian_match = hungarian_match
     layers = int(config.model.decoder_layers) if config.task.aux_loss else 1
     q, t = int(config.model.num_queries), int(config.task.max_boxes)
