@@ -38,33 +38,37 @@ class _DropClosedLoopTracebacks:
     def __init__(self, stream) -> None:
         self._stream = stream
         self._lock = threading.Lock()
-        self._partial = ""
-        self._held: list[str] = []  # the lines of a traceback not yet finished
+        # Per writing thread: a traceback printed by a library thread may be interleaved with the
+        # main thread's lines (jaxrat's own error sentence), and must still be read as one.
+        self._partial: dict[int, str] = {}
+        self._held: dict[int, list[str]] = {}  # the lines of a traceback not yet finished
 
     def write(self, text: str) -> int:
+        me = threading.get_ident()
         with self._lock:
-            *lines, self._partial = (self._partial + text).split("\n")
+            *lines, self._partial[me] = (self._partial.get(me, "") + text).split("\n")
             for line in lines:
-                self._line(line + "\n")
+                self._line(me, line + "\n")
         return len(text)
 
-    def _line(self, line: str) -> None:
-        if self._held:
-            self._held.append(line)
+    def _line(self, me: int, line: str) -> None:
+        held = self._held.get(me)
+        if held:
+            held.append(line)
             if not line[:1].isspace() and not line.startswith("Traceback"):  # the exception's own line
                 if line.strip() != self._NOISE:
-                    self._stream.write("".join(self._held))
-                self._held = []
+                    self._stream.write("".join(held))
+                del self._held[me]
         elif line.startswith("Traceback (most recent call last):"):
-            self._held = [line]
+            self._held[me] = [line]
         else:
             self._stream.write(line)
 
     def flush(self) -> None:
+        me = threading.get_ident()
         with self._lock:
-            if self._partial and not self._held:
-                self._stream.write(self._partial)
-                self._partial = ""
+            if self._partial.get(me) and not self._held.get(me):
+                self._stream.write(self._partial.pop(me))
             self._stream.flush()
 
     def __getattr__(self, name: str):

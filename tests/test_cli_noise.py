@@ -27,6 +27,34 @@ def test_drops_the_closed_loop_traceback_and_keeps_everything_else():
     assert out.getvalue() == "before\n" + REAL + "after, no newline"
 
 
+def test_a_line_from_another_thread_inside_the_noise_passes_and_the_noise_is_still_dropped():
+    # Seen in CI: a TensorStore thread's traceback, printed line by line, had the main thread's
+    # "jaxrat: error: ..." sentence land between its first and second line.
+    import threading
+
+    out = io.StringIO()
+    err = _DropClosedLoopTracebacks(out)
+    lines = NOISE.splitlines(keepends=True)
+    go_main, go_lib = threading.Event(), threading.Event()
+
+    def library() -> None:
+        err.write(lines[0])
+        err.write(lines[1])
+        go_main.set()
+        go_lib.wait(10)
+        for line in lines[2:]:
+            err.write(line)
+
+    t = threading.Thread(target=library)
+    t.start()
+    go_main.wait(10)
+    err.write("jaxrat: error: the disk is full\n")
+    go_lib.set()
+    t.join(10)
+    err.flush()
+    assert out.getvalue() == "jaxrat: error: the disk is full\n"
+
+
 def test_a_chained_traceback_is_kept_whole():
     out = io.StringIO()
     err = _DropClosedLoopTracebacks(out)
