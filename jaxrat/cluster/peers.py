@@ -94,10 +94,10 @@ class PeerWatchdog:
 
     def stop(self, wait_s: float = 10.0) -> None:
         """Stop calling the client and judging; returns once no call is in flight (at most ``wait_s``)."""
-        if self._calling.acquire(timeout=wait_s):
-            self._stopped = True
-            self._calling.release()
+        idle = self._calling.acquire(timeout=wait_s)
         self._stopped = True
+        if idle:
+            self._calling.release()
 
     def lost(self) -> str | None:
         """The sentence naming a lost process, or None while every peer beats or has finished."""
