@@ -99,6 +99,12 @@ def base_config() -> mlc.ConfigDict:
     # it; CPUs do not, so set it there); memory_margin of it is kept free.
     c.train.memory_budget_gb = 0.0
     c.train.memory_margin = 0.1
+    # 0: XLA reduces the batch as it partitions it (fastest). N > 0: every (micro-)batch is cut into N
+    # fixed shards of consecutive rows; each device runs its shards one at a time and the shards'
+    # gradients are added in one fixed order, so a run gives bit-identical losses on any device and
+    # host count that divides N. Costs N gradient copies on each device while they are added; the
+    # loss is then the mean of the shards' losses, like DDP over N GPUs (docs/parallelism.md).
+    c.train.reduction_shards = 0
 
     c.checkpoint = mlc.ConfigDict()
     c.checkpoint.every_steps = 200  # 0: no step rule; the last step and preemptions always save

@@ -24,6 +24,9 @@ from flax import nnx
 from jaxrat.errors import ConfigError
 
 Batch = Mapping[str, Any]
+# Under ``train.reduction_shards`` the batch :meth:`Task.loss` gets is one fixed shard, and this key
+# holds :meth:`Task.batch_totals` of the whole (micro-)batch divided by the number of shards.
+SHARD_TOTALS = "shard_totals"
 
 BUILTIN_TASKS = {
     "segmentation": "jaxrat.tasks.segmentation:SegmentationTask",
@@ -71,7 +74,8 @@ class Task(abc.ABC):
     """A problem to train on: data, model, loss, metrics. See the module docstring.
 
     ``mesh`` is set by the trainer before any step is traced: the device mesh the batch is sharded
-    over, for per-device work inside the step (e.g. matching under ``shard_map``).
+    over, for per-device work inside the step (e.g. matching under ``shard_map``); ``None`` when the
+    loss already runs per device (``train.reduction_shards``).
     """
 
     mesh: jax.sharding.Mesh | None = None
@@ -119,6 +123,16 @@ class Task(abc.ABC):
         The named scalars are averaged over micro-batches like the loss, so anything that is a
         mean over the batch (loss parts, a data fingerprint) may go there.
         """
+
+    def batch_totals(self, batch: Batch) -> dict[str, jax.Array]:
+        """Sums over the whole (micro-)batch that :meth:`loss` divides by (DETR's number of boxes).
+
+        Only used under ``train.reduction_shards``, where :meth:`loss` sees one shard at a time and
+        finds these sums, divided by the number of shards, in ``batch[SHARD_TOTALS]``; the step
+        averages the shards' losses, so dividing by them divides by the whole batch's sum. Default:
+        none (a loss that is a mean over its rows needs none).
+        """
+        return {}
 
     @abc.abstractmethod
     def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:

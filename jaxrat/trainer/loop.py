@@ -39,6 +39,12 @@ def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: i
         raise ConfigError(f"The micro-batch of {gb // accum} (config.data.batch_size={gb} / grad_accum_steps={accum}) "
                           f"does not divide over {num_devices} devices; use a batch size that is a multiple of "
                           f"{num_devices * accum}.")
+    shards = config.train.reduction_shards
+    if shards < 0 or (shards and (shards % num_devices or (gb // accum) % shards)):
+        raise ConfigError(
+            f"config.train.reduction_shards={shards} must be 0 (off) or a multiple of the {num_devices} devices "
+            f"that divides the micro-batch of {gb // accum}; set it to {num_devices}, or 0 to let XLA split the "
+            f"sums (faster, not bit-identical across device counts).")
     if eb % num_devices or eb % num_processes:
         raise ConfigError(f"config.data.eval_batch_size={eb} does not divide over {num_devices} devices; use a "
                           f"multiple of {num_devices}.")

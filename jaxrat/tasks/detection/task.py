@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxrat.data import transforms as T
 from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
-from jaxrat.tasks.base import Batch, EvalAccumulator, Task, host_rows
+from jaxrat.tasks.base import SHARD_TOTALS, Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
 from jaxrat.tasks.detection.drawing import boxes_images
@@ -201,8 +201,11 @@ class DetectionTask(Task):
         if not t.aux_loss:
             layers = layers[-1:]
         valid = batch["box_valid"] > 0
-        # Under the GSPMD step the arrays are global, so this sum counts every device's boxes.
-        num_boxes = num_target_boxes(valid)
+        totals = batch.get(SHARD_TOTALS)
+        if totals is None:  # under the GSPMD step the arrays are global: this counts every device's boxes
+            num_boxes = num_target_boxes(valid)
+        else:  # one fixed shard: the whole batch's count over the number of shards (see Task.batch_totals)
+            num_boxes = jnp.where(totals["num_boxes"] > 0, totals["num_boxes"], 1.0)
         total, parts = set_criterion(
             layers, batch["labels"], batch["boxes"], valid, num_boxes,
             cost_class=float(t.cost_class), cost_bbox=float(t.cost_bbox), cost_giou=float(t.cost_giou),
@@ -211,6 +214,9 @@ class DetectionTask(Task):
             focal_gamma=float(t.focal_gamma), matcher=functools.partial(hungarian_match, mesh=self.mesh))
         logged = {k: parts[k] for k in ("loss_ce", "loss_bbox", "loss_giou")}
         return total, {**logged, "boxes_per_image": jnp.mean(valid.sum(-1).astype(jnp.float32))}
+
+    def batch_totals(self, batch: Batch) -> dict[str, jax.Array]:
+        return {"num_boxes": jnp.sum(batch["box_valid"] > 0, dtype=jnp.float32)}
 
     def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:
         logits, pred_boxes = model(batch["image"], batch["pad_mask"])
