@@ -10,6 +10,9 @@ from collections.abc import Callable
 from absl import app, flags
 
 USER_ERROR_EXIT_CODE = 2
+# Set once jaxrat has said why it stops: library threads still failing (Orbax's background writes
+# after a full disk) must not print after the sentence, which is the last line a user reads.
+_SAID_WHY = threading.Event()
 
 
 class _QuietLibraries(logging.Filter):
@@ -20,7 +23,7 @@ class _QuietLibraries(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if "/jaxrat/" in record.pathname.replace("\\", "/"):
             return True
-        if record.levelno < logging.WARNING:
+        if record.levelno < logging.WARNING or _SAID_WHY.is_set():
             return False
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
@@ -87,6 +90,7 @@ def quiet_libraries() -> None:
 
 def fail(message: str) -> None:
     """Print ``jaxrat: error: message`` and exit with the user-error status (never requeued)."""
+    _SAID_WHY.set()
     print(f"jaxrat: error: {message}", file=sys.stderr, flush=True)
     # Library tasks abandoned by the error (Orbax's async writes after a full disk) are reported by
     # asyncio when they are collected at exit; the sentence above already said what happened.

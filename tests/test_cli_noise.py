@@ -88,3 +88,33 @@ def test_tensorstore_callbacks_on_a_closed_loop_print_nothing():
     unfiltered = subprocess.run([sys.executable, "-c", script.replace("sys.stderr = _Drop", "_ = _Drop")],
                                 capture_output=True, text=True, timeout=120)
     assert "Event loop is closed" in unfiltered.stderr  # the check above can fail
+
+
+def test_a_library_error_logged_after_the_sentence_is_dropped_so_the_sentence_stays_last():
+    """Seen in CI: an Orbax writer thread logged its full-disk error after jaxrat's sentence."""
+    script = textwrap.dedent("""
+        import logging, threading
+        from absl import app
+        from jaxrat import cli
+
+        def main(argv):
+            cli.quiet_libraries()
+            lib = logging.LogRecord("orbax", logging.ERROR, "/site-packages/orbax/future.py", 1, "raised", None, None)
+            def late():
+                cli._SAID_WHY.wait()
+                logging.getLogger().handle(lib)
+            t = threading.Thread(target=late)
+            t.start()
+            logging.getLogger().handle(lib)  # before the sentence: kept
+            try:
+                cli.fail("no space left on the device; free some.")
+            finally:
+                t.join()
+
+        app.run(main)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == "jaxrat: error: no space left on the device; free some.", out.stderr
+    assert sum("raised" in line for line in lines) == 1, out.stderr
