@@ -45,7 +45,7 @@ GradFn = Callable[[Any, Any, jax.Array], tuple[tuple[jax.Array, dict], Any]]
 
 
 def fixed_order_gradient(spec: StateSpec, grad_fn: GradFn, shards: int) -> GradFn:
-    """``grad_fn`` made independent of the topology: the same bits on 1 device or 8, on 1 host or 2.
+    """``grad_fn`` with the batch's sums in one order whatever the device count.
 
     Under plain GSPMD the sums over the batch (in each weight gradient's contraction, the loss's
     mean, the all-reduce) are split as the batch is split, so their rounding changes with the device
@@ -55,6 +55,9 @@ def fixed_order_gradient(spec: StateSpec, grad_fn: GradFn, shards: int) -> GradF
     topology), and the stacked per-shard results are gathered and added in shard order. Shard ``j``
     draws its randomness from ``fold_in(rng, j)``. What the task normalises over the whole batch
     (:meth:`Task.batch_totals`) is summed first and handed to every shard divided by ``shards``.
+
+    What is left to differ is XLA's code for each shard, which on CPU is not always the same in
+    the 1- and the 8-device program (docs/tasks.md, "Over a whole demo").
     """
     mesh, task = spec.mesh, spec.task
     rows = sharding.batch_spec(mesh)
