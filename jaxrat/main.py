@@ -26,9 +26,11 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from jaxrat import cluster, compile_cache  # before anything that touches JAX devices
+    from jaxrat.parallel.cpu_client import pin_cpu_parallelism
 
     quiet_libraries()
     config = _CONFIG.value
+    pin_cpu_parallelism(int(config.train.get("reduction_shards", 0) or 0))  # before JAX's CPU client exists
     try:
         cluster.initialize(config.distributed)
         compile_cache.enable(config.train.compilation_cache_dir)

@@ -5,12 +5,11 @@ that of one micro-batch), clips and applies AdamW, and leaves the state untouche
 the gradient norm is not finite (the host stops the run at its next check).
 
 With ``train.reduction_shards = N`` the gradient of each micro-batch is instead the mean of N fixed
-shards' gradients, added in one order on every topology (:func:`fixed_order_gradient`).
+shards' gradients, added in one order on every topology (:mod:`jaxrat.trainer.fixed_shards`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -19,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
-from jaxrat.tasks.base import SHARD_TOTALS
+from jaxrat.trainer.fixed_shards import FixedShardStep
 from jaxrat.trainer.state import StateSpec
 
 TASK_STREAM = 0x7A5C  # folded into a micro-batch's key for the task's own randomness
@@ -41,59 +40,9 @@ def split_microbatches(batch: Any, accum: int, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(one, batch)
 
 
-GradFn = Callable[[Any, Any, jax.Array], tuple[tuple[jax.Array, dict], Any]]
-
-
-def fixed_order_gradient(spec: StateSpec, grad_fn: GradFn, shards: int) -> GradFn:
-    """``grad_fn`` with the batch's sums in one order whatever the device count.
-
-    Under plain GSPMD the sums over the batch (in each weight gradient's contraction, the loss's
-    mean, the all-reduce) are split as the batch is split, so their rounding changes with the device
-    count, and training amplifies one ulp into visibly different losses within tens of steps. Here
-    the batch is cut into ``shards`` fixed runs of consecutive rows; inside ``shard_map`` each device
-    computes its own shards one at a time (every shard sees the very same shapes and program on any
-    topology), and the stacked per-shard results are gathered and added in shard order. Shard ``j``
-    draws its randomness from ``fold_in(rng, j)``. What the task normalises over the whole batch
-    (:meth:`Task.batch_totals`) is summed first and handed to every shard divided by ``shards``.
-
-    What is left to differ is XLA's code for each shard, which on CPU is not always the same in
-    the 1- and the 8-device program (docs/tasks.md, "Over a whole demo").
-    """
-    mesh, task = spec.mesh, spec.task
-    rows = sharding.batch_spec(mesh)
-
-    def local(params: Any, batch: Any, index: jax.Array, totals: dict, rng: jax.Array) -> Any:
-        k = index.shape[0]
-        batch = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-
-        def body(carry: None, xs: Any) -> tuple[None, Any]:
-            one, j = xs
-            if totals:
-                one = {**one, SHARD_TOTALS: totals}
-            (loss, parts), g = grad_fn(params, one, jax.random.fold_in(rng, j))
-            return None, (g, loss, parts)
-
-        return jax.lax.scan(body, None, (batch, index))[1]
-
-    per_shard = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), P()), out_specs=rows,
-                              check_vma=False)
-    replicated = NamedSharding(mesh, P())
-
-    def in_order(x: jax.Array) -> jax.Array:
-        # Explicit adds, not jnp.sum: XLA keeps the order of elementwise float adds as written.
-        return functools.reduce(jnp.add, [x[i] for i in range(shards)]) / shards
-
-    def gradient(params: Any, batch: Any, rng: jax.Array) -> tuple[tuple[jax.Array, dict], Any]:
-        totals = {k: v / shards for k, v in task.batch_totals(batch).items()}
-        stacked = per_shard(params, batch, jnp.arange(shards), totals, rng)
-        grads, loss, parts = jax.tree.map(in_order, jax.lax.with_sharding_constraint(stacked, replicated))
-        return (loss, parts), grads
-
-    return gradient
-
-
 def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]]:
-    """``step(state, batch) -> (state, metrics)``, jitted with the state donated."""
+    """``step(state, batch) -> (state, metrics)``, jitted with the state donated (under
+    ``train.reduction_shards``, a :class:`FixedShardStep` whose programs are)."""
     accum = spec.config.optimizer.grad_accum_steps
 
     def loss_of(params: Any, batch: Any, rng: jax.Array) -> tuple[jax.Array, dict]:
@@ -101,10 +50,27 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         task_rng = jax.random.fold_in(rng, TASK_STREAM)
         return spec.task.loss(spec.model(params, rng, train=True), batch, task_rng)
 
+    def apply(state: dict, grads: Any, loss: jax.Array, parts: dict) -> tuple[dict, dict]:
+        grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
+        params = state["params"]
+        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
+        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+
+        def keep(new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
+                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
+        metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
+                   "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
+                   "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
+        return new_state, metrics
+
+    if spec.config.train.reduction_shards:
+        return FixedShardStep(spec, loss_of, apply)
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    shards = int(spec.config.train.reduction_shards)
-    if shards:
-        grad_fn = fixed_order_gradient(spec, grad_fn, shards)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
@@ -122,21 +88,7 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][0], shapes[0][1]))
             (grads, loss, parts), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
             grads, loss, parts = jax.tree.map(lambda x: x / accum, (grads, loss, parts))
-        grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
-        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
-        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
-
-        def keep(new: Any, old: Any) -> Any:
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
-                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
-        metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
-                   "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
-                   "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
-        return new_state, metrics
+        return apply(state, grads, loss, parts)
 
     rep = NamedSharding(spec.mesh, P())
     return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
