@@ -60,8 +60,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.task.num_classes = (0, 0)
         c.task.loss_weights = (1.0, 1.0)
         c.checkpoint.best_metric = "eval/kind/top1"
-        # Bit-identical losses on 1, 2, 4 or 8 devices of one process (docs/tasks.md); about 4x slower
-        # than letting XLA split the sums on one CPU device, still well inside the demo's budget.
+        # Bit-identical losses on 1, 2, 4 or 8 devices and on several processes (docs/tasks.md), at
+        # some cost in speed on one CPU device, still well inside the demo's budget.
         c.train.reduction_shards = 8
     if variant == "demo":
         c.data.synthetic_train = 512

@@ -79,6 +79,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.train.eval_every = 250
         c.checkpoint.every_steps = 250
         c.train.log_every = 50
+        # The same losses on any device or process count (docs/tasks.md, "Over a whole demo"), at
+        # the default step's speed here (2.8 steps/s on one CPU device).
+        c.train.reduction_shards = 8
         c.task.num_detections = 20
         c.task.focal = True
         c.model.update(dict(backbone="cnn", cnn_widths=(32, 64, 96, 128), feature_levels=(1, 2, 3), hidden_dim=96,

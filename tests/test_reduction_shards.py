@@ -4,6 +4,8 @@ Meshes of 1 and 8 (or 2) of the 8 simulated devices live in one process, so one 
 state go through each topology's compiled step and the results are compared bit for bit.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +13,13 @@ import pytest
 
 from jaxrat.config import load_config
 from jaxrat.errors import ConfigError
+from jaxrat.parallel.cpu_client import pin_cpu_parallelism
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer.loop import check_batch_sizes, to_global
 from jaxrat.trainer.state import make_state_spec
 from jaxrat.trainer.step import TASK_STREAM, make_train_step
+from runner import assert_same_losses, losses_by_step, run_main, run_processes
 
 SHARDS = 8
 
@@ -68,20 +72,26 @@ def test_classification_steps_are_bit_identical_on_1_and_8_devices(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_loss_is_the_mean_of_the_shards_losses(tmp_path):
-    """Shard ``j`` is rows ``j*b:(j+1)*b`` with key ``fold_in(step key, j)``: recompute it by hand."""
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_loss_is_the_mean_of_the_shards_losses(tmp_path, accum):
+    """Micro-batch ``i`` is rows ``i::accum``; its shard ``j`` is rows ``j*b:(j+1)*b`` of it, with key
+    ``fold_in(step key, j)`` (``fold_in(fold_in(step key, i), j)`` when accumulating): by hand."""
     config = _config("configs/classification.py:smoke", 4)
+    with config.unlocked():
+        config.optimizer.grad_accum_steps = accum
     task, spec, state = _world(config, 2, tmp_path)
     batch = _batches(task, config, 1)[0]
     params, rng = jax.device_get(state["params"]), jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), 0)
     _, metrics = make_train_step(spec)(state, to_global(batch, spec.batch_sharding))  # donates state
-    b = config.data.batch_size // 4
+    b = config.data.batch_size // accum // 4
     by_hand = []
-    for j in range(4):
-        key = jax.random.fold_in(rng, j)
-        shard = {k: jnp.asarray(v[j * b:(j + 1) * b]) for k, v in batch.items()}
-        loss, _ = task.loss(spec.model(params, key, train=True), shard, jax.random.fold_in(key, TASK_STREAM))
-        by_hand.append(float(loss))
+    for i in range(accum):
+        micro = {k: v[i::accum] for k, v in batch.items()}
+        for j in range(4):
+            key = jax.random.fold_in(rng if accum == 1 else jax.random.fold_in(rng, i), j)
+            shard = {k: jnp.asarray(v[j * b:(j + 1) * b]) for k, v in micro.items()}
+            loss, _ = task.loss(spec.model(params, key, train=True), shard, jax.random.fold_in(key, TASK_STREAM))
+            by_hand.append(float(loss))
     np.testing.assert_allclose(float(metrics["train/loss"]), np.mean(by_hand), rtol=1e-6)
 
 
@@ -111,3 +121,57 @@ def test_shard_counts_that_cannot_work_name_the_fix(shards, devices, batch, matc
         config.data.batch_size = batch
     with pytest.raises(ConfigError, match=match):
         check_batch_sizes(config, devices, 1)
+
+
+@pytest.mark.parametrize("start", [0, 48])
+def test_every_process_count_assembles_the_same_global_batch(tmp_path, start):
+    """Shards are runs of rows of the global batch, so its row order must not depend on how many
+    processes loaded it (process ``p`` takes the ``p``-th run of each global batch)."""
+    config = _config("configs/classification.py:smoke", 0)
+    task = load_task(config)
+    task.prepare_data(str(tmp_path))
+    batch = 16
+
+    def global_batches(processes):
+        per_process = []
+        for p in range(processes):
+            it = task.train_iterator(start, local_batch=batch // processes, process_index=p,
+                                     process_count=processes, processes_on_host=processes)
+            per_process.append([next(it) for _ in range(3)])
+            if hasattr(it, "close"):
+                it.close()
+        return [{k: np.concatenate([pp[s][k] for pp in per_process]) for k in per_process[0][s]} for s in range(3)]
+
+    one = global_batches(1)
+    for processes in (2, 4):
+        for a, b in zip(one, global_batches(processes)):
+            assert a.keys() == b.keys()
+            for k in a:
+                np.testing.assert_array_equal(b[k], a[k], err_msg=f"{processes} processes, {k}")
+
+
+def test_the_cpu_thread_count_is_pinned_for_shards_and_the_users_choice_kept(monkeypatch):
+    monkeypatch.delenv("NPROC", raising=False)
+    pin_cpu_parallelism(0)
+    assert "NPROC" not in os.environ
+    pin_cpu_parallelism(8)
+    assert int(os.environ["NPROC"]) == max(8, os.cpu_count())
+    monkeypatch.setenv("NPROC", "3")
+    pin_cpu_parallelism(8)
+    assert os.environ["NPROC"] == "3"
+
+
+@pytest.mark.slow
+def test_detection_demo_gives_the_same_bits_on_one_device_and_on_two_processes(tmp_path):
+    """The real thing, each topology its own XLA CPU client: 1 process of 1 device against 2
+    processes of 4. Without the pinned thread count the shard program is partitioned differently
+    (2 threads vs 4) and some gradients differ in the last bit from the first step; without the
+    process-invariant row order the shards hold other examples."""
+    args = ["--config.num_train_steps=4", "--config.train.log_every=1", "--config.train.eval_every=1000",
+            "--config.train.eval_at_end=False", "--config.checkpoint.every_steps=1000"]
+    config = "configs/coco.py:demo"
+    run_main(str(tmp_path / "one"), *args, devices=1, config=config, timeout=600)
+    run_processes(tmp_path / "two", 2, 8, args, config=config, timeout=600)
+    one, two = losses_by_step(str(tmp_path / "one")), losses_by_step(str(tmp_path / "two"))
+    assert sorted(one) == [1, 2, 3, 4]
+    assert_same_losses(one, two, what="train/loss, 1 device vs 2 processes x 4 devices")

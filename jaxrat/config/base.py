@@ -100,11 +100,11 @@ def base_config() -> mlc.ConfigDict:
     c.train.memory_budget_gb = 0.0
     c.train.memory_margin = 0.1
     # 0: XLA reduces the batch as it partitions it (fastest). N > 0: every (micro-)batch is cut into N
-    # fixed shards of consecutive rows; each device runs its shards one at a time and the shards'
-    # gradients are added in one fixed order, so the batch's sums no longer depend on the device
-    # count (classification: bit-identical on 1 and 8 CPU devices; detection and 2 processes still
-    # differ, docs/tasks.md). Costs N gradient copies on each device while they are added; the loss
-    # is then the mean of the shards' losses, like DDP over N GPUs.
+    # fixed shards of consecutive rows; each shard's gradient comes from one single-device program on
+    # the device that holds it, and the shards' gradients are added in one fixed order, so a step gives
+    # the same bits on any device and process count (measured on both demos, docs/tasks.md). Costs N
+    # gradient copies on each device while they are added and N host dispatches per micro-batch; the
+    # loss is then the mean of the shards' losses, like DDP over N GPUs.
     c.train.reduction_shards = 0
 
     c.checkpoint = mlc.ConfigDict()

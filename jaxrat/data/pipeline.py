@@ -1,10 +1,11 @@
 """Grain pipelines: per-host, deterministic, resumable from the step.
 
 The training stream is one global sequence: shuffle (reshuffled each epoch) -> repeat -> decode
--> random augmentation seeded by the element's *global* index. Host ``p`` of ``P`` reads elements
-``p, p+P, p+2P, ...`` so the global batch of step ``s`` is always global elements
-``[s*B, (s+1)*B)`` whatever the number of hosts: a run resumed on another process count sees
-exactly the examples an uninterrupted run would have seen.
+-> random augmentation seeded by the element's *global* index. The global batch of step ``s`` is
+global elements ``[s*B, (s+1)*B)`` and host ``p`` of ``P`` reads its ``p``-th run of ``B/P``
+consecutive ones, so the batch the trainer assembles (host 0's rows first) is the same rows in the
+same order whatever the number of hosts: a run resumed on another process count sees exactly the
+examples an uninterrupted run would have seen, and fixed reduction shards hold the same rows.
 
 Worker processes (``num_workers``) take elements round-robin *before* batching, so batches are
 the same for any worker count. The iterator's checkpoint state is just the next global element,
@@ -82,6 +83,27 @@ class _LoadWithFallback(grain.MapDataset):
             f"{MAX_CONSECUTIVE_BAD} bad files in a row in the training stream (see skipped_files.txt); "
             f"the dataset looks broken: fix or re-download it."
         )
+
+
+class _ProcessRows(grain.MapDataset):
+    """This process's rows of each global batch: batch ``b`` is elements ``start + b*G ... + G - 1``
+    of ``parent`` (``G = local_batch * process_count``) and process ``p`` takes its ``p``-th run of
+    ``local_batch`` consecutive ones. The global batch the trainer assembles (process 0's rows first)
+    is then in the same row order on any process count, which fixed reduction shards rely on."""
+
+    def __init__(self, parent: grain.MapDataset, start: int, local_batch: int, process_index: int,
+                 process_count: int):
+        super().__init__(parent)
+        self._start, self._local, self._index, self._count = start, local_batch, process_index, process_count
+
+    def __len__(self) -> int:
+        return max(0, len(self._parent) - self._start) // self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        batch, row = divmod(index, self._local)
+        return self._parent[self._start + (batch * self._count + self._index) * self._local + row]
 
 
 # ------------------------------------------------------------------------------- options
@@ -323,7 +345,7 @@ def train_iterator(
         ds = _LoadWithFallback(ds, loader, data.policy)
         for op in ops:
             ds = ds.random_map(op) if isinstance(op, grain.transforms.RandomMap) else ds.map(op)
-        ds = ds[start + process_index :: process_count]
+        ds = _ProcessRows(ds, start, local_batch, process_index, process_count)
         # ``prefetch`` counts batches; Grain's buffer counts elements. A buffer smaller than a
         # batch lets the readers idle while the step runs, and the loop then waits for data.
         it = ds.to_iter_dataset(_read_options(num_threads, prefetch * local_batch))

@@ -75,7 +75,7 @@ class Task(abc.ABC):
 
     ``mesh`` is set by the trainer before any step is traced: the device mesh the batch is sharded
     over, for per-device work inside the step (e.g. matching under ``shard_map``); ``None`` when the
-    loss already runs per device (``train.reduction_shards``).
+    loss runs in a single-device program (``train.reduction_shards``).
     """
 
     mesh: jax.sharding.Mesh | None = None

@@ -138,11 +138,13 @@ class _Lowered:
         prep = step._prepare.lower(self.state, self.batch)
         params, key_data, totals = prep.out_info
         rows = jax.tree.leaves(self.batch)[0].shape[0] // (step.accum * step.shards)
-        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), self.batch)
+        on = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # as the shard programs are called
+        plain = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)  # noqa: E731
+        one = jax.tree.map(lambda x: plain(jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)), self.batch)
         if totals[0]:
-            one = {**one, SHARD_TOTALS: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), totals[0])}
-        plain = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        key = jax.eval_shape(jax.random.wrap_key_data, plain(key_data))
+            one = {**one, SHARD_TOTALS: jax.tree.map(plain, totals[0])}
+        key = jax.ShapeDtypeStruct(key_data.shape[:-1], jax.eval_shape(jax.random.wrap_key_data, plain(key_data)).dtype,
+                                   sharding=on)
         grad = step._grad.lower(jax.tree.map(plain, params), one, key).compile()
         shapes = grad.out_info
         stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((step.shards, step.accum, *s.shape), s.dtype,

@@ -87,7 +87,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
     if config.train.compute_dtype not in DTYPES:
         raise ConfigError(f"config.train.compute_dtype={config.train.compute_dtype!r}; use 'float32' or 'bfloat16'.")
     dtype = DTYPES[config.train.compute_dtype]
-    # Fixed reduction shards run the loss per device already, inside the step's shard_map.
+    # Fixed reduction shards run the loss in single-device programs already.
     task.mesh = None if config.train.reduction_shards else mesh
     tx, schedule = make_optimizer(config.optimizer, config.num_train_steps)
     model = nnx.eval_shape(lambda: task.build_model(dtype=dtype, rngs=nnx.Rngs(0)))
