@@ -73,3 +73,11 @@ def test_a_simulated_2gib_budget_picks_a_batch_that_fits_and_whose_double_does_n
     # the target (the config's batch of 16) is reached with the fewest accumulation steps
     assert choice.accum == 1 and choice.per_device == 16 <= largest
     assert config.data.batch_size == choice.global_batch and (tmp_path / "autotune.json").exists()
+
+
+def test_auto_sizing_with_fixed_shards_is_one_sentence(tmp_path):
+    config = load_config("configs/classification.py:smoke")
+    config.data.per_device_batch_size = "auto"
+    assert config.train.reduction_shards
+    with pytest.raises(ConfigError, match="multiple of the shards"):
+        autotune.size_batch(config, None, None, {}, str(tmp_path))

@@ -163,6 +163,11 @@ def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, examp
     (any size) that gives the fields' shapes and types."""
     import copy
 
+    if config.train.reduction_shards:
+        # The probe sizes would not divide into the shards, and what must fit is one shard's program.
+        raise ConfigError(
+            f"data.per_device_batch_size='auto' cannot size a run with train.reduction_shards="
+            f"{config.train.reduction_shards}; set data.batch_size to a multiple of the shards instead.")
     probe_config = copy.deepcopy(config)
     probe_config.optimizer.grad_accum_steps = 1  # one micro-batch is what must fit
     lower = train_step_lowering(probe_config, mesh, task)
