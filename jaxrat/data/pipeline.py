@@ -28,6 +28,7 @@ import numpy as np
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError
+from jaxrat.data.process_rows import ProcessRows
 from jaxrat.data.sources.isic import DecodePair
 from jaxrat.errors import ConfigError, DataError
 
@@ -83,27 +84,6 @@ class _LoadWithFallback(grain.MapDataset):
             f"{MAX_CONSECUTIVE_BAD} bad files in a row in the training stream (see skipped_files.txt); "
             f"the dataset looks broken: fix or re-download it."
         )
-
-
-class _ProcessRows(grain.MapDataset):
-    """This process's rows of each global batch: batch ``b`` is elements ``start + b*G ... + G - 1``
-    of ``parent`` (``G = local_batch * process_count``) and process ``p`` takes its ``p``-th run of
-    ``local_batch`` consecutive ones. The global batch the trainer assembles (process 0's rows first)
-    is then in the same row order on any process count, which fixed reduction shards rely on."""
-
-    def __init__(self, parent: grain.MapDataset, start: int, local_batch: int, process_index: int,
-                 process_count: int):
-        super().__init__(parent)
-        self._start, self._local, self._index, self._count = start, local_batch, process_index, process_count
-
-    def __len__(self) -> int:
-        return max(0, len(self._parent) - self._start) // self._count
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        batch, row = divmod(index, self._local)
-        return self._parent[self._start + (batch * self._count + self._index) * self._local + row]
 
 
 # ------------------------------------------------------------------------------- options
@@ -345,7 +325,7 @@ def train_iterator(
         ds = _LoadWithFallback(ds, loader, data.policy)
         for op in ops:
             ds = ds.random_map(op) if isinstance(op, grain.transforms.RandomMap) else ds.map(op)
-        ds = _ProcessRows(ds, start, local_batch, process_index, process_count)
+        ds = ProcessRows(ds, start, local_batch, process_index, process_count)
         # ``prefetch`` counts batches; Grain's buffer counts elements. A buffer smaller than a
         # batch lets the readers idle while the step runs, and the loop then waits for data.
         it = ds.to_iter_dataset(_read_options(num_threads, prefetch * local_batch))
