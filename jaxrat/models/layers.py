@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat.models.strided_conv import conv_general_dilated as blocked_conv
+
 Array = jax.Array
 Dtype = Any
 
@@ -58,12 +60,18 @@ def conv(
     padding: Any = "SAME",
     dtype: Dtype,
     rngs: nnx.Rngs,
+    blocked_when_faster: bool = False,
 ) -> nnx.Conv:
-    """Channels-last convolution with PyTorch's default init (the reference's convs keep it)."""
+    """Channels-last convolution with PyTorch's default init (the reference's convs keep it).
+
+    ``blocked_when_faster``: compute large strided convolutions on CPU as stride-block matmuls
+    (:mod:`jaxrat.models.strided_conv`; same parameters, same values up to rounding).
+    """
     fan_in = din * int(math.prod(kernel_size))
+    extra = dict(conv_general_dilated=blocked_conv) if blocked_when_faster else {}
     return nnx.Conv(din, dout, tuple(kernel_size), strides=strides, padding=padding,
                     kernel_init=torch_default_uniform(fan_in), bias_init=torch_default_uniform(fan_in),
-                    dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+                    dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **extra)
 
 
 def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
