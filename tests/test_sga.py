@@ -177,3 +177,15 @@ def test_reference_compat_changes_only_value_heads():
     a = run(SpatialGroupingAttention(**one_head, rngs=nnx.Rngs(0)), x)
     b = run(SpatialGroupingAttention(**one_head, reference_compat=True, rngs=nnx.Rngs(0)), x)
     np.testing.assert_allclose(a, b, rtol=1e-6)  # with one head the reshapes coincide
+
+
+def test_sparse_layer_equals_dense_when_every_window_covers_the_grid():
+    # A 9x9 window at stride 1 on a 4x4 grid sees every pixel, so the sparse layer (which
+    # scales the queries by temp, not the keys) must give the dense layer's output.
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 16))
+    kw = dict(feature_dims=16, spatial_dims=2, kernel_size=9, num_heads=4, stride=1, iters=2)
+    sparse = SpatialGroupingAttention(**kw, attention="sparse", rngs=nnx.Rngs(0))
+    dense = SpatialGroupingAttention(**kw, attention="dense", rngs=nnx.Rngs(0))
+    for layer in (sparse, dense):
+        layer.temp.value = jnp.full((1,), 0.7)  # away from its init, so its placement matters
+    np.testing.assert_allclose(sparse(x, (4, 4), (1.0, 1.0)).x, dense(x, (4, 4), (1.0, 1.0)).x, rtol=1e-5, atol=1e-5)

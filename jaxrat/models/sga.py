@@ -125,7 +125,7 @@ class SpatialGroupingAttention(nnx.Module):
         padding = ("SAME" if all(s == 1 for s in self.stride)
                    else [((k - 1) // 2, (k - 1) // 2) for k in self.kernel_size])
         self.strider = conv(feature_dims, feature_dims, self.kernel_size, strides=self.stride, padding=padding,
-                            dtype=dtype, rngs=rngs)
+                            dtype=dtype, rngs=rngs, blocked_when_faster=True)
         self.kv = linear(feature_dims, 2 * feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.q = linear(feature_dims, feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype,
@@ -168,6 +168,8 @@ class SpatialGroupingAttention(nnx.Module):
         b, n_out, _ = xo.shape
         h, dh = self.num_heads, self.head_dim
         q = self.rose(self.q(xo).reshape(b, n_out, h, dh), geom.out, out_spacing).transpose(0, 2, 1, 3)
+        if self.attention == "sparse":  # temp moved from the keys (see __call__): same logits
+            q = q * self.temp[...].astype(q.dtype)
         if self.attention == "dense":
             u = grouping_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
         elif self.attention == "standard":
@@ -198,7 +200,11 @@ class SpatialGroupingAttention(nnx.Module):
         h, dh = self.num_heads, self.head_dim
 
         k, v = jnp.split(self.kv(x), 2, axis=-1)
-        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing) * self.temp[...].astype(k.dtype)
+        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
+        if self.attention != "sparse":
+            k = k * self.temp[...].astype(k.dtype)
+        # sparse scales the (9x fewer) queries instead: q.(t k) = (t q).k, and temp's gradient
+        # then does not keep the full-resolution rotated keys alive until the backward pass
         k = k.transpose(0, 2, 1, 3)
         v = self._split_heads(v, self.reference_compat)
 
