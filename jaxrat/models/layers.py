@@ -79,8 +79,19 @@ def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.Lay
     return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
+# Above this many bytes of hidden activation in one call, the MLP runs over token chunks whose
+# hidden activations are recomputed in the backward pass: at 1024 px the first SGA layer's three
+# MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive.
+CHUNK_HIDDEN_BYTES = 256 * 2**20
+CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one chunk
+
+
 class Mlp(nnx.Module):
-    """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout."""
+    """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout.
+
+    Calls whose hidden activation would exceed ``CHUNK_HIDDEN_BYTES`` run as a scan over token
+    chunks with each chunk rematerialised (same values; in training, different dropout draws).
+    """
 
     def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype,
                  rngs: nnx.Rngs) -> None:
@@ -90,5 +101,39 @@ class Mlp(nnx.Module):
         self.drop2 = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
+        tokens = math.prod(x.shape[:-1])
+        itemsize = jnp.dtype(self.fc1.dtype or x.dtype).itemsize
+        hidden_bytes = tokens * self.fc1.out_features * itemsize
+        if x.ndim >= 2 and hidden_bytes > CHUNK_HIDDEN_BYTES:
+            return self.drop2(self._chunked(x, hidden_bytes))
         x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
         return self.drop2(self.fc2(x))
+
+    def _chunked(self, x: Array, hidden_bytes: int) -> Array:
+        """fc2(drop1(gelu(fc1(x)))) as a scan over chunks of axis -2, each chunk recomputed in bwd.
+
+        A scan (not one ``jax.checkpoint``) because XLA's scheduler runs independent recomputations
+        side by side; a loop forces one chunk's hidden activation at a time.
+        """
+        n = x.shape[-2]
+        chunks = max(2, -(-hidden_bytes // CHUNK_TOKENS_BYTES))
+        size = -(-n // chunks)
+        chunks = -(-n // size)
+        pad = chunks * size - n
+        xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)]) if pad else x
+        xs = jnp.moveaxis(xp.reshape(*x.shape[:-2], chunks, size, x.shape[-1]), -3, 0)
+        rate = self.drop1.rate
+        train = not self.drop1.deterministic and rate > 0.0
+        keys = jax.random.split(self.drop1.rngs(), chunks) if train else jnp.zeros((chunks,), jnp.uint32)
+
+        def body(carry, chunk_and_key):
+            chunk, key = chunk_and_key
+            h = jax.nn.gelu(self.fc1(chunk), approximate=False)
+            if train:
+                keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
+                h = jnp.where(keep, h / (1.0 - rate), jnp.zeros_like(h))
+            return carry, self.fc2(h)
+
+        _, ys = jax.lax.scan(jax.checkpoint(body), None, (xs, keys))
+        y = jnp.moveaxis(ys, 0, -3).reshape(*x.shape[:-2], chunks * size, ys.shape[-1])
+        return y[..., :n, :] if pad else y
