@@ -4,11 +4,13 @@ The SGA layer's strider (a 7x7 convolution with stride 3 on the full-resolution 
 of the whole RAT step at 512 px on CPU, and its cost grew ~6x per doubling of the side instead
 of 4x: XLA's CPU weight gradient of a strided convolution took 15 s of the 18 s fwd+bwd at
 512 px, batch 2 (benchmarks/rat_scaling.py, docs/rat.md). Cut the padded input into stride-blocks
-(each output's window is ``ceil(k/s)`` whole blocks per axis, the kernel zero-padded to match);
-the convolution is then one plain matmul of the blocks with every block offset's kernel slice,
-whose gradients are plain matmuls too: about half the time at 512 px, linear in pixels. Below ~256x256 inputs XLA's own convolution is
-faster on CPU (0.31 vs 0.52 s at 128 px), and on accelerators the vendor convolution is left alone,
-so :func:`conv_general_dilated` only takes the blocked form for large inputs on CPU.
+(each output's window is ``ceil(k/s)`` whole blocks per axis); every block offset's share of the
+windows that read it is a plain matmul of the blocks with that offset's kernel slice (offsets that
+cover equally many taps share one matmul), and each output adds its offsets' shares. Its gradients
+are plain matmuls too. Measured fwd+bwd, 128 channels, batch 2, 7x7 stride 3 on this 2-core CPU:
+0.016 vs 0.022 s at 32 px, 0.22 vs 0.26 s at 128 px, 1.7 vs 2.2 s at 256 px, and about half of
+XLA's time at 512 px. On accelerators the vendor convolution is left alone, so
+:func:`conv_general_dilated` only takes the blocked form on CPU.
 """
 
 from __future__ import annotations
@@ -23,33 +25,47 @@ import numpy as np
 from jaxrat.models.sparse_sga import Geometry, _blocked, _take_at_offset
 
 Array = jax.Array
-# Input positions per image from which the blocked form wins on CPU (measured crossover: equal
-# at 256x256, 2x faster at 512x512, 1.6x slower at 128x128).
-MIN_BLOCKED_POSITIONS = 256 * 256
+# Input positions per image from which the blocked form is taken on CPU: it was faster at every
+# size measured (32 to 512 px); below 32x32 unmeasured, and too small to matter.
+MIN_BLOCKED_POSITIONS = 32 * 32
 
 
-def _kernel_matrix(w: Array, geom: Geometry) -> Array:
-    """(*k, Cin, Cout) -> (s.. * Cin, offsets * Cout): the kernel zero-padded to whole blocks."""
-    sd, cin, cout = len(geom.kernel), w.shape[-2], w.shape[-1]
-    nb = [-(-k // s) for k, s in zip(geom.kernel, geom.stride)]
-    wp = jnp.pad(w, [(0, b * s - k) for b, s, k in zip(nb, geom.stride, geom.kernel)] + [(0, 0), (0, 0)])
-    # (nb_1, s_1, ..., nb_sd, s_sd, Cin, Cout) -> (s.., Cin, nb.., Cout)
-    wp = wp.reshape(*[d for b, s in zip(nb, geom.stride) for d in (b, s)], cin, cout)
-    perm = [2 * d + 1 for d in range(sd)] + [2 * sd] + [2 * d for d in range(sd)] + [2 * sd + 1]
-    return wp.transpose(perm).reshape(int(np.prod(geom.stride)) * cin, len(geom.offsets) * cout)
+def _tap_groups(geom: Geometry) -> dict[tuple[int, ...], list[tuple[int, ...]]]:
+    """Block offsets grouped by how many kernel taps per axis they cover.
+
+    Offset j covers taps ``j*s .. j*s + sz`` with ``sz = min(s, k - j*s)``: a 7-tap kernel with
+    stride 3 covers 3, 3 and 1 taps per axis. Offsets with equal ``sz`` read the same leading
+    ``sz`` pixels of each block, so one matmul serves them all, and no zero taps are multiplied
+    (49 taps for 7x7 stride 3, not the 81 of zero-padding the kernel to whole blocks).
+    """
+    groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for j in geom.offsets:
+        sz = tuple(min(s, k - jd * s) for jd, k, s in zip(j, geom.kernel, geom.stride))
+        groups.setdefault(sz, []).append(j)
+    return groups
 
 
-def _block_rows(x: Array, geom: Geometry) -> Array:
-    """(N, *spatial, Cin) -> (N, B.., s.. * Cin): each stride-block's pixels as one row."""
-    return _blocked(x, geom.kernel, geom.stride).reshape(x.shape[0], *geom.blocks, -1)
+def _group_products(xb: Array, w: Array, geom: Geometry) -> dict[tuple[int, ...], Array]:
+    """Blocks (N, B.., s.., Cin) times each offset's kernel slice -> offset: (N, B.., Cout)."""
+    sd, n, cin, cout = len(geom.kernel), xb.shape[0], w.shape[-2], w.shape[-1]
+    out = {}
+    for sz, offsets in _tap_groups(geom).items():
+        rows = xb[(Ellipsis,) + tuple(slice(0, z) for z in sz) + (slice(None),)]
+        rows = rows.reshape(n, *geom.blocks, int(np.prod(sz)) * cin)
+        mats = [w[tuple(slice(jd * s, jd * s + z) for jd, s, z in zip(j, geom.stride, sz))].reshape(-1, cout)
+                for j in offsets]
+        y = (rows @ jnp.concatenate(mats, axis=1).astype(rows.dtype)).reshape(n, *geom.blocks, len(offsets), cout)
+        for i, j in enumerate(offsets):
+            out[j] = y[..., i, :]
+    assert len(out) == len(geom.offsets) and sd == len(geom.stride)
+    return out
 
 
-def _sum_offsets(yb: Array, geom: Geometry) -> Array:
-    """(N, B.., offsets * Cout) -> (N, o.., Cout): each output adds its window's block shares."""
-    yb = yb.reshape(*yb.shape[:-1], len(geom.offsets), -1)
+def _sum_offsets(parts: dict[tuple[int, ...], Array], geom: Geometry) -> Array:
+    """Offset: (N, B.., Cout) -> (N, o.., Cout): each output adds its window's block shares."""
     out = None
-    for i, j in enumerate(geom.offsets):
-        part = _take_at_offset(yb[..., i, :], j, geom)
+    for j in geom.offsets:
+        part = _take_at_offset(parts[j], j, geom)
         out = part if out is None else out + part
     return out
 
@@ -70,7 +86,7 @@ def blocked_strided_conv(x: Array, w: Array, stride: Sequence[int]) -> Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _blocked_conv(x: Array, w: Array, geom: Geometry) -> Array:
-    return _sum_offsets(_block_rows(x, geom) @ _kernel_matrix(w, geom), geom)
+    return _sum_offsets(_group_products(_blocked(x, geom.kernel, geom.stride), w, geom), geom)
 
 
 def _blocked_conv_fwd(x, w, geom):
@@ -79,18 +95,12 @@ def _blocked_conv_fwd(x, w, geom):
 
 def _blocked_conv_bwd(geom, res, dy):
     x, w = res
-    # d(block rows) of the window sums: each offset's cotangent shifted back onto the blocks
-    _, transpose = jax.vjp(lambda yb: _sum_offsets(yb, geom),
-                           jnp.zeros((x.shape[0], *geom.blocks, len(geom.offsets) * w.shape[-1]), dy.dtype))
-    dyb = transpose(dy)[0]
     # Depend on dy so that XLA does not hoist (or CSE) the re-cut blocks into the forward pass.
-    xr = _block_rows(x + (0 * jnp.sum(dy[(0,) * dy.ndim])).astype(x.dtype), geom)
-    wm = _kernel_matrix(w, geom)
-    _, conv_t = jax.vjp(lambda xx: _block_rows(xx, geom), x)
-    dx = conv_t(dyb @ wm.T.astype(dyb.dtype))[0]
-    _, wt = jax.vjp(lambda ww: _kernel_matrix(ww, geom), w)
-    dw = wt(jnp.einsum("...i,...j->ij", xr, dyb))[0]
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    xd = x + (0 * jnp.sum(dy[(0,) * dy.ndim])).astype(x.dtype)
+    xb, block_t = jax.vjp(lambda xx: _blocked(xx, geom.kernel, geom.stride), xd)
+    _, products_t = jax.vjp(lambda xx, ww: _sum_offsets(_group_products(xx, ww, geom), geom), xb, w)
+    dxb, dw = products_t(dy)
+    return block_t(dxb)[0].astype(x.dtype), dw.astype(w.dtype)
 
 
 _blocked_conv.defvjp(_blocked_conv_fwd, _blocked_conv_bwd)
