@@ -55,8 +55,11 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         params = state["params"]
         gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
-        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+        # Named so that profiles can tell the optimizer's ops from the model's (benchmarks/step_profile.py);
+        # the scope lives here because models know nothing of training.
+        with jax.named_scope("optimizer"):
+            updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
+            new_params = jax.tree.map(lambda p, u: p + u, params, updates)
 
         def keep(new: Any, old: Any) -> Any:
             return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
