@@ -64,7 +64,7 @@ def test_real_step_time_lands_in_every_component(sp, tmp_path):
     assert sum(result["fractions"].values()) == pytest.approx(1.0, abs=1e-6)
     assert result["thunk_total_s_per_step"] == pytest.approx(sum(per_step.values()))
     assert os.path.exists(result["xplane"])
-    assert sp.step_flops(step.compiled) > 0
+    assert sp.step_flops(step.compiled) > 0 and sp.loop_aware_flops(step.compiled.as_text()) > 0
     wait = sp.input_wait(step, 2)
     assert 0.0 <= wait["input_wait_fraction"] <= 1.0 and wait["fed_steps"] == 2
 
@@ -76,3 +76,10 @@ def test_run_all_arguments_parse(sp):
     for args in run_all.BENCHMARKS["step_profile"]:
         parsed = sp.parse_args([*args, "--out", "x.json"])
         assert parsed.size <= 256 and parsed.steps >= 1
+
+
+def test_loop_aware_flops_counts_every_iteration(sp):
+    x = jnp.ones((64, 64))
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, y: jnp.tanh(y @ x), x)).lower(x).compile()
+    assert sp.loop_aware_flops(looped.as_text()) == 10 * 2 * 64**3
+    assert sp.step_flops(looped) < 2 * 2 * 64**3  # what the loop-aware count is for: XLA counts the body once
