@@ -280,24 +280,28 @@ class ResolutionAwareTransformer(nnx.Module):
             sga = self.sga_layers[block]
             for s in range(n):
                 m = masks[s] if block == 0 else None
-                if self.remat == "blocks" and not return_maps:
-                    # Grids and spacings are static: closed over, not traced.
-                    g, sp = grids[s], spacings[s]
-                    x_s = nnx.remat(lambda layer, t, mk: layer(t, g, sp, mk).x)(sga, tokens[s], m)
-                    out = sga.output_geometry(x_s, g, sp)
-                else:
-                    out = sga(tokens[s], grids[s], spacings[s], m, return_maps)
+                # The scope names this layer's ops in the compiled HLO (op_name metadata, gradients
+                # included), so profiles can charge time to a component (benchmarks/step_profile.py).
+                with jax.named_scope("sga"):
+                    if self.remat == "blocks" and not return_maps:
+                        # Grids and spacings are static: closed over, not traced.
+                        g, sp = grids[s], spacings[s]
+                        x_s = nnx.remat(lambda layer, t, mk: layer(t, g, sp, mk).x)(sga, tokens[s], m)
+                        out = sga.output_geometry(x_s, g, sp)
+                    else:
+                        out = sga(tokens[s], grids[s], spacings[s], m, return_maps)
                 tokens[s], grids[s], spacings[s] = out.x, out.grid_shape, out.spacing
                 if return_maps:
                     maps_q[s] = out.attn_q if maps_q[s] is None else jnp.matmul(out.attn_q, maps_q[s])
                     maps_k[s] = out.attn_k if maps_k[s] is None else jnp.matmul(out.attn_k, maps_k[s])
             mr = self.mr_attn_layers[block]
-            if self.remat == "blocks":
-                gs, sps = tuple(grids), tuple(spacings)
-                tokens, leading = nnx.remat(lambda layer, t, lead: layer(t, gs, sps, lead))(mr, tokens, leading)
-                tokens = list(tokens)
-            else:
-                tokens, leading = mr(tokens, grids, spacings, leading)
+            with jax.named_scope("mr_blocks"):  # for profiles, as "sga" above
+                if self.remat == "blocks":
+                    gs, sps = tuple(grids), tuple(spacings)
+                    tokens, leading = nnx.remat(lambda layer, t, lead: layer(t, gs, sps, lead))(mr, tokens, leading)
+                    tokens = list(tokens)
+                else:
+                    tokens, leading = mr(tokens, grids, spacings, leading)
             for s in range(n):
                 features[s].append(tokens[s])
                 feature_grids[s].append(grids[s])

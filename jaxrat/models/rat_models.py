@@ -177,9 +177,11 @@ class RATSegmenter(RATBackbone):
         return [self._predict(o, lv.shape[1:3]) for o, lv in zip(outs, levels)]
 
     def _predict(self, out: Any, out_grid: Sequence[int]) -> Array:
-        if self.head_type == "decoder":
-            return self.head(out.features, out.feature_grids, out_grid)
-        return self.head(out.tokens, out.grid_shape, out_grid)
+        # Names the head's ops in the compiled HLO, as the backbone's "sga" and "mr_blocks" scopes do.
+        with jax.named_scope("head"):
+            if self.head_type == "decoder":
+                return self.head(out.features, out.feature_grids, out_grid)
+            return self.head(out.tokens, out.grid_shape, out_grid)
 
 
 @register("rat")

@@ -55,14 +55,18 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         params = state["params"]
         gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
-        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
 
         def keep(new: Any, old: Any) -> Any:
             return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
-        new_state = {"step": state["step"] + 1, "params": keep(new_params, params),
-                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
+        # Named so that profiles can tell the optimizer's ops from the model's (benchmarks/step_profile.py);
+        # the scope lives here because models know nothing of training. The finite-guard's selects
+        # are in it: they rewrite every parameter and moment, as the update does.
+        with jax.named_scope("optimizer"):
+            updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
+            new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+            new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
         metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
                    "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
                    "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
