@@ -72,7 +72,7 @@ from jaxrat.parallel.mesh import make_mesh  # noqa: E402
 from jaxrat.tasks.base import load_task  # noqa: E402
 from jaxrat.trainer import hooks  # noqa: E402
 from jaxrat.trainer.input_feed import DeviceFeed  # noqa: E402
-from jaxrat.trainer.loop import to_global  # noqa: E402
+from jaxrat.trainer.loop import _first_batch, to_global  # noqa: E402
 from jaxrat.trainer.state import make_state_spec  # noqa: E402
 from jaxrat.trainer.step import make_train_step  # noqa: E402
 
@@ -94,6 +94,19 @@ def bucket_of(op_name: str) -> str:
     return m.group(1) if m else "other"
 
 
+def _instructions(hlo_text: str):
+    """(computation, instruction name, the rest of its line) for every instruction of a module."""
+    current = ""
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION_RE.match(line)
+        if m and "=" not in line.split("{", 1)[0]:
+            current = m.group(1)
+            continue
+        m = _INSTRUCTION_RE.match(line)
+        if m:
+            yield current, *m.groups()
+
+
 def instruction_scopes(hlo_text: str) -> tuple[dict[str, str], set[str]]:
     """From a compiled module's text: (instruction name -> the op_name it is charged to, the names of
     control-flow instructions). Instruction names are unique in a module, so nested computations
@@ -112,16 +125,7 @@ def instruction_scopes(hlo_text: str) -> tuple[dict[str, str], set[str]]:
     home: dict[str, str] = {}
     computations: dict[str, list[str]] = defaultdict(list)
     caller: dict[str, str] = {}
-    current = ""
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION_RE.match(line)
-        if m and "=" not in line.split("{", 1)[0]:
-            current = m.group(1)
-            continue
-        m = _INSTRUCTION_RE.match(line)
-        if not m:
-            continue
-        name, rest = m.groups()
+    for current, name, rest in _instructions(hlo_text):
         computations[current].append(name)
         home[name] = current
         code = _OPCODE_RE.search(rest)
@@ -190,16 +194,7 @@ def loop_aware_flops(hlo_text: str) -> float:
     loop_of: dict[str, tuple[str, int]] = {}  # body computation -> (its while, trip count)
     caller: dict[str, str] = {}
     ops: list[tuple[str, str, str]] = []
-    current = ""
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION_RE.match(line)
-        if m and "=" not in line.split("{", 1)[0]:
-            current = m.group(1)
-            continue
-        m = _INSTRUCTION_RE.match(line)
-        if not m:
-            continue
-        name, rest = m.groups()
+    for current, name, rest in _instructions(hlo_text):
         home[name], shape[name] = current, _dims(rest)
         code = _OPCODE_RE.search(rest)
         opcode = code.group(1) if code else ""
@@ -380,14 +375,6 @@ class Step:
     def __call__(self, batch: Any = None) -> jax.Array:
         self.state, metrics = self.compiled(self.state, self.batch if batch is None else batch)
         return metrics["train/loss"]
-
-
-def _first_batch(iterator: Any) -> dict[str, np.ndarray]:
-    try:
-        return next(iterator)
-    finally:
-        if hasattr(iterator, "close"):
-            iterator.close()
 
 
 def median_step_s(step: Step, steps: int) -> tuple[float, list[float]]:
