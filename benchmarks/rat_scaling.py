@@ -30,6 +30,8 @@ VARIANTS = {
     "windowed": dict(mr_attention="windowed", mr_window=16),
     "global+remat": dict(remat="blocks"),
     "windowed+remat": dict(mr_attention="windowed", mr_window=16, remat="blocks"),
+    # dense SGA (the reference's, what configs/isic.py uses) for the choice of defaults
+    "dense+windowed": dict(attention="dense", mr_attention="windowed", mr_window=16),
 }
 COMPONENTS = ("sga1", "mr1", "head")
 
@@ -73,7 +75,7 @@ def run_child(variant: str, size: int, reps: int, timed: bool, components: bool)
 
     from jaxrat.models.rat_models import RATSegmenter
 
-    model = RATSegmenter(**DIMS, **VARIANTS[variant], rngs=nnx.Rngs(0))
+    model = RATSegmenter(**{**DIMS, **VARIANTS[variant]}, rngs=nnx.Rngs(0))
     model.train()
     row: dict = dict(variant=variant, size=size)
     x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)
