@@ -30,7 +30,7 @@ VARIANTS = {
     "windowed": dict(mr_attention="windowed", mr_window=16),
     "global+remat": dict(remat="blocks"),
     "windowed+remat": dict(mr_attention="windowed", mr_window=16, remat="blocks"),
-    # dense SGA (the reference's, what configs/isic.py uses) for the choice of defaults
+    # dense SGA (the reference's) against sparse, for the choice of configs/isic.py's default
     "dense+windowed": dict(attention="dense", mr_attention="windowed", mr_window=16),
 }
 COMPONENTS = ("sga1", "mr1", "head")

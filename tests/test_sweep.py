@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxrat.cluster.jobscript import JobSpec, index_ranges, render
+from jaxrat.config import flatten, load_config
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.experiments import summary, sweep
 
@@ -64,6 +65,17 @@ def test_the_ablation_study_covers_five_axes_with_real_keys(arg):
                     "model.num_blocks", "model.feature_dims"}
     assert variants[0] == sweep.Variant("baseline", ())
     assert len({v.name for v in variants}) == len(variants) == 12
+
+
+@pytest.mark.parametrize("arg", ["", ":demo"])
+def test_every_ablation_variant_changes_its_base(arg):
+    # A variant equal to the base (e.g. attn_sparse once isic.py itself trains sparse SGA) would
+    # silently train the baseline twice under another name.
+    base = flatten(load_config(f"configs/ablations.py{arg}"))
+    assert base["model.attention"] == "dense"  # the study's base is the reference's SGA
+    for v in sweep.load_sweep(f"configs/ablations.py{arg}")[1:]:
+        pairs = [o.removeprefix("--config.").split("=", 1) for o in v.overrides]
+        assert any(str(base[k]).replace(" ", "") != val.replace(" ", "") for k, val in pairs), v
 
 
 def test_unknown_keys_missing_get_sweep_and_unknown_names_are_refused(tmp_path):
