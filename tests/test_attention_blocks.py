@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("attention_blocks", REPO / "benchmarks" / "attention_blocks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("attention_blocks")
 
 
 def test_choose_takes_the_least_geometric_mean_slowdown(ab):

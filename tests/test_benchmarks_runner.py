@@ -1,18 +1,16 @@
 """benchmarks/run_all.py: runs each benchmark as a subprocess and keeps going when one fails."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+
+from benchmark_scripts import load
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def load_run_all():
-    spec = importlib.util.spec_from_file_location("run_all", REPO / "benchmarks" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("run_all")
 
 
 def test_every_listed_benchmark_exists_and_takes_out():

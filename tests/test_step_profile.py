@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -10,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmark_scripts import load
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("step_profile", REPO / "benchmarks" / "step_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("step_profile")
 
 
 def test_bucket_of_reads_forward_and_backward_scopes(sp):
@@ -70,9 +68,7 @@ def test_real_step_time_lands_in_every_component(sp, tmp_path):
 
 
 def test_run_all_arguments_parse(sp):
-    spec = importlib.util.spec_from_file_location("run_all", REPO / "benchmarks" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_all)
+    run_all = load("run_all")
     for args in run_all.BENCHMARKS["step_profile"]:
         parsed = sp.parse_args([*args, "--out", "x.json"])
         assert parsed.size <= 256 and parsed.steps >= 1
