@@ -37,17 +37,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from step_profile import matmul_flops_per_s
 
 from jaxrat.models import attention as A
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def matmul_flops_per_s(dtype: Any, n: int, reps: int) -> float:
-    """FLOP/s of a jitted n x n @ n x n matmul on the default device (min time over reps)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    return 2.0 * n**3 / best_time(jax.jit(jnp.matmul), (a, b), reps)
 
 
 def best_time(f: Callable, args: tuple, reps: int) -> float:
@@ -107,7 +101,7 @@ def choose(rows: list[dict]) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     dtype = jnp.dtype(args.dtype)
-    matmul = matmul_flops_per_s(dtype, args.matmul, args.reps)
+    matmul = matmul_flops_per_s(dtype, n=args.matmul, reps=args.reps)
     rows = []
     for name, shape in shapes(args.size, args.batch, args.heads, args.head_dim, args.window).items():
         flops = 12.0 * shape["slices"] * shape["queries"] * shape["keys"] * args.head_dim

@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c = load_config(f"{_ISIC}:{arg}" if arg else _ISIC)
     if c.model.name != "rat":  # isic.py's smoke variant trains a U-Net; the ablations need a (tiny) RAT
         c.model = mlc.ConfigDict(dict(name="rat", num_classes=1, feature_dims=8, num_blocks=2, num_heads=2, iters=1,
-                                      dropout=0.0, attention="dense", positional_encoding="rose", head="decoder",
+                                      dropout=0.0, positional_encoding="rose", head="decoder",
                                       decoder_dim=8, mr_attention="windowed", mr_window=16))
     # The study's base is the reference's SGA (configs/isic.py trains the sparse form by default):
     # attn_sparse is then the one-change variant it is named for.
