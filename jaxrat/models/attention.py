@@ -211,8 +211,19 @@ def _map_slices(f, args, num_slices, slices_per_step):
     return jax.lax.map(lambda a: f(*a), args, batch_size=slices_per_step)
 
 
+# On CPU a slice of at least this many (queries x keys) elements runs alone in its lax.map step:
+# vmapping several turns each product into a batched dot, which ran 1.4-1.6x slower than one
+# slice at a time for the windowed multi-resolution tiles (256 x 256 tokens, 144 and 576 tiles),
+# while slices of 16 Ki elements and below were fastest batched up to a block (4 Ki: within 15 %).
+# Accelerators want wide work, so elsewhere small slices are always batched (benchmarks/
+# attention_blocks.py, docs/rat.md).
+CPU_UNBATCHED_SLICE_ELEMENTS = 1 << 16
+
+
 def _slices_per_step(q, k, max_block_elements, slice_batch):
     per_slice = q.shape[1] * k.shape[1]
+    if jax.default_backend() == "cpu" and per_slice >= CPU_UNBATCHED_SLICE_ELEMENTS:
+        return slice_batch
     if per_slice <= max_block_elements:  # small slices: batch several into one block
         return max(slice_batch, max_block_elements // per_slice)
     return slice_batch
