@@ -46,7 +46,7 @@ def _has_conv(fn, *args) -> bool:
 
 def test_dispatch_takes_the_blocked_form_only_for_large_strided_inputs(monkeypatch):
     layer = conv(4, 4, (7, 7), strides=(3, 3), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0),
-                 blocked_when_faster=True)
+                 cpu_fast_forms=True)
     small = jnp.ones((1, 16, 16, 4))
     assert _has_conv(lambda x: layer(x), small)  # below the crossover: XLA's convolution
     monkeypatch.setattr(strided_conv, "MIN_BLOCKED_POSITIONS", 16 * 16)
@@ -54,7 +54,7 @@ def test_dispatch_takes_the_blocked_form_only_for_large_strided_inputs(monkeypat
     np.testing.assert_allclose(layer(small), _xla_conv(small, layer.kernel[...], (3, 3)) + layer.bias[...],
                                rtol=1e-5, atol=1e-5)
     # stride 1, "SAME" padding or a plain conv() keep XLA's convolution at any size
-    same = conv(4, 4, (3, 3), strides=(1, 1), dtype=jnp.float32, rngs=nnx.Rngs(0), blocked_when_faster=True)
+    same = conv(4, 4, (3, 3), strides=(1, 1), dtype=jnp.float32, rngs=nnx.Rngs(0), cpu_fast_forms=True)
     assert _has_conv(lambda x: same(x), small)
     plain = conv(4, 4, (7, 7), strides=(3, 3), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert _has_conv(lambda x: plain(x), small)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrat.models.layers import linear
+from jaxrat.models.strided_conv import conv_general_dilated as cpu_fast_conv
 
 Array = jax.Array
 
@@ -47,7 +48,9 @@ class ReferenceSegmentationHead(nnx.Module):
 
 class _Refine(nnx.Module):
     def __init__(self, dim: int, spatial_dims: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        self.conv = nnx.Conv(dim, dim, (3,) * spatial_dims, padding="SAME", dtype=dtype, rngs=rngs)
+        # At full resolution its weight gradient is the costly part on CPU (jaxrat.models.strip_conv).
+        self.conv = nnx.Conv(dim, dim, (3,) * spatial_dims, padding="SAME", dtype=dtype, rngs=rngs,
+                             conv_general_dilated=cpu_fast_conv)
         self.norm = nnx.GroupNorm(dim, num_groups=min(8, dim), dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.models.strided_conv import conv_general_dilated as blocked_conv
+from jaxrat.models.strided_conv import conv_general_dilated as cpu_fast_conv
 
 Array = jax.Array
 Dtype = Any
@@ -60,15 +60,16 @@ def conv(
     padding: Any = "SAME",
     dtype: Dtype,
     rngs: nnx.Rngs,
-    blocked_when_faster: bool = False,
+    cpu_fast_forms: bool = False,
 ) -> nnx.Conv:
     """Channels-last convolution with PyTorch's default init (the reference's convs keep it).
 
-    ``blocked_when_faster``: compute large strided convolutions on CPU as stride-block matmuls
-    (:mod:`jaxrat.models.strided_conv`; same parameters, same values up to rounding).
+    ``cpu_fast_forms``: on CPU, compute large strided convolutions as stride-block matmuls and
+    large stride-1 ones' weight gradients over row strips (:func:`jaxrat.models.strided_conv.
+    conv_general_dilated`; same parameters, same values up to rounding).
     """
     fan_in = din * int(math.prod(kernel_size))
-    extra = dict(conv_general_dilated=blocked_conv) if blocked_when_faster else {}
+    extra = dict(conv_general_dilated=cpu_fast_conv) if cpu_fast_forms else {}
     return nnx.Conv(din, dout, tuple(kernel_size), strides=strides, padding=padding,
                     kernel_init=torch_default_uniform(fan_in), bias_init=torch_default_uniform(fan_in),
                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **extra)

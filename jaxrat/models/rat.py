@@ -170,7 +170,7 @@ class ResolutionAwareTransformer(nnx.Module):
         else:
             padding = [(p, p) for p in as_tuple(proj_padding, spatial_dims, int)]
         self.init_proj = conv(input_features, feature_dims, self.proj_kernel_size, padding=padding, dtype=dtype,
-                              rngs=rngs)
+                              rngs=rngs, cpu_fast_forms=True)
         self.leading_tokens = (
             nnx.Param(jax.random.uniform(rngs.params(), (1, leading_tokens, feature_dims), jnp.float32))
             if leading_tokens > 0 else None

@@ -125,7 +125,7 @@ class SpatialGroupingAttention(nnx.Module):
         padding = ("SAME" if all(s == 1 for s in self.stride)
                    else [((k - 1) // 2, (k - 1) // 2) for k in self.kernel_size])
         self.strider = conv(feature_dims, feature_dims, self.kernel_size, strides=self.stride, padding=padding,
-                            dtype=dtype, rngs=rngs, blocked_when_faster=True)
+                            dtype=dtype, rngs=rngs, cpu_fast_forms=True)
         self.kv = linear(feature_dims, 2 * feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.q = linear(feature_dims, feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
         self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.models import strip_conv
 from jaxrat.models.sparse_sga import Geometry, _blocked, _take_at_offset
 
 Array = jax.Array
@@ -118,26 +119,36 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
                          lhs_dilation: Any = None, rhs_dilation: Any = None, dimension_numbers: Any = None,
                          feature_group_count: int = 1, precision: Any = None,
                          preferred_element_type: Any = None, **kwargs: Any) -> Array:
-    """``lax.conv_general_dilated``, taking :func:`blocked_strided_conv` where it is faster.
+    """``lax.conv_general_dilated``, taking a CPU-friendlier form where one was measured faster.
 
-    That is: on CPU, channels-last, undilated, ungrouped, stride > 1 on some axis, symmetric
-    ``(k-1)//2`` padding, and at least :data:`MIN_BLOCKED_POSITIONS` input positions per image.
+    Both need: CPU, channels-last, undilated, ungrouped, padding ``(k-1)//2`` on both sides (or
+    "SAME" at stride 1 with odd kernels), no precision or output-type request. Then a strided
+    convolution on at least :data:`MIN_BLOCKED_POSITIONS` input positions per image is
+    :func:`blocked_strided_conv`, and a stride-1 one with a large output is
+    :func:`jaxrat.models.strip_conv.strip_conv` (XLA's forward, weight gradient over row strips).
     """
     kernel = tuple(rhs.shape[:-2])
-    use_blocked = (
+    stride_one = all(int(s) == 1 for s in window_strides)
+    symmetric = [((k - 1) // 2, (k - 1) // 2) for k in kernel]
+    if isinstance(padding, str):
+        same_pads = padding.upper() == "SAME" and stride_one and all(k % 2 for k in kernel)
+    else:
+        same_pads = [tuple(p) for p in padding] == symmetric
+    eligible = (
         jax.default_backend() == "cpu"
-        and any(int(s) > 1 for s in window_strides)
-        and not isinstance(padding, str)
-        and [tuple(p) for p in padding] == [((k - 1) // 2, (k - 1) // 2) for k in kernel]
+        and same_pads
         and all(d in (None, 1) for d in (lhs_dilation or (None,)))
         and all(d in (None, 1) for d in (rhs_dilation or (None,)))
         and feature_group_count == 1
         and dimension_numbers == _channels_last(lhs.ndim)
-        and int(np.prod(lhs.shape[1:-1])) >= MIN_BLOCKED_POSITIONS
+        and precision is None
+        and preferred_element_type is None
         and not kwargs.get("out_sharding")
     )
-    if use_blocked:
+    if eligible and not stride_one and int(np.prod(lhs.shape[1:-1])) >= MIN_BLOCKED_POSITIONS:
         return blocked_strided_conv(lhs, rhs, window_strides)
+    if eligible and stride_one and strip_conv.use_strips(lhs, rhs):
+        return strip_conv.strip_conv(lhs, rhs)
     return jax.lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
         dimension_numbers=dimension_numbers, feature_group_count=feature_group_count, precision=precision,
