@@ -12,6 +12,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrat import hugepages
 from jaxrat.cli import fail, quiet_libraries
 from jaxrat.config import check_override_args
 from jaxrat.errors import UserError
@@ -52,6 +53,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.main``)."""
+    hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/hugepages.py)
     try:
         check_override_args(sys.argv[1:])
     except UserError as e:
