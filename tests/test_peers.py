@@ -83,14 +83,27 @@ def test_no_answer_from_the_coordinator_is_process_0_lost():
     assert dogs[1].lost().startswith("process 0 of 3 (host n0, pid 100) has not been heard from for 10 s")
 
 
-def test_settled_once_every_peer_beat_again():
+def test_settled_once_every_peer_beat_twice_again():
     store, clock = FakeStore(), Clock()
     dogs = three(store, clock)
     beat(dogs, clock, 2)
     since = dogs[0].beats()
     assert not dogs[0].settled(since)
     beat(dogs, clock, 1)
+    assert not dogs[0].settled(since)  # one new beat may predate a peer's death (next test)
+    beat(dogs, clock, 1)
     assert dogs[0].settled(since)
+
+
+def test_a_dead_peers_last_beat_read_after_the_error_does_not_settle():
+    """Peer 2 publishes a beat and dies before process 0 reads it; process 0's collective fails at once."""
+    store, clock = FakeStore(), Clock()
+    dogs = three(store, clock)
+    beat(dogs, clock, 2)
+    dogs[2].exchange()  # its last beat, not yet read by process 0
+    since = dogs[0].beats()  # the error: process 0 waits for every peer to beat again
+    beat(dogs[:2], clock, 3)  # process 0 now reads peer 2's last beat; peer 2 is gone
+    assert not dogs[0].settled(since)
 
 
 def test_once_process_0_finished_its_missing_store_blames_no_one():

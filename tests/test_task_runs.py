@@ -30,9 +30,17 @@ ARGS = [f"--config.num_train_steps={STEPS}", "--config.train.log_every=1", "--co
         "--config.checkpoint.every_steps=2", "--config.checkpoint.best_metric="]
 
 
+# Other topologies sum in another order, and 8 steps of training grow that: detection's loss is
+# ~20, where 1e-5 is 5 float32 ulps, and on an AVX-512 CPU 8 devices were 7.2e-5 (3.4e-6 relative)
+# from 1 device at step 8, 9.5e-6 at step 1 (on 086dd5f as well). A wrong shard or normalisation
+# moves it by percents.
+RTOL = {"classification": 0.0, "detection": 1e-5}
+
+
 def assert_runs_agree(name: str, ref: str, got: str, atol: float) -> None:
     for key in KEYS[name]:
-        diff = assert_same_losses(losses_by_step(ref, key), losses_by_step(got, key), atol=atol, what=key)
+        diff = assert_same_losses(losses_by_step(ref, key), losses_by_step(got, key), atol=atol, rtol=RTOL[name],
+                                  what=key)
         print(f"{name} {key}: max |difference| {diff:.2e}")
 
 

@@ -48,6 +48,7 @@ class PeerWatchdog:
         now = clock()
         self._seen = {p: now for p in self._peers}  # when each peer's beat last changed
         self._beat: dict[int, str] = {}
+        self._changes = {p: 0 for p in self._peers}  # how many new beats of each peer were read
         self._who: dict[int, str] = {}
         self._contact = now  # last successful exchange with the coordination service
         self._count = 0
@@ -91,6 +92,7 @@ class PeerWatchdog:
                     self._who[int(p)] = value
                 elif int(p) != self.process_id and self._beat.get(int(p)) != value:
                     self._beat[int(p)], self._seen[int(p)] = value, now
+                    self._changes[int(p)] = self._changes.get(int(p), 0) + 1
 
     def stop(self, wait_s: float = 10.0) -> None:
         """Stop calling the client and judging; returns once no call is in flight (at most ``wait_s``)."""
@@ -118,15 +120,21 @@ class PeerWatchdog:
                 f"{PREEMPTED_EXIT_CODE} for the job to be requeued and resume from the last checkpoint (raise "
                 "config.distributed.heartbeat_timeout if a process may be silent that long).")
 
-    def settled(self, since: dict[int, str]) -> bool:
-        """True once every peer has beaten (or finished) since the snapshot ``since`` of :meth:`beats`."""
-        with self._lock:
-            return all(self._beat.get(p) == _DONE or self._beat.get(p) != since.get(p) for p in self._peers)
+    def settled(self, since: dict[int, int]) -> bool:
+        """True once every peer has been read with two new beats (or finished) since :meth:`beats`.
 
-    def beats(self) -> dict[int, str]:
-        """The latest beat seen from each peer."""
+        Two: the store keeps only each peer's latest beat, so a peer that died can show one new
+        beat after an error (published just before it died, read after a collective failed at
+        once on its reset connection) but never a second; the judge then names it.
+        """
         with self._lock:
-            return dict(self._beat)
+            return all(self._beat.get(p) == _DONE or self._changes.get(p, 0) - since.get(p, 0) >= 2
+                       for p in self._peers)
+
+    def beats(self) -> dict[int, int]:
+        """How many new beats of each peer were read so far: the snapshot :meth:`settled` compares to."""
+        with self._lock:
+            return dict(self._changes)
 
     def _beat_loop(self) -> None:
         while not self._stopped:
