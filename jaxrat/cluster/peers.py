@@ -184,7 +184,7 @@ def _at_exit(watchdog: PeerWatchdog) -> None:
 def stop_if_peer_lost() -> None:
     """After an error in a multi-process run: if a peer is lost, end with the sentence naming it.
 
-    Returns once every peer has beaten again (the error was not a lost peer), at most after the
+    Returns once every peer has beaten twice again (the error was not a lost peer), at most after the
     watchdog's timeout; returns at once in a single-process run. Call it before re-raising, so a
     collective that failed because a peer died reports that instead of its own traceback.
     """
