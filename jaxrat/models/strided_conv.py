@@ -107,14 +107,6 @@ def _blocked_conv_bwd(geom, res, dy):
 _blocked_conv.defvjp(_blocked_conv_fwd, _blocked_conv_bwd)
 
 
-def _channels_last(ndim: int) -> jax.lax.ConvDimensionNumbers:
-    return jax.lax.ConvDimensionNumbers(
-        lhs_spec=(0, ndim - 1, *range(1, ndim - 1)),
-        rhs_spec=(ndim - 1, ndim - 2, *range(0, ndim - 2)),
-        out_spec=(0, ndim - 1, *range(1, ndim - 1)),
-    )
-
-
 def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], padding: Any,
                          lhs_dilation: Any = None, rhs_dilation: Any = None, dimension_numbers: Any = None,
                          feature_group_count: int = 1, precision: Any = None,
@@ -140,7 +132,7 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
         and all(d in (None, 1) for d in (lhs_dilation or (None,)))
         and all(d in (None, 1) for d in (rhs_dilation or (None,)))
         and feature_group_count == 1
-        and dimension_numbers == _channels_last(lhs.ndim)
+        and dimension_numbers == strip_conv.channels_last(lhs.ndim)
         and precision is None
         and preferred_element_type is None
         and not kwargs.get("out_sharding")

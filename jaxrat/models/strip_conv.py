@@ -33,7 +33,8 @@ MIN_STRIP_BYTES = 32 << 20
 STRIP_BYTES = 4 << 20
 
 
-def _dimension_numbers(ndim: int) -> jax.lax.ConvDimensionNumbers:
+def channels_last(ndim: int) -> jax.lax.ConvDimensionNumbers:
+    """(N, *spatial, C) inputs and outputs, (*kernel, Cin, Cout) kernels."""
     return jax.lax.ConvDimensionNumbers(
         lhs_spec=(0, ndim - 1, *range(1, ndim - 1)),
         rhs_spec=(ndim - 1, ndim - 2, *range(0, ndim - 2)),
@@ -44,7 +45,7 @@ def _dimension_numbers(ndim: int) -> jax.lax.ConvDimensionNumbers:
 def _xla_conv(x: Array, w: Array) -> Array:
     pads = [((k - 1) // 2, (k - 1) // 2) for k in w.shape[:-2]]
     return jax.lax.conv_general_dilated(x, w, (1,) * (x.ndim - 2), pads,
-                                        dimension_numbers=_dimension_numbers(x.ndim))
+                                        dimension_numbers=channels_last(x.ndim))
 
 
 def strip_rows(dy_shape: Sequence[int]) -> int:
