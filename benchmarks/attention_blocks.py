@@ -19,9 +19,10 @@ for every candidate block size and sets each against a large matmul measured in 
 slice (2 products forward, 4 backward), not the recomputation the memory-efficient kernel adds, so
 it is the useful rate; **ratio** is that over the matmul's FLOP/s (``--matmul`` x ``--matmul``,
 same dtype, min of reps). The table marks each shape's fastest block and the library default
-(``attention.DEFAULT_BLOCK_ELEMENTS``) with its time relative to that best; **chosen** is the
-block with the least geometric-mean slowdown over the shapes, i.e. the one to make the default on
-this device. A busy machine makes these timings worthless: the JSON records the load average.
+(``attention.default_block_elements()``: on a CPU sized from its last-level cache) with its time
+relative to that best; **chosen** is the block with the least geometric-mean slowdown over the
+shapes, i.e. the one the default should be on this device. A busy machine makes these timings
+worthless: the JSON records the load average.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ def run(args: argparse.Namespace) -> dict:
             print(json.dumps(rows[-1]), flush=True)
     for r in rows:
         r["vs_best"] = r["seconds"] / min(x["seconds"] for x in rows if x["shape"] == r["shape"])
-    default = A.DEFAULT_BLOCK_ELEMENTS
+    default = A.default_block_elements()
     chosen = choose(rows)
     return dict(rows=rows, chosen_block=chosen, default_block=default, matmul_gflop_s=matmul / 1e9,
+                last_level_cache_bytes=A.last_level_cache_bytes(),
                 dtype=str(dtype), size=args.size, backend=jax.default_backend(), device=str(jax.devices()[0]),
                 platform=platform.platform(), cpu_count=os.cpu_count(), load_avg=os.getloadavg(), jax=jax.__version__)
 

@@ -46,10 +46,14 @@ def _naive_softmax(q, k, v):
 
 
 @pytest.mark.parametrize("normalise", [True, False])
-@pytest.mark.parametrize("block,slice_batch", [(1 << 24, 1), (40 * 64, 1), (40 * 64, 3)])
-def test_kernel_matches_naive_values_and_gradients(normalise, block, slice_batch):
-    # 700 keys with a 40 x 64 block -> 11 key chunks with padding: exercises the streamed path.
-    q, k, v, g = _qkv((2, 3, 40, 8), (2, 3, 700, 8))
+@pytest.mark.parametrize("keys,block,slice_batch", [
+    (700, 1 << 24, 1),  # one block per slice
+    (700, 40 * 64, 1),  # 14 chunks of 50 keys, a divisor: no tail
+    (701, 40 * 64, 1),  # a prime: 10 chunks of 64 and a tail of 61 after the scan
+    (701, 40 * 64, 3),
+])
+def test_kernel_matches_naive_values_and_gradients(normalise, keys, block, slice_batch):
+    q, k, v, g = _qkv((2, 3, 40, 8), (2, 3, keys, 8))
     if normalise:
         fast = lambda q, k, v: A.grouping_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
         naive = A.grouping_attention_reference
@@ -61,6 +65,64 @@ def test_kernel_matches_naive_values_and_gradients(normalise, block, slice_batch
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, ref_grads):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_key_chunks_divide_the_keys_where_they_can_and_leave_a_near_full_tail_otherwise():
+    assert A._chunking(40, 700, 1 << 24) == A._Chunking(1, 700, 0)  # fits one block
+    assert A._chunking(40, 700, 40 * 64) == A._Chunking(14, 50, 0)  # largest divisor in [32, 64]
+    assert A._chunking(1024, 9216, 1 << 19) == A._Chunking(18, 512, 0)  # dense SGA at 96 px
+    assert A._chunking(1849, 16384, 1 << 19) == A._Chunking(64, 256, 0)  # at 128 px (target 283)
+    ch = A._chunking(40, 701, 40 * 64)  # a prime: no divisor
+    assert ch == A._Chunking(10, 64, 61)
+    for nq, nk, block in [(40, 701, 2560), (7, 1009, 700), (1849, 16411, 1 << 19), (3, 100003, 4096)]:
+        ch = A._chunking(nq, nk, block)
+        assert ch.num_chunks * ch.chunk + ch.tail == nk and ch.tail < ch.chunk
+        assert ch.chunk <= max(64, block // nq)  # a block stays within its budget
+        assert ch.tail == 0 or ch.tail > ch.chunk - ch.num_chunks - 1  # balanced: never a sliver
+
+
+@pytest.mark.parametrize("keys", [700, 701])
+def test_streamed_kernel_masks_nothing(keys):
+    """Padded keys would need a select on every block: one more pass over it in memory on CPU."""
+    q, k, v, g = _qkv((2, 40, 8), (2, keys, 8))
+    for kernel in (A.grouping_attention, A.softmax_attention):
+        f = lambda q, k, v: jax.vjp(lambda *a: kernel(*a, max_block_elements=40 * 64), q, k, v)[1](g)
+        text = str(jax.make_jaxpr(f)(q, k, v))
+        assert "scan" in text and "select_n" not in text and "pad" not in text
+
+
+def test_the_cpu_block_is_a_sixteenth_of_the_last_level_cache(tmp_path):
+    def cache(index, level, size, kind="Unified"):
+        d = tmp_path / f"index{index}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+        (d / "type").write_text(f"{kind}\n")
+
+    assert A.last_level_cache_bytes(str(tmp_path)) is None  # nothing to read: the fixed default
+    cache(0, 1, "48K", "Data")
+    cache(1, 1, "64K", "Instruction")
+    cache(2, 2, "2048K")
+    cache(3, 3, "491520K")
+    assert A.last_level_cache_bytes(str(tmp_path)) == 480 << 20
+    assert A.cpu_block_elements(None) == A.DEFAULT_BLOCK_ELEMENTS
+    assert A.cpu_block_elements(32 << 20) == 1 << 19  # 2 MiB blocks for a 32 MiB L3
+    assert A.cpu_block_elements(48 << 20) == 1 << 19  # rounded down to a power of two
+    assert A.cpu_block_elements(64 << 20) == 1 << 20
+    assert A.cpu_block_elements(4 << 20) == A.CPU_BLOCK_BOUNDS[0]
+    assert A.cpu_block_elements(480 << 20) == A.CPU_BLOCK_BOUNDS[1]
+    # One process on CPU (this test run): the machine's own size; the kernels use it when given None.
+    assert A.default_block_elements() == A.cpu_block_elements(A.last_level_cache_bytes())
+    q, k, v, g = _qkv((4, 64, 8), (4, 2048, 8))
+    np.testing.assert_allclose(A.grouping_attention(q, k, v),
+                               A.grouping_attention(q, k, v, max_block_elements=A.default_block_elements()))
+
+
+def test_several_processes_all_take_the_fixed_block(monkeypatch):
+    monkeypatch.setattr(A, "_cached_cpu_block", lambda: 1 << 22)
+    assert A.default_block_elements() == 1 << 22
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert A.default_block_elements() == A.DEFAULT_BLOCK_ELEMENTS
 
 
 def test_kernel_never_holds_full_attention_tensor():

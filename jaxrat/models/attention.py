@@ -25,8 +25,10 @@ Gradients, with W = V / (c + eps), dW = P^T dU:
 from __future__ import annotations
 
 import functools
+import glob
 import math
-from typing import NamedTuple
+import os
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,22 +38,85 @@ Array = jax.Array
 
 # float32 machine epsilon: the reference adds finfo(float32).eps to the column sums.
 EPS = float(np.finfo(np.float32).eps)
-# Default block: 512 Ki float32 elements (2 MB, cache-sized) per (queries x key-chunk) block;
-# measured fastest on CPU (docs/rat.md), and it bounds the memory at any resolution.
+# Block of (queries x key-chunk) elements when the caller gives none and the CPU's last-level
+# cache is unknown, and on every other backend: 512 Ki float32 (2 MB); it bounds the memory at
+# any resolution.
 DEFAULT_BLOCK_ELEMENTS = 1 << 19
+# On CPU the block is a sixteenth of the last-level cache, within these bounds. A chunk step holds
+# about four block-sized intermediates (logits, probabilities, their gradient), and keeping them
+# in the cache is what the block is for; beyond that, larger blocks mean fewer loop steps, each of
+# which costs a dozen thunk launches. Measured fastest (benchmarks/attention_blocks.py, docs/rat.md):
+# 512 Ki on two machines with a 32 MiB L3, 4-8 Mi on one with 480 MiB (dense SGA, 96-128 px).
+CPU_BLOCK_BOUNDS = (1 << 19, 1 << 22)
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> Optional[int]:
+    """Size of the CPU's largest cache level as Linux reports it, or None where it cannot be read."""
+    best: tuple[int, int] | None = None
+    for index in sorted(glob.glob(os.path.join(root, "index*"))):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "size")) as f:
+                text = f.read().strip().upper()
+            with open(os.path.join(index, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            size = int(text.rstrip("KMG")) * scale
+        except ValueError:
+            continue
+        if best is None or (level, size) > best:
+            best = (level, size)
+    return best[1] if best else None
+
+
+def cpu_block_elements(cache_bytes: Optional[int]) -> int:
+    """The CPU block for a last-level cache of ``cache_bytes``: a sixteenth of it in float32
+    elements, rounded down to a power of two, within :data:`CPU_BLOCK_BOUNDS`."""
+    if not cache_bytes or cache_bytes <= 0:
+        return DEFAULT_BLOCK_ELEMENTS
+    elements = 1 << max(0, (cache_bytes // 64).bit_length() - 1)
+    return min(max(elements, CPU_BLOCK_BOUNDS[0]), CPU_BLOCK_BOUNDS[1])
+
+
+def default_block_elements() -> int:
+    """``max_block_elements`` when the caller leaves it None.
+
+    Sized from this machine's cache on a CPU run by one process. With several processes every one
+    must compile the same program, and their machines may differ, so they all take
+    :data:`DEFAULT_BLOCK_ELEMENTS`, as does every other backend (not measured: no GPU lent).
+    """
+    if jax.default_backend() != "cpu" or jax.process_count() > 1:
+        return DEFAULT_BLOCK_ELEMENTS
+    return _cached_cpu_block()
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_cpu_block() -> int:
+    return cpu_block_elements(last_level_cache_bytes())
 
 
 class _Chunking(NamedTuple):
-    num_chunks: int
+    num_chunks: int  # full chunks, streamed by a scan
     chunk: int
+    tail: int  # keys left over after the full chunks, handled once after the scan (0: none)
 
 
 def _chunking(num_queries: int, num_keys: int, max_block_elements: int) -> _Chunking:
-    chunk = max(64, max_block_elements // max(num_queries, 1))
-    if chunk >= num_keys:
-        return _Chunking(1, num_keys)
-    n = math.ceil(num_keys / chunk)
-    return _Chunking(n, math.ceil(num_keys / n))  # balanced chunks waste the least padding
+    target = max(64, max_block_elements // max(num_queries, 1))
+    if target >= num_keys:
+        return _Chunking(1, num_keys, 0)
+    # A chunk that divides the keys needs no tail step. Otherwise balanced chunks leave a tail of
+    # nearly a chunk, so the one extra step is not a sliver that costs its overhead for nothing.
+    for chunk in range(target, (target + 1) // 2 - 1, -1):
+        if num_keys % chunk == 0:
+            return _Chunking(num_keys // chunk, chunk, 0)
+    chunk = math.ceil(num_keys / math.ceil(num_keys / target))
+    return _Chunking(num_keys // chunk, chunk, num_keys % chunk)
 
 
 def _logits(q: Array, k: Array) -> Array:
@@ -100,86 +165,97 @@ def _block_bwd(q, k, v, r, c, u, du, normalise_columns):
 # --------------------------------------------------------------------------- one slice, key chunks
 # Key-side results are produced transposed, (dh, chunk): XLA:CPU runs "(dh x queries) @
 # (queries x chunk)" several times faster than "(chunk x queries) @ (queries x dh)".
+# The keys are never padded to a whole number of chunks: padded keys would need a mask on every
+# (queries x chunk) block, and on CPU each mask was one more pass over the block in memory (a
+# quarter of the forward's time at the RAT's dense shapes). A shorter last chunk runs once after
+# the scan instead.
 
 
-def _chunked(k, v, ch: _Chunking):
-    pad = ch.num_chunks * ch.chunk - k.shape[0]
-    valid = jnp.arange(ch.num_chunks * ch.chunk) < k.shape[0]
-    kc = jnp.pad(k, ((0, pad), (0, 0))).reshape(ch.num_chunks, ch.chunk, -1)
-    vc = jnp.pad(v, ((0, pad), (0, 0))).reshape(ch.num_chunks, ch.chunk, -1)
-    return kc, vc, valid.reshape(ch.num_chunks, ch.chunk)
+def _split(x, ch: _Chunking):
+    """(keys, ...) -> full chunks (num_chunks, chunk, ...) and the tail (tail, ...) or None."""
+    n = ch.num_chunks * ch.chunk
+    full = x[:n].reshape(ch.num_chunks, ch.chunk, *x.shape[1:])
+    return full, (x[n:] if ch.tail else None)
 
 
-def _chunk_probs(q, kc, valid, r):
-    return jnp.where(valid[None, :], jnp.exp(_logits(q, kc) - r[:, None]), 0.0)
+def _scan_chunks(step, init, chunks, tails):
+    """``lax.scan`` of ``step`` over the full chunks, then ``step`` once on the tail.
+
+    Per-chunk outputs carry the keys on their last axis; they come back joined, (..., keys).
+    """
+    carry, ys = jax.lax.scan(step, init, chunks)
+    ys = jax.tree.map(lambda y: jnp.moveaxis(y, 0, -2).reshape(*y.shape[1:-1], -1), ys)
+    if tails[0] is None:
+        return carry, ys
+    carry, y_tail = step(carry, tails)
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b], -1), ys, y_tail)
 
 
-def _row_lse(q, kc, valid):
-    def step(carry, xs):
+def _probs(q, kk, r):
+    return jnp.exp(_logits(q, kk) - r[:, None])
+
+
+def _row_lse(q, k, ch):
+    def step(carry, kk):
         m, s = carry
-        kk, vv = xs
-        logits = jnp.where(vv[None, :], _logits(q, kk), -jnp.inf)
+        logits = _logits(q, kk)
         m_new = jnp.maximum(m, logits.max(1))
         s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[:, None]).sum(1)
         return (m_new, s), None
 
     init = (jnp.full((q.shape[0],), -jnp.inf, jnp.float32), jnp.zeros((q.shape[0],), jnp.float32))
-    (m, s), _ = jax.lax.scan(step, init, (kc, valid))
+    full, tail = _split(k, ch)
+    carry, _ = jax.lax.scan(step, init, full)
+    m, s = carry if tail is None else step(carry, tail)[0]
     return m + jnp.log(s)
 
 
 def _chunked_fwd(q, k, v, normalise_columns, ch):
-    kc, vc, valid = _chunked(k, v, ch)
-    r = _row_lse(q, kc, valid)
+    r = _row_lse(q, k, ch)
 
     def step(u, xs):
-        kk, vv, ok = xs
-        p = _chunk_probs(q, kk, ok, r)
+        kk, vv = xs
+        p = _probs(q, kk, r)
         if normalise_columns:
             c = p.sum(0)
             return u + p @ (vv / (c + EPS)[:, None]), c
         return u + p @ vv, jnp.zeros((kk.shape[0],), jnp.float32)
 
-    u, c = jax.lax.scan(step, jnp.zeros((q.shape[0], v.shape[1]), jnp.float32), (kc, vc, valid))
-    return u, r, c.reshape(-1)[: k.shape[0]]
+    (kc, kt), (vc, vt) = _split(k, ch), _split(v, ch)
+    u, c = _scan_chunks(step, jnp.zeros((q.shape[0], v.shape[1]), jnp.float32), (kc, vc), (kt, vt))
+    return u, r, c
 
 
 def _chunked_bwd(q, k, v, r, c, u, du, normalise_columns, ch):
-    kc, vc, valid = _chunked(k, v, ch)
-    cc = jnp.pad(c, (0, ch.num_chunks * ch.chunk - c.shape[0])).reshape(ch.num_chunks, ch.chunk)
+    (kc, kt), (vc, vt), (cc, ct) = _split(k, ch), _split(v, ch), _split(c, ch)
     delta = jnp.sum(du * u, axis=1)
     if normalise_columns:
         # Pass 1: dV, dc per chunk, and the P @ dc part of delta, which needs every chunk.
         def pass1(acc, xs):
-            kk, vv, ok, c_ = xs
-            p = _chunk_probs(q, kk, ok, r)
+            kk, vv, c_ = xs
+            p = _probs(q, kk, r)
             inv = 1.0 / (c_ + EPS)
             dwt = _t_matmul(p, du)  # (dh, chunk)
             dc = -jnp.sum(dwt * vv.T, axis=0) * inv * inv
             return acc + p @ dc, (dwt * inv[None, :], dc)
 
-        pdc, (dvt, dcc) = jax.lax.scan(pass1, jnp.zeros_like(delta), (kc, vc, valid, cc))
+        pdc, (dvt, dc) = _scan_chunks(pass1, jnp.zeros_like(delta), (kc, vc, cc), (kt, vt, ct))
         delta = delta + pdc
-        wc = vc / (cc + EPS)[..., None]
+        w = v / (c + EPS)[:, None]
     else:
-        wc, dcc, dvt = vc, jnp.zeros_like(cc), None
+        w, dc, dvt = v, jnp.zeros_like(c), None
+    (wc, wt), (dcc, dct) = _split(w, ch), _split(dc, ch)
 
     def pass2(dq, xs):
-        kk, ww, ok, dc = xs
-        p = _chunk_probs(q, kk, ok, r)
-        dl = p * (du @ ww.T + dc[None, :] - delta[:, None])
+        kk, ww, dc_ = xs
+        p = _probs(q, kk, r)
+        dl = p * (du @ ww.T + dc_[None, :] - delta[:, None])
         out = (_t_matmul(dl, q),) if normalise_columns else (_t_matmul(dl, q), _t_matmul(p, du))
         return dq + dl @ kk, out
 
-    dq, outs = jax.lax.scan(pass2, jnp.zeros_like(q), (kc, wc, valid, dcc))
-    dkt = outs[0]
-    if not normalise_columns:
-        dvt = outs[1]
-    n = k.shape[0]
-    # (chunks, dh, chunk) -> (keys, dh)
-    dk = dkt.transpose(0, 2, 1).reshape(-1, k.shape[1])[:n]
-    dv = dvt.transpose(0, 2, 1).reshape(-1, v.shape[1])[:n]
-    return dq, dk, dv
+    dq, outs = _scan_chunks(pass2, jnp.zeros_like(q), (kc, wc, dcc), (kt, wt, dct))
+    dvt = outs[1] if not normalise_columns else dvt
+    return dq, outs[0].T, dvt.T
 
 
 # --------------------------------------------------------------------------- all slices
@@ -192,14 +268,14 @@ def _attention(q, k, v, normalise_columns, max_block_elements, slice_batch):
 
 def _slice_fwd(q, k, v, normalise_columns, max_block_elements):
     ch = _chunking(q.shape[0], k.shape[0], max_block_elements)
-    if ch.num_chunks == 1:
+    if ch.num_chunks == 1 and not ch.tail:
         return _block_fwd(q, k, v, normalise_columns)
     return _chunked_fwd(q, k, v, normalise_columns, ch)
 
 
 def _slice_bwd(q, k, v, r, c, u, du, normalise_columns, max_block_elements):
     ch = _chunking(q.shape[0], k.shape[0], max_block_elements)
-    if ch.num_chunks == 1:
+    if ch.num_chunks == 1 and not ch.tail:
         return _block_bwd(q, k, v, r, c, u, du, normalise_columns)
     return _chunked_bwd(q, k, v, r, c, u, du, normalise_columns, ch)
 
@@ -208,6 +284,8 @@ def _map_slices(f, args, num_slices, slices_per_step):
     """Apply ``f`` slice-wise: all at once (vmap) when they fit one step, else ``lax.map``."""
     if slices_per_step >= num_slices:
         return jax.vmap(f)(*args)
+    if slices_per_step == 1:  # no vmap over a batch of one: its unit axis made XLA:CPU copy blocks
+        return jax.lax.map(lambda a: f(*a), args)
     return jax.lax.map(lambda a: f(*a), args, batch_size=slices_per_step)
 
 
@@ -251,6 +329,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _run(q, k, v, normalise_columns, max_block_elements, slice_batch):
+    if max_block_elements is None:
+        max_block_elements = default_block_elements()
     *lead, nq, d = q.shape
     nk = k.shape[-2]
     s = int(np.prod(lead)) if lead else 1
@@ -266,7 +346,7 @@ def grouping_attention(
     k: Array,
     v: Array,
     *,
-    max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    max_block_elements: Optional[int] = None,
     slice_batch: int = 1,
 ) -> Array:
     """Dense SGA update ``A_q @ V`` without materialising all (…, groups, pixels) at once.
@@ -275,7 +355,8 @@ def grouping_attention(
       q: (..., N_out, dh) group queries; logits are ``q @ k^T`` with no further scaling.
       k: (..., N_in, dh) keys.
       v: (..., N_in, dv) values.
-      max_block_elements: largest groups x key-chunk block held per slice.
+      max_block_elements: largest groups x key-chunk block held per slice; None: the machine's
+        default (:func:`default_block_elements`).
       slice_batch: number of (leading-axes) slices processed together.
 
     Returns:
@@ -289,7 +370,7 @@ def softmax_attention(
     k: Array,
     v: Array,
     *,
-    max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    max_block_elements: Optional[int] = None,
     slice_batch: int = 1,
 ) -> Array:
     """Plain softmax attention ``softmax(q k^T) v`` (scale q beforehand), memory-efficient."""

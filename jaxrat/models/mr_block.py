@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.models.attention import DEFAULT_BLOCK_ELEMENTS
 from jaxrat.models.layers import Mlp, layer_norm, linear
 from jaxrat.models.rose import RotarySpatialEmbedding
 from jaxrat.models.window_attention import MR_ATTENTION_TYPES, multires_attention
@@ -48,7 +47,7 @@ class MultiResBlock(nnx.Module):
         mlp_bias: bool = True,
         qkv_bias: bool = True,
         norm_eps: float = 1e-6,
-        max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        max_block_elements: Optional[int] = None,
         slice_batch: int = 1,
         attention: str = "global",
         window: int = 16,

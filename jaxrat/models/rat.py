@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.models.attention import DEFAULT_BLOCK_ELEMENTS
 from jaxrat.models.layers import conv, trunc_normal_init
 from jaxrat.models.mr_block import MultiResBlock
 from jaxrat.models.sga import SpatialGroupingAttention, as_tuple
@@ -107,7 +106,8 @@ class ResolutionAwareTransformer(nnx.Module):
       reference_compat: reproduce the reference exactly (see module docstring).
       absolute_pos_grid: grid of a learned absolute position embedding added after the initial
         projection (None = none, as in the reference).
-      max_block_elements, slice_batch: memory/speed knobs of the attention kernels.
+      max_block_elements, slice_batch: memory/speed knobs of the attention kernels (block None:
+        the machine's default, `attention.default_block_elements`).
       mr_attention: "global" (reference) or "windowed" multi-resolution attention.
       mr_window: window side in tokens for ``mr_attention="windowed"``.
       remat: "none" or "blocks" (rematerialise every SGA layer and MR block in the backward pass).
@@ -143,7 +143,7 @@ class ResolutionAwareTransformer(nnx.Module):
         spacing: Optional[float | Sequence[float]] = None,
         reference_compat: bool = False,
         absolute_pos_grid: Optional[Sequence[int]] = None,
-        max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        max_block_elements: Optional[int] = None,
         slice_batch: int = 1,
         mr_attention: str = "global",
         mr_window: int = 16,

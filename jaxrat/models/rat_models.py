@@ -15,7 +15,6 @@ from flax import nnx
 
 from jaxrat.errors import ConfigError
 from jaxrat.models import register
-from jaxrat.models.attention import DEFAULT_BLOCK_ELEMENTS
 from jaxrat.models.heads import MultiLevelDecoderHead, ReferenceSegmentationHead
 from jaxrat.models.rat import ResolutionAwareTransformer
 
@@ -60,7 +59,7 @@ class RATBackbone(nnx.Module):
       abs_grid: table grid of the absolute embedding (resized to every scale).
       leading_tokens: learned tokens that attend to every scale (e.g. one to classify with).
       reference_compat: reproduce the reference backbone exactly (SGA head reshaping).
-      max_block_elements, slice_batch: attention kernel knobs.
+      max_block_elements, slice_batch: attention kernel knobs (block None: the machine's default).
       mr_attention: "global" (reference: every token sees every token, quadratic in pixels) or
         "windowed" (grids wider than ``mr_window`` tokens attend in tiles plus the small grids).
       mr_window: tile side in tokens for the windowed multi-resolution attention.
@@ -90,7 +89,7 @@ class RATBackbone(nnx.Module):
         abs_grid: Sequence[int] = (32, 32),
         leading_tokens: int = 0,
         reference_compat: bool = False,
-        max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        max_block_elements: Optional[int] = None,
         slice_batch: int = 1,
         mr_attention: str = "global",
         mr_window: int = 16,

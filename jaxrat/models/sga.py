@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrat.models.attention import (
-    DEFAULT_BLOCK_ELEMENTS,
     grouping_attention,
     grouping_maps,
     softmax_attention,
@@ -75,7 +74,8 @@ class SpatialGroupingAttention(nnx.Module):
     Args follow the reference constructor; additions:
       attention: "dense" | "sparse" | "standard" (see module docstring).
       reference_compat: reproduce the reference's value-head reshaping (flaw 1).
-      max_block_elements, slice_batch: memory/speed knobs of the dense kernel.
+      max_block_elements, slice_batch: memory/speed knobs of the dense kernel (block None: the
+        machine's default, `attention.default_block_elements`).
       dtype: compute dtype (params are float32).
     """
 
@@ -100,7 +100,7 @@ class SpatialGroupingAttention(nnx.Module):
         rose_initial_scaling: Optional[str] = "log",
         attention: str = "dense",
         reference_compat: bool = False,
-        max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        max_block_elements: Optional[int] = None,
         slice_batch: int = 1,
         dtype: Any = jnp.float32,
         *,

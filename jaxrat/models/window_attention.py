@@ -89,7 +89,7 @@ def multires_attention(
     segments: Sequence[tuple[int, Optional[Sequence[int]]]],
     window: Optional[int],
     *,
-    max_block_elements: int,
+    max_block_elements: Optional[int],
     slice_batch: int,
 ) -> Array:
     """Joint attention over concatenated segments; ``window=None`` is the reference's global form.
@@ -98,7 +98,7 @@ def multires_attention(
       q, k, v: (B, N, H, dh), queries already scaled, rotations applied.
       segments: (length, grid) per segment in sequence order; grid None = leading tokens (global).
       window: tile side in tokens for large grids, or None for global attention.
-      max_block_elements, slice_batch: attention kernel knobs.
+      max_block_elements, slice_batch: attention kernel knobs (block None: the machine's default).
 
     Returns:
       (B, N, H, dh) attention output.
