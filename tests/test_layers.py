@@ -65,3 +65,27 @@ def test_chunked_mlp_keeps_less_for_the_backward(monkeypatch):
     monkeypatch.setattr(layers, "CHUNK_TOKENS_BYTES", 2**16)  # 1 MiB hidden -> 16 chunks
     chunked = temp_bytes()
     assert chunked < 0.5 * plain, (chunked, plain)
+
+
+def test_cpu_runs_mid_sized_mlps_in_cache_sized_chunks_without_recomputing(monkeypatch):
+    """Between CPU_CHUNK_HIDDEN_BYTES and CHUNK_HIDDEN_BYTES: a scan of chunks, no remat, same values."""
+    m = _mlp()
+    x = jax.random.normal(jax.random.key(1), (2, 37, 8))  # 9472 hidden bytes
+    want, want_grad = m(x), nnx.grad(_loss)(m, x)
+    plain_jaxpr = str(jax.make_jaxpr(lambda x: m(x))(x))
+    assert "scan" not in plain_jaxpr  # below the threshold: one product
+    monkeypatch.setattr(layers, "CPU_CHUNK_HIDDEN_BYTES", 1000)
+    monkeypatch.setattr(layers, "CPU_CHUNK_BYTES", 2000)  # -> 5 chunks, padded
+    assert jax.default_backend() == "cpu"
+    graphdef, state = nnx.split(m)
+    grad_jaxpr = lambda: str(jax.make_jaxpr(lambda s, x: nnx.grad(_loss)(nnx.merge(graphdef, s), x))(state, x))
+    text = grad_jaxpr()
+    assert "scan" in text and "checkpoint" not in text and "remat" not in text
+    got, got_grad = nnx.jit(lambda m, x: m(x))(m, x), nnx.jit(nnx.grad(_loss))(m, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(want_grad)), jax.tree.leaves(nnx.state(got_grad))):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    # Above CHUNK_HIDDEN_BYTES the memory rule wins: chunks are recomputed in the backward pass.
+    monkeypatch.setattr(layers, "CHUNK_HIDDEN_BYTES", 5000)
+    text = grad_jaxpr()
+    assert "scan" in text and ("checkpoint" in text or "remat" in text)
