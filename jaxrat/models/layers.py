@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrat.models.strided_conv import conv_general_dilated as cpu_fast_conv
 
@@ -142,12 +143,15 @@ class Mlp(nnx.Module):
 
         def body(carry, chunk_and_key):
             chunk, key = chunk_and_key
-            h = jax.nn.gelu(self.fc1(chunk), approximate=False)
+            h = jax.nn.gelu(checkpoint_name(self.fc1(chunk), "mlp_fc1"), approximate=False)
             if train:
                 keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
                 h = jnp.where(keep, h / (1.0 - rate), jnp.zeros_like(h))
             return carry, self.fc2(h)
 
-        _, ys = jax.lax.scan(jax.checkpoint(body) if remat else body, None, (xs, keys))
+        # Without remat only fc1's output is kept: GELU and the dropout mask are recomputed from it
+        # in the cache, and the backward holds one hidden-sized array per chunk, not three.
+        policy = None if remat else jax.checkpoint_policies.save_only_these_names("mlp_fc1")
+        _, ys = jax.lax.scan(jax.checkpoint(body, policy=policy), None, (xs, keys))
         y = jnp.moveaxis(ys, 0, -3).reshape(*x.shape[:-2], chunks * size, ys.shape[-1])
         return y[..., :n, :] if pad else y

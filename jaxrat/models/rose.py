@@ -14,6 +14,7 @@ reference's ``"rope"`` mode which starts with no rotation at all (rat_reference.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import jax
@@ -53,24 +54,44 @@ def _batch_sum(x: Array, dtype: Any) -> Array:
     return total.astype(dtype)
 
 
-@jax.custom_vjp
-def _rotate(re: Array, im: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
-    """(re + i im) * (cos + i sin); re, im (B, ...) and cos, sin broadcast over B."""
-    return re * cos - im * sin, re * sin + im * cos
+def _turn(re: Array, im: Array, cos: Array, sin: Array) -> Array:
+    return jnp.stack([re * cos - im * sin, re * sin + im * cos], -1)
 
 
-def _rotate_fwd(re, im, cos, sin):
-    return _rotate(re, im, cos, sin), (re, im, cos, sin)
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rotate(x: Array, cos: Array, sin: Array, heads: int) -> Array:
+    """Rotate the first ``heads`` heads of ``x`` (B, N, H, dh), features as interleaved (re, im)
+    pairs, by (cos + i sin) of shape (N, heads, dh/2), broadcast over B.
+
+    A custom VJP for the angle gradients (see :func:`_batch_sum`). Its cost: XLA's plan for the
+    whole sparse RAT step at 1024 px needs 19.3 GiB of temporaries with it against 17.8 GiB with
+    plain autodiff (batch 2; the same whichever residual form, measured), for 1.2 s less per step
+    at 512 px on CPU.
+    """
+    b, n, h, dh = x.shape
+    pairs = x[:, :, :heads].reshape(b, n, heads, dh // 2, 2)
+    rot = _turn(pairs[..., 0], pairs[..., 1], cos, sin).reshape(b, n, heads, dh)
+    return rot if heads == h else jnp.concatenate([rot, x[:, :, heads:]], axis=2)
 
 
-def _rotate_bwd(res, grads):
-    re, im, cos, sin = res
-    g_re, g_im = grads
-    d_re = g_re * cos + g_im * sin
-    d_im = g_im * cos - g_re * sin
+def _rotate_fwd(x, cos, sin, heads):
+    return _rotate(x, cos, sin, heads), (x[:, :, :heads], cos, sin)
+
+
+def _rotate_bwd(heads, res, g):
+    xr, cos, sin = res
+    b, n, _, dh = xr.shape
+    h = g.shape[2]
+    pairs = xr.reshape(b, n, heads, dh // 2, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    gp = g[:, :, :heads].reshape(b, n, heads, dh // 2, 2)
+    g_re, g_im = gp[..., 0], gp[..., 1]
+    dx = _turn(g_re, g_im, cos, -sin).reshape(b, n, heads, dh)  # the inverse rotation
+    if heads != h:
+        dx = jnp.concatenate([dx, g[:, :, heads:]], axis=2)
     d_cos = _batch_sum(g_re * re + g_im * im, cos.dtype)
     d_sin = _batch_sum(g_im * re - g_re * im, sin.dtype)
-    return d_re, d_im, d_cos, d_sin
+    return dx, d_cos, d_sin
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
@@ -217,8 +238,4 @@ class RotarySpatialEmbedding(nnx.Module):
         pos = self.positions(grid_shape, spacing)
         phase = jnp.einsum("nd,hpd->nhp", pos, _value(self.freqs))
         cos, sin = jnp.cos(phase).astype(x.dtype), jnp.sin(phase).astype(x.dtype)
-        rot = x[:, :, :hr].reshape(*x.shape[:2], hr, self.num_planes, 2)
-        rot = jnp.stack(_rotate(rot[..., 0], rot[..., 1], cos, sin), -1).reshape(*x.shape[:2], hr, -1)
-        if hr == x.shape[2]:
-            return rot
-        return jnp.concatenate([rot, x[:, :, hr:]], axis=2)
+        return _rotate(x, cos, sin, hr)
