@@ -196,8 +196,8 @@ def _probs(q, kk, r):
 
 
 def _row_lse(q, k, ch):
-    def step(carry, kk):
-        m, s = carry
+    def step(carry, xs):
+        (kk,), (m, s) = xs, carry
         logits = _logits(q, kk)
         m_new = jnp.maximum(m, logits.max(1))
         s = s * jnp.exp(m - m_new) + jnp.exp(logits - m_new[:, None]).sum(1)
@@ -205,8 +205,7 @@ def _row_lse(q, k, ch):
 
     init = (jnp.full((q.shape[0],), -jnp.inf, jnp.float32), jnp.zeros((q.shape[0],), jnp.float32))
     full, tail = _split(k, ch)
-    carry, _ = jax.lax.scan(step, init, full)
-    m, s = carry if tail is None else step(carry, tail)[0]
+    (m, s), _ = _scan_chunks(step, init, (full,), (tail,))
     return m + jnp.log(s)
 
 
