@@ -3,7 +3,7 @@
     python benchmarks/attention_blocks.py                    # ISIC shapes at 128 px, this device
     python benchmarks/attention_blocks.py --size 256 --dtype bfloat16   # e.g. on a GPU
 
-``jaxrat/models/attention.py`` streams each (batch x head) slice's keys in chunks so that one
+``jaxrat/ops/chunked_attention.py`` streams each (batch x head) slice's keys in chunks so that one
 (queries x key-chunk) block holds at most ``max_block_elements`` values; small slices (the windowed
 multi-resolution attention's tiles) are batched until a block holds that many. That one number
 trades cache locality (small blocks) against loop overhead and parallelism (large blocks), and its
@@ -13,7 +13,7 @@ for every candidate block size and sets each against a large matmul measured in 
 - **dense SGA, layer 1**: grouping attention of the first layer's groups over every pixel (ISIC
   dims: batch 2 x 8 heads, head dim 16, 7x7 stride 3: 43x43 groups x 128x128 pixels at 128 px);
 - **global MR, block 1**: softmax attention over the first grid's tokens (43x43 at 128 px);
-- **windowed MR, block 1**: 16x16-token tiles of that grid, as ``model.mr_attention="windowed"``.
+- **windowed MR, block 1**: 16x16-token tiles of that grid, as ``model.rat.mr_attention="windowed"``.
 
 **GFLOP/s** counts the matmul work of plain attention fwd+bwd, 12 x queries x keys x head dim per
 slice (2 products forward, 4 backward), not the recomputation the memory-efficient kernel adds, so
@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 from step_profile import matmul_flops_per_s
 
-from jaxrat.models import attention as A
+from jaxrat import ops
+from jaxrat.ops import chunked_attention as C
+from jaxrat.ops.cpu import cache as cpu_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +73,7 @@ def shapes(size: int, batch: int, heads: int, head_dim: int, window: int) -> dic
 
 def time_kernel(shape: dict, head_dim: int, dtype: Any, block: int, reps: int) -> float:
     """Min fwd+bwd seconds of the kernel at ``shape`` with ``max_block_elements=block``."""
-    kernel = A.grouping_attention if shape["grouping"] else A.softmax_attention
+    kernel = C.grouping_attention if shape["grouping"] else C.softmax_attention
     keys = jax.random.split(jax.random.key(0), 4)
     s, nq, nk = shape["slices"], shape["queries"], shape["keys"]
     q = jax.random.normal(keys[0], (s, nq, head_dim), dtype) / math.sqrt(head_dim)
@@ -80,7 +82,9 @@ def time_kernel(shape: dict, head_dim: int, dtype: Any, block: int, reps: int) -
     g = jax.random.normal(keys[3], (s, nq, head_dim), jnp.float32)
 
     def loss(q, k, v):
-        return jnp.sum(kernel(q, k, v, max_block_elements=block).astype(jnp.float32) * g)
+        # The cpu policy's form: large slices unbatched (jaxrat.ops.cpu.cache).
+        out = kernel(q, k, v, max_block_elements=block, unbatched_from=cpu_cache.UNBATCHED_SLICE_ELEMENTS)
+        return jnp.sum(out.astype(jnp.float32) * g)
 
     return best_time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v), reps)
 
@@ -113,10 +117,10 @@ def run(args: argparse.Namespace) -> dict:
             print(json.dumps(rows[-1]), flush=True)
     for r in rows:
         r["vs_best"] = r["seconds"] / min(x["seconds"] for x in rows if x["shape"] == r["shape"])
-    default = A.default_block_elements()
+    default = ops.resolve("cpu").block_elements
     chosen = choose(rows)
     return dict(rows=rows, chosen_block=chosen, default_block=default, matmul_gflop_s=matmul / 1e9,
-                last_level_cache_bytes=A.last_level_cache_bytes(),
+                last_level_cache_bytes=cpu_cache.last_level_cache_bytes(),
                 dtype=str(dtype), size=args.size, backend=jax.default_backend(), device=str(jax.devices()[0]),
                 platform=platform.platform(), cpu_count=os.cpu_count(), load_avg=os.getloadavg(), jax=jax.__version__)
 

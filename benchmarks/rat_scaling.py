@@ -26,7 +26,7 @@ from pathlib import Path
 
 from jaxrat import hugepages
 
-DIMS = dict(feature_dims=128, num_blocks=4, num_heads=8, iters=3, decoder_dim=32, dropout=0.1, attention="sparse")
+DIMS = dict(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1, attention="sparse")
 VARIANTS = {
     "global": dict(),
     "windowed": dict(mr_attention="windowed", mr_window=16),
@@ -75,9 +75,9 @@ def run_child(variant: str, size: int, reps: int, timed: bool, components: bool)
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxrat.models.rat_models import RATSegmenter
+    from jaxrat.models.rat import RATConfig, RATSegmenter
 
-    model = RATSegmenter(**{**DIMS, **VARIANTS[variant]}, rngs=nnx.Rngs(0))
+    model = RATSegmenter(rat=RATConfig(**{**DIMS, **VARIANTS[variant]}), decoder_dim=32, rngs=nnx.Rngs(0))
     model.train()
     row: dict = dict(variant=variant, size=size)
     x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)

@@ -6,7 +6,7 @@
 The step is the one the trainer compiles (``make_state_spec`` + ``make_train_step``, as
 benchmarks/coco_step.py builds it) for ``--config`` (default the real ``configs/isic.py``: RAT at the
 ISIC dims, with its augmentations) at ``--size`` px and global batch ``--batch``, on synthetic demo
-lesions, once per ``model.attention`` variant. For each variant:
+lesions, once per ``model.rat.attention`` variant. For each variant:
 
 - **step s**: the step compiled, one warm-up step, then the median wall time of ``--steps`` steps
   (each waited for) on one fixed batch already on the devices (the pipeline's first).
@@ -337,7 +337,7 @@ def matmul_flops_per_s(dtype: Any = jnp.float32, n: int = 2048, reps: int = 5) -
 
 
 def isic_config(config: str, size: int, batch: int, attention: str) -> Any:
-    """``config`` at ``size`` px and global ``batch`` with ``model.attention``, on a small synthetic demo set."""
+    """``config`` at ``size`` px and global ``batch`` with ``model.rat.attention``, on a small synthetic demo set."""
     c = load_config(config)
     c.data.image_size = size
     c.data.batch_size = batch
@@ -346,7 +346,7 @@ def isic_config(config: str, size: int, batch: int, attention: str) -> Any:
     c.data.synthetic_val = 4
     c.data.synthetic_image_size = 0
     c.data.data_dir = ""
-    c.model.attention = attention
+    c.model.rat.attention = attention
     return c
 
 
@@ -445,7 +445,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/isic.py", help="config (e.g. configs/isic.py:demo)")
     parser.add_argument("--variants", nargs="+", default=["dense", "mixed", "sparse"],
-                        choices=["dense", "mixed", "sparse", "standard"], help="model.attention values")
+                        choices=["dense", "mixed", "sparse", "standard"], help="model.rat.attention values")
     parser.add_argument("--size", type=int, default=64, help="image side in px")
     parser.add_argument("--batch", type=int, default=2, help="global batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps, then as many profiled ones")

@@ -25,6 +25,7 @@ import os
 import ml_collections as mlc
 
 from jaxrat.config import load_config
+from jaxrat.models.rat import rat_config
 
 _ISIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
 
@@ -35,39 +36,38 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         raise ValueError(f"Unknown variant {arg!r} for configs/ablations.py; use demo, smoke or none.")
     c = load_config(f"{_ISIC}:{arg}" if arg else _ISIC)
     if c.model.name != "rat":  # isic.py's smoke variant trains a U-Net; the ablations need a (tiny) RAT
-        c.model = mlc.ConfigDict(dict(name="rat", num_classes=1, feature_dims=8, num_blocks=2, num_heads=2, iters=1,
-                                      dropout=0.0, positional_encoding="rose", head="decoder",
-                                      decoder_dim=8, mr_attention="windowed", mr_window=16))
+        c.model = mlc.ConfigDict(dict(name="rat", kernels="auto", num_classes=1, head="decoder", decoder_dim=8))
+        c.model.rat = rat_config(feature_dims=8, num_blocks=2, num_heads=2, iters=1, mlp_dropout=0.0,
+                                 positional_encoding="rose", mr_attention="windowed", mr_window=16)
     # The study's base is the reference's SGA (configs/isic.py trains the sparse form by default):
-    # attn_sparse is then the one-change variant it is named for.
-    c.model.attention = "dense"
-    # Declared here so that the multi-scale variant can set them (unknown keys are refused): no
-    # pyramid (a single image) unless scales is given.
-    c.model.scales = ()
-    c.model.pyramid_spacing = "relative"
+    # attn_sparse is then the one-change variant it is named for. No pyramid unless a variant sets
+    # model.rat.scales.
+    c.model.rat.attention = "dense"
+    c.model.rat.scales = ()
+    c.model.rat.pyramid_spacing = "relative"
     return c
 
 
 def get_sweep(arg: str | None = None) -> dict[str, list[str]]:
     """The ablation variants, named, as overrides of :func:`get_config` (``arg``)."""
-    m = get_config(arg).model
+    m = get_config(arg).model.rat
     blocks, dims = m.num_blocks, m.feature_dims
     return {
         "baseline": [],
         # positional encoding: RoSE against none, a learned absolute embedding, and RoPE
-        "pe_none": ["--config.model.positional_encoding=none"],
-        "pe_absolute": ["--config.model.positional_encoding=absolute"],
-        "pe_rope": ["--config.model.positional_encoding=rope"],
+        "pe_none": ["--config.model.rat.positional_encoding=none"],
+        "pe_absolute": ["--config.model.rat.positional_encoding=absolute"],
+        "pe_rope": ["--config.model.rat.positional_encoding=rope"],
         # attention: SGA's dense form against its sparse (windowed) and standard-attention forms, and
         # the multi-resolution blocks' global attention against their windowed form
-        "attn_sparse": ["--config.model.attention=sparse"],
-        "attn_standard": ["--config.model.attention=standard"],
-        "mr_global": ["--config.model.mr_attention=global"],
+        "attn_sparse": ["--config.model.rat.attention=sparse"],
+        "attn_standard": ["--config.model.rat.attention=standard"],
+        "mr_global": ["--config.model.rat.mr_attention=global"],
         # multi-scale: the image pyramid of configs/isic_multiscale.py
-        "multiscale": ["--config.model.scales=(256,128,64)"],
+        "multiscale": ["--config.model.rat.scales=(256,128,64)"],
         # depth and width, half and one and a half or twice the base
-        "depth_half": [f"--config.model.num_blocks={max(1, blocks // 2)}"],
-        "depth_1.5x": [f"--config.model.num_blocks={blocks + max(1, blocks // 2)}"],
-        "width_half": [f"--config.model.feature_dims={dims // 2}"],
-        "width_2x": [f"--config.model.feature_dims={dims * 2}"],
+        "depth_half": [f"--config.model.rat.num_blocks={max(1, blocks // 2)}"],
+        "depth_1.5x": [f"--config.model.rat.num_blocks={blocks + max(1, blocks // 2)}"],
+        "width_half": [f"--config.model.rat.feature_dims={dims // 2}"],
+        "width_2x": [f"--config.model.rat.feature_dims={dims * 2}"],
     }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxrat.config import base_config
+from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -49,7 +50,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.task.top_k = 5
     c.checkpoint.best_metric = "eval/label/balanced_accuracy"
 
-    c.model = mlc.ConfigDict(dict(name="cnn_classifier", features=(32, 64, 128, 256)))
+    c.model = mlc.ConfigDict(dict(name="cnn_classifier", kernels="auto", features=(32, 64, 128, 256)))
 
     variant = arg or ""
     if variant in ("demo", "smoke"):
@@ -92,8 +93,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.train.log_images = False
         c.model.features = (4, 8)
     elif variant == "rat":
-        c.model = mlc.ConfigDict(dict(name="rat_classifier", feature_dims=128, num_blocks=4, num_heads=8, iters=3,
-                                      dropout=0.1, attention="dense", positional_encoding="rose", pool="mean"))
+        c.model = mlc.ConfigDict(dict(name="rat_classifier", kernels="auto", pool="mean"))
+        c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1,
+                                 attention="dense", positional_encoding="rose")
     elif variant:
         raise ValueError(f"Unknown variant {variant!r} for configs/classification.py; use demo, smoke, rat or none.")
     return c

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxrat.config import base_config
+from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -53,11 +54,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.task.num_detections = 100  # kept per image for COCOeval (its maxDets)
 
     c.model = mlc.ConfigDict(dict(
-        name="detr", backbone="rat", hidden_dim=256, num_queries=100, decoder_layers=6, decoder_heads=8,
-        ffn_dim=2048, dropout=0.1, feature_levels=(1, 2, 3, 4), cnn_widths=(32, 64, 128), box_refine=False,
-        query_level=None, head="detr",
-        rat=dict(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_ratio=4, mlp_dropout=0.1,
-                 sga_kernel_size=7, proj_kernel_size=7, sga_attention_type="sparse", positional_encoding="rose")))
+        name="detr", kernels="auto", backbone="rat", hidden_dim=256, num_queries=100, decoder_layers=6,
+        decoder_heads=8, ffn_dim=2048, dropout=0.1, feature_levels=(1, 2, 3, 4), cnn_widths=(32, 64, 128),
+        box_refine=False, query_level=None, head="detr"))
+    # The RAT backbone: every jaxrat.models.rat.RATConfig option, as --config.model.rat.<option>.
+    c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_ratio=4, mlp_dropout=0.1,
+                             sga_kernel_size=7, proj_kernel_size=7, attention="sparse", positional_encoding="rose")
 
     variant = arg or ""
     if variant in ("demo", "smoke"):

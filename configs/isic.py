@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxrat.config import base_config
+from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -44,24 +45,23 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.data.elastic_prob = 0.1
 
     # RAT at the ISIC dims of the reference (docs/rat.md). The U-Net baseline: variant "unet".
+    # config.model holds the task model's own fields (head); config.model.rat the RAT, every option
+    # of jaxrat.models.rat.RATConfig (docs/rat.md), each settable as --config.model.rat.<option>.
     c.model.name = "rat"
     c.model.num_classes = 1
-    c.model.feature_dims = 128
-    c.model.num_blocks = 4
-    c.model.num_heads = 8
-    c.model.iters = 3
-    c.model.dropout = 0.1
-    # Sparse (windowed) SGA: linear in pixels, 3.3x faster than the reference's dense form at
-    # 128 px and the same demo Dice (docs/rat.md, "Recommended defaults"); "dense" is the reference's.
-    c.model.attention = "sparse"  # dense | sparse | mixed | standard
-    c.model.positional_encoding = "rose"  # rose | rope | absolute | none
     c.model.head = "decoder"  # decoder | reference
     c.model.decoder_dim = 32
-    # Multi-resolution attention in 16x16-token tiles on the large grids (global on the small ones):
-    # 7.7x cheaper than the reference's global form for the first block at 256 px, same demo Dice
-    # (docs/rat.md); a tile covering the whole grid, as at the demo's 48 px, is the global form.
-    c.model.mr_attention = "windowed"
-    c.model.mr_window = 16
+    c.model.rat = rat_config(
+        feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1,
+        # Sparse (windowed) SGA: linear in pixels, 3.3x faster than the reference's dense form at
+        # 128 px and the same demo Dice (docs/rat.md, "Recommended defaults"); "dense" is the reference's.
+        attention="sparse",  # dense | sparse | mixed | standard
+        positional_encoding="rose",  # rose | rope | absolute | none
+        # Multi-resolution attention in 16x16-token tiles on the large grids (global on the small
+        # ones): 7.7x cheaper than the reference's global form for the first block at 256 px, same
+        # demo Dice (docs/rat.md); a tile covering the whole grid, as at the demo's 48 px, is global.
+        mr_attention="windowed", mr_window=16,
+    )
 
     variant = arg or ""
     if variant in ("demo", "smoke"):
@@ -86,11 +86,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.train.eval_every = 100
         c.checkpoint.every_steps = 100
         c.train.log_every = 20
-        c.model.feature_dims = 32
-        c.model.num_blocks = 3
-        c.model.num_heads = 2
-        c.model.iters = 1
-        c.model.dropout = 0.0
+        c.model.rat.update(dict(feature_dims=32, num_blocks=3, num_heads=2, iters=1, mlp_dropout=0.0))
         c.model.decoder_dim = 16
     elif variant == "smoke":
         c.data.synthetic = True
@@ -111,9 +107,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         # The smoke variant keeps the tiny U-Net: it compiles in seconds and the framework tests
         # (training, multi-process, preemption, SLURM) run it many times. RAT's own tests use tiny
         # RAT models directly (tests/test_rat_model.py).
-        c.model = mlc.ConfigDict(dict(name="unet", features=(4, 8), num_classes=1))
+        c.model = mlc.ConfigDict(dict(name="unet", kernels="auto", features=(4, 8), num_classes=1))
     elif variant == "unet":
-        c.model = mlc.ConfigDict(dict(name="unet", features=(32, 64, 128, 256), num_classes=1))
+        c.model = mlc.ConfigDict(dict(name="unet", kernels="auto", features=(32, 64, 128, 256), num_classes=1))
     elif variant:
         raise ValueError(f"Unknown variant {variant!r} for configs/isic.py; use demo, smoke, unet or none.")
     return c

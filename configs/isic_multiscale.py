@@ -13,6 +13,7 @@ import os
 import ml_collections as mlc
 
 from jaxrat.config import load_config
+from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
@@ -20,10 +21,10 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     isic = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
     c = load_config(f"{isic}:{arg}" if arg else isic)
     if c.model.name != "rat":  # the isic smoke variant uses a U-Net; here a tiny RAT instead
-        c.model = mlc.ConfigDict(dict(name="rat", num_classes=1, feature_dims=8, num_blocks=2, num_heads=2,
-                                      iters=1, decoder_dim=8))
-    c.model.scales = (256, 128, 64)
-    c.model.pyramid_spacing = "relative"
+        c.model = mlc.ConfigDict(dict(name="rat", kernels="auto", num_classes=1, head="decoder", decoder_dim=8))
+        c.model.rat = rat_config(feature_dims=8, num_blocks=2, num_heads=2, iters=1, mlp_dropout=0.1)
+    c.model.rat.scales = (256, 128, 64)
+    c.model.rat.pyramid_spacing = "relative"
     # Supervise every pyramid level (the mean of the levels' losses, each level against the mask
     # resized to it), as the reference's multi-scale runs did; False trains on level 0 only.
     # Eval metrics use level 0 either way. For reference parity: on the demo the two were within

@@ -8,7 +8,8 @@ per fault. Measured on this 2-core CPU, sparse RAT fwd+bwd, batch 2 (benchmarks/
 2.80 -> 2.20 s at 256 px and 12.1 -> 9.4 s at 512 px; 0.72 -> 0.58 s at 128 px. glibc reads its
 tunables only when a process starts, so ``python -m jaxrat.main`` re-executes itself once with the
 tunable added. Nothing changes where it cannot help: another libc, glibc older than 2.35, or a
-kernel whose huge pages are ``always`` (already on) or ``never``. ``JAXRAT_HUGEPAGES=0`` opts out.
+kernel whose huge pages are ``always`` (already on) or ``never``, and a process that will run on
+GPUs (:func:`jaxrat.platform_hint.expects_cpu`). ``JAXRAT_HUGEPAGES=0`` opts out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import platform
 import sys
 from typing import Mapping
+
+from jaxrat import platform_hint
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "JAXRAT_HUGEPAGES"
@@ -46,7 +49,8 @@ def wanted(env: Mapping[str, str]) -> bool:
         return False
     if TUNABLE in env.get("GLIBC_TUNABLES", ""):
         return False  # set already, by us or by the user (whatever its value)
-    return sys.platform.startswith("linux") and _glibc_has_tunable() and _thp_on_request()
+    return (sys.platform.startswith("linux") and _glibc_has_tunable() and _thp_on_request()
+            and platform_hint.expects_cpu(env))
 
 
 def environ(base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -12,7 +12,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrat import hugepages
+from jaxrat import hugepages, platform_hint
 from jaxrat.cli import fail, quiet_libraries
 from jaxrat.config import check_override_args
 from jaxrat.errors import UserError
@@ -31,7 +31,8 @@ def main(argv: list[str]) -> None:
 
     quiet_libraries()
     config = _CONFIG.value
-    pin_cpu_parallelism(int(config.train.get("reduction_shards", 0) or 0))  # before JAX's CPU client exists
+    if platform_hint.expects_cpu():  # before JAX's CPU client exists; a GPU run leaves it alone
+        pin_cpu_parallelism(int(config.train.get("reduction_shards", 0) or 0))
     try:
         cluster.initialize(config.distributed)
         compile_cache.enable(config.train.compilation_cache_dir)

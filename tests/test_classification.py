@@ -142,8 +142,9 @@ def test_rat_classifier_gives_one_logits_array_per_head(pool):
 
     from jaxrat.models import build_model
 
-    model = build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3, 5), feature_dims=8, num_blocks=2,
-                                            num_heads=2, iters=1, pool=pool, dropout=0.0)), rngs=nnx.Rngs(0))
+    rat = dict(feature_dims=8, num_blocks=2, num_heads=2, iters=1, mlp_dropout=0.0)
+    model = build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3, 5), pool=pool, rat=rat)),
+                        rngs=nnx.Rngs(0))
     out = model(np.zeros((2, 16, 16, 3), np.float32))
     assert [o.shape for o in out] == [(2, 3), (2, 5)] and all(np.all(np.isfinite(o)) for o in out)
     with pytest.raises(ConfigError, match="model.pool"):

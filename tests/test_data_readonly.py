@@ -26,8 +26,8 @@ TINY = ["--config.num_train_steps=2", "--config.train.eval_every=2", "--config.c
         "--config.train.log_every=1", "--config.train.log_images=false", "--config.data.image_size=32",
         "--config.data.batch_size=4", "--config.data.eval_batch_size=4", "--config.data.num_workers=0",
         "--config.data.num_threads=1", "--config.optimizer.warmup_steps=1"]
-TINY_RAT = ["--config.model.feature_dims=8", "--config.model.num_blocks=1", "--config.model.num_heads=2",
-            "--config.model.iters=1", "--config.model.decoder_dim=8", "--config.model.dropout=0.0"]
+TINY_RAT = ["--config.model.rat.feature_dims=8", "--config.model.rat.num_blocks=1", "--config.model.rat.num_heads=2",
+            "--config.model.rat.iters=1", "--config.model.decoder_dim=8", "--config.model.rat.mlp_dropout=0.0"]
 
 
 def snapshot(root: str) -> dict:

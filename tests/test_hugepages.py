@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxrat import hugepages
+from jaxrat import hugepages, platform_hint
 
 
 @pytest.fixture
@@ -57,3 +57,16 @@ def test_the_process_reexecutes_itself_once_with_its_own_command_line(tmp_path):
     starts = [line for line in out if line.startswith("start")]
     assert len(starts) == (2 if hugepages.wanted(env) else 1) and len(set(starts)) == 1  # same pid
     assert out[-1] == f"env {expected_tunables} 1 ['a', '--b=c']"
+
+
+def test_a_gpu_run_keeps_its_allocator(monkeypatch):
+    """Huge pages are a CPU-run setting: a process that will run on GPUs is not re-executed."""
+    monkeypatch.setattr(hugepages, "_glibc_has_tunable", lambda: True)
+    monkeypatch.setattr(hugepages, "_thp_on_request", lambda: True)
+    monkeypatch.setattr(hugepages.sys, "platform", "linux")
+    assert hugepages.environ({"JAX_PLATFORMS": "cpu"})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert "GLIBC_TUNABLES" not in hugepages.environ({"JAX_PLATFORMS": "cuda"})
+    monkeypatch.setattr(platform_hint, "_gpu_plugin_installed", lambda: True)
+    monkeypatch.setattr(platform_hint, "_gpu_device_present", lambda: True)
+    assert "GLIBC_TUNABLES" not in hugepages.environ({})  # a CUDA plugin and a GPU: JAX will take the GPU
+    assert hugepages.environ({"JAX_PLATFORMS": "cpu"})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"

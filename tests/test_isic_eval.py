@@ -6,7 +6,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections as mlc
 import numpy as np
 import pytest
 from flax import nnx
@@ -169,11 +168,9 @@ class _ThreeLevels(nnx.Module):
     def __init__(self):
         self.conv = nnx.Conv(3, 1, (1, 1), rngs=nnx.Rngs(0))
 
-    def __call__(self, x):
-        return self.level_logits(x)[0]
-
-    def level_logits(self, x):
-        return [self.conv(nnx.avg_pool(x, (f, f), (f, f)) if f > 1 else x) for f in (1, 2, 4)]
+    def __call__(self, x, *, all_levels=False):
+        levels = [self.conv(nnx.avg_pool(x, (f, f), (f, f)) if f > 1 else x) for f in (1, 2, 4)]
+        return levels if all_levels else levels[0]
 
 
 def test_multiscale_loss_is_the_mean_of_the_per_level_losses():
@@ -188,7 +185,7 @@ def test_multiscale_loss_is_the_mean_of_the_per_level_losses():
     # Nearest resize by 2 and 4 picks the pixel centres 1, 3, 5, ... and 2, 6, 10, ... (here by hand).
     targets = [mask, mask[:, 1::2, 1::2], mask[:, 2::4, 2::4]]
     per_level = [float(segmentation.loss_fn(lv, jnp.array(t), bce_weight=0.5, dice_weight=0.5)[0])
-                 for lv, t in zip(model.level_logits(images), targets)]
+                 for lv, t in zip(model(images, all_levels=True), targets)]
     batch = {"image": images, "mask": jnp.array(mask)}
     loss, parts = task.loss(model, batch, jax.random.key(0))
     assert float(loss) == pytest.approx(np.mean(per_level), rel=1e-6)
@@ -207,16 +204,19 @@ def test_rat_predicts_every_pyramid_level_and_level_0_is_its_output():
     model = build_model(config.model, rngs=nnx.Rngs(0))
     model.eval()
     images = jnp.array(np.random.default_rng(0).normal(size=(1, 16, 16, 3)).astype(np.float32))
-    levels, full = nnx.jit(lambda m, x: (m.level_logits(x), m(x)))(model, images)  # one compile
+    levels, full = nnx.jit(lambda m, x: (m(x, all_levels=True), m(x)))(model, images)  # one compile
     assert [lv.shape[1:3] for lv in levels] == [(16, 16), (8, 8), (4, 4)]  # scales (256, 128, 64)
     np.testing.assert_allclose(levels[0], full, atol=1e-6)
 
 
 def test_multiscale_loss_needs_a_multiscale_model():
-    config = load_config(f"{REPO}/configs/isic.py:smoke")
+    from jaxrat.models import build_model
+
+    config = load_config(f"{REPO}/configs/isic.py:smoke")  # a U-Net: one level
     config.task.multiscale_loss = True
-    with pytest.raises(ConfigError, match="multiscale_loss=True needs a multi-scale RAT"):
-        segmentation.SegmentationTask(config)
-    config.model = mlc.ConfigDict(dict(name="rat", num_classes=1))
-    with pytest.raises(ConfigError, match="config.model.scales"):
-        segmentation.SegmentationTask(config)
+    task = segmentation.SegmentationTask(config)
+    model = build_model(config.model, rngs=nnx.Rngs(0))
+    batch = {"image": jnp.zeros((1, 16, 16, 3)), "mask": jnp.zeros((1, 16, 16, 1))}
+    with pytest.raises(ConfigError, match="multiscale_loss=True needs a model that predicts several pyramid levels"):
+        task.loss(model, batch, jax.random.key(0))
+    assert len(model(batch["image"], all_levels=True)) == 1

@@ -7,10 +7,15 @@ import pytest
 from flax import nnx
 
 import jaxrat.models.layers as layers
+from jaxrat import ops
+from jaxrat.ops import mlp as mlp_ops
+from jaxrat.ops.cpu import mlp as cpu_mlp
+
+CPU = ops.resolve("cpu")
 
 
-def _mlp(dropout: float = 0.0) -> layers.Mlp:
-    return layers.Mlp(8, 32, dropout=dropout, dtype=jnp.float32, rngs=nnx.Rngs(0))
+def _mlp(dropout: float = 0.0, kernels: ops.KernelPolicy = CPU) -> layers.Mlp:
+    return layers.Mlp(8, 32, dropout=dropout, dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=kernels)
 
 
 def _loss(m: layers.Mlp, x: jax.Array) -> jax.Array:
@@ -18,8 +23,8 @@ def _loss(m: layers.Mlp, x: jax.Array) -> jax.Array:
 
 
 def _chunk_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layers, "CHUNK_HIDDEN_BYTES", 100)
-    monkeypatch.setattr(layers, "CHUNK_TOKENS_BYTES", 1000)  # 37 tokens x 32 x 4 B -> 5 chunks, padded
+    monkeypatch.setattr(mlp_ops, "CHUNK_HIDDEN_BYTES", 100)
+    monkeypatch.setattr(mlp_ops, "CHUNK_TOKENS_BYTES", 1000)  # 37 tokens x 32 x 4 B -> 5 chunks, padded
 
 
 def test_chunked_mlp_equals_plain_in_values_and_gradients(monkeypatch):
@@ -38,9 +43,10 @@ def test_chunked_mlp_dropout_drops_at_its_rate_and_differs_per_chunk(monkeypatch
     m = _mlp(dropout=0.5)
     m.train()
     x = jnp.ones((4, 37, 8))
-    # fc2 mixes the hidden units, so look at the hidden layer the dropout acts on
-    monkeypatch.setattr(m, "fc2", lambda h: h)
-    h = m._chunked(x, 10_000)  # without drop2: the zeros are drop1's
+    # fc2 mixes the hidden units, so look at the hidden layer the dropout acts on (without drop2:
+    # the zeros are drop1's)
+    h = mlp_ops.chunked_mlp(x, m.fc1, lambda h: h, hidden_bytes=10_000, chunks=mlp_ops.Chunks(1000, True),
+                            dropout_rate=0.5, dropout_key=jax.random.key(3))
     zeros = float(jnp.mean(h == 0))
     assert 0.4 < zeros < 0.6, zeros
     # each chunk draws its own mask: the first 8 tokens' mask is not repeated in the next 8
@@ -61,8 +67,8 @@ def test_chunked_mlp_keeps_less_for_the_backward(monkeypatch):
         return jax.jit(grads).lower(state, x).compile().memory_analysis().temp_size_in_bytes
 
     plain = temp_bytes()
-    monkeypatch.setattr(layers, "CHUNK_HIDDEN_BYTES", 2**16)
-    monkeypatch.setattr(layers, "CHUNK_TOKENS_BYTES", 2**16)  # 1 MiB hidden -> 16 chunks
+    monkeypatch.setattr(mlp_ops, "CHUNK_HIDDEN_BYTES", 2**16)
+    monkeypatch.setattr(mlp_ops, "CHUNK_TOKENS_BYTES", 2**16)  # 1 MiB hidden -> 16 chunks
     chunked = temp_bytes()
     assert chunked < 0.5 * plain, (chunked, plain)
 
@@ -74,9 +80,9 @@ def test_cpu_runs_mid_sized_mlps_in_cache_sized_chunks_keeping_fc1(monkeypatch):
     want, want_grad = m(x), nnx.grad(_loss)(m, x)
     plain_jaxpr = str(jax.make_jaxpr(lambda x: m(x))(x))
     assert "scan" not in plain_jaxpr  # below the threshold: one product
-    monkeypatch.setattr(layers, "CPU_CHUNK_HIDDEN_BYTES", 1000)
-    monkeypatch.setattr(layers, "CPU_CHUNK_BYTES", 2000)  # -> 5 chunks, padded
-    assert jax.default_backend() == "cpu"
+    monkeypatch.setattr(cpu_mlp, "CHUNK_HIDDEN_BYTES", 1000)
+    monkeypatch.setattr(cpu_mlp, "CHUNK_BYTES", 2000)  # -> 5 chunks, padded
+    assert "scan" not in str(jax.make_jaxpr(lambda x: _mlp(kernels=ops.PORTABLE)(x))(x))  # other forms: one product
     graphdef, state = nnx.split(m)
     grad_jaxpr = lambda: str(jax.make_jaxpr(lambda s, x: nnx.grad(_loss)(nnx.merge(graphdef, s), x))(state, x))
     text = grad_jaxpr()
@@ -87,6 +93,6 @@ def test_cpu_runs_mid_sized_mlps_in_cache_sized_chunks_keeping_fc1(monkeypatch):
     for a, b in zip(jax.tree.leaves(nnx.state(want_grad)), jax.tree.leaves(nnx.state(got_grad))):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     # Above CHUNK_HIDDEN_BYTES the memory rule wins: chunks are recomputed in the backward pass.
-    monkeypatch.setattr(layers, "CHUNK_HIDDEN_BYTES", 5000)
+    monkeypatch.setattr(mlp_ops, "CHUNK_HIDDEN_BYTES", 5000)
     text = grad_jaxpr()
     assert "scan" in text and "policy=None" in text  # everything recomputed

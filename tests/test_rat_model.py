@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections as mlc
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxrat.errors import ConfigError
 from jaxrat.models import available_models, build_model
-from jaxrat.models.rat import ResolutionAwareTransformer, block_attention_types
+from jaxrat.models.rat import RATConfig, ResolutionAwareTransformer
+from model_configs import rat_model
 
 TINY = dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, decoder_dim=8)
 
 
 def build(**fields):
-    cfg = mlc.ConfigDict(dict(name="rat", num_classes=2, **(TINY | fields)))
-    return build_model(cfg, rngs=nnx.Rngs(0))
+    return build_model(rat_model(num_classes=2, **(TINY | fields)), rngs=nnx.Rngs(0))
 
 
 _forward = nnx.jit(lambda m, x: m(x))
@@ -54,7 +53,7 @@ def test_segmenter_contract(fields):
 
 
 def test_dropout_follows_train_and_eval():
-    model = build(dropout=0.5)
+    model = build(mlp_dropout=0.5)
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 18, 18, 3))
     model.eval()
     np.testing.assert_array_equal(forward(model, x), forward(model, x))
@@ -63,7 +62,7 @@ def test_dropout_follows_train_and_eval():
 
 
 def test_bfloat16_compute_keeps_float32_params():
-    cfg = mlc.ConfigDict(dict(name="rat", num_classes=1, **TINY))
+    cfg = rat_model(num_classes=1, **TINY)
     model = build_model(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
     model.eval()
@@ -91,11 +90,11 @@ def test_gradients_reach_every_parameter():
 
 def test_pyramid_levels_and_spacing():
     model = build(scales=(256, 128, 64))
-    levels, spacings = model.pyramid(jnp.ones((1, 32, 48, 3)))
+    levels, spacings = model.backbone.pyramid(jnp.ones((1, 32, 48, 3)))
     assert [lv.shape[1:3] for lv in levels] == [(32, 48), (16, 24), (8, 12)]
     assert spacings == [(1.0, 1.0), (2.0, 2.0), (4.0, 4.0)]
     unit = build(scales=(256, 128), pyramid_spacing="unit")
-    assert unit.pyramid(jnp.ones((1, 32, 32, 3)))[1] == [(1.0, 1.0), (1.0, 1.0)]
+    assert unit.backbone.pyramid(jnp.ones((1, 32, 32, 3)))[1] == [(1.0, 1.0), (1.0, 1.0)]
 
 
 def test_bad_config_is_a_config_error():
@@ -105,12 +104,19 @@ def test_bad_config_is_a_config_error():
         build(attention="flash")
     with pytest.raises(ConfigError):
         build(bogus_field=1)
+    with pytest.raises(ConfigError):
+        build(mr_atention="windowed")  # not a RAT option: a model field the RAT segmenter does not take
+    cfg = rat_model(num_classes=1, **TINY)
+    cfg.rat.mr_atention = "windowed"
+    with pytest.raises(ConfigError, match="did you mean mr_attention"):
+        build_model(cfg, rngs=nnx.Rngs(0))
 
 
 def test_mixed_attention_layout():
-    assert block_attention_types("mixed", 4) == ("sparse", "sparse", "dense", "dense")
-    assert block_attention_types("mixed", 3) == ("sparse", "sparse", "dense")
-    assert block_attention_types(["dense", "standard"], 2) == ("dense", "standard")
+    blocks = lambda attention, n: RATConfig(attention=attention, num_blocks=n).block_attention()
+    assert blocks("mixed", 4) == ("sparse", "sparse", "dense", "dense")
+    assert blocks("mixed", 3) == ("sparse", "sparse", "dense")
+    assert blocks(["dense", "standard"], 2) == ("dense", "standard")
 
 
 def test_backbone_outputs_per_scale_with_maps_and_leading_tokens():
@@ -157,7 +163,7 @@ def test_isic_configs_build_rat(path):
         cfg = mod.get_config(variant)
         assert cfg.model.name == "rat"
         model = nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0)))
-        assert model.backbone.num_blocks == cfg.model.num_blocks
+        assert model.backbone.num_blocks == cfg.model.rat.num_blocks
         if path.endswith("multiscale.py"):
-            levels, spacings = model.pyramid(jnp.zeros((1, 256, 256, 3)))
+            levels, spacings = model.backbone.pyramid(jnp.zeros((1, 256, 256, 3)))
             assert [lv.shape[1] for lv in levels] == [256, 128, 64] and spacings[2] == (4.0, 4.0)

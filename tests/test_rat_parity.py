@@ -80,8 +80,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "portable"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_forward_parity(name):
+def test_forward_parity(name, kernels):
     case = CASES[name]
     sd, channels = case.get("sd", 2), case.get("channels", 3)
     cfg = dict(case["cfg"], spatial_dims=sd, input_features=channels)
@@ -91,7 +92,7 @@ def test_forward_parity(name):
     with torch.no_grad():
         ref_out = model([torch.from_numpy(x) for x in xs], input_spacing=spacing,
                         mask=[torch.from_numpy(m) for m in ms] if ms else None)
-    ours = load_reference_backbone(model.state_dict(), cfg, reference_compat=True)
+    ours = load_reference_backbone(model.state_dict(), cfg, reference_compat=True, kernels=kernels)
     ours.eval()
     arrays = flax_forward(ours, xs, spacing, ms)
     assert len(arrays) == len(ref_out)
@@ -117,7 +118,8 @@ def test_grid_and_spacing_match_reference():
         assert rel_err(o.tokens, r["x_out"]) <= TOL
 
 
-def test_gradient_parity():
+@pytest.mark.parametrize("kernels", ["cpu", "portable"])
+def test_gradient_parity(kernels):
     """Parameter and input gradients of a scalar loss agree (checks the custom backward passes)."""
     cfg = dict(BASE, spatial_dims=2, input_features=3)
     model = reference_model(cfg)
@@ -129,7 +131,7 @@ def test_gradient_parity():
     loss.backward()
     ref_grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
 
-    ours = load_reference_backbone(model.state_dict(), cfg, reference_compat=True)
+    ours = load_reference_backbone(model.state_dict(), cfg, reference_compat=True, kernels=kernels)
     graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
 
     def loss_fn(params, xs):
@@ -156,7 +158,7 @@ def test_gradient_parity():
 
 def test_reference_head_upsampling_matches_torch_bilinear():
     """The reference head upsamples with F.interpolate(bilinear, align_corners=False)."""
-    from jaxrat.models.heads import resize_to
+    from jaxrat.models.rat.heads import resize_to
 
     x = np.random.default_rng(0).standard_normal((2, 4, 5, 3)).astype(np.float32)
     want = torch.nn.functional.interpolate(torch.from_numpy(x).permute(0, 3, 1, 2), size=(64, 48),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrat.models import rose
-from jaxrat.models.rose import RotarySpatialEmbedding
+from jaxrat.models.rat.rose import RotarySpatialEmbedding
+from jaxrat.ops.cpu import rotate as cpu_rotate
 
 
 def make(mode, **kw):
@@ -81,7 +81,7 @@ def test_unknown_mode_is_rejected():
 
 
 @pytest.mark.parametrize("heads", [2, 3])  # all heads rotated, or the first 2 of 3
-@pytest.mark.parametrize("batch", [1, 2, rose.UNROLLED_BATCH_SUM + 4])
+@pytest.mark.parametrize("batch", [1, 2, cpu_rotate.UNROLLED_BATCH_SUM + 4])
 def test_rotation_gradients_match_autodiff_of_the_plain_product(batch, heads):
     """The custom VJP sums the angle gradients over the batch image by image (or as one reduction
     above UNROLLED_BATCH_SUM); every gradient must equal autodiff of the plain complex product."""
@@ -97,7 +97,7 @@ def test_rotation_gradients_match_autodiff_of_the_plain_product(batch, heads):
         rot = jnp.stack([re * cos - im * sin, re * sin + im * cos], -1).reshape(batch, 30, 2, 8)
         return jnp.concatenate([rot, x[:, :, 2:]], axis=2)
 
-    out, vjp = jax.vjp(lambda *a: rose._rotate(*a, 2), x, cos, sin)
+    out, vjp = jax.vjp(lambda *a: cpu_rotate.rotate_heads(*a, 2), x, cos, sin)
     want_out, want_vjp = jax.vjp(plain, x, cos, sin)
     np.testing.assert_array_equal(out, want_out)
     for a, b in zip(jax.jit(vjp)(g), want_vjp(g)):

@@ -8,10 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrat.models import attention as A
-from jaxrat.models.sga import (
+from jaxrat import ops
+from jaxrat.models.rat.config import RATConfig
+from jaxrat.models.rat.sga import SpatialGroupingAttention as _SGA
+from jaxrat.ops import attention as A
+from jaxrat.ops import chunked_attention as C
+from jaxrat.ops.cpu import cache as cpu_cache
+from jaxrat.ops.policy import DEFAULT_BLOCK_ELEMENTS
+from jaxrat.ops.sparse_sga import (
     Geometry,
-    SpatialGroupingAttention,
     scatter_window_map,
     sparse_blocks,
     sparse_grouping,
@@ -19,6 +24,14 @@ from jaxrat.models.sga import (
     strided_grid,
     window_indices,
 )
+
+
+def SpatialGroupingAttention(feature_dims=128, spatial_dims=2, kernel_size=7, num_heads=16, *, attention="dense",
+                             rngs, **fields):
+    """One SGA layer of a RAT with these fields, on the CPU kernels."""
+    cfg = RATConfig(feature_dims=feature_dims, spatial_dims=spatial_dims, sga_kernel_size=kernel_size,
+                    num_heads=num_heads, **fields)
+    return _SGA(cfg, attention, kernels=ops.resolve("cpu"), rngs=rngs)
 
 
 def _qkv(shape_q, shape_k, seed=0):
@@ -55,10 +68,10 @@ def _naive_softmax(q, k, v):
 def test_kernel_matches_naive_values_and_gradients(normalise, keys, block, slice_batch):
     q, k, v, g = _qkv((2, 3, 40, 8), (2, 3, keys, 8))
     if normalise:
-        fast = lambda q, k, v: A.grouping_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
+        fast = lambda q, k, v: C.grouping_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
         naive = A.grouping_attention_reference
     else:
-        fast = lambda q, k, v: A.softmax_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
+        fast = lambda q, k, v: C.softmax_attention(q, k, v, max_block_elements=block, slice_batch=slice_batch)
         naive = _naive_softmax
     out, grads = _value_and_vjp(fast)(q, k, v, g)
     ref, ref_grads = _value_and_vjp(naive)(q, k, v, g)
@@ -68,14 +81,14 @@ def test_kernel_matches_naive_values_and_gradients(normalise, keys, block, slice
 
 
 def test_key_chunks_divide_the_keys_where_they_can_and_leave_a_near_full_tail_otherwise():
-    assert A._chunking(40, 700, 1 << 24) == A._Chunking(1, 700, 0)  # fits one block
-    assert A._chunking(40, 700, 40 * 64) == A._Chunking(14, 50, 0)  # largest divisor in [32, 64]
-    assert A._chunking(1024, 9216, 1 << 19) == A._Chunking(18, 512, 0)  # dense SGA at 96 px
-    assert A._chunking(1849, 16384, 1 << 19) == A._Chunking(64, 256, 0)  # at 128 px (target 283)
-    ch = A._chunking(40, 701, 40 * 64)  # a prime: no divisor
-    assert ch == A._Chunking(10, 64, 61)
+    assert C._chunking(40, 700, 1 << 24) == C._Chunking(1, 700, 0)  # fits one block
+    assert C._chunking(40, 700, 40 * 64) == C._Chunking(14, 50, 0)  # largest divisor in [32, 64]
+    assert C._chunking(1024, 9216, 1 << 19) == C._Chunking(18, 512, 0)  # dense SGA at 96 px
+    assert C._chunking(1849, 16384, 1 << 19) == C._Chunking(64, 256, 0)  # at 128 px (target 283)
+    ch = C._chunking(40, 701, 40 * 64)  # a prime: no divisor
+    assert ch == C._Chunking(10, 64, 61)
     for nq, nk, block in [(40, 701, 2560), (7, 1009, 700), (1849, 16411, 1 << 19), (3, 100003, 4096)]:
-        ch = A._chunking(nq, nk, block)
+        ch = C._chunking(nq, nk, block)
         assert ch.num_chunks * ch.chunk + ch.tail == nk and ch.tail < ch.chunk
         assert ch.chunk <= max(64, block // nq)  # a block stays within its budget
         assert ch.tail == 0 or ch.tail > ch.chunk - ch.num_chunks - 1  # balanced: never a sliver
@@ -85,7 +98,7 @@ def test_key_chunks_divide_the_keys_where_they_can_and_leave_a_near_full_tail_ot
 def test_streamed_kernel_masks_nothing(keys):
     """Padded keys would need a select on every block: one more pass over it in memory on CPU."""
     q, k, v, g = _qkv((2, 40, 8), (2, keys, 8))
-    for kernel in (A.grouping_attention, A.softmax_attention):
+    for kernel in (C.grouping_attention, C.softmax_attention):
         f = lambda q, k, v: jax.vjp(lambda *a: kernel(*a, max_block_elements=40 * 64), q, k, v)[1](g)
         text = str(jax.make_jaxpr(f)(q, k, v))
         assert "scan" in text and "select_n" not in text and "pad" not in text
@@ -99,36 +112,42 @@ def test_the_cpu_block_is_a_sixteenth_of_the_last_level_cache(tmp_path):
         (d / "size").write_text(f"{size}\n")
         (d / "type").write_text(f"{kind}\n")
 
-    assert A.last_level_cache_bytes(str(tmp_path)) is None  # nothing to read: the fixed default
+    assert cpu_cache.last_level_cache_bytes(str(tmp_path)) is None  # nothing to read: the fixed default
     cache(0, 1, "48K", "Data")
     cache(1, 1, "64K", "Instruction")
     cache(2, 2, "2048K")
     cache(3, 3, "491520K")
-    assert A.last_level_cache_bytes(str(tmp_path)) == 480 << 20
-    assert A.cpu_block_elements(None) == A.DEFAULT_BLOCK_ELEMENTS
-    assert A.cpu_block_elements(32 << 20) == 1 << 19  # 2 MiB blocks for a 32 MiB L3
-    assert A.cpu_block_elements(48 << 20) == 1 << 19  # rounded down to a power of two
-    assert A.cpu_block_elements(64 << 20) == 1 << 20
-    assert A.cpu_block_elements(4 << 20) == A.CPU_BLOCK_BOUNDS[0]
-    assert A.cpu_block_elements(480 << 20) == A.CPU_BLOCK_BOUNDS[1]
-    # One process on CPU (this test run): the machine's own size; the kernels use it when given None.
-    assert A.default_block_elements() == A.cpu_block_elements(A.last_level_cache_bytes())
+    assert cpu_cache.last_level_cache_bytes(str(tmp_path)) == 480 << 20
+    assert cpu_cache.cpu_block_elements(None) == DEFAULT_BLOCK_ELEMENTS
+    assert cpu_cache.cpu_block_elements(32 << 20) == 1 << 19  # 2 MiB blocks for a 32 MiB L3
+    assert cpu_cache.cpu_block_elements(48 << 20) == 1 << 19  # rounded down to a power of two
+    assert cpu_cache.cpu_block_elements(64 << 20) == 1 << 20
+    assert cpu_cache.cpu_block_elements(4 << 20) == cpu_cache.CPU_BLOCK_BOUNDS[0]
+    assert cpu_cache.cpu_block_elements(480 << 20) == cpu_cache.CPU_BLOCK_BOUNDS[1]
+    # One process on CPU (this test run): the cpu policy takes the machine's own size.
+    assert ops.resolve("cpu").block_elements == cpu_cache.cpu_block_elements(cpu_cache.last_level_cache_bytes())
     q, k, v, g = _qkv((4, 64, 8), (4, 2048, 8))
-    np.testing.assert_allclose(A.grouping_attention(q, k, v),
-                               A.grouping_attention(q, k, v, max_block_elements=A.default_block_elements()))
+    np.testing.assert_allclose(A.grouping_attention(q, k, v, ops.resolve("cpu")),
+                               C.grouping_attention(q, k, v, max_block_elements=ops.resolve("cpu").block_elements))
 
 
-def test_several_processes_all_take_the_fixed_block(monkeypatch):
-    monkeypatch.setattr(A, "_cached_cpu_block", lambda: 1 << 22)
-    assert A.default_block_elements() == 1 << 22
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert A.default_block_elements() == A.DEFAULT_BLOCK_ELEMENTS
+def test_policies_choose_their_block(monkeypatch):
+    monkeypatch.setattr(cpu_cache, "cpu_block_elements_here", lambda: 1 << 22)
+    assert ops.resolve("cpu", process_count=1).block_elements == 1 << 22
+    # Several processes all take the fixed block: they must compile the same program.
+    assert ops.resolve("cpu", process_count=2).block_elements == DEFAULT_BLOCK_ELEMENTS
+    assert ops.resolve("portable").block_elements == DEFAULT_BLOCK_ELEMENTS
+    assert ops.resolve("gpu").block_elements == DEFAULT_BLOCK_ELEMENTS
+    assert ops.resolve("auto", "cpu", process_count=1).form == "cpu"
+    assert ops.resolve("auto", "cuda").form == "gpu" and ops.resolve("auto", "tpu").form == "portable"
+    with pytest.raises(ValueError, match="model.kernels must be one of"):
+        ops.resolve("cuda")
 
 
 def test_kernel_never_holds_full_attention_tensor():
     q, k, v, _ = _qkv((2, 4, 256, 16), (2, 4, 4096, 16))
     full = 2 * 4 * 256 * 4096 * 4  # one (B, H, groups, pixels) float32 tensor
-    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(A.grouping_attention(q, k, v, max_block_elements=256 * 512) ** 2),
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(C.grouping_attention(q, k, v, max_block_elements=256 * 512) ** 2),
                          argnums=(0, 1, 2)))
     temp = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
     assert temp < full / 4, (temp, full)
@@ -255,13 +274,14 @@ def test_sparse_layer_equals_dense_when_every_window_covers_the_grid():
 
 def test_small_slices_are_batched_but_cpu_runs_tile_sized_ones_alone():
     """On CPU, 256 x 256-token tiles ran 1.4-1.6x faster one per lax.map step than 8 vmapped."""
-    from jaxrat.models import attention as A
 
-    def step(queries, keys, block=A.DEFAULT_BLOCK_ELEMENTS, slice_batch=1):
-        return A._slices_per_step(jnp.zeros((64, queries, 1)), jnp.zeros((64, keys, 1)), block, slice_batch)
+    def step(queries, keys, block=DEFAULT_BLOCK_ELEMENTS, slice_batch=1, unbatched=cpu_cache.UNBATCHED_SLICE_ELEMENTS):
+        return C._slices_per_step(jnp.zeros((64, queries, 1)), jnp.zeros((64, keys, 1)), block, slice_batch,
+                                  unbatched)
 
-    assert jax.default_backend() == "cpu"
     assert step(256, 256) == 1  # 64 Ki elements: the windowed MR tiles
     assert step(256, 256, slice_batch=4) == 4  # the caller's batch still holds
-    assert step(128, 128) == A.DEFAULT_BLOCK_ELEMENTS // (128 * 128)  # 16 Ki: batched up to a block
+    assert step(128, 128) == DEFAULT_BLOCK_ELEMENTS // (128 * 128)  # 16 Ki: batched up to a block
     assert step(2000, 2000) == 1  # larger than a block: chunked, one at a time
+    # Every other form batches small slices up to a block, tiles included.
+    assert step(256, 256, unbatched=None) == DEFAULT_BLOCK_ELEMENTS // (256 * 256)

@@ -46,7 +46,8 @@ def test_a_fusion_is_charged_to_its_dot(sp):
 def test_real_step_time_lands_in_every_component(sp, tmp_path):
     """A tiny RAT in the real ISIC train step: if a named scope went missing, its bucket would be empty."""
     config = sp.isic_config("configs/isic.py", 32, jax.device_count(), "dense")
-    config.model.update(dict(feature_dims=8, num_blocks=1, num_heads=1, iters=1, decoder_dim=4))
+    config.model.rat.update(dict(feature_dims=8, num_blocks=1, num_heads=1, iters=1))
+    config.model.decoder_dim = 4
     config.data.num_workers = 0  # no worker processes for a few tiny batches
     cwd = os.getcwd()
     os.chdir(REPO)  # the config path is relative to the repository, as in the benchmark

@@ -1,4 +1,4 @@
-"""Strided convolution as stride-block matmuls (jaxrat.models.strided_conv) against XLA's own."""
+"""Strided convolution as stride-block matmuls (jaxrat.ops.cpu.strided_conv) against XLA's own."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrat.models import strided_conv
+from jaxrat import ops
 from jaxrat.models.layers import conv
-from jaxrat.models.sga import SpatialGroupingAttention
+from jaxrat.models.rat.config import RATConfig
+from jaxrat.models.rat.sga import SpatialGroupingAttention
+from jaxrat.ops.cpu import strided_conv
+
+CPU = ops.resolve("cpu")
 
 
 def _xla_conv(x, w, stride):
@@ -46,7 +50,7 @@ def _has_conv(fn, *args) -> bool:
 
 def test_dispatch_takes_the_blocked_form_only_for_large_strided_inputs(monkeypatch):
     layer = conv(4, 4, (7, 7), strides=(3, 3), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0),
-                 cpu_fast_forms=True)
+                 kernels=CPU)
     small = jnp.ones((1, 16, 16, 4))
     assert _has_conv(lambda x: layer(x), small)  # below the crossover: XLA's convolution
     monkeypatch.setattr(strided_conv, "MIN_BLOCKED_POSITIONS", 16 * 16)
@@ -54,7 +58,7 @@ def test_dispatch_takes_the_blocked_form_only_for_large_strided_inputs(monkeypat
     np.testing.assert_allclose(layer(small), _xla_conv(small, layer.kernel[...], (3, 3)) + layer.bias[...],
                                rtol=1e-5, atol=1e-5)
     # stride 1, "SAME" padding or a plain conv() keep XLA's convolution at any size
-    same = conv(4, 4, (3, 3), strides=(1, 1), dtype=jnp.float32, rngs=nnx.Rngs(0), cpu_fast_forms=True)
+    same = conv(4, 4, (3, 3), strides=(1, 1), dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=CPU)
     assert _has_conv(lambda x: same(x), small)
     plain = conv(4, 4, (7, 7), strides=(3, 3), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert _has_conv(lambda x: plain(x), small)
@@ -62,7 +66,8 @@ def test_dispatch_takes_the_blocked_form_only_for_large_strided_inputs(monkeypat
 
 def test_sga_layer_is_the_same_with_the_blocked_strider(monkeypatch):
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 20 * 17, 16))
-    layer = SpatialGroupingAttention(16, 2, 7, 4, iters=2, attention="sparse", rngs=nnx.Rngs(0))
+    layer = SpatialGroupingAttention(RATConfig(feature_dims=16, num_heads=4, iters=2), "sparse", kernels=CPU,
+                                     rngs=nnx.Rngs(0))
     ref = layer(x, (20, 17), (1.0, 1.0)).x
     monkeypatch.setattr(strided_conv, "MIN_BLOCKED_POSITIONS", 1)
     np.testing.assert_allclose(layer(x, (20, 17), (1.0, 1.0)).x, ref, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""Stride-1 convolution with its weight gradient over row strips (jaxrat.models.strip_conv)."""
+"""Stride-1 convolution with its weight gradient over row strips (jaxrat.ops.cpu.strip_conv)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrat.models import strip_conv
-from jaxrat.models.heads import MultiLevelDecoderHead
+from jaxrat import ops
 from jaxrat.models.layers import conv
+from jaxrat.models.rat.heads import MultiLevelDecoderHead
+from jaxrat.ops.cpu import strip_conv
+
+CPU = ops.resolve("cpu")
 
 
 @pytest.mark.parametrize(
@@ -46,13 +49,13 @@ def _uses_strips(fn, *args) -> bool:
 
 def test_dispatch_takes_strips_for_large_odd_stride_one_convolutions_only(monkeypatch):
     x = jnp.ones((1, 16, 16, 3))
-    proj = conv(3, 8, (7, 7), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0), cpu_fast_forms=True)
+    proj = conv(3, 8, (7, 7), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=CPU)
     assert not _uses_strips(lambda x: proj(x), x)  # 8 KiB of output: XLA's convolution
     monkeypatch.setattr(strip_conv, "MIN_STRIP_BYTES", 16 * 16 * 8 * 4)
     assert _uses_strips(lambda x: proj(x), x)
-    same = conv(3, 8, (3, 3), dtype=jnp.float32, rngs=nnx.Rngs(0), cpu_fast_forms=True)  # "SAME"
+    same = conv(3, 8, (3, 3), dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=CPU)  # "SAME"
     assert _uses_strips(lambda x: same(x), x)
-    even = conv(3, 8, (4, 4), padding=[(1, 1), (1, 1)], dtype=jnp.float32, rngs=nnx.Rngs(0), cpu_fast_forms=True)
+    even = conv(3, 8, (4, 4), padding=[(1, 1), (1, 1)], dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=CPU)
     assert not _uses_strips(lambda x: even(x), x)  # the output would not keep the input's grid
     plain = conv(3, 8, (7, 7), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert not _uses_strips(lambda x: plain(x), x)
@@ -62,7 +65,7 @@ def test_dispatch_takes_strips_for_large_odd_stride_one_convolutions_only(monkey
 
 def test_decoder_head_gradients_are_the_same_with_strips(monkeypatch):
     grids = [(16, 16), (6, 6), (2, 2)]
-    head = MultiLevelDecoderHead(8, 3, 2, decoder_dim=8, rngs=nnx.Rngs(0))
+    head = MultiLevelDecoderHead(8, 3, 2, decoder_dim=8, kernels=CPU, rngs=nnx.Rngs(0))
     feats = [jax.random.normal(jax.random.PRNGKey(i), (2, g[0] * g[1], 8)) for i, g in enumerate(grids)]
 
     def grads():

@@ -61,8 +61,8 @@ def test_malformed_sweeps_fail_with_a_sentence(raw, needle):
 def test_the_ablation_study_covers_five_axes_with_real_keys(arg):
     variants = sweep.load_sweep(f"configs/ablations.py{arg}")  # checks every key and value type
     keys = {o.partition("=")[0].removeprefix("--config.") for v in variants for o in v.overrides}
-    assert keys == {"model.positional_encoding", "model.attention", "model.mr_attention", "model.scales",
-                    "model.num_blocks", "model.feature_dims"}
+    assert keys == {"model.rat.positional_encoding", "model.rat.attention", "model.rat.mr_attention",
+                    "model.rat.scales", "model.rat.num_blocks", "model.rat.feature_dims"}
     assert variants[0] == sweep.Variant("baseline", ())
     assert len({v.name for v in variants}) == len(variants) == 12
 
@@ -72,7 +72,7 @@ def test_every_ablation_variant_changes_its_base(arg):
     # A variant equal to the base (e.g. attn_sparse once isic.py itself trains sparse SGA) would
     # silently train the baseline twice under another name.
     base = flatten(load_config(f"configs/ablations.py{arg}"))
-    assert base["model.attention"] == "dense"  # the study's base is the reference's SGA
+    assert base["model.rat.attention"] == "dense"  # the study's base is the reference's SGA
     for v in sweep.load_sweep(f"configs/ablations.py{arg}")[1:]:
         pairs = [o.removeprefix("--config.").split("=", 1) for o in v.overrides]
         assert any(str(base[k]).replace(" ", "") != val.replace(" ", "") for k, val in pairs), v

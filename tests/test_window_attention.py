@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections as mlc
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
-from jaxrat.models.window_attention import multires_attention
+from jaxrat.ops.chunked_attention import softmax_attention
+from jaxrat.ops.windowed_attention import multires_attention
+from model_configs import rat_model
 
-TINY = dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, decoder_dim=8, dropout=0.0)
+TINY = dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, decoder_dim=8, mlp_dropout=0.0)
 
 
 def build(**fields):
-    return build_model(mlc.ConfigDict(dict(name="rat", num_classes=1, **(TINY | fields))), rngs=nnx.Rngs(0))
+    return build_model(rat_model(num_classes=1, **(TINY | fields)), rngs=nnx.Rngs(0))
 
 
 @nnx.jit
@@ -53,7 +54,7 @@ def test_windowed_matches_a_masked_dense_attention():
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), -1), v)
 
-    windowed = lambda q, k, v: multires_attention(q, k, v, segments, 3, max_block_elements=1 << 19, slice_batch=1)
+    windowed = lambda q, k, v: multires_attention(q, k, v, segments, 3, attend=softmax_attention)
     np.testing.assert_allclose(jax.jit(windowed)(q, k, v), dense(q, k, v), rtol=1e-5, atol=1e-5)
     g = jax.random.normal(jax.random.PRNGKey(9), q.shape)
     grads_w = jax.grad(lambda *a: jnp.sum(windowed(*a) * g), argnums=(0, 1, 2))(q, k, v)

@@ -63,6 +63,9 @@ def base_config() -> mlc.ConfigDict:
 
     c.model = mlc.ConfigDict()
     c.model.name = "unet"
+    # How the model's operations are computed (jaxrat.ops.policy): "auto" (the form for the platform
+    # of the mesh's devices, resolved once at start-up), "cpu", "gpu" or "portable" (plain XLA ops).
+    c.model.kernels = "auto"
 
     # The task owns its data, loss and metrics (jaxrat.tasks); its own fields (loss weights,
     # thresholds, ...) are set by the config files that choose it.

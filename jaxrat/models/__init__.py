@@ -1,12 +1,16 @@
 """Model registry.
 
-Models are Flax NNX modules and know nothing about training. A model is registered under a
-name and built from ``config.model`` (a ConfigDict whose ``name`` picks the factory and whose
-other fields are passed as keyword arguments), plus the compute ``dtype`` and ``rngs``.
+Models are Flax NNX modules and know nothing about training, nor about the machine: they state the
+math and call :mod:`jaxrat.ops` with the kernel policy they are built with. A model is registered
+under a name and built from ``config.model`` (a ConfigDict whose ``name`` picks the factory and
+whose other fields are passed as keyword arguments; ``kernels`` is the policy), plus the compute
+``dtype`` and ``rngs``. The RAT models take the RAT whole as ``config.model.rat``.
 
 Contract for segmentation models: ``model(images)`` with ``images`` float of shape
 (batch, height, width, channels) returns logits of shape (batch, height, width, num_classes)
-at the input resolution. Models may switch dropout etc. via ``model.train()``/``model.eval()``.
+at the input resolution; ``model(images, all_levels=True)`` returns a list of logits, one per
+level the model predicts (a multi-scale RAT: each pyramid level at its own size, finest first;
+others: the one level). Models may switch dropout etc. via ``model.train()``/``model.eval()``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from jaxrat.errors import ConfigError
 ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
 # Modules imported lazily on first lookup so importing jaxrat.models stays cheap.
-_BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat_models", "jaxrat.models.classifier",
+_BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat.segmenter", "jaxrat.models.classifier",
                     "jaxrat.models.detr")
 
 
@@ -53,17 +57,28 @@ def available_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_model(model_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
-    """Build the model named ``model_config.name`` with the remaining fields as kwargs."""
+def build_model(model_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+    """Build the model named ``model_config.name`` with the remaining fields as kwargs.
+
+    ``kernels``: the kernel policy (a resolved :class:`jaxrat.ops.KernelPolicy` or its name); None
+    takes ``model_config.kernels`` (default "auto", resolved from ``jax.devices()``).
+    """
+    from jaxrat import ops
+
     _load_builtins()
     cfg = dict(model_config)
     name = cfg.pop("name", None)
+    configured = cfg.pop("kernels", "auto")
+    try:
+        policy = ops.resolve(configured if kernels is None else kernels)
+    except ValueError as e:
+        raise ConfigError(f"config.model.kernels: {e}.") from None
     if name not in _REGISTRY:
         raise ConfigError(
             f"Unknown model {name!r} in config.model.name; choose one of {available_models()}."
         )
     try:
-        return _REGISTRY[name](**cfg, dtype=dtype, rngs=rngs)
+        return _REGISTRY[name](**cfg, dtype=dtype, rngs=rngs, kernels=policy)
     except TypeError as e:
         if "unexpected keyword" in str(e):
             raise ConfigError(f"config.model has a field model {name!r} does not accept: {e}.") from None

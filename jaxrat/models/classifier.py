@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxrat.errors import ConfigError
 from jaxrat.models import register
-from jaxrat.models.rat_models import RATBackbone
+from jaxrat.models.rat.segmenter import rat_from_config
 from jaxrat.models.unet import ConvBlock
 
 POOLS = ("mean", "leading")
@@ -40,7 +40,7 @@ class CNNClassifier(nnx.Module):
     """
 
     def __init__(self, *, num_classes: Sequence[int], features: Sequence[int] = (32, 64, 128), in_channels: int = 3,
-                 dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: Any = None) -> None:
         widths = [in_channels, *features]
         self.blocks = nnx.List([ConvBlock(a, b, dtype=dtype, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
         self.heads = Heads(widths[-1], num_classes, dtype=dtype, rngs=rngs)
@@ -60,28 +60,30 @@ def cnn_classifier(**kwargs: Any) -> CNNClassifier:
     return CNNClassifier(**kwargs)
 
 
-class RATClassifier(RATBackbone):
+class RATClassifier(nnx.Module):
     """RAT backbone, pooled, then one linear head per label level.
 
     Args:
+      rat: the RAT (``config.model.rat``).
       num_classes: classes per head.
       pool: "mean" (average of the final tokens of the first pyramid level) or "leading" (a learned
-        leading token that attends to every scale, as a class token).
-      **backbone: the fields of :class:`jaxrat.models.rat_models.RATBackbone`.
+        leading token that attends to every scale, as a class token: at least one is added).
+      kernels: the kernel policy (:mod:`jaxrat.ops.policy`).
     """
 
-    def __init__(self, *, num_classes: Sequence[int], pool: str = "mean", dtype: Any = jnp.float32, rngs: nnx.Rngs,
-                 **backbone: Any) -> None:
+    def __init__(self, *, rat: Any = None, num_classes: Sequence[int], pool: str = "mean", kernels: Any = "auto",
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if pool not in POOLS:
             raise ConfigError(f"model.pool must be one of {POOLS}, got {pool!r}.")
+        extra = {}
         if pool == "leading":
-            backbone["leading_tokens"] = max(1, int(backbone.get("leading_tokens", 0)))
-        super().__init__(dtype=dtype, rngs=rngs, **backbone)
+            extra["leading_tokens"] = max(1, int(dict(rat or {}).get("leading_tokens", 0)))
+        self.backbone = rat_from_config(rat, kernels=kernels, dtype=dtype, rngs=rngs, **extra)
         self.pool = pool
-        self.heads = Heads(self.feature_dims, num_classes, dtype=dtype, rngs=rngs)
+        self.heads = Heads(self.backbone.feature_dims, num_classes, dtype=dtype, rngs=rngs)
 
     def __call__(self, images: jax.Array) -> tuple[jax.Array, ...]:
-        first = self.features(images)[0]
+        first = self.backbone.features(images)[0]
         pooled = first.leading[:, 0] if self.pool == "leading" else first.tokens.mean(axis=1)
         return self.heads(pooled)
 

@@ -23,7 +23,7 @@ feature is the query's content and the cell's centre its anchor, so a query alre
 where it starts and the class and box heads learn at once; ``num_queries`` is then that stage's
 cell count.
 
-``head="reference"`` is the PyTorch reference's head instead (``rat_reference.md`` 2.2): the final
+``head="reference"`` is the PyTorch reference's head instead (``docs/reference.md`` 2.2): the final
 stage's tokens only, one multi-head cross-attention from learned queries without positions, residual,
 norm or FFN, then a linear class head and a linear + sigmoid box head; kept for comparison.
 """
@@ -40,6 +40,7 @@ from flax import nnx
 from jaxrat.errors import ConfigError
 from jaxrat.models import register
 from jaxrat.models.layers import layer_norm, linear
+from jaxrat.models.rat.segmenter import rat_from_config
 
 Array = jax.Array
 BACKBONES = ("rat", "cnn")
@@ -156,34 +157,14 @@ class CNNBackbone(nnx.Module):
         return out
 
 
-class RATBackbone(nnx.Module):
-    """RAT (``ResolutionAwareTransformer``) on one image with its pad mask; every stage's tokens."""
-
-    def __init__(self, in_channels: int, *, dtype: Any, rngs: nnx.Rngs, positional_encoding: str = "rose",
-                 rose_scaling: Optional[str] = None, rotary_ratio: float = 0.5, **kwargs: Any) -> None:
-        from jaxrat.models.rat import ResolutionAwareTransformer
-        from jaxrat.models.rat_models import positional_kwargs
-
-        pe = positional_kwargs(positional_encoding, rose_scaling, rotary_ratio)
-        try:
-            self.net = ResolutionAwareTransformer(spatial_dims=2, input_features=in_channels, dtype=dtype, rngs=rngs,
-                                                  **kwargs, **pe)
-        except ValueError as e:
-            raise ConfigError(f"invalid RAT config: {e}") from None
-
-    def __call__(self, images: Array, pad_mask: Array) -> list[tuple[Array, tuple[int, int]]]:
-        out = self.net(images, mask=pad_mask, return_features=True)[0]
-        return list(zip(out.features, out.feature_grids))
-
-
 class DETR(nnx.Module):
     """Backbone + DETR transformer decoder; see the module docstring.
 
     Args:
       num_classes: object classes (the task sets it from the data); a no-object logit is added
         unless ``focal``.
-      backbone: "rat" (fields in ``rat``: ResolutionAwareTransformer arguments such as
-        feature_dims, num_blocks, num_heads, sga_attention_type) or "cnn" (``cnn_widths``).
+      backbone: "rat" (the RAT in ``rat``: ``config.model.rat``, :class:`jaxrat.models.rat.RATConfig`)
+        or "cnn" (``cnn_widths``).
       hidden_dim, num_queries, decoder_layers, decoder_heads, ffn_dim, dropout: the decoder.
       feature_levels: which backbone stages (0 = the first) the queries attend to; None = all.
         The first RAT stage is at full resolution: leave it out for large canvases.
@@ -194,22 +175,22 @@ class DETR(nnx.Module):
       head: "detr" (the decoder) or "reference" (the PyTorch reference's single attention layer over
         the final stage; ``hidden_dim``, ``decoder_layers``, ``ffn_dim``, ``feature_levels`` and
         ``box_refine`` are then unused).
+      kernels: the kernel policy of the RAT backbone (:mod:`jaxrat.ops.policy`).
     """
 
     def __init__(self, *, num_classes: int, in_channels: int = 3, backbone: str = "rat", rat: Any = None,
                  cnn_widths: Sequence[int] = (32, 64, 128), hidden_dim: int = 128, num_queries: int = 100,
                  decoder_layers: int = 6, decoder_heads: int = 8, ffn_dim: int = 512, dropout: float = 0.0,
                  feature_levels: Optional[Sequence[int]] = None, focal: bool = False, box_refine: bool = False,
-                 query_level: Optional[int] = None, head: str = "detr", dtype: Any = jnp.float32,
-                 rngs: nnx.Rngs) -> None:
+                 query_level: Optional[int] = None, head: str = "detr", kernels: Any = "auto",
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if backbone not in BACKBONES:
             raise ConfigError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}.")
         if head not in HEADS:
             raise ConfigError(f"model.head must be one of {HEADS}, got {head!r}.")
         if backbone == "rat":
-            rat_kwargs = dict(rat or {})
-            self.backbone = RATBackbone(in_channels, dtype=dtype, rngs=rngs, **rat_kwargs)
-            dims = [int(rat_kwargs.get("feature_dims", 128))] * (int(rat_kwargs.get("num_blocks", 4)) + 1)
+            self.backbone = rat_from_config(rat, kernels=kernels, dtype=dtype, rngs=rngs, input_features=in_channels)
+            dims = [self.backbone.feature_dims] * (self.backbone.num_blocks + 1)
         else:
             self.backbone = CNNBackbone(in_channels, cnn_widths, dtype=dtype, rngs=rngs)
             dims = list(cnn_widths)
@@ -261,7 +242,11 @@ class DETR(nnx.Module):
     def memory(self, images: Array, pad_mask: Array) -> tuple[Array, Array, Array, dict]:
         """Projected tokens of the chosen stages, their position embeddings, which are not padding, and
         {stage: (projected tokens, grid)}."""
-        stages = self.backbone(images, pad_mask)
+        if isinstance(self.backbone, CNNBackbone):
+            stages = self.backbone(images, pad_mask)
+        else:
+            out = self.backbone.features(images, pad_mask, return_features=True)[0]
+            stages = list(zip(out.features, out.feature_grids))
         content = (pad_mask <= 0).astype(jnp.float32)[..., None]
         tokens, pos, ok, by_stage = [], [], [], {}
         for j, i in enumerate(self.levels):

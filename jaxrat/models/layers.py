@@ -8,9 +8,10 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxrat.models.strided_conv import conv_general_dilated as cpu_fast_conv
+from jaxrat import ops
+from jaxrat.ops import mlp as mlp_ops
+from jaxrat.ops.conv import conv_general_dilated
 
 Array = jax.Array
 Dtype = Any
@@ -61,16 +62,16 @@ def conv(
     padding: Any = "SAME",
     dtype: Dtype,
     rngs: nnx.Rngs,
-    cpu_fast_forms: bool = False,
+    kernels: Optional[ops.KernelPolicy] = None,
 ) -> nnx.Conv:
     """Channels-last convolution with PyTorch's default init (the reference's convs keep it).
 
-    ``cpu_fast_forms``: on CPU, compute large strided convolutions as stride-block matmuls and
-    large stride-1 ones' weight gradients over row strips (:func:`jaxrat.models.strided_conv.
-    conv_general_dilated`; same parameters, same values up to rounding).
+    ``kernels``: the policy whose convolution form to take (:func:`jaxrat.ops.conv.
+    conv_general_dilated`; same parameters, same values up to rounding); None: XLA's.
     """
     fan_in = din * int(math.prod(kernel_size))
-    extra = dict(conv_general_dilated=cpu_fast_conv) if cpu_fast_forms else {}
+    form = conv_general_dilated(kernels)
+    extra = dict(conv_general_dilated=form) if form is not None else {}
     return nnx.Conv(din, dout, tuple(kernel_size), strides=strides, padding=padding,
                     kernel_init=torch_default_uniform(fan_in), bias_init=torch_default_uniform(fan_in),
                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **extra)
@@ -81,77 +82,30 @@ def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.Lay
     return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
-# Above this many bytes of hidden activation in one call, the MLP runs over token chunks whose
-# hidden activations are recomputed in the backward pass: at 1024 px the first SGA layer's three
-# MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive.
-CHUNK_HIDDEN_BYTES = 256 * 2**20
-CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one chunk
-# On CPU, from this many hidden bytes up to CHUNK_HIDDEN_BYTES the MLP also runs over token chunks,
-# of CPU_CHUNK_BYTES, but keeps what the backward needs instead of recomputing it: the memory is
-# that of the plain form, and each chunk's GELU, dropout and their gradients work in the cache.
-# Plain, those passes over a hidden activation out of the cache grew 12-27x from 256 to 512 px
-# (4x the tokens); chunked, the sparse RAT step at 512 px went 17.8 -> 15.5 s, 256 px 3.49 -> 3.40 s
-# (2-16 MiB chunks within noise of each other). Accelerators want the one wide product.
-CPU_CHUNK_HIDDEN_BYTES = 16 * 2**20
-CPU_CHUNK_BYTES = 8 * 2**20
-
-
 class Mlp(nnx.Module):
     """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout.
 
-    Calls whose hidden activation would exceed ``CHUNK_HIDDEN_BYTES`` run as a scan over token
-    chunks with each chunk rematerialised (same values; in training, different dropout draws); on
-    CPU, calls above ``CPU_CHUNK_HIDDEN_BYTES`` run as a scan over cache-sized chunks without it.
+    Large calls run over token chunks (:mod:`jaxrat.ops.mlp`: same values; in training, other
+    dropout draws), as the memory and the kernel policy ask.
     """
 
     def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype,
-                 rngs: nnx.Rngs) -> None:
+                 rngs: nnx.Rngs, kernels: ops.KernelPolicy = ops.PORTABLE) -> None:
         self.fc1 = linear(dim, hidden, use_bias=bias, dtype=dtype, rngs=rngs)
         self.fc2 = linear(hidden, dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.drop1 = nnx.Dropout(dropout, rngs=rngs)
         self.drop2 = nnx.Dropout(dropout, rngs=rngs)
+        self.kernels = kernels
 
     def __call__(self, x: Array) -> Array:
-        tokens = math.prod(x.shape[:-1])
         itemsize = jnp.dtype(self.fc1.dtype or x.dtype).itemsize
-        hidden_bytes = tokens * self.fc1.out_features * itemsize
-        if x.ndim >= 2 and hidden_bytes > CHUNK_HIDDEN_BYTES:
-            return self.drop2(self._chunked(x, hidden_bytes))
-        if x.ndim >= 2 and hidden_bytes > CPU_CHUNK_HIDDEN_BYTES and jax.default_backend() == "cpu":
-            return self.drop2(self._chunked(x, hidden_bytes, CPU_CHUNK_BYTES, remat=False))
-        x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
-        return self.drop2(self.fc2(x))
-
-    def _chunked(self, x: Array, hidden_bytes: int, chunk_bytes: Optional[int] = None, remat: bool = True) -> Array:
-        """fc2(drop1(gelu(fc1(x)))) as a scan over chunks of axis -2 holding about ``chunk_bytes``
-        (default ``CHUNK_TOKENS_BYTES``) of hidden activation; with ``remat`` each chunk is
-        recomputed in the backward pass.
-
-        A scan (not one ``jax.checkpoint``) because XLA's scheduler runs independent recomputations
-        side by side; a loop forces one chunk's hidden activation at a time.
-        """
-        n = x.shape[-2]
-        chunks = max(2, -(-hidden_bytes // (chunk_bytes or CHUNK_TOKENS_BYTES)))
-        size = -(-n // chunks)
-        chunks = -(-n // size)
-        pad = chunks * size - n
-        xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)]) if pad else x
-        xs = jnp.moveaxis(xp.reshape(*x.shape[:-2], chunks, size, x.shape[-1]), -3, 0)
+        hidden_bytes = math.prod(x.shape[:-1]) * self.fc1.out_features * itemsize
+        chunks = mlp_ops.chunking(hidden_bytes, self.kernels) if x.ndim >= 2 else None
+        if chunks is None:
+            x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
+            return self.drop2(self.fc2(x))
         rate = self.drop1.rate
-        train = not self.drop1.deterministic and rate > 0.0
-        keys = jax.random.split(self.drop1.rngs(), chunks) if train else jnp.zeros((chunks,), jnp.uint32)
-
-        def body(carry, chunk_and_key):
-            chunk, key = chunk_and_key
-            h = jax.nn.gelu(checkpoint_name(self.fc1(chunk), "mlp_fc1"), approximate=False)
-            if train:
-                keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
-                h = jnp.where(keep, h / (1.0 - rate), jnp.zeros_like(h))
-            return carry, self.fc2(h)
-
-        # Without remat only fc1's output is kept: GELU and the dropout mask are recomputed from it
-        # in the cache, and the backward holds one hidden-sized array per chunk, not three.
-        policy = None if remat else jax.checkpoint_policies.save_only_these_names("mlp_fc1")
-        _, ys = jax.lax.scan(jax.checkpoint(body, policy=policy), None, (xs, keys))
-        y = jnp.moveaxis(ys, 0, -3).reshape(*x.shape[:-2], chunks * size, ys.shape[-1])
-        return y[..., :n, :] if pad else y
+        key = self.drop1.rngs() if not self.drop1.deterministic and rate > 0.0 else None
+        y = mlp_ops.chunked_mlp(x, self.fc1, self.fc2, hidden_bytes=hidden_bytes, chunks=chunks, dropout_rate=rate,
+                                dropout_key=key)
+        return self.drop2(y)

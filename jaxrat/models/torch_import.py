@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrat.models.rat import ResolutionAwareTransformer
+from jaxrat.models.rat.backbone import ResolutionAwareTransformer
 
 # Reference constructor arguments that have no counterpart here or must keep their default.
 _IGNORED_CONFIG = {"mlp_activation"}
@@ -148,15 +148,17 @@ def load_reference_backbone(
     prefix: str = "",
     dtype: Any = jnp.float32,
     strict: bool = True,
+    kernels: Any = "auto",
     **overrides: Any,
 ) -> ResolutionAwareTransformer:
     """Build a Flax RAT backbone from ``config`` and load the reference weights into it.
 
-    ``overrides`` are extra constructor arguments of the Flax backbone, typically
-    ``reference_compat=True`` to reproduce the reference's outputs exactly.
+    ``overrides`` are extra fields of the Flax backbone (:class:`jaxrat.models.rat.RATConfig`),
+    typically ``reference_compat=True`` to reproduce the reference's outputs exactly. ``kernels``
+    is the kernel policy: "auto" (from this process's devices), "cpu", "gpu" or "portable".
     """
     kwargs = _backbone_kwargs(config) | overrides
-    model = ResolutionAwareTransformer(**kwargs, dtype=dtype, rngs=nnx.Rngs(0))
+    model = ResolutionAwareTransformer(**kwargs, kernels=kernels, dtype=dtype, rngs=nnx.Rngs(0))
     params = convert_state_dict(read_state_dict(source, prefix), model, strict=strict)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jnp.asarray, params))

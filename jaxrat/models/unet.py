@@ -66,7 +66,8 @@ class UNet(nnx.Module):
             cin = f
         self.head = nnx.Conv(cin, num_classes, (1, 1), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, all_levels: bool = False) -> jax.Array | list[jax.Array]:
+        """(B, H, W, C) -> (B, H, W, num_classes) logits; ``all_levels``: as a list of the one level."""
         skips = []
         for i, block in enumerate(self.down):
             if i > 0:
@@ -75,7 +76,8 @@ class UNet(nnx.Module):
             skips.append(x)
         for upconv, block, skip in zip(self.upconv, self.up, reversed(skips[:-1])):
             x = block(jnp.concatenate([upconv(x), skip], axis=-1))
-        return self.head(x).astype(jnp.float32)
+        logits = self.head(x).astype(jnp.float32)
+        return [logits] if all_levels else logits
 
 
 @register("unet")
@@ -86,6 +88,7 @@ def unet(
     *,
     dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
+    kernels: Any = None,
 ) -> UNet:
-    """Registry entry for :class:`UNet`."""
+    """Registry entry for :class:`UNet` (plain XLA convolutions whatever the ``kernels`` policy)."""
     return UNet(features, in_channels, num_classes, dtype=dtype, rngs=rngs)

@@ -73,12 +73,10 @@ class EvalAccumulator(abc.ABC):
 class Task(abc.ABC):
     """A problem to train on: data, model, loss, metrics. See the module docstring.
 
-    ``mesh`` is set by the trainer before any step is traced: the device mesh the batch is sharded
-    over, for per-device work inside the step (e.g. matching under ``shard_map``); ``None`` when the
-    loss runs in a single-device program (``train.reduction_shards``).
+    The trainer traces its sharded step under ``jax.set_mesh``: per-device work inside the loss
+    (e.g. matching under ``shard_map``) finds the mesh with ``jax.sharding.get_abstract_mesh()``,
+    which is empty when the loss runs in a single-device program (``train.reduction_shards``).
     """
-
-    mesh: jax.sharding.Mesh | None = None
 
     def __init__(self, config: mlc.ConfigDict) -> None:
         self.config = config
@@ -106,11 +104,16 @@ class Task(abc.ABC):
         process (padded; the task marks padding itself and leaves it out of its sums)."""
 
     # --------------------------------------------------------------------------------- model
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
-        """The model to train; by default ``config.model`` through the model registry."""
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+        """The model to train; by default ``config.model`` through the model registry.
+
+        ``kernels`` is the run's kernel policy (:class:`jaxrat.ops.KernelPolicy`, resolved once from
+        the mesh's platform); pass it on to the model. A task whose ``build_model`` does not take it
+        builds its model with ``model.kernels`` resolved from ``jax.devices()``.
+        """
         from jaxrat.models import build_model
 
-        return build_model(self.config.model, dtype=dtype, rngs=rngs)
+        return build_model(self.config.model, dtype=dtype, rngs=rngs, kernels=kernels)
 
     # ------------------------------------------------------------------------- inside jit
     @abc.abstractmethod

@@ -73,12 +73,12 @@ class ClassificationTask(ImageTask):
         classes = ", ".join(f"{h}: {c} classes" for h, c in zip(self.heads, self.num_classes))
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images ({classes})"
 
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
         from jaxrat.models import build_model
 
         model_config = mlc.ConfigDict(self.config.model.to_dict())
         model_config.num_classes = tuple(self.num_classes)
-        return build_model(model_config, dtype=dtype, rngs=rngs)
+        return build_model(model_config, dtype=dtype, rngs=rngs, kernels=kernels)
 
     # ------------------------------------------------------------------------- inside jit
     def _head_losses(self, logits: Sequence[jax.Array], labels: jax.Array, ok: jax.Array,

@@ -91,9 +91,6 @@ class SegmentationTask(ImageTask):
         self.threshold = float(t.threshold)
         self.eval_original_resolution = bool(t.get("eval_original_resolution", False))
         self.multiscale_loss = bool(t.get("multiscale_loss", False))
-        if self.multiscale_loss and not (config.model.get("name") == "rat" and config.model.get("scales")):
-            raise ConfigError("config.task.multiscale_loss=True needs a multi-scale RAT (config.model.name='rat' with "
-                              "config.model.scales, as in configs/isic_multiscale.py); set it False otherwise.")
 
     def prepare_data(self, workdir: str) -> str:
         from jaxrat.data import datasets
@@ -119,7 +116,12 @@ class SegmentationTask(ImageTask):
         if not self.multiscale_loss:
             loss, parts = loss_fn(model(batch["image"]), mask, **kw)
         else:
-            loss, parts = multiscale_loss_fn(model.level_logits(batch["image"]), mask, **kw)
+            levels = model(batch["image"], all_levels=True)
+            if len(levels) < 2:
+                raise ConfigError("config.task.multiscale_loss=True needs a model that predicts several pyramid "
+                                  "levels (a RAT with config.model.rat.scales, as in configs/isic_multiscale.py); "
+                                  "set it False otherwise.")
+            loss, parts = multiscale_loss_fn(levels, mask, **kw)
         # Exact in float32 (a sum of 0/1 pixels): a fingerprint of which examples a step saw.
         return loss, {**parts, "foreground_fraction": jnp.mean(mask)}
 

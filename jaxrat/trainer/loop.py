@@ -145,7 +145,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
                 config, workdir, status=status, mesh=mesh, first=first, last=done,
                 wall_time_s=time.perf_counter() - t_created, last_train=log.last,
                 images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
-                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory)
+                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory, kernels=spec.kernels)
             run_summary.publish(writer, workdir, summary)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)

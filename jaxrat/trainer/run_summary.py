@@ -6,6 +6,7 @@ Process 0 writes the files and hands them (and the checkpoint paths) to the trac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,7 +44,8 @@ def checkpoints(directory: str) -> dict[str, Any]:
 
 def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.sharding.Mesh, first: int, last: int,
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
-          last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str) -> dict[str, Any]:
+          last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
+          kernels: Any = None) -> dict[str, Any]:
     """The summary's content (every process may call it; only process 0 writes it)."""
     hw = hardware(mesh)
     return {
@@ -52,6 +54,8 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
         "hardware": hw, "mesh": hw["mesh"],
+        "kernels": None if kernels is None else {"configured": config.model.get("kernels", "auto"),
+                                                 **dataclasses.asdict(kernels)},
         "last_train": last_train, "last_eval": {f"eval/{k}": v for k, v in last_eval.items()}, "best": best,
         "checkpoints": checkpoints(checkpoint_dir),
         "config": json.loads(config.to_json_best_effort()),

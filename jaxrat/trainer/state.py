@@ -8,6 +8,7 @@ step from the step's key instead of being carried, so dropout noise depends only
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from typing import Any, Callable, Iterator
 
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrat import ops
 from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.errors import ConfigError
 from jaxrat.parallel import sharding
@@ -30,6 +32,23 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def _is_key(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def resolve_kernels(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> ops.KernelPolicy:
+    """``config.model.kernels`` resolved once for the run, from the platform of the mesh's devices."""
+    try:
+        return ops.resolve(config.model.get("kernels", "auto"), ops.policy.platform_of(mesh.devices.flat),
+                           process_count=jax.process_count())
+    except ValueError as e:
+        raise ConfigError(f"config.model.kernels: {e}.") from None
+
+
+def build_task_model(task: Task, dtype: Any, rngs: nnx.Rngs, kernels: ops.KernelPolicy) -> nnx.Module:
+    """``task.build_model`` with the run's kernel policy (a task whose method does not take one
+    builds with its own)."""
+    if "kernels" in inspect.signature(task.build_model).parameters:
+        return task.build_model(dtype=dtype, rngs=rngs, kernels=kernels)
+    return task.build_model(dtype=dtype, rngs=rngs)
 
 
 def fresh_rest(abstract_rest: Any, rng: jax.Array) -> Any:
@@ -58,6 +77,7 @@ class StateSpec:
     state_shardings: dict[str, Any]
     grad_shardings: Any
     batch_sharding: NamedSharding
+    kernels: ops.KernelPolicy = ops.PORTABLE
 
     def model(self, params: Any, rng: jax.Array, *, train: bool) -> nnx.Module:
         """The model in train or eval mode with ``params`` (inside jit)."""
@@ -68,7 +88,7 @@ class StateSpec:
         """A fresh train state (jit it with ``out_shardings=state_shardings`` to create it sharded)."""
         key = jax.random.wrap_key_data(rng_data)
         rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
-        params = nnx.to_pure_dict(nnx.state(self.task.build_model(dtype=self.dtype, rngs=rngs), nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(build_task_model(self.task, self.dtype, rngs, self.kernels), nnx.Param))
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -87,10 +107,11 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
     if config.train.compute_dtype not in DTYPES:
         raise ConfigError(f"config.train.compute_dtype={config.train.compute_dtype!r}; use 'float32' or 'bfloat16'.")
     dtype = DTYPES[config.train.compute_dtype]
-    # Fixed reduction shards run the loss in single-device programs already.
-    task.mesh = None if config.train.reduction_shards else mesh
+    kernels = resolve_kernels(config, mesh)
+    logging.info("kernels: %s form (model.kernels=%s), attention block %d", kernels.form,
+                 config.model.get("kernels", "auto"), kernels.block_elements)
     tx, schedule = make_optimizer(config.optimizer, config.num_train_steps)
-    model = nnx.eval_shape(lambda: task.build_model(dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_task_model(task, dtype, nnx.Rngs(0), kernels))
     model.train()
     train_graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     model.eval()
@@ -103,7 +124,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
                 f"jaxrat models must not keep mutable statistics (use GroupNorm/LayerNorm)."
             )
     spec = StateSpec(config, mesh, task, dtype, tx, schedule, train_graphdef, eval_graphdef, abstract_rest,
-                     None, {}, None, NamedSharding(mesh, sharding.batch_spec(mesh)))
+                     None, {}, None, NamedSharding(mesh, sharding.batch_spec(mesh)), kernels)
     spec.abstract_state = jax.eval_shape(spec.init_state, jax.random.key_data(jax.random.key(0)))
 
     zero, sc = config.sharding.zero, config.sharding

@@ -95,8 +95,29 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         return apply(state, grads, loss, parts)
 
     rep = NamedSharding(spec.mesh, P())
-    return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
-                   out_shardings=(spec.state_shardings, rep), donate_argnums=0)
+    return OnMesh(jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
+                          out_shardings=(spec.state_shardings, rep), donate_argnums=0), spec.mesh)
+
+
+class OnMesh:
+    """A jitted function traced, lowered and run with ``mesh`` as JAX's current mesh, so that code
+    inside it (a task's loss) can ask for the mesh (``jax.sharding.get_abstract_mesh()``) instead of
+    being handed it."""
+
+    def __init__(self, fn: Any, mesh: jax.sharding.Mesh) -> None:
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)
+
+    def trace(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn.trace(*args)
 
 
 def make_eval_step(spec: StateSpec) -> Callable[[Any, dict], tuple[dict, Any]]:

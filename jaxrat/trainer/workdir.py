@@ -33,6 +33,7 @@ RESUMABLE = (
     "data.data_dir", "data.stage_to_local_dir", "data.num_threads", "data.prefetch_buffer",
     "data.device_prefetch", "data.num_workers", "data.worker_ram_budget_gb", "data.on_bad_file",
     "data.eval_batch_size", "data.eval_spacing", "optimizer.grad_accum_steps", "train.reduction_shards",
+    "model.kernels",
 )
 
 

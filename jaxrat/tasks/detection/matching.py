@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.tasks.detection import boxes as box_ops
@@ -158,7 +158,14 @@ def _match_local(cost: jax.Array, valid: jax.Array) -> Match:
                  target_index=jnp.argmax(onehot, axis=1).astype(jnp.int32), query_matched=onehot.any(axis=1))
 
 
-def hungarian_match(cost: jax.Array, valid: jax.Array, *, mesh: Mesh | None = None,
+def current_mesh() -> AbstractMesh | None:
+    """The mesh a step is being traced for (the trainer traces its sharded step under
+    ``jax.set_mesh``), or None in a single-device program (``train.reduction_shards``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def hungarian_match(cost: jax.Array, valid: jax.Array, *, mesh: Mesh | AbstractMesh | None = None,
                     batch_axes: str | tuple[str, ...] | None = None) -> Match:
     """Minimum-cost matching of Q predictions to the valid ones of T padded targets, per example.
 

@@ -39,7 +39,7 @@ from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
 from jaxrat.tasks.detection.drawing import boxes_images
 from jaxrat.tasks.detection.losses import num_target_boxes, set_criterion
-from jaxrat.tasks.detection.matching import hungarian_match
+from jaxrat.tasks.detection.matching import current_mesh, hungarian_match
 
 METRICS = (*STAT_NAMES, "num_images")
 
@@ -185,13 +185,13 @@ class DetectionTask(Task):
                                      num_threads=d.get("num_threads", 2),
                                      ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False, data_cfg=d))
 
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
         from jaxrat.models import build_model
 
         model_config = mlc.ConfigDict(self.config.model.to_dict())
         model_config.num_classes = self.num_classes
         model_config.focal = bool(self.t.focal)
-        return build_model(model_config, dtype=dtype, rngs=rngs)
+        return build_model(model_config, dtype=dtype, rngs=rngs, kernels=kernels)
 
     # ------------------------------------------------------------------------- inside jit
     def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -211,7 +211,7 @@ class DetectionTask(Task):
             cost_class=float(t.cost_class), cost_bbox=float(t.cost_bbox), cost_giou=float(t.cost_giou),
             ce_weight=float(t.ce_weight), bbox_weight=float(t.bbox_weight), giou_weight=float(t.giou_weight),
             focal=bool(t.focal), eos_coef=float(t.eos_coef), focal_alpha=float(t.focal_alpha),
-            focal_gamma=float(t.focal_gamma), matcher=functools.partial(hungarian_match, mesh=self.mesh))
+            focal_gamma=float(t.focal_gamma), matcher=functools.partial(hungarian_match, mesh=current_mesh()))
         logged = {k: parts[k] for k in ("loss_ce", "loss_bbox", "loss_giou")}
         return total, {**logged, "boxes_per_image": jnp.mean(valid.sum(-1).astype(jnp.float32))}
 

@@ -5,7 +5,7 @@ Port of ``spatial_grouping_attention.DenseSpatialGroupingAttention`` (PyPI
 
 * ``attention="dense"``: every group attends to every input token; the update is
   ``A_q V`` with ``A_k = softmax_keys(Q K^T)`` and ``A_q = A_k / (colsum(A_k) + eps)``,
-  computed by the memory-efficient kernel in :mod:`jaxrat.models.attention`.
+  (:func:`jaxrat.ops.attention.grouping_attention`).
 * ``attention="sparse"``: each group attends only to the k^sd input window its strided
   convolution covers (out-of-image taps excluded); the column sums run over the groups whose
   window contains the token. Memory O(groups x k^sd) instead of O(groups x pixels).
@@ -13,7 +13,7 @@ Port of ``spatial_grouping_attention.DenseSpatialGroupingAttention`` (PyPI
   (rows sum to 1, no column renormalisation) — the "standard attention" ablation.
 
 ``reference_compat=True`` reproduces the reference's head handling of the values (flaw 1 in
-rat_reference.md): V is split into heads by a plain row-major reshape of (B, N, D) and the
+docs/reference.md): V is split into heads by a plain row-major reshape of (B, N, D) and the
 update is merged back the same way. The default splits and merges heads properly.
 """
 
@@ -26,14 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.models.attention import (
-    grouping_attention,
-    grouping_maps,
-    softmax_attention,
-)
+from jaxrat import ops
 from jaxrat.models.layers import Mlp, conv, layer_norm, linear
-from jaxrat.models.rose import RotarySpatialEmbedding
-from jaxrat.models.sparse_sga import (  # noqa: F401  (re-exported: the kernels' public names)
+from jaxrat.models.rat.config import RATConfig, as_tuple
+from jaxrat.models.rat.rose import RotarySpatialEmbedding
+from jaxrat.ops import attention as attn
+from jaxrat.ops.sparse_sga import (
     Geometry,
     scatter_window_map,
     sparse_blocks,
@@ -57,85 +55,45 @@ class SGAOutput(NamedTuple):
     attn_k: Optional[Array]
 
 
-def as_tuple(value: Any, n: int, cast=None) -> tuple:
-    """Broadcast a scalar to an n-tuple, or check a sequence has length n."""
-    if isinstance(value, (int, float, str)) or value is None:
-        out = (value,) * n
-    else:
-        out = tuple(value)
-        if len(out) != n:
-            raise ValueError(f"expected {n} values, got {value!r}")
-    return tuple(cast(v) for v in out) if cast else out
-
-
 class SpatialGroupingAttention(nnx.Module):
     """One SGA layer: strided-conv groups refined by ``iters`` rounds of grouping attention.
 
-    Args follow the reference constructor; additions:
-      attention: "dense" | "sparse" | "standard" (see module docstring).
-      reference_compat: reproduce the reference's value-head reshaping (flaw 1).
-      max_block_elements, slice_batch: memory/speed knobs of the dense kernel (block None: the
-        machine's default, `attention.default_block_elements`).
+    Args:
+      config: the RAT (its SGA fields: feature_dims, spatial_dims, sga_kernel_size, num_heads,
+        stride, iters, the MLP's and RoSE's, reference_compat).
+      attention: this layer's form, "dense" | "sparse" | "standard" (see the module docstring).
+      kernels: the kernel policy the attention, convolution and MLP take.
       dtype: compute dtype (params are float32).
     """
 
-    def __init__(
-        self,
-        feature_dims: int = 128,
-        spatial_dims: int = 2,
-        kernel_size: int | Sequence[int] = 7,
-        num_heads: int = 16,
-        stride: Optional[int | Sequence[int]] = None,
-        iters: int = 3,
-        mlp_ratio: float = 4,
-        mlp_dropout: float = 0.0,
-        mlp_bias: bool = True,
-        qkv_bias: bool = True,
-        base_theta: float = 1e4,
-        learnable_rose: bool = True,
-        init_jitter_std: float = 0.02,
-        rotary_ratio: float = 0.5,
-        frequency_scaling: str = "sqrt",
-        learnable_rose_scaling: bool = True,
-        rose_initial_scaling: Optional[str] = "log",
-        attention: str = "dense",
-        reference_compat: bool = False,
-        max_block_elements: Optional[int] = None,
-        slice_batch: int = 1,
-        dtype: Any = jnp.float32,
-        *,
-        rngs: nnx.Rngs,
-    ) -> None:
+    def __init__(self, config: RATConfig, attention: str = "dense", *, kernels: ops.KernelPolicy = ops.PORTABLE,
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if attention not in ATTENTION_TYPES:
             raise ValueError(f"attention must be one of {ATTENTION_TYPES}, got {attention!r}")
-        if iters < 0:
-            raise ValueError(f"iters must be >= 0, got {iters}")
+        c = config
+        feature_dims, sd = c.feature_dims, c.spatial_dims
         self.feature_dims = feature_dims
-        self.spatial_dims = spatial_dims
-        self.num_heads = num_heads
-        self.head_dim = feature_dims // num_heads
-        self.kernel_size = as_tuple(kernel_size, spatial_dims, int)
-        self.stride = (tuple(max(1, k // 2) for k in self.kernel_size) if stride is None
-                       else as_tuple(stride, spatial_dims, int))
-        self.iters = iters
+        self.spatial_dims = sd
+        self.num_heads = c.num_heads
+        self.head_dim = feature_dims // c.num_heads
+        self.kernel_size = as_tuple(c.sga_kernel_size, sd, int)
+        self.stride = (tuple(max(1, k // 2) for k in self.kernel_size) if c.stride is None
+                       else as_tuple(c.stride, sd, int))
+        self.iters = c.iters
         self.attention = attention
-        self.reference_compat = reference_compat
-        self.max_block_elements = max_block_elements
-        self.slice_batch = slice_batch
+        self.reference_compat = c.reference_compat
+        self.kernels = kernels
         padding = ("SAME" if all(s == 1 for s in self.stride)
                    else [((k - 1) // 2, (k - 1) // 2) for k in self.kernel_size])
         self.strider = conv(feature_dims, feature_dims, self.kernel_size, strides=self.stride, padding=padding,
-                            dtype=dtype, rngs=rngs, cpu_fast_forms=True)
-        self.kv = linear(feature_dims, 2 * feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.q = linear(feature_dims, feature_dims, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.mlp = Mlp(feature_dims, int(feature_dims * mlp_ratio), dropout=mlp_dropout, bias=mlp_bias, dtype=dtype,
-                       rngs=rngs)
+                            dtype=dtype, rngs=rngs, kernels=kernels)
+        self.kv = linear(feature_dims, 2 * feature_dims, use_bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.q = linear(feature_dims, feature_dims, use_bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.mlp = Mlp(feature_dims, int(feature_dims * c.mlp_ratio), dropout=c.mlp_dropout, bias=c.mlp_bias,
+                       dtype=dtype, rngs=rngs, kernels=kernels)
         # temp scales the keys only and starts at 1/sqrt(D) (not 1/sqrt(dh)): reference flaw 16.
         self.temp = nnx.Param(jnp.full((1,), 1.0 / math.sqrt(feature_dims), jnp.float32))
-        self.rose = RotarySpatialEmbedding(
-            feature_dims, num_heads, spatial_dims, base_theta, learnable_rose, init_jitter_std,
-            frequency_scaling, rotary_ratio, learnable_rose_scaling, rose_initial_scaling, rngs=rngs,
-        )
+        self.rose = RotarySpatialEmbedding.from_config(c, kernels=kernels, rngs=rngs)
         self.norm1 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs)
         self.norm2 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs)
         self.norm3 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs)
@@ -171,9 +129,9 @@ class SpatialGroupingAttention(nnx.Module):
         if self.attention == "sparse":  # temp moved from the keys (see __call__): same logits
             q = q * self.temp[...].astype(q.dtype)
         if self.attention == "dense":
-            u = grouping_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
+            u = attn.grouping_attention(q, k, v, self.kernels)
         elif self.attention == "standard":
-            u = softmax_attention(q, k, v, max_block_elements=self.max_block_elements, slice_batch=self.slice_batch)
+            u = attn.softmax_attention(q, k, v, self.kernels)
         else:
             u = sparse_update(q, k, v, geom)  # k, v blocked (sparse_blocks)
         xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
@@ -229,5 +187,5 @@ class SpatialGroupingAttention(nnx.Module):
                 attn_k = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32), -1)
                 attn_q = attn_k
             else:
-                attn_q, attn_k = grouping_maps(q, k)
+                attn_q, attn_k = attn.grouping_maps(q, k)
         return SGAOutput(xo, out_grid, out_spacing, attn_q, attn_k)

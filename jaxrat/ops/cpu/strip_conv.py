@@ -11,7 +11,8 @@ cache-sized. Measured alone on this 2-core CPU (benchmarks/rat_scaling.py's shap
 7x7 3 -> 128: 0.041 vs 0.143 s at 256 px, 0.16 vs 0.64 s at 512, 0.60 vs 2.46 s at 1024; 3x3
 32 -> 32: 0.15 vs 0.28 s at 512 px and 0.52 vs 1.19 s at 1024, but 0.052 vs 0.033 s at 256 px,
 where XLA's output gradient (16 MiB) still fits in cache. Hence the dispatch on the output
-gradient's size (:data:`MIN_STRIP_BYTES`), and on CPU only: accelerators keep the vendor's kernel.
+gradient's size (:data:`MIN_STRIP_BYTES`); only the ``cpu`` kernel policy takes it: accelerators
+keep the vendor's kernel.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def strip_rows(dy_shape: Sequence[int]) -> int:
 
 def use_strips(x: Array, w: Array) -> bool:
     """Whether the strip form applies and pays off: odd kernels (the output keeps the input's
-    grid), CPU, and an output gradient of :data:`MIN_STRIP_BYTES` or more."""
+    grid) and an output gradient of :data:`MIN_STRIP_BYTES` or more."""
     out_bytes = 4 * math.prod(x.shape[:-1]) * int(w.shape[-1])
     odd = all(int(k) % 2 for k in w.shape[:-2])
-    return odd and jax.default_backend() == "cpu" and out_bytes >= MIN_STRIP_BYTES
+    return odd and out_bytes >= MIN_STRIP_BYTES
 
 
 def strip_conv(x: Array, w: Array) -> Array:

@@ -3,7 +3,7 @@
 * :class:`ReferenceSegmentationHead` — the reference's head (experiments ``SegmentationHead``):
   a per-token MLP D -> D/2 -> D/4 -> classes on the **final** grid only (4x4 for a 256x256
   input), upsampled bilinearly (half-pixel centres, as ``align_corners=False``). PyTorch default
-  init. Kept for parity and comparison; it cannot draw fine boundaries (rat_reference.md flaw 8).
+  init. Kept for parity and comparison; it cannot draw fine boundaries (docs/reference.md, flaw 8).
   The reference guesses a square grid from the token count; we use the known grid.
 * :class:`MultiLevelDecoderHead` — our default: a light FPN-style decoder over every stage of the
   backbone (initial projection at full resolution, then each block's grid), coarse to fine:
@@ -13,14 +13,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models.layers import linear
-from jaxrat.models.strided_conv import conv_general_dilated as cpu_fast_conv
+from jaxrat.ops.conv import conv_general_dilated
 
 Array = jax.Array
 
@@ -47,10 +48,12 @@ class ReferenceSegmentationHead(nnx.Module):
 
 
 class _Refine(nnx.Module):
-    def __init__(self, dim: int, spatial_dims: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        # At full resolution its weight gradient is the costly part on CPU (jaxrat.models.strip_conv).
+    def __init__(self, dim: int, spatial_dims: int, *, kernels: Optional[ops.KernelPolicy], dtype: Any,
+                 rngs: nnx.Rngs) -> None:
+        # At full resolution its weight gradient is the costly part on CPU (jaxrat.ops.cpu.strip_conv).
+        form = conv_general_dilated(kernels)
         self.conv = nnx.Conv(dim, dim, (3,) * spatial_dims, padding="SAME", dtype=dtype, rngs=rngs,
-                             conv_general_dilated=cpu_fast_conv)
+                             **(dict(conv_general_dilated=form) if form is not None else {}))
         self.norm = nnx.GroupNorm(dim, num_groups=min(8, dim), dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
@@ -66,6 +69,7 @@ class MultiLevelDecoderHead(nnx.Module):
       num_classes: output channels.
       decoder_dim: channels inside the decoder.
       spatial_dims: 1, 2 or 3.
+      kernels: the kernel policy of its convolutions (None: XLA's).
     """
 
     def __init__(
@@ -76,12 +80,13 @@ class MultiLevelDecoderHead(nnx.Module):
         decoder_dim: int = 32,
         spatial_dims: int = 2,
         *,
+        kernels: Optional[ops.KernelPolicy] = None,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
         self.lateral = nnx.List([linear(dim, decoder_dim, dtype=dtype, rngs=rngs, init="torch")
                                  for _ in range(num_stages)])
-        self.refine = nnx.List([_Refine(decoder_dim, spatial_dims, dtype=dtype, rngs=rngs)
+        self.refine = nnx.List([_Refine(decoder_dim, spatial_dims, kernels=kernels, dtype=dtype, rngs=rngs)
                                 for _ in range(num_stages - 1)])
         self.out = linear(decoder_dim, num_classes, dtype=dtype, rngs=rngs, init="torch")
 

@@ -1,30 +1,21 @@
-"""Resolution Aware Transformer (RAT) backbone in Flax NNX.
+"""Resolution Aware Transformer (RAT) backbone in Flax NNX: the one backbone of every RAT model.
 
 Port of ``resolution_aware_transformer.ResolutionAwareTransformer`` (PyPI
-``resolution-aware-transformer==2025.9.29.2036``), described in
-/work/shared/reference/rat_reference.md and docs/rat.md.
+``resolution-aware-transformer==2025.9.29.2036``), described in docs/reference.md and docs/rat.md.
 
 Inputs are channels-last: one image (B, *spatial, C) or a pyramid (a list of them, same batch),
 each with its own spacing. A C->D convolution makes tokens; then ``num_blocks`` times: one SGA
 layer per scale (shared weights; each grid shrinks by the stride and its spacing grows by it),
-then one multi-resolution RoSE block attending jointly over all scales.
+then one multi-resolution RoSE block attending jointly over all scales. The segmenter, the
+classifier and DETR all hold this class; :meth:`ResolutionAwareTransformer.features` builds their
+image pyramid (``scales``) first.
 
-Departures from the reference, each a named option with the reference behaviour available:
-
-* ``reference_compat=True`` (default False): SGA value-head reshaping as the reference (flaw 1);
-  also keeps ``leading_tokens`` as an unused parameter (flaw 11). With False the heads are split
-  properly and leading tokens are prepended (unrotated) to every multi-resolution block.
-* ``sga_attention_type``: "dense" (reference), "sparse" (working windowed SGA, ours), "standard"
-  (plain cross-attention ablation), "mixed" (sparse in the first half of the blocks, dense after),
-  or one entry per block.
-* ``rose_initial_scaling="index"``: RoPE-like grid-index coordinates (the reference "rope" starts
-  with no rotation at all, flaw 4).
-* ``absolute_pos_grid``: a real learned absolute position embedding (the reference has none).
-* ``iters=0`` with ``return_maps`` raises (the reference returns uninitialised memory, flaw 17).
-* ``mr_attention="windowed"`` (default "global", the reference): multi-resolution attention in
-  ``mr_window``-token tiles on large grids, linear in pixels (:mod:`jaxrat.models.window_attention`).
-* ``remat="blocks"``: recompute each SGA layer and multi-resolution block in the backward pass
-  instead of keeping its activations (memory for time; default "none").
+Departures from the reference are options of :class:`~jaxrat.models.rat.config.RATConfig`, each
+with the reference's behaviour available: ``reference_compat`` (SGA value heads, flaw 1; unused
+leading tokens, flaw 11), ``attention`` (dense, sparse, standard, mixed or per block),
+``positional_encoding`` ("rope" on grid indices: the reference's "rope" starts with no rotation at
+all, flaw 4; a real learned absolute embedding), ``mr_attention="windowed"``, ``remat="blocks"``;
+and ``return_maps`` with ``iters=0`` raises (the reference returns uninitialised memory, flaw 17).
 """
 
 from __future__ import annotations
@@ -36,13 +27,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models.layers import conv, trunc_normal_init
-from jaxrat.models.mr_block import MultiResBlock
-from jaxrat.models.sga import SpatialGroupingAttention, as_tuple
+from jaxrat.models.rat.config import RATConfig, as_tuple
+from jaxrat.models.rat.mr_block import MultiResBlock
+from jaxrat.models.rat.sga import SpatialGroupingAttention
 
 Array = jax.Array
-SGA_TYPES = ("dense", "sparse", "standard", "mixed")
-REMAT_TYPES = ("none", "blocks")
 
 
 @flax.struct.dataclass
@@ -70,22 +61,6 @@ class ScaleOutput:
     leading: Optional[Array] = None
 
 
-def block_attention_types(sga_attention_type: str | Sequence[str], num_blocks: int) -> tuple[str, ...]:
-    """Per-block SGA type; "mixed" = sparse for the first ceil(n/2) (large-grid) blocks, then dense."""
-    if isinstance(sga_attention_type, str):
-        if sga_attention_type == "mixed":
-            n_sparse = (num_blocks + 1) // 2
-            return ("sparse",) * n_sparse + ("dense",) * (num_blocks - n_sparse)
-        if sga_attention_type not in SGA_TYPES:
-            raise ValueError(f"sga_attention_type must be one of {SGA_TYPES} or a per-block list, "
-                             f"got {sga_attention_type!r}")
-        return (sga_attention_type,) * num_blocks
-    types = tuple(sga_attention_type)
-    if len(types) != num_blocks or any(t not in ("dense", "sparse", "standard") for t in types):
-        raise ValueError(f"per-block sga_attention_type needs {num_blocks} of dense/sparse/standard, got {types}")
-    return types
-
-
 class AbsolutePositionEmbedding(nnx.Module):
     """Learned absolute position table on a base grid, resized (linearly) to each scale's grid."""
 
@@ -100,105 +75,81 @@ class AbsolutePositionEmbedding(nnx.Module):
 
 
 class ResolutionAwareTransformer(nnx.Module):
-    """RAT backbone. Constructor arguments follow the reference (rat_reference.md 1.0), plus:
+    """RAT backbone: ``ResolutionAwareTransformer(config)`` or ``ResolutionAwareTransformer(**fields)``.
 
     Args:
-      reference_compat: reproduce the reference exactly (see module docstring).
-      absolute_pos_grid: grid of a learned absolute position embedding added after the initial
-        projection (None = none, as in the reference).
-      max_block_elements, slice_batch: memory/speed knobs of the attention kernels (block None:
-        the machine's default, `attention.default_block_elements`).
-      mr_attention: "global" (reference) or "windowed" multi-resolution attention.
-      mr_window: window side in tokens for ``mr_attention="windowed"``.
-      remat: "none" or "blocks" (rematerialise every SGA layer and MR block in the backward pass).
+      config: the whole RAT (:class:`RATConfig`); or give its fields as keyword arguments (the
+        reference constructor's, e.g. ``feature_dims=64, num_heads=8``; ``sga_attention_type`` is
+        taken as ``attention``).
+      kernels: the kernel policy, "auto" (from the platform of ``jax.devices()``), "cpu", "gpu",
+        "portable" or a resolved :class:`jaxrat.ops.KernelPolicy` (a training run passes the one it
+        resolved from its mesh).
       dtype: compute dtype; parameters stay float32.
       rngs: parameter initialisation and dropout randomness.
     """
 
-    def __init__(
-        self,
-        spatial_dims: int = 2,
-        input_features: int = 3,
-        proj_kernel_size: int | Sequence[int] = 7,
-        proj_padding: int | Sequence[int] | str = "same",
-        feature_dims: int = 128,
-        num_blocks: int = 4,
-        sga_attention_type: str | Sequence[str] = "dense",
-        sga_kernel_size: int | Sequence[int] = 7,
-        stride: Optional[int | Sequence[int]] = None,
-        num_heads: int = 16,
-        iters: int = 3,
-        mlp_ratio: float = 4,
-        mlp_dropout: float = 0.0,
-        mlp_bias: bool = True,
-        qkv_bias: bool = True,
-        base_theta: float = 1e4,
-        learnable_rose: bool = True,
-        learnable_rose_scaling: bool = True,
-        rose_initial_scaling: Optional[str] = "log",
-        init_jitter_std: float = 0.02,
-        rotary_ratio: float = 0.5,
-        frequency_scaling: str = "sqrt",
-        leading_tokens: int = 0,
-        spacing: Optional[float | Sequence[float]] = None,
-        reference_compat: bool = False,
-        absolute_pos_grid: Optional[Sequence[int]] = None,
-        max_block_elements: Optional[int] = None,
-        slice_batch: int = 1,
-        mr_attention: str = "global",
-        mr_window: int = 16,
-        remat: str = "none",
-        dtype: Any = jnp.float32,
-        *,
-        rngs: nnx.Rngs,
-    ) -> None:
-        if spatial_dims not in (1, 2, 3):
-            raise ValueError(f"spatial_dims must be 1, 2 or 3, got {spatial_dims}")
-        if remat not in REMAT_TYPES:
-            raise ValueError(f"remat must be one of {REMAT_TYPES}, got {remat!r}")
-        self.remat = remat
-        self.spatial_dims = spatial_dims
-        self.feature_dims = feature_dims
-        self.num_blocks = num_blocks
-        self.num_heads = num_heads
-        self.reference_compat = reference_compat
-        self.proj_kernel_size = as_tuple(proj_kernel_size, spatial_dims, int)
-        self.default_spacing = as_tuple(1.0 if spacing is None else spacing, spatial_dims, float)
-        self.sga_types = block_attention_types(sga_attention_type, num_blocks)
-        if proj_padding == "same":
+    def __init__(self, config: Optional[RATConfig] = None, *, kernels: Any = "auto", dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs, **fields: Any) -> None:
+        if config is None:
+            config = RATConfig.from_mapping(fields)
+        elif fields:
+            config = config.replace(**fields)
+        c = self.config = config
+        kernels = self.kernels = ops.resolve(kernels)
+        sd = c.spatial_dims
+        self.remat = c.remat
+        self.spatial_dims = sd
+        self.feature_dims = c.feature_dims
+        self.num_blocks = c.num_blocks
+        self.num_heads = c.num_heads
+        self.reference_compat = c.reference_compat
+        self.scales = tuple(int(s) for s in c.scales) if c.scales else None
+        self.pyramid_spacing = c.pyramid_spacing
+        self.proj_kernel_size = as_tuple(c.proj_kernel_size, sd, int)
+        self.default_spacing = as_tuple(1.0 if c.spacing is None else c.spacing, sd, float)
+        self.sga_types = c.block_attention()
+        if c.proj_padding == "same":
             padding: Any = "SAME"
         else:
-            padding = [(p, p) for p in as_tuple(proj_padding, spatial_dims, int)]
-        self.init_proj = conv(input_features, feature_dims, self.proj_kernel_size, padding=padding, dtype=dtype,
-                              rngs=rngs, cpu_fast_forms=True)
+            padding = [(p, p) for p in as_tuple(c.proj_padding, sd, int)]
+        self.init_proj = conv(c.input_features, c.feature_dims, self.proj_kernel_size, padding=padding, dtype=dtype,
+                              rngs=rngs, kernels=kernels)
         self.leading_tokens = (
-            nnx.Param(jax.random.uniform(rngs.params(), (1, leading_tokens, feature_dims), jnp.float32))
-            if leading_tokens > 0 else None
+            nnx.Param(jax.random.uniform(rngs.params(), (1, c.leading_tokens, c.feature_dims), jnp.float32))
+            if c.leading_tokens > 0 else None
         )
-        self.abs_pos = (
-            AbsolutePositionEmbedding(as_tuple(absolute_pos_grid, spatial_dims, int), feature_dims, rngs=rngs)
-            if absolute_pos_grid is not None else None
-        )
-        rose_kw = dict(base_theta=base_theta, init_jitter_std=init_jitter_std, rotary_ratio=rotary_ratio,
-                       frequency_scaling=frequency_scaling)
+        grid = c.absolute_grid
+        self.abs_pos = AbsolutePositionEmbedding(grid, c.feature_dims, rngs=rngs) if grid is not None else None
         self.sga_layers = nnx.List([
-            SpatialGroupingAttention(
-                feature_dims, spatial_dims, sga_kernel_size, num_heads, stride, iters, mlp_ratio, mlp_dropout,
-                mlp_bias, qkv_bias, learnable_rose=learnable_rose, learnable_rose_scaling=learnable_rose_scaling,
-                rose_initial_scaling=rose_initial_scaling, attention=t, reference_compat=reference_compat,
-                max_block_elements=max_block_elements, slice_batch=slice_batch, dtype=dtype, rngs=rngs, **rose_kw,
-            )
-            for t in self.sga_types
+            SpatialGroupingAttention(c, t, kernels=kernels, dtype=dtype, rngs=rngs) for t in self.sga_types
         ])
         self.mr_attn_layers = nnx.List([
-            MultiResBlock(
-                feature_dims, num_heads, spatial_dims, learnable=learnable_rose, learnable_scale=learnable_rose_scaling,
-                initial_scaling=rose_initial_scaling, mlp_ratio=mlp_ratio, mlp_dropout=mlp_dropout, mlp_bias=mlp_bias,
-                qkv_bias=qkv_bias, max_block_elements=max_block_elements, slice_batch=slice_batch,
-                attention=mr_attention, window=mr_window, dtype=dtype, rngs=rngs, **rose_kw,
-            )
-            for _ in range(num_blocks)
+            MultiResBlock(c, kernels=kernels, dtype=dtype, rngs=rngs) for _ in range(c.num_blocks)
         ])
+
+    def pyramid(self, images: Array) -> tuple[list[Array], list[tuple[float, ...]]]:
+        """The input pyramid of ``config.scales`` and per-level spacing for an image batch (B, H, W, C)."""
+        if not self.scales:
+            return [images], [(1.0,) * (images.ndim - 2)]
+        b, h, w, c = images.shape
+        levels, spacings = [], []
+        for s in self.scales:
+            f = s / self.scales[0]
+            size = (max(1, round(h * f)), max(1, round(w * f)))
+            if size != (h, w):
+                images_at = jax.image.resize(images, (b, *size, c), "linear", antialias=True)
+            levels.append(images if size == (h, w) else images_at)
+            sp = (h / size[0], w / size[1]) if self.pyramid_spacing == "relative" else (1.0, 1.0)
+            spacings.append(sp)
+        return levels, spacings
+
+    def features(self, images: Array, mask: Optional[Array] = None, *,
+                 return_features: bool = False) -> list["ScaleOutput"]:
+        """The backbone's output per pyramid level for one image batch (what the task models call);
+        ``mask`` (B, H, W) > 0 = masked, for the finest level."""
+        levels, spacings = self.pyramid(images)
+        masks = None if mask is None else [mask] + [None] * (len(levels) - 1)
+        return self(levels, input_spacing=spacings, mask=masks, return_features=return_features)
 
     def dilate_mask(self, mask: Array) -> Array:
         """Mark every pixel whose projection window touches a masked pixel (reference max-pool)."""

@@ -8,19 +8,21 @@ interleaved real/imaginary parts) is multiplied by ``exp(i * <coord, omega[h, p]
 
 Only the first ``Hr = rotary_dim / dims_per_head`` heads are rotated (``rotary_ratio``); the others
 pass through. See docs/rat.md for the scaling modes, including ``"index"``, our fix of the
-reference's ``"rope"`` mode which starts with no rotation at all (rat_reference.md flaw 4).
+reference's ``"rope"`` mode which starts with no rotation at all (docs/reference.md, flaw 4).
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxrat import ops
+from jaxrat.ops.rotate import rotate_heads
 
 Array = jax.Array
 
@@ -36,65 +38,6 @@ _SCALE_INIT = {
     None: (1.0, 1.0, 0.0, 1.0),
 }
 SCALING_MODES = tuple(k for k in _SCALE_INIT if k is not None)
-
-
-# Largest leading (batch) axis whose sum the rotation's backward writes out as adds.
-UNROLLED_BATCH_SUM = 16
-
-
-def _batch_sum(x: Array, dtype: Any) -> Array:
-    """Sum over axis 0 in float32. A few images are added one by one: as a reduction over a short
-    leading axis, XLA:CPU read the operands at well under 1 GB/s (the angle gradients of the
-    full-resolution keys took 0.83 s of a 19 s step at 512 px)."""
-    if x.shape[0] > UNROLLED_BATCH_SUM:
-        return jnp.sum(x, axis=0, dtype=jnp.float32).astype(dtype)
-    total = x[0].astype(jnp.float32)
-    for i in range(1, x.shape[0]):
-        total = total + x[i].astype(jnp.float32)
-    return total.astype(dtype)
-
-
-def _turn(re: Array, im: Array, cos: Array, sin: Array) -> Array:
-    return jnp.stack([re * cos - im * sin, re * sin + im * cos], -1)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _rotate(x: Array, cos: Array, sin: Array, heads: int) -> Array:
-    """Rotate the first ``heads`` heads of ``x`` (B, N, H, dh), features as interleaved (re, im)
-    pairs, by (cos + i sin) of shape (N, heads, dh/2), broadcast over B.
-
-    A custom VJP for the angle gradients (see :func:`_batch_sum`). Its cost: XLA's plan for the
-    whole sparse RAT step at 1024 px needs 19.3 GiB of temporaries with it against 17.8 GiB with
-    plain autodiff (batch 2; the same whichever residual form, measured), for 1.2 s less per step
-    at 512 px on CPU.
-    """
-    b, n, h, dh = x.shape
-    pairs = x[:, :, :heads].reshape(b, n, heads, dh // 2, 2)
-    rot = _turn(pairs[..., 0], pairs[..., 1], cos, sin).reshape(b, n, heads, dh)
-    return rot if heads == h else jnp.concatenate([rot, x[:, :, heads:]], axis=2)
-
-
-def _rotate_fwd(x, cos, sin, heads):
-    return _rotate(x, cos, sin, heads), (x[:, :, :heads], cos, sin)
-
-
-def _rotate_bwd(heads, res, g):
-    xr, cos, sin = res
-    b, n, _, dh = xr.shape
-    h = g.shape[2]
-    pairs = xr.reshape(b, n, heads, dh // 2, 2)
-    re, im = pairs[..., 0], pairs[..., 1]
-    gp = g[:, :, :heads].reshape(b, n, heads, dh // 2, 2)
-    g_re, g_im = gp[..., 0], gp[..., 1]
-    dx = _turn(g_re, g_im, cos, -sin).reshape(b, n, heads, dh)  # the inverse rotation
-    if heads != h:
-        dx = jnp.concatenate([dx, g[:, :, heads:]], axis=2)
-    d_cos = _batch_sum(g_re * re + g_im * im, cos.dtype)
-    d_sin = _batch_sum(g_im * re - g_re * im, sin.dtype)
-    return dx, d_cos, d_sin
-
-
-_rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 def _frozen(x: Any) -> tuple:
@@ -156,6 +99,7 @@ class RotarySpatialEmbedding(nnx.Module):
       rotary_ratio: fraction of D (rounded to whole heads) that is rotated.
       learnable_scale: the spacing transform a, b, c, d is trainable.
       initial_scaling: "log", "rope", "index" (ours), "identity"/"linear"/"power" or None.
+      kernels: the kernel policy of the rotation (:func:`jaxrat.ops.rotate.rotate_heads`).
       rngs: randomness for the jitter.
     """
 
@@ -172,10 +116,12 @@ class RotarySpatialEmbedding(nnx.Module):
         learnable_scale: bool = False,
         initial_scaling: Optional[str] = None,
         *,
+        kernels: ops.KernelPolicy = ops.PORTABLE,
         rngs: nnx.Rngs,
     ) -> None:
         if initial_scaling not in _SCALE_INIT:
             raise ValueError(f"initial_scaling must be one of {SCALING_MODES} or None, got {initial_scaling!r}")
+        self.kernels = kernels
         self.feature_dims = feature_dims
         self.num_heads = num_heads
         self.spatial_dims = spatial_dims
@@ -211,6 +157,15 @@ class RotarySpatialEmbedding(nnx.Module):
                 else:
                     setattr(self, name, (float(value),) * spatial_dims)
 
+    @classmethod
+    def from_config(cls, config: Any, *, kernels: ops.KernelPolicy = ops.PORTABLE,
+                    rngs: nnx.Rngs) -> "RotarySpatialEmbedding":
+        """The RoSE of a RAT (:class:`jaxrat.models.rat.config.RATConfig`), as its SGA layers and
+        multi-resolution blocks each have one."""
+        c = config
+        return cls(c.feature_dims, c.num_heads, c.spatial_dims, c.base_theta, c.learnable_rose, c.init_jitter_std,
+                   c.frequency_scaling, c.rotary, c.learnable_rose_scaling, c.rose_scaling, kernels=kernels, rngs=rngs)
+
     def positions(self, grid_shape: Sequence[int], spacing: Sequence[float]) -> Array:
         """(N, sd) float32 coordinates after the learnable spacing transform."""
         spacing_np = np.asarray(spacing, np.float32)
@@ -238,4 +193,4 @@ class RotarySpatialEmbedding(nnx.Module):
         pos = self.positions(grid_shape, spacing)
         phase = jnp.einsum("nd,hpd->nhp", pos, _value(self.freqs))
         cos, sin = jnp.cos(phase).astype(x.dtype), jnp.sin(phase).astype(x.dtype)
-        return _rotate(x, cos, sin, hr)
+        return rotate_heads(x, cos, sin, hr, self.kernels)

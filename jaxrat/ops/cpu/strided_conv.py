@@ -9,8 +9,8 @@ windows that read it is a plain matmul of the blocks with that offset's kernel s
 cover equally many taps share one matmul), and each output adds its offsets' shares. Its gradients
 are plain matmuls too. Measured fwd+bwd, 128 channels, batch 2, 7x7 stride 3 on this 2-core CPU:
 0.016 vs 0.022 s at 32 px, 0.22 vs 0.26 s at 128 px, 1.7 vs 2.2 s at 256 px, and about half of
-XLA's time at 512 px. On accelerators the vendor convolution is left alone, so
-:func:`conv_general_dilated` only takes the blocked form on CPU.
+XLA's time at 512 px. Only the ``cpu`` kernel policy takes it (:mod:`jaxrat.ops.conv`):
+accelerators keep the vendor's convolution.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.models import strip_conv
-from jaxrat.models.sparse_sga import Geometry, _blocked, _take_at_offset
+from jaxrat.ops.cpu import SCOPE, strip_conv
+from jaxrat.ops.sparse_sga import Geometry, _blocked, _take_at_offset
 
 Array = jax.Array
 # Input positions per image from which the blocked form is taken on CPU: it was faster at every
@@ -113,11 +113,11 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
                          preferred_element_type: Any = None, **kwargs: Any) -> Array:
     """``lax.conv_general_dilated``, taking a CPU-friendlier form where one was measured faster.
 
-    Both need: CPU, channels-last, undilated, ungrouped, padding ``(k-1)//2`` on both sides (or
+    Both need: channels-last, undilated, ungrouped, padding ``(k-1)//2`` on both sides (or
     "SAME" at stride 1 with odd kernels), no precision or output-type request. Then a strided
     convolution on at least :data:`MIN_BLOCKED_POSITIONS` input positions per image is
     :func:`blocked_strided_conv`, and a stride-1 one with a large output is
-    :func:`jaxrat.models.strip_conv.strip_conv` (XLA's forward, weight gradient over row strips).
+    :func:`jaxrat.ops.cpu.strip_conv.strip_conv` (XLA's forward, weight gradient over row strips).
     """
     kernel = tuple(rhs.shape[:-2])
     stride_one = all(int(s) == 1 for s in window_strides)
@@ -127,8 +127,7 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
     else:
         same_pads = [tuple(p) for p in padding] == symmetric
     eligible = (
-        jax.default_backend() == "cpu"
-        and same_pads
+        same_pads
         and all(d in (None, 1) for d in (lhs_dilation or (None,)))
         and all(d in (None, 1) for d in (rhs_dilation or (None,)))
         and feature_group_count == 1
@@ -138,9 +137,11 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
         and not kwargs.get("out_sharding")
     )
     if eligible and not stride_one and int(np.prod(lhs.shape[1:-1])) >= MIN_BLOCKED_POSITIONS:
-        return blocked_strided_conv(lhs, rhs, window_strides)
+        with jax.named_scope(SCOPE):
+            return blocked_strided_conv(lhs, rhs, window_strides)
     if eligible and stride_one and strip_conv.use_strips(lhs, rhs):
-        return strip_conv.strip_conv(lhs, rhs)
+        with jax.named_scope(SCOPE):
+            return strip_conv.strip_conv(lhs, rhs)
     return jax.lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
         dimension_numbers=dimension_numbers, feature_group_count=feature_group_count, precision=precision,

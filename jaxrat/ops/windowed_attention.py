@@ -17,13 +17,11 @@ weights move freely between the two.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxrat.models.attention import softmax_attention
 
 Array = jax.Array
 MR_ATTENTION_TYPES = ("global", "windowed")
@@ -89,8 +87,7 @@ def multires_attention(
     segments: Sequence[tuple[int, Optional[Sequence[int]]]],
     window: Optional[int],
     *,
-    max_block_elements: Optional[int],
-    slice_batch: int,
+    attend: Callable[[Array, Array, Array], Array],
 ) -> Array:
     """Joint attention over concatenated segments; ``window=None`` is the reference's global form.
 
@@ -98,22 +95,22 @@ def multires_attention(
       q, k, v: (B, N, H, dh), queries already scaled, rotations applied.
       segments: (length, grid) per segment in sequence order; grid None = leading tokens (global).
       window: tile side in tokens for large grids, or None for global attention.
-      max_block_elements, slice_batch: attention kernel knobs (block None: the machine's default).
+      attend: plain softmax attention ``(…, Nq, d), (…, Nk, d), (…, Nk, dv) -> (…, Nq, dv)`` (queries
+        scaled), the form the kernel policy chose.
 
     Returns:
       (B, N, H, dh) attention output.
     """
     to_heads = lambda a: a.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
-    kw = dict(max_block_elements=max_block_elements, slice_batch=slice_batch)
     large = [window is not None and g is not None and is_large(g, window) for _, g in segments]
     if not any(large):
-        return to_heads(softmax_attention(to_heads(q), to_heads(k), to_heads(v), **kw))
+        return to_heads(attend(to_heads(q), to_heads(k), to_heads(v)))
     starts = np.cumsum([0] + [n for n, _ in segments])
     glob = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, big in enumerate(large) if not big] or
                           [np.zeros((0,), np.int64)])
     out = [None] * len(segments)
     if glob.size:  # global tokens see everything, as in the reference
-        u = to_heads(softmax_attention(to_heads(q[:, glob]), to_heads(k), to_heads(v), **kw))
+        u = to_heads(attend(to_heads(q[:, glob]), to_heads(k), to_heads(v)))
         pos = 0
         for i, big in enumerate(large):
             if not big:
@@ -140,6 +137,6 @@ def multires_attention(
             qw = jnp.concatenate([qw, jnp.ones((*qw.shape[:-1], 1), qw.dtype)], axis=-1)
             kb = jnp.broadcast_to(jnp.asarray(bias, kwin.dtype)[None, :, None, :, None], (*kwin.shape[:-1], 1))
             kwin = jnp.concatenate([kwin, kb], axis=-1)
-        u = softmax_attention(qw, kwin, vwin, **kw)  # (B, nw, H, t, dh)
+        u = attend(qw, kwin, vwin)  # (B, nw, H, t, dh)
         out[i] = _from_windows(u, grid, tiles, window)
     return jnp.concatenate(out, axis=1)

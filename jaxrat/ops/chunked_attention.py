@@ -4,8 +4,8 @@ Both never hold the whole (batch, heads, queries, keys) tensor. The (batch x hea
 processed one ``slice_batch`` at a time (``lax.map``), and inside a slice the keys are processed
 in chunks when ``queries x keys`` exceeds ``max_block_elements``. A ``jax.custom_vjp`` recomputes
 the probabilities in the backward pass from small saved statistics, so the backward is as lean as
-the forward. Cache-sized key chunks (about 2 MB per block) measured fastest on CPU, ahead of
-materialising each slice whole (benchmarks/rat_sga_kernels.py, docs/rat.md).
+the forward. Plain XLA operations only: this is the portable form, and with the CPU's block and
+unbatched large slices (:mod:`jaxrat.ops.cpu.cache`) the CPU form.
 
 Grouping attention (``normalise_columns=True``), per slice with queries Q (groups) and keys K:
 
@@ -25,79 +25,19 @@ Gradients, with W = V / (c + eps), dW = P^T dU:
 from __future__ import annotations
 
 import functools
-import glob
 import math
-import os
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.ops.policy import DEFAULT_BLOCK_ELEMENTS
+
 Array = jax.Array
 
 # float32 machine epsilon: the reference adds finfo(float32).eps to the column sums.
 EPS = float(np.finfo(np.float32).eps)
-# Block of (queries x key-chunk) elements when the caller gives none and the CPU's last-level
-# cache is unknown, and on every other backend: 512 Ki float32 (2 MB); it bounds the memory at
-# any resolution.
-DEFAULT_BLOCK_ELEMENTS = 1 << 19
-# On CPU the block is a sixteenth of the last-level cache, within these bounds. A chunk step holds
-# about four block-sized intermediates (logits, probabilities, their gradient), and keeping them
-# in the cache is what the block is for; beyond that, larger blocks mean fewer loop steps, each of
-# which costs a dozen thunk launches. Measured fastest (benchmarks/attention_blocks.py, docs/rat.md):
-# 512 Ki on two machines with a 32 MiB L3, 4-8 Mi on one with 480 MiB (dense SGA, 96-128 px).
-CPU_BLOCK_BOUNDS = (1 << 19, 1 << 22)
-
-
-def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> Optional[int]:
-    """Size of the CPU's largest cache level as Linux reports it, or None where it cannot be read."""
-    best: tuple[int, int] | None = None
-    for index in sorted(glob.glob(os.path.join(root, "index*"))):
-        try:
-            with open(os.path.join(index, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(index, "size")) as f:
-                text = f.read().strip().upper()
-            with open(os.path.join(index, "type")) as f:
-                if f.read().strip() == "Instruction":
-                    continue
-        except (OSError, ValueError):
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            size = int(text.rstrip("KMG")) * scale
-        except ValueError:
-            continue
-        if best is None or (level, size) > best:
-            best = (level, size)
-    return best[1] if best else None
-
-
-def cpu_block_elements(cache_bytes: Optional[int]) -> int:
-    """The CPU block for a last-level cache of ``cache_bytes``: a sixteenth of it in float32
-    elements, rounded down to a power of two, within :data:`CPU_BLOCK_BOUNDS`."""
-    if not cache_bytes or cache_bytes <= 0:
-        return DEFAULT_BLOCK_ELEMENTS
-    elements = 1 << max(0, (cache_bytes // 64).bit_length() - 1)
-    return min(max(elements, CPU_BLOCK_BOUNDS[0]), CPU_BLOCK_BOUNDS[1])
-
-
-def default_block_elements() -> int:
-    """``max_block_elements`` when the caller leaves it None.
-
-    Sized from this machine's cache on a CPU run by one process. With several processes every one
-    must compile the same program, and their machines may differ, so they all take
-    :data:`DEFAULT_BLOCK_ELEMENTS`, as does every other backend (not measured: no GPU lent).
-    """
-    if jax.default_backend() != "cpu" or jax.process_count() > 1:
-        return DEFAULT_BLOCK_ELEMENTS
-    return _cached_cpu_block()
-
-
-@functools.lru_cache(maxsize=1)
-def _cached_cpu_block() -> int:
-    return cpu_block_elements(last_level_cache_bytes())
 
 
 class _Chunking(NamedTuple):
@@ -260,9 +200,9 @@ def _chunked_bwd(q, k, v, r, c, u, du, normalise_columns, ch):
 # --------------------------------------------------------------------------- all slices
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, normalise_columns, max_block_elements, slice_batch):
-    return _attention_fwd(q, k, v, normalise_columns, max_block_elements, slice_batch)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, normalise_columns, max_block_elements, slice_batch, unbatched_from):
+    return _attention_fwd(q, k, v, normalise_columns, max_block_elements, slice_batch, unbatched_from)[0]
 
 
 def _slice_fwd(q, k, v, normalise_columns, max_block_elements):
@@ -288,38 +228,29 @@ def _map_slices(f, args, num_slices, slices_per_step):
     return jax.lax.map(lambda a: f(*a), args, batch_size=slices_per_step)
 
 
-# On CPU a slice of at least this many (queries x keys) elements runs alone in its lax.map step:
-# vmapping several turns each product into a batched dot, which ran 1.4-1.6x slower than one
-# slice at a time for the windowed multi-resolution tiles (256 x 256 tokens, 144 and 576 tiles),
-# while slices of 16 Ki elements and below were fastest batched up to a block (4 Ki: within 15 %).
-# Accelerators want wide work, so elsewhere small slices are always batched (benchmarks/
-# attention_blocks.py, docs/rat.md).
-CPU_UNBATCHED_SLICE_ELEMENTS = 1 << 16
-
-
-def _slices_per_step(q, k, max_block_elements, slice_batch):
+def _slices_per_step(q, k, max_block_elements, slice_batch, unbatched_from=None):
     per_slice = q.shape[1] * k.shape[1]
-    if jax.default_backend() == "cpu" and per_slice >= CPU_UNBATCHED_SLICE_ELEMENTS:
+    if unbatched_from is not None and per_slice >= unbatched_from:
         return slice_batch
     if per_slice <= max_block_elements:  # small slices: batch several into one block
         return max(slice_batch, max_block_elements // per_slice)
     return slice_batch
 
 
-def _attention_fwd(q, k, v, normalise_columns, max_block_elements, slice_batch):
+def _attention_fwd(q, k, v, normalise_columns, max_block_elements, slice_batch, unbatched_from):
     dtype = q.dtype
     f = functools.partial(_slice_fwd, normalise_columns=normalise_columns, max_block_elements=max_block_elements)
     q32, k32, v32 = (a.astype(jnp.float32) for a in (q, k, v))
-    step = _slices_per_step(q, k, max_block_elements, slice_batch)
+    step = _slices_per_step(q, k, max_block_elements, slice_batch, unbatched_from)
     u, r, c = _map_slices(f, (q32, k32, v32), q.shape[0], step)
     return u.astype(dtype), (q, k, v, r, c, u)
 
 
-def _attention_bwd(normalise_columns, max_block_elements, slice_batch, res, du):
+def _attention_bwd(normalise_columns, max_block_elements, slice_batch, unbatched_from, res, du):
     q, k, v, r, c, u = res
     f = functools.partial(_slice_bwd, normalise_columns=normalise_columns, max_block_elements=max_block_elements)
     args = tuple(a.astype(jnp.float32) for a in (q, k, v)) + (r, c, u, du.astype(jnp.float32))
-    step = _slices_per_step(q, k, max_block_elements, slice_batch)
+    step = _slices_per_step(q, k, max_block_elements, slice_batch, unbatched_from)
     dq, dk, dv = _map_slices(f, args, q.shape[0], step)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -327,15 +258,13 @@ def _attention_bwd(normalise_columns, max_block_elements, slice_batch, res, du):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _run(q, k, v, normalise_columns, max_block_elements, slice_batch):
-    if max_block_elements is None:
-        max_block_elements = default_block_elements()
+def _run(q, k, v, normalise_columns, max_block_elements, slice_batch, unbatched_from):
     *lead, nq, d = q.shape
     nk = k.shape[-2]
     s = int(np.prod(lead)) if lead else 1
     out = _attention(
         q.reshape(s, nq, d), k.reshape(s, nk, d), v.reshape(s, nk, v.shape[-1]),
-        normalise_columns, int(max_block_elements), int(max(1, min(slice_batch, s))),
+        normalise_columns, int(max_block_elements), int(max(1, min(slice_batch, s))), unbatched_from,
     )
     return out.reshape(*lead, nq, v.shape[-1])
 
@@ -345,8 +274,9 @@ def grouping_attention(
     k: Array,
     v: Array,
     *,
-    max_block_elements: Optional[int] = None,
+    max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
     slice_batch: int = 1,
+    unbatched_from: Optional[int] = None,
 ) -> Array:
     """Dense SGA update ``A_q @ V`` without materialising all (…, groups, pixels) at once.
 
@@ -354,14 +284,15 @@ def grouping_attention(
       q: (..., N_out, dh) group queries; logits are ``q @ k^T`` with no further scaling.
       k: (..., N_in, dh) keys.
       v: (..., N_in, dv) values.
-      max_block_elements: largest groups x key-chunk block held per slice; None: the machine's
-        default (:func:`default_block_elements`).
-      slice_batch: number of (leading-axes) slices processed together.
+      max_block_elements: largest groups x key-chunk block held per slice.
+      slice_batch: number of (leading-axes) slices processed together at least.
+      unbatched_from: slices of at least this many queries x keys run one per step instead of
+        batched up to a block (the CPU form); None: small slices always batch.
 
     Returns:
       (..., N_out, dv): ``(P / (colsum(P) + eps)) @ v`` with ``P = softmax(q k^T, axis=-1)``.
     """
-    return _run(q, k, v, True, max_block_elements, slice_batch)
+    return _run(q, k, v, True, max_block_elements, slice_batch, unbatched_from)
 
 
 def softmax_attention(
@@ -369,21 +300,9 @@ def softmax_attention(
     k: Array,
     v: Array,
     *,
-    max_block_elements: Optional[int] = None,
+    max_block_elements: int = DEFAULT_BLOCK_ELEMENTS,
     slice_batch: int = 1,
+    unbatched_from: Optional[int] = None,
 ) -> Array:
     """Plain softmax attention ``softmax(q k^T) v`` (scale q beforehand), memory-efficient."""
-    return _run(q, k, v, False, max_block_elements, slice_batch)
-
-
-def grouping_maps(q: Array, k: Array) -> tuple[Array, Array]:
-    """Materialised (A_q, A_k) of shape (..., N_out, N_in), for returning grouping maps only."""
-    a_k = jax.nn.softmax(jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32), axis=-1)
-    a_q = a_k / (a_k.sum(axis=-2, keepdims=True) + EPS)
-    return a_q, a_k
-
-
-def grouping_attention_reference(q: Array, k: Array, v: Array) -> Array:
-    """Naive fully materialised SGA update, for tests and benchmarks."""
-    a_q, _ = grouping_maps(q, k)
-    return jnp.einsum("...qk,...kd->...qd", a_q, v.astype(jnp.float32)).astype(q.dtype)
+    return _run(q, k, v, False, max_block_elements, slice_batch, unbatched_from)

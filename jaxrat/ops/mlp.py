@@ -1,0 +1,77 @@
+"""The transformer MLP over token chunks, when the kernel policy or the memory asks for it.
+
+Above :data:`CHUNK_HIDDEN_BYTES` of hidden activation in one call (every form), the MLP runs as a
+scan over token chunks, each rematerialised in the backward pass: at 1024 px the first SGA layer's
+three MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive. The
+``cpu`` policy also chunks smaller calls, keeping fc1's output (:mod:`jaxrat.ops.cpu.mlp`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxrat.ops.cpu import SCOPE
+from jaxrat.ops.cpu import mlp as cpu_mlp
+from jaxrat.ops.policy import KernelPolicy
+
+Array = jax.Array
+CHUNK_HIDDEN_BYTES = 256 * 2**20
+CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one rematerialised chunk
+
+
+class Chunks(NamedTuple):
+    """How to chunk one MLP call: hidden bytes per chunk, whether chunks are recomputed, and
+    whether this is the CPU's form."""
+
+    chunk_bytes: int
+    remat: bool
+    cpu: bool = False
+
+
+def chunking(hidden_bytes: int, policy: KernelPolicy) -> Optional[Chunks]:
+    """The chunking for a call with ``hidden_bytes`` of hidden activation; None: one plain call."""
+    if hidden_bytes > CHUNK_HIDDEN_BYTES:
+        return Chunks(CHUNK_TOKENS_BYTES, True)
+    if policy.cpu and hidden_bytes > cpu_mlp.CHUNK_HIDDEN_BYTES:
+        return Chunks(cpu_mlp.CHUNK_BYTES, False, cpu=True)
+    return None
+
+
+def chunked_mlp(x: Array, fc1: Callable[[Array], Array], fc2: Callable[[Array], Array], *, hidden_bytes: int,
+                chunks: Chunks, dropout_rate: float, dropout_key: Optional[Array]) -> Array:
+    """``fc2(dropout(gelu(fc1(x))))`` as a scan over chunks of axis -2 (the caller applies the
+    output dropout). ``dropout_key`` None: no dropout (evaluation, or rate 0).
+
+    A scan (not one ``jax.checkpoint``) because XLA's scheduler runs independent recomputations
+    side by side; a loop forces one chunk's hidden activation at a time.
+    """
+    n = x.shape[-2]
+    num = max(2, -(-hidden_bytes // chunks.chunk_bytes))
+    size = -(-n // num)
+    num = -(-n // size)
+    pad = num * size - n
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)]) if pad else x
+    xs = jnp.moveaxis(xp.reshape(*x.shape[:-2], num, size, x.shape[-1]), -3, 0)
+    train = dropout_key is not None
+    keys = jax.random.split(dropout_key, num) if train else jnp.zeros((num,), jnp.uint32)
+
+    def body(carry, chunk_and_key):
+        chunk, key = chunk_and_key
+        h = jax.nn.gelu(checkpoint_name(fc1(chunk), "mlp_fc1"), approximate=False)
+        if train:
+            keep = jax.random.bernoulli(key, 1.0 - dropout_rate, h.shape)
+            h = jnp.where(keep, h / (1.0 - dropout_rate), jnp.zeros_like(h))
+        return carry, fc2(h)
+
+    # Without remat only fc1's output is kept: GELU and the dropout mask are recomputed from it
+    # in the cache, and the backward holds one hidden-sized array per chunk, not three.
+    policy = None if chunks.remat else jax.checkpoint_policies.save_only_these_names("mlp_fc1")
+    with jax.named_scope(SCOPE) if chunks.cpu else contextlib.nullcontext():
+        _, ys = jax.lax.scan(jax.checkpoint(body, policy=policy), None, (xs, keys))
+    y = jnp.moveaxis(ys, 0, -3).reshape(*x.shape[:-2], num * size, ys.shape[-1])
+    return y[..., :n, :] if pad else y
