@@ -23,6 +23,7 @@ A fallback is logged once per reason (``logging``, never an error at the first s
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Literal, Optional
 
@@ -113,14 +114,53 @@ def _pad_rows(x: Array, extra: int) -> Array:
     return x if extra == 0 else jnp.pad(x, [(0, 0), (0, extra), (0, 0)])
 
 
-def _xla(q, k, v, scale, lengths):
+def _logits(q, k, scale, lengths):
     logits = jnp.einsum("bqd,bkd->bqk", q, k, preferred_element_type=jnp.float32) * scale
     if lengths is not None:
         valid = jnp.arange(k.shape[1])[None, None, :] < lengths[:, None, None]
         logits = jnp.where(valid, logits, -0.7 * float(jnp.finfo(jnp.float32).max))
+    return logits
+
+
+def _matmul(spec, a, b, dtype):
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _xla_attention(q, k, v, scale, lengths):
+    return _xla_fwd(q, k, v, scale, lengths)[0]
+
+
+def _xla_fwd(q, k, v, scale, lengths):
+    logits = _logits(q, k, scale, lengths)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    p = jnp.exp(logits - lse[..., None]).astype(v.dtype)
-    return jnp.einsum("bqk,bkd->bqd", p, v, preferred_element_type=jnp.float32).astype(q.dtype), lse
+    out = _matmul("bqk,bkd->bqd", jnp.exp(logits - lse[..., None]), v, v.dtype).astype(q.dtype)
+    return (out, lse), (q, k, v, lengths, out, lse)
+
+
+def _xla_bwd(scale, res, cotangents):
+    # Written out so that every matmul of the backward runs in the inputs' dtype (autodiff of the
+    # float32 logits would run them in float32), from the saved log-sum-exp only.
+    q, k, v, lengths, out, lse = res
+    dout = cotangents[0]
+    dtype = q.dtype
+    p = jnp.exp(_logits(q, k, scale, lengths) - lse[..., None])
+    dv = _matmul("bqk,bqd->bkd", p, dout, dtype)
+    dp = _matmul("bqd,bkd->bqk", dout, v, dtype)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = _matmul("bqk,bkd->bqd", ds, k, dtype)
+    dk = _matmul("bqk,bqd->bkd", ds, q, dtype)
+    dlen = None if lengths is None else np.zeros(lengths.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dlen
+
+
+_xla_attention.defvjp(_xla_fwd, _xla_bwd)
+
+
+def _xla(q, k, v, scale, lengths):
+    """The portable form: materialised float32 logits, the inputs' dtype in every matmul."""
+    return _xla_attention(q, k, v, float(scale), lengths)
 
 
 def _cudnn(q, k, v, scale, lengths, return_lse):
