@@ -41,14 +41,16 @@ def test_choose_implementation_takes_cudnn_then_pallas_then_xla(caplog):
     assert choose_implementation(7, 1023, 34, 3, jnp.float16, has_lengths=True) == "cudnn"  # padded to 40
     with caplog.at_level(logging.WARNING, logger=fused.__name__):
         fused._logged.clear()
-        assert choose_implementation(256, 1024, 64, 64, jnp.float32) == "pallas"
-        assert choose_implementation(256, 1024, 64, 64, jnp.float32) == "pallas"
-        assert choose_implementation(256, 1000, 64, 64, jnp.float32) == "xla"
+        assert choose_implementation(1024, 1024, 64, 64, jnp.float32) == "pallas"
+        assert choose_implementation(1024, 1024, 64, 64, jnp.float32) == "pallas"
+        assert choose_implementation(256, 1024, 64, 64, jnp.float32) == "xla"
+        assert choose_implementation(1000, 1000, 64, 64, jnp.float32) == "xla"
         assert choose_implementation(64, 128, 64, 64, jnp.float32, has_lengths=True) == "xla"
-        assert choose_implementation(64, 128, 136, 64, jnp.bfloat16) == "pallas"
+        assert choose_implementation(128, 128, 136, 64, jnp.bfloat16) == "pallas"
     messages = [r.getMessage() for r in caplog.records]
     assert sum("falls back to pallas: cuDNN fused attention takes bfloat16/float16" in m for m in messages) == 1
     assert any("falls back to xla" in m and "128-blocks, not 1000" in m for m in messages)
+    assert any("as many query as key blocks, not 256 vs 1024" in m for m in messages)
     assert any("head dims <= 128, not 136" in m for m in messages)
     with pytest.raises(ValueError, match="implementation='cudnn' cannot run this attention: .*float32"):
         choose_implementation(64, 64, 64, 64, jnp.float32, requested="cudnn")

@@ -15,7 +15,8 @@ the process's backend, so the GPU program can be lowered for CUDA on a machine w
   materialised.
 * ``"pallas"``: the Pallas Triton flash attention of ``jax.experimental.pallas.ops.gpu`` when cuDNN
   refuses (float32) and its own constraints hold: no key lengths (it masks by segment ids shared
-  by queries and keys) and sequence lengths that are whole multiples of its 128-token blocks.
+  by queries and keys), sequence lengths that are whole multiples of its 128-token blocks, and as
+  many query as key blocks in its backward (in practice self-attention).
 * ``"xla"``: the portable form, the materialised logits in plain XLA ops (any shape, any dtype).
 
 A fallback is logged once per reason (``logging``, never an error at the first step).
@@ -39,6 +40,7 @@ IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "xla")
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PALLAS_BLOCK = 128  # the Triton kernel's default query and key block
+PALLAS_BACKWARD_BLOCK = 32  # its backward's blocks, which must tile queries and keys alike
 _LOG = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
@@ -63,6 +65,8 @@ def _refusal(kind: str, nq: int, nk: int, dqk: int, dv: int, dtype, has_lengths:
         for n in (nq, nk):
             if n % min(PALLAS_BLOCK, n):
                 return f"the Pallas flash attention needs sequence lengths in whole {PALLAS_BLOCK}-blocks, not {n}"
+        if nq // min(PALLAS_BACKWARD_BLOCK, nq) != nk // min(PALLAS_BACKWARD_BLOCK, nk):
+            return f"the Pallas flash attention's backward needs as many query as key blocks, not {nq} vs {nk}"
         return None
     return None
 
@@ -99,9 +103,10 @@ def choose_implementation(
         reasons.append(why)
     else:
         kind = "xla"
-    if reasons and (reasons[0], kind) not in _logged:
-        _logged.add((reasons[0], kind))
-        _LOG.warning("fused attention falls back to %s: %s.", kind, "; ".join(reasons))
+    why = "; ".join(reasons)
+    if reasons and (why, kind) not in _logged:
+        _logged.add((why, kind))
+        _LOG.warning("fused attention falls back to %s: %s.", kind, why)
     return kind
 
 
