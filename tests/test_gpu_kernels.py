@@ -13,7 +13,14 @@ import pytest
 
 from jaxrat.models.attention import grouping_attention_reference
 from jaxrat.models.window_attention import multires_attention as cpu_multires
-from jaxrat.ops.gpu import choose_implementation, dense_sga, fused, fused_attention, multires_attention
+from jaxrat.ops.gpu import (
+    choose_implementation,
+    dense_sga,
+    fused,
+    fused_attention,
+    masked_attention,
+    multires_attention,
+)
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 
@@ -174,3 +181,21 @@ def test_gpu_multires_matches_the_cpu_form(case):
     want = jax.grad(lambda *a: jnp.sum(cpu(*a) * g), argnums=(0, 1, 2))(q, k, v)
     for name, got, ref in zip("qkv", grads, want):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+
+
+def test_masked_attention_matches_the_masked_dense_form():
+    """DETR's cross-attention: a letterboxed image's key mask, interleaved in row-major order."""
+    q, k, v = _normal(9, (2, 4, 5, 8), (2, 4, 30, 8), (2, 4, 30, 8))
+    key_ok = jnp.zeros((2, 5, 6), bool).at[0, :4, :5].set(True).at[1].set(True).reshape(2, 1, 30)
+
+    def dense(q, k, v):
+        logits = jnp.where(key_ok[..., None, :], jnp.einsum("...qd,...kd->...qk", q, k) * 0.3, -1e9)
+        return jax.nn.softmax(logits, -1) @ v
+
+    masked = lambda q, k, v: masked_attention(q, k, v, key_ok, scale=0.3, implementation="xla")
+    np.testing.assert_allclose(jax.jit(masked)(q, k, v), dense(q, k, v), rtol=1e-5, atol=1e-6)
+    (g,) = _normal(10, q.shape)
+    grads = jax.grad(lambda *a: jnp.sum(masked(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(dense(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    for name, got, ref in zip("qkv", grads, want):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=f"d{name}")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrat.ops.gpu import dense_sga, fused_attention, multires_attention
+from jaxrat.ops.gpu import dense_sga, fused_attention, masked_attention, multires_attention
 
 FWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmax\(")
 BWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmaxBackward\(")
@@ -90,6 +90,15 @@ def test_multires_attention_windows_lower_to_one_call_per_scale(window):
     # global form: one call; windowed: the global tokens' call and one for the 21x21 scale
     want = 1 if window is None else 2
     assert counts(text) == (want, want)
+    assert "stablehlo.while" not in text and not DOT.search(text)
+
+
+def test_masked_cross_attention_is_one_cudnn_call_each_way():
+    q, k = zeros(2, 8, 100, 32), zeros(2, 8, 1200, 32)
+    key_ok = jnp.ones((2, 1, 1200), bool)
+    f = lambda q, k, v: masked_attention(q, k, v, key_ok, scale=32**-0.5)
+    text = lower_for_cuda(value_and_grads(f), q, k, k)
+    assert counts(text) == (1, 1)
     assert "stablehlo.while" not in text and not DOT.search(text)
 
 
