@@ -254,8 +254,8 @@ def _time_step(spec: Any, state: Any, batch: Any, reps: int) -> dict[str, Any]:
     return out
 
 
-def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int) -> dict[str, Any]:
-    """The trainer's ISIC RAT train step on synthetic lesions."""
+def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int, attention: str = "") -> dict[str, Any]:
+    """The trainer's ISIC RAT train step on synthetic lesions (``attention``: the SGA form, "" = the config's)."""
     from step_profile import isic_config
 
     from jaxrat.parallel.mesh import make_mesh
@@ -263,8 +263,8 @@ def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int) 
     from jaxrat.trainer.loop import _first_batch, to_global
     from jaxrat.trainer.state import make_state_spec
 
-    config = isic_config(config_path, size, batch or load_config(config_path).data.batch_size,
-                         load_config(config_path).model.attention)
+    base = load_config(config_path)
+    config = isic_config(config_path, size, batch or base.data.batch_size, attention or base.model.attention)
     _with_kernels(config, kernels)
     mesh = make_mesh(config.mesh.axes)
     task = load_task(config)
@@ -331,11 +331,12 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
 def step_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| step | px | global batch | devices | dtype | step s | images/s | TFLOP/s | MFU | fused calls |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    name = lambda r: r["step"] + (f" ({r['attention']})" if r.get("attention") else "")  # noqa: E731
     for r in rows:
         if "step_s" not in r:
             lines.append(f"| {r['step']} | {r.get('px', '-')} | | | | | | | | {r.get('status', '')} |")
             continue
-        lines.append(f"| {r['step']} | {r['px']} | {r['global_batch']} | {r['devices']} | {r['dtype']} | "
+        lines.append(f"| {name(r)} | {r['px']} | {r['global_batch']} | {r['devices']} | {r['dtype']} | "
                      f"{r['step_s']:.3f} | {r['images_per_s']:.1f} | {r['tflops_per_s']:.1f} | {r['mfu']:.1%} | "
                      f"{r['fused_attention_calls']} |")
     return "\n".join(lines)
@@ -349,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/isic.py", help="the RAT whose shapes the kernels take")
     parser.add_argument("--isic-size", type=int, default=0)
     parser.add_argument("--isic-batch", type=int, default=0, help="global batch (0: the config's)")
+    parser.add_argument("--isic-attention", nargs="+", default=None,
+                        help="SGA forms of the ISIC step (default sparse and dense; --quick: the config's)")
     parser.add_argument("--coco-config", default="configs/coco.py")
     parser.add_argument("--coco-size", type=int, default=0)
     parser.add_argument("--coco-batch", type=int, default=0, help="global batch (0: the config's)")
@@ -370,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.config == "configs/isic.py" and not gpu:
             args.config = "configs/isic.py:demo"
     args.isic_size = args.isic_size or 256
+    args.isic_attention = args.isic_attention or ([""] if args.quick else ["sparse", "dense"])
     args.coco_size = args.coco_size or 800
     if not gpu:
         args.kernels = "portable" if args.kernels == "gpu" else args.kernels
@@ -397,10 +401,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["kernels"] = rows
         md.append(kernel_table(rows))
     steps = []
-    for name, run in (("isic", lambda: isic_step(args.config, args.isic_size, args.isic_batch, args.kernels,
-                                                 args.reps)),
-                      ("coco", lambda: coco_step(args.coco_config, args.coco_size, args.coco_batch, args.kernels,
-                                                 args.reps))):
+    runs = [("isic", lambda a=a: isic_step(args.config, args.isic_size, args.isic_batch, args.kernels, args.reps, a))
+            for a in args.isic_attention]
+    runs.append(("coco", lambda: coco_step(args.coco_config, args.coco_size, args.coco_batch, args.kernels,
+                                           args.reps)))
+    for name, run in runs:
         if name not in args.only:
             continue
         try:

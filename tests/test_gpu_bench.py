@@ -61,3 +61,13 @@ def test_quick_kernels_run_and_write_json_and_markdown(bench, tmp_path):
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), [r["status"] for r in rows]
     assert json.loads(out.read_text())["kernels"][0]["px"] == 32
     assert "| dense_sga | 32 | fallback | xla |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_the_isic_step_is_built_by_the_trainer_and_scored(bench, monkeypatch):
+    monkeypatch.chdir(REPO)
+    row = bench.finish_step(bench.isic_step("configs/isic.py:demo", 32, 2, "portable", 1), peak=1e12)
+    assert row["step"] == "isic_rat" and row["global_batch"] == 2 and row["dtype"] == "float32"
+    assert row["xla_flops"] > 0 and row["fused_attention_calls"] == 0  # the CPU step has no cuDNN calls
+    assert row["images_per_s"] == pytest.approx(2 / row["step_s"])
+    assert row["mfu"] == pytest.approx(row["xla_flops"] / row["step_s"] / 1e12)

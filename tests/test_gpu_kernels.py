@@ -68,7 +68,8 @@ def test_choose_implementation_takes_cudnn_then_pallas_then_xla(caplog):
 def test_fused_xla_matches_dense_with_padded_keys():
     q, k, v = _normal(0, (2, 3, 5, 8), (2, 3, 11, 8), (2, 3, 11, 6))
     lengths = jnp.array([[11, 4, 1], [7, 11, 2]])
-    out, lse = fused_attention(q, k, v, kv_lengths=lengths, implementation="xla", return_lse=True)
+    out, lse = jax.jit(lambda *a: fused_attention(*a, kv_lengths=lengths, implementation="xla",
+                                                  return_lse=True))(q, k, v)
     want, want_lse = _dense_attention(q, k, v, lengths)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
@@ -177,8 +178,8 @@ def test_gpu_multires_matches_the_cpu_form(case):
     cpu = lambda *a: cpu_multires(*a, segments, window, max_block_elements=1 << 19, slice_batch=1)
     np.testing.assert_allclose(jax.jit(gpu)(q, k, v), jax.jit(cpu)(q, k, v), rtol=1e-5, atol=1e-5)
     (g,) = _normal(8, q.shape)
-    grads = jax.grad(lambda *a: jnp.sum(gpu(*a) * g), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(lambda *a: jnp.sum(cpu(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(gpu(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(cpu(*a) * g), argnums=(0, 1, 2)))(q, k, v)
     for name, got, ref in zip("qkv", grads, want):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
 
@@ -195,7 +196,7 @@ def test_masked_attention_matches_the_masked_dense_form():
     masked = lambda q, k, v: masked_attention(q, k, v, key_ok, scale=0.3, implementation="xla")
     np.testing.assert_allclose(jax.jit(masked)(q, k, v), dense(q, k, v), rtol=1e-5, atol=1e-6)
     (g,) = _normal(10, q.shape)
-    grads = jax.grad(lambda *a: jnp.sum(masked(*a) * g), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(lambda *a: jnp.sum(dense(*a) * g), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(masked(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(dense(*a) * g), argnums=(0, 1, 2)))(q, k, v)
     for name, got, ref in zip("qkv", grads, want):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=f"d{name}")
