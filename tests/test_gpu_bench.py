@@ -66,8 +66,8 @@ def test_quick_kernels_run_and_write_json_and_markdown(bench, tmp_path):
 @pytest.mark.slow
 def test_the_isic_step_is_built_by_the_trainer_and_scored(bench, monkeypatch):
     monkeypatch.chdir(REPO)
-    row = bench.finish_step(bench.isic_step("configs/isic.py:demo", 32, 2, "portable", 1), peak=1e12)
-    assert row["step"] == "isic_rat" and row["global_batch"] == 2 and row["dtype"] == "float32"
+    row = bench.finish_step(bench.isic_step("configs/isic.py:demo", 32, 8, "portable", 1), peak=1e12)
+    assert row["step"] == "isic_rat" and row["global_batch"] == 8 and row["dtype"] == "float32"
     assert row["xla_flops"] > 0 and row["fused_attention_calls"] == 0  # the CPU step has no cuDNN calls
-    assert row["images_per_s"] == pytest.approx(2 / row["step_s"])
-    assert row["mfu"] == pytest.approx(row["xla_flops"] / row["step_s"] / 1e12)
+    assert row["images_per_s"] == pytest.approx(8 / row["step_s"])
+    assert row["mfu"] == pytest.approx(row["xla_flops"] / row["step_s"] / (1e12 * row["devices"]))
