@@ -54,8 +54,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from jaxrat.config import load_config  # noqa: E402
-from jaxrat.ops.gpu import dense_sga, multires_attention  # noqa: E402
-from jaxrat.ops.gpu.fused import _refusal  # noqa: E402
+from jaxrat.ops.gpu import (  # noqa: E402
+    dense_sga,
+    multires_attention,
+    why_not,  # noqa: E402
+)
 
 FORMS = ("fused", "fallback", "portable")
 KERNELS = ("dense_sga", "sparse_sga", "mr_global", "mr_windowed")
@@ -88,7 +91,7 @@ def rat_geometry(config: Any, size: int) -> dict[str, Any]:
 def fallback_implementation(shapes: list[tuple[int, int, int, int]]) -> str:
     """What ``implementation="auto"`` falls back to when cuDNN refuses: "pallas" where every call
     of the kernel, (queries, keys, dqk, dv), meets its constraints, else "xla"."""
-    ok = all(_refusal("pallas", nq, nk, dqk, dv, jnp.float32, False) is None for nq, nk, dqk, dv in shapes)
+    ok = all(why_not("pallas", nq, nk, dqk, dv, jnp.float32) is None for nq, nk, dqk, dv in shapes)
     return "pallas" if ok and on_gpu() else "xla"  # off a GPU the Triton kernel runs only interpreted
 
 

@@ -20,6 +20,7 @@ from jaxrat.ops.gpu import (
     fused_attention,
     masked_attention,
     multires_attention,
+    why_not,
 )
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
@@ -61,6 +62,9 @@ def test_choose_implementation_takes_cudnn_then_pallas_then_xla(caplog):
     assert any("head dims <= 128, not 136" in m for m in messages)
     with pytest.raises(ValueError, match="implementation='cudnn' cannot run this attention: .*float32"):
         choose_implementation(64, 64, 64, 64, jnp.float32, requested="cudnn")
+    assert why_not("cudnn", 64, 64, 64, 64, jnp.bfloat16) is None
+    assert "bfloat16/float16" in why_not("cudnn", 64, 64, 64, 64, jnp.float32)
+    assert "padded keys" in why_not("pallas", 128, 128, 64, 64, jnp.float32, has_lengths=True)
     with pytest.raises(ValueError, match="use one of"):
         choose_implementation(64, 64, 64, 64, jnp.float32, requested="flash")
 

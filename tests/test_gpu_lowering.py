@@ -65,6 +65,9 @@ def test_odd_lengths_and_padded_keys_still_lower_to_cudnn():
     q, k, v = zeros(3, 7, 60), zeros(3, 33, 60), zeros(3, 33, 20)
     f = lambda q, k, v: fused_attention(q, k, v, kv_lengths=jnp.array([33, 10, 1]))
     assert counts(lower_for_cuda(value_and_grads(f), q, k, v)) == (1, 1)
+    # the log-sum-exp through cuDNN's own statistics, with padded keys
+    lse = lambda q, k, v: fused_attention(q, k, v, kv_lengths=jnp.array([33, 10, 1]), return_lse=True)[1]
+    assert counts(lower_for_cuda(lse, q, k, v)) == (1, 0)
 
 
 def test_dense_sga_is_five_fused_forwards_and_one_fused_backward():

@@ -6,9 +6,9 @@ for the GPU can be lowered for CUDA on any machine, and tests on a CPU force "xl
 """
 
 from jaxrat.ops.gpu.dense_sga import dense_sga
-from jaxrat.ops.gpu.fused import IMPLEMENTATIONS, choose_implementation, fused_attention
+from jaxrat.ops.gpu.fused import IMPLEMENTATIONS, choose_implementation, fused_attention, why_not
 from jaxrat.ops.gpu.masked import masked_attention
 from jaxrat.ops.gpu.multires import multires_attention
 
 __all__ = ["IMPLEMENTATIONS", "choose_implementation", "dense_sga", "fused_attention", "masked_attention",
-           "multires_attention"]
+           "multires_attention", "why_not"]

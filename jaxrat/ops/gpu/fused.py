@@ -51,8 +51,13 @@ def padded_head_dim(dqk: int, dv: int) -> int:
     return -(-max(dqk, dv) // 8) * 8
 
 
+def why_not(kind: str, nq: int, nk: int, dqk: int, dv: int, dtype, has_lengths: bool = False) -> Optional[str]:
+    """Why ``kind`` ("cudnn", "pallas" or "xla") cannot take these shapes (one sentence), or None when
+    it can; a policy may route a kernel whose calls cuDNN refuses to a memory-lean portable form."""
+    return _refusal(kind, nq, nk, dqk, dv, dtype, has_lengths)
+
+
 def _refusal(kind: str, nq: int, nk: int, dqk: int, dv: int, dtype, has_lengths: bool) -> Optional[str]:
-    """Why ``kind`` cannot take these shapes, or None when it can."""
     if kind == "cudnn":
         if jnp.dtype(dtype) not in CUDNN_DTYPES:
             return f"cuDNN fused attention takes bfloat16/float16, not {jnp.dtype(dtype).name}"
