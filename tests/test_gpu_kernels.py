@@ -105,6 +105,10 @@ def test_cudnn_wrapper_pads_rows_and_head_dims_exactly(monkeypatch):
     lengths = jnp.array([3, 9])
     out = fused_attention(q, k, v, kv_lengths=lengths)
     np.testing.assert_array_equal(seen[-1][3], [3, 9])
+    monkeypatch.setattr(fused, "CUDNN_MAX_BATCH", 1)  # one call per slice, joined
+    del seen[:]
+    np.testing.assert_array_equal(np.float32(fused_attention(q, k, v, kv_lengths=lengths)), np.float32(out))
+    assert [s[0][0] for s in seen] == [1, 1] and [int(s[3][0]) for s in seen] == [3, 9]
     np.testing.assert_allclose(np.float32(out), np.float32(fused_attention(q, k, v, kv_lengths=lengths,
                                                                           implementation="xla")), atol=1e-2)
 

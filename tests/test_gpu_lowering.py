@@ -70,6 +70,11 @@ def test_odd_lengths_and_padded_keys_still_lower_to_cudnn():
     assert counts(lower_for_cuda(lse, q, k, v)) == (1, 0)
 
 
+def test_more_slices_than_a_cuda_grid_axis_are_split_into_calls():
+    q = zeros(70_000, 16, 8)  # e.g. 1024 px windows: 484 tiles x 8 heads x 18 images
+    assert counts(lower_for_cuda(value_and_grads(fused_attention), q, q, q)) == (2, 2)
+
+
 def test_dense_sga_is_five_fused_forwards_and_one_fused_backward():
     q, k = zeros(2, 4, 64, 64), zeros(2, 4, 1024, 64)
     text = lower_for_cuda(value_and_grads(dense_sga), q, k, k)

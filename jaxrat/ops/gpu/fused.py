@@ -39,6 +39,9 @@ IMPLEMENTATIONS = ("auto", "cudnn", "pallas", "xla")
 # program is traced (possibly on a host without one), so the bound every CUDA GPU accepts is used.
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# cuDNN's attention kernels put the batch on a CUDA grid axis, at most 65,535 blocks; the slices
+# here are images x heads (x windows), so larger batches are split into several calls.
+CUDNN_MAX_BATCH = 65535
 PALLAS_BLOCK = 128  # the Triton kernel's default query and key block
 PALLAS_BACKWARD_BLOCK = 32  # its backward's blocks, which must tile queries and keys alike
 _LOG = logging.getLogger(__name__)
@@ -194,6 +197,19 @@ def _cudnn(q, k, v, scale, lengths, return_lse):
     return out[:, :, 0], lse.reshape(q.shape[0], q.shape[1]).astype(jnp.float32)
 
 
+def _cudnn_batches(q, k, v, scale, lengths, return_lse):
+    """:func:`_cudnn` in batches of at most :data:`CUDNN_MAX_BATCH` slices (windows x heads x images
+    reach it at 1024 px): one call per batch, joined."""
+    b = q.shape[0]
+    if b <= CUDNN_MAX_BATCH:
+        return _cudnn(q, k, v, scale, lengths, return_lse)
+    parts = [_cudnn(q[i:i + CUDNN_MAX_BATCH], k[i:i + CUDNN_MAX_BATCH], v[i:i + CUDNN_MAX_BATCH], scale,
+                    None if lengths is None else lengths[i:i + CUDNN_MAX_BATCH], return_lse)
+             for i in range(0, b, CUDNN_MAX_BATCH)]
+    out = jnp.concatenate([p[0] for p in parts])
+    return out, (jnp.concatenate([p[1] for p in parts]) if return_lse else None)
+
+
 def _pallas(q, k, v, scale, return_lse, interpret):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -255,7 +271,7 @@ def fused_attention(
             if nk % 2:
                 k3, v3 = _pad_rows(k3, 1), _pad_rows(v3, 1)
                 lengths = jnp.full((b,), nk, jnp.int32) if lengths is None else lengths
-            out, lse = _cudnn(q3, k3, v3, scale, lengths, return_lse)
+            out, lse = _cudnn_batches(q3, k3, v3, scale, lengths, return_lse)
             out, lse = out[:, :nq], (None if lse is None else lse[:, :nq])
         else:
             out, lse = _pallas(q3, k3, v3, scale, return_lse, interpret)
