@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -54,15 +53,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from jaxrat.config import load_config  # noqa: E402
-from jaxrat.ops.gpu import (  # noqa: E402
-    dense_sga,
-    multires_attention,
-    why_not,  # noqa: E402
-)
+from jaxrat.ops.gpu import dense_sga, fused_attention_calls, multires_attention, why_not  # noqa: E402
 
 FORMS = ("fused", "fallback", "portable")
 KERNELS = ("dense_sga", "sparse_sga", "mr_global", "mr_windowed")
-_FMHA = re.compile(r"custom_call @__cudnn\$fmhaSoftmax(Backward)?\(.*?: \((tensor<[^>]*>), (tensor<[^>]*>)")
 
 
 def on_gpu() -> bool:
@@ -205,12 +199,7 @@ def kernel_rows(config: Any, sizes: list[int], forms: tuple[str, ...], dtype: An
 
 def fused_attention_flops(stablehlo: str) -> float:
     """FLOPs of the cuDNN fused attention calls of a lowered program, from their q and k shapes."""
-    total = 0.0
-    for backward, q, k in _FMHA.findall(stablehlo):
-        b, t, nh, hd = (int(x) for x in re.findall(r"\d+", q)[:4])
-        s = int(re.findall(r"\d+", k)[1])
-        total += (10 if backward else 4) * b * nh * t * s * hd
-    return total
+    return float(sum(call.flops for call in fused_attention_calls(stablehlo)))
 
 
 def bf16_peak_flops(n: int, reps: int = 5) -> float:
@@ -243,8 +232,9 @@ def _time_step(spec: Any, state: Any, batch: Any, reps: int) -> dict[str, Any]:
     cost = compiled.cost_analysis()
     cost = cost if isinstance(cost, (list, tuple)) else [cost]
     out["xla_flops"] = float(sum((c or {}).get("flops", 0.0) for c in cost))
-    out["fused_attention_flops"] = fused_attention_flops(lowered.as_text())
-    out["fused_attention_calls"] = len(_FMHA.findall(lowered.as_text()))
+    text = lowered.as_text()
+    out["fused_attention_flops"] = fused_attention_flops(text)
+    out["fused_attention_calls"] = len(fused_attention_calls(text))
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
     times = []

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrat.ops.gpu import dense_sga, fused_attention, masked_attention, multires_attention
+from jaxrat.ops.gpu import dense_sga, fused_attention, fused_attention_calls, masked_attention, multires_attention
 
 FWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmax\(")
 BWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmaxBackward\(")
@@ -108,6 +108,22 @@ def test_masked_cross_attention_is_one_cudnn_call_each_way():
     text = lower_for_cuda(value_and_grads(f), q, k, k)
     assert counts(text) == (1, 1)
     assert "stablehlo.while" not in text and not DOT.search(text)
+
+
+def test_on_a_mesh_the_wrapped_calls_are_found_too():
+    """Over several devices jax wraps each cuDNN call in its custom partitioning; the same calls,
+    with their global shapes, are found from the wrappers' signatures."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    q, k = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=on) for s in ((8, 4, 64, 16), (8, 4, 1024, 16)))
+    text = lower_for_cuda(value_and_grads(dense_sga), q, k, k)
+    assert counts(text) == (0, 0) and "CustomSPMDPartitioning" in text
+    calls = fused_attention_calls(text)
+    assert [c.backward for c in calls].count(False) == 5 and [c.backward for c in calls].count(True) == 1
+    single = fused_attention_calls(lower_for_cuda(value_and_grads(dense_sga), *(jnp.zeros(s.shape, s.dtype)
+                                                                               for s in (q, k, k))))
+    assert sorted(calls) == sorted(single)
+    assert sum(c.flops for c in calls) > 0
 
 
 def test_float32_takes_the_pallas_triton_kernel():
