@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +46,7 @@ from jaxrat.tasks.detection import task as detection_task  # noqa: E402
 from jaxrat.tasks.detection.matching import hungarian_match  # noqa: E402
 from jaxrat.trainer import autotune  # noqa: E402
 from jaxrat.trainer.loop import to_global  # noqa: E402
-from jaxrat.trainer.state import make_state_spec  # noqa: E402
+from jaxrat.trainer.state import make_state_spec, resolve_compute_dtype  # noqa: E402
 from jaxrat.trainer.step import make_train_step  # noqa: E402
 
 NUM_CLASSES = 80  # COCO's contiguous labels
@@ -178,7 +177,7 @@ def main() -> None:
               f"({row['match_alone_share']:.1%})")
     out = {"rows": [row], "args": vars(args), "backend": jax.default_backend(), "device": str(jax.devices()[0]),
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
-           "jax": jax.__version__, "dtype": str(jnp.dtype(config.train.compute_dtype))}
+           "jax": jax.__version__, "dtype": resolve_compute_dtype(config.train.compute_dtype, mesh)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

@@ -58,8 +58,12 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         decoder_heads=8, ffn_dim=2048, dropout=0.1, feature_levels=(1, 2, 3, 4), cnn_widths=(32, 64, 128),
         box_refine=False, query_level=None, head="detr"))
     # The RAT backbone: every jaxrat.models.rat.RATConfig option, as --config.model.rat.<option>.
+    # At 800 px the first grid is 267x267 tokens: the reference's dense SGA and global multi-resolution
+    # attention are quadratic in it (global MR ~95x the 256 px block, docs/rat.md "Recommended
+    # defaults"), so COCO trains the linear forms: sparse SGA and 16x16-token MR windows.
     c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_ratio=4, mlp_dropout=0.1,
-                             sga_kernel_size=7, proj_kernel_size=7, attention="sparse", positional_encoding="rose")
+                             sga_kernel_size=7, proj_kernel_size=7, attention="sparse", positional_encoding="rose",
+                             mr_attention="windowed", mr_window=16)
 
     variant = arg or ""
     if variant in ("demo", "smoke"):

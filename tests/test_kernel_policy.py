@@ -24,7 +24,7 @@ from jaxrat.models.rat.config import field_names
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
-from jaxrat.trainer.state import make_state_spec
+from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
 from jaxrat.trainer.step import make_train_step
 from model_configs import rat_model
 from runner import REPO
@@ -76,18 +76,92 @@ def test_cpu_and_portable_policies_compute_the_same_model(fields):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
 
 
-def _isic_step(kernels: str, size: int, **rat):
+def _isic_step(kernels: str, size: int, devices: int = 2, dtype: str = "auto", **rat):
     config = load_config("configs/isic.py")
     config.model.kernels = kernels
     config.model.rat.update(rat)
     config.data.image_size = size
     config.data.batch_size = 2
-    config.mesh.axes = (("data", 2), ("fsdp", 1))
-    mesh = make_mesh(config.mesh.axes, jax.devices()[:2])
+    config.train.compute_dtype = dtype
+    config.mesh.axes = (("data", devices), ("fsdp", 1))
+    mesh = make_mesh(config.mesh.axes, jax.devices()[:devices])
     spec = make_state_spec(config, mesh, load_task(config))
     batch = {"image": jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32, sharding=spec.batch_sharding),
              "mask": jax.ShapeDtypeStruct((2, size, size, 1), jnp.float32, sharding=spec.batch_sharding)}
     return spec, make_train_step(spec), batch
+
+
+@pytest.fixture
+def cudnn_version(monkeypatch):
+    """jax asks the local cuDNN for its version while tracing a fused call; give it one (9.10) so the
+    program a GPU would run can be traced and lowered here."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([\dx]+)x(\w+)>, tensor<([\dx]+)x(\w+)>\).*loc\((#loc\d+)\)")
+# RoSE's angles (grid positions times frequencies, two spatial coordinates deep) stay float32 by
+# design: a bfloat16 angle is off by whole turns at large positions.
+FLOAT32_BY_DESIGN = ("nd,hpd->nhp",)
+
+
+def _big_dots(text: str, elements: int = 1 << 18) -> set[str]:
+    """The operand dtypes of the matmuls whose operands both hold at least ``elements`` values
+    (``text`` lowered with debug info, so that each matmul names the einsum it comes from)."""
+    size = lambda dims: int(np.prod([int(d) for d in dims.split("x")]))
+    where = dict(re.findall(r"^(#loc\d+) = (.*)$", text, re.M))
+    return {f"{a}/{b}" for da, a, db, b, loc in _DOT.findall(text)
+            if size(da) >= elements and size(db) >= elements and not any(e in where.get(loc, "")
+                                                                        for e in FLOAT32_BY_DESIGN)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention,mr_attention,backward_calls", [
+    ("dense", "global", 4 * 3 + 4),  # a flash-decomposed dense SGA per layer and iteration, one MR call per block
+    ("sparse", "windowed", 4),  # sparse SGA is plain XLA; each block's MR: the windows, or the small grid whole
+])
+def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attention, mr_attention, backward_calls):
+    """The ISIC RAT train step at 256 px with the gpu policy, lowered for CUDA on this CPU machine: every
+    attention a cuDNN call (backward calls counted against the model's attention layers), no while loop
+    from chunking, the large matmuls in bfloat16."""
+    from jaxrat.ops.gpu import fused_attention_calls
+
+    spec, step, batch = _isic_step("gpu", 256, devices=1, dtype="bfloat16", attention=attention,
+                                   mr_attention=mr_attention)
+    text = step.trace(spec.abstract_with_shardings(), batch).lower(lowering_platforms=("cuda",)).as_text(
+        debug_info=True)
+    calls = fused_attention_calls(text)
+    assert sum(c.backward for c in calls) == backward_calls
+    assert "stablehlo.while" not in text
+    assert _big_dots(text) == {"bf16/bf16"}, _big_dots(text)
+
+
+@pytest.mark.slow
+def test_the_gpu_coco_rat_detr_step_is_fused_attention(cudnn_version):
+    """The COCO RAT-DETR step (800 px, its real config) lowered for CUDA with the gpu policy: the RAT's
+    windowed MR blocks and the decoder's self- and cross-attention are cuDNN calls, with no loop."""
+    from jaxrat.ops.gpu import fused_attention_calls
+
+    config = load_config("configs/coco.py")
+    config.model.kernels = "gpu"
+    config.train.compute_dtype = "bfloat16"
+    config.data.batch_size = 1
+    config.mesh.axes = (("data", 1), ("fsdp", 1))
+    mesh = make_mesh(config.mesh.axes, jax.devices()[:1])
+    task = load_task(config)
+    task.num_classes = 80  # what prepare_data reads from the annotations
+    spec = make_state_spec(config, mesh, task)
+    size, boxes = config.data.image_size, config.task.max_boxes
+    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype, sharding=spec.batch_sharding)
+    batch = {"image": shape(1, size, size, 3), "pad_mask": shape(1, size, size), "boxes": shape(1, boxes, 4),
+             "labels": shape(1, boxes, dtype=jnp.int32), "box_valid": shape(1, boxes)}
+    text = make_train_step(spec).trace(spec.abstract_with_shardings(), batch).lower(
+        lowering_platforms=("cuda",)).as_text(debug_info=True)
+    calls = fused_attention_calls(text)
+    layers = int(config.model.decoder_layers)
+    assert sum(c.backward for c in calls) == 4 + 2 * layers  # 4 MR blocks, self + cross per decoder layer
+    assert _big_dots(text) == {"bf16/bf16"}, _big_dots(text)
 
 
 @pytest.mark.slow
@@ -109,3 +183,13 @@ def test_the_policy_is_resolved_once_from_the_mesh_and_recorded():
     assert spec.kernels.form == "cpu" and spec.kernels == ops.resolve("cpu")
     spec, _, _ = _isic_step("portable", 32, feature_dims=8, num_blocks=1, num_heads=2, iters=1)
     assert spec.kernels == ops.PORTABLE
+
+
+def test_the_gpu_policy_lowers_here_but_refuses_to_run_on_cpu_devices():
+    config = load_config("configs/isic.py:smoke")
+    config.model.kernels = "gpu"
+    mesh = make_mesh(config.mesh.axes)
+    with pytest.raises(ConfigError, match="kernels='gpu' builds the GPU program, which cannot run on cpu devices"):
+        check_kernels_run_here(config, mesh)
+    config.model.kernels = "portable"
+    check_kernels_run_here(config, mesh)

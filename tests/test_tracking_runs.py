@@ -64,6 +64,7 @@ def test_summary_and_wandb_offline_after_a_smoke_run(tmp_path):
         s = json.load(f)
     assert s["status"] == "finished" and s["steps"] == {"first": 0, "last": 6, "total": 6, "run": 6}
     assert s["hardware"]["device_count"] == 2 and s["mesh"] == {"data": 2, "fsdp": 1}
+    assert s["compute_dtype"] == "float32" and s["config"]["train"]["compute_dtype"] == "auto"  # resolved on CPU
     assert s["wall_time_s"] > 0 and s["images_per_sec"] > 0 and s["global_batch"] == 8
     assert s["last_eval"]["eval/dice"] == pytest.approx(evals[-1]["eval/dice"])
     assert s["last_train"]["train/loss"] == pytest.approx([r for r in rows if "train/loss" in r][-1]["train/loss"])

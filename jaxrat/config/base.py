@@ -90,7 +90,9 @@ def base_config() -> mlc.ConfigDict:
     c.optimizer.reference_batch_size = 0
 
     c.train = mlc.ConfigDict()
-    c.train.compute_dtype = "float32"  # or "bfloat16"; params stay float32
+    # "auto": bfloat16 on GPUs, float32 on CPUs (resolved from the mesh's devices; the run summary
+    # records what ran); or "float32" / "bfloat16". Parameters and optimizer state stay float32.
+    c.train.compute_dtype = "auto"
     c.train.log_every = 10
     c.train.eval_every = 200
     c.train.eval_at_end = True

@@ -37,10 +37,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.errors import ConfigError
 from jaxrat.models import register
 from jaxrat.models.layers import layer_norm, linear
 from jaxrat.models.rat.segmenter import rat_from_config
+from jaxrat.ops import attention as attn
 
 Array = jax.Array
 BACKBONES = ("rat", "cnn")
@@ -87,10 +89,12 @@ def inverse_sigmoid(x: Array, eps: float = 1e-5) -> Array:
 class Attention(nnx.Module):
     """Multi-head attention with separate query, key and value inputs and a key padding mask."""
 
-    def __init__(self, dim: int, num_heads: int, *, dtype: Any, rngs: nnx.Rngs, init: str = "xavier") -> None:
+    def __init__(self, dim: int, num_heads: int, *, dtype: Any, rngs: nnx.Rngs, init: str = "xavier",
+                 kernels: ops.KernelPolicy = ops.PORTABLE) -> None:
         if dim % num_heads:
             raise ConfigError(f"model.hidden_dim={dim} must divide by model.decoder_heads={num_heads}.")
         self.num_heads = num_heads
+        self.kernels = kernels
         self.q, self.k, self.v, self.o = (linear(dim, dim, dtype=dtype, rngs=rngs, init=init) for _ in range(4))
 
     def __call__(self, q: Array, k: Array, v: Array, key_ok: Optional[Array] = None) -> Array:
@@ -100,21 +104,17 @@ class Attention(nnx.Module):
         def split(x: Array) -> Array:
             return x.reshape(b, x.shape[1], h, d // h)
 
-        logits = jnp.einsum("bqhd,bkhd->bhqk", split(self.q(q)), split(self.k(k))).astype(jnp.float32)
-        logits = logits / jnp.sqrt(d // h).astype(jnp.float32)
-        if key_ok is not None:
-            logits = jnp.where(key_ok[:, None, None, :], logits, -1e9)
-        weights = jax.nn.softmax(logits, -1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, split(self.v(v))).reshape(b, nq, d)
-        return self.o(out)
+        out = attn.masked_attention(split(self.q(q)), split(self.k(k)), split(self.v(v)), key_ok, self.kernels)
+        return self.o(out.reshape(b, nq, d))
 
 
 class DecoderLayer(nnx.Module):
     """DETR's post-norm layer: query self-attention, cross-attention over the memory, FFN."""
 
-    def __init__(self, dim: int, num_heads: int, ffn_dim: int, dropout: float, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        self.self_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs)
-        self.cross_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs)
+    def __init__(self, dim: int, num_heads: int, ffn_dim: int, dropout: float, *, dtype: Any, rngs: nnx.Rngs,
+                 kernels: ops.KernelPolicy = ops.PORTABLE) -> None:
+        self.self_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.cross_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs, kernels=kernels)
         self.fc1 = linear(dim, ffn_dim, dtype=dtype, rngs=rngs, init="xavier")
         self.fc2 = linear(ffn_dim, dim, dtype=dtype, rngs=rngs, init="xavier")
         self.norm1 = layer_norm(dim, 1e-5, dtype=dtype, rngs=rngs)
@@ -184,6 +184,7 @@ class DETR(nnx.Module):
                  feature_levels: Optional[Sequence[int]] = None, focal: bool = False, box_refine: bool = False,
                  query_level: Optional[int] = None, head: str = "detr", kernels: Any = "auto",
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        kernels = ops.resolve(kernels)
         if backbone not in BACKBONES:
             raise ConfigError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}.")
         if head not in HEADS:
@@ -200,7 +201,7 @@ class DETR(nnx.Module):
             d = dims[-1]
             self.levels = (len(dims) - 1,)
             self.query_embed = nnx.Param(jax.random.normal(rngs.params(), (num_queries, d)))
-            self.ref_attn = Attention(d, decoder_heads, dtype=dtype, rngs=rngs, init="torch")
+            self.ref_attn = Attention(d, decoder_heads, dtype=dtype, rngs=rngs, init="torch", kernels=kernels)
             self.class_head = linear(d, n_out, dtype=dtype, rngs=rngs, init="torch")
             self.box_head = linear(d, 4, dtype=dtype, rngs=rngs, init="torch")
             return
@@ -227,8 +228,8 @@ class DETR(nnx.Module):
                                         linear(hidden_dim, hidden_dim, dtype=dtype, rngs=rngs, init="xavier")])
         if not self.box_refine:
             self.query_embed = nnx.Param(jax.random.normal(rngs.params(), (num_queries, hidden_dim)))
-        self.layers = nnx.List([DecoderLayer(hidden_dim, decoder_heads, ffn_dim, dropout, dtype=dtype, rngs=rngs)
-                                for _ in range(decoder_layers)])
+        self.layers = nnx.List([DecoderLayer(hidden_dim, decoder_heads, ffn_dim, dropout, dtype=dtype, rngs=rngs,
+                                             kernels=kernels) for _ in range(decoder_layers)])
         self.out_norm = layer_norm(hidden_dim, 1e-5, dtype=dtype, rngs=rngs)
         self.class_head = linear(hidden_dim, n_out, dtype=dtype, rngs=rngs, init="xavier")
         self.box_mlp = nnx.List([linear(hidden_dim, hidden_dim, dtype=dtype, rngs=rngs, init="xavier"),

@@ -5,10 +5,14 @@
 * :func:`softmax_attention`: plain attention ``softmax(q k^T) @ V`` (queries scaled beforehand).
 * :func:`multires_attention`: the multi-resolution block's joint attention over all scales, global
   or windowed (:mod:`jaxrat.ops.windowed_attention`).
+* :func:`masked_attention`: multi-head attention with a key padding mask (DETR's decoder).
 
 The ``cpu`` and ``portable`` forms are the memory-bounded chunked kernels of
-:mod:`jaxrat.ops.chunked_attention` (the cpu form with the CPU's block and slice batching);
-the ``gpu`` form is the portable one until fused kernels are registered for it.
+:mod:`jaxrat.ops.chunked_attention` (the cpu form with the CPU's block and slice batching). The
+``gpu`` form is fused attention (:mod:`jaxrat.ops.gpu`: cuDNN, dense SGA as its flash
+decomposition) wherever cuDNN takes the call (bfloat16/float16, head dims up to 128); a call it
+refuses (float32 compute) takes the portable chunked kernel, which is memory-bounded at any
+resolution, where the fused module's own fallback (materialised logits) would not be.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.windowed_attention import multires_attention as _windowed
 
 Array = jax.Array
-__all__ = ["EPS", "grouping_attention", "softmax_attention", "multires_attention", "grouping_maps",
-           "grouping_attention_reference"]
+__all__ = ["EPS", "grouping_attention", "softmax_attention", "multires_attention", "masked_attention",
+           "grouping_maps", "grouping_attention_reference"]
 
 
 def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Array:
@@ -39,22 +43,68 @@ def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Arra
                       unbatched_from=UNBATCHED_SLICE_ELEMENTS)
 
 
+def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array) -> bool:
+    """Whether the gpu form's fused kernel (cuDNN) takes these operands."""
+    if not policy.gpu:
+        return False
+    from jaxrat.ops.gpu import why_not
+
+    return why_not("cudnn", q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.dtype) is None
+
+
 def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
     """Dense SGA update: q (..., N_out, dh) groups, k (..., N_in, dh), v (..., N_in, dv) ->
     (..., N_out, dv); logits ``q @ k^T`` unscaled."""
+    if _fused(policy, q, k, v):
+        from jaxrat.ops.gpu import dense_sga
+
+        return dense_sga(q, k, v, implementation="cudnn")
     return _chunked(chunked.grouping_attention, q, k, v, policy)
 
 
 def softmax_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
     """Plain softmax attention over the last two axes, (..., Nq, d) x (..., Nk, d) -> (..., Nq, dv)."""
+    if _fused(policy, q, k, v):
+        from jaxrat.ops.gpu import fused_attention
+
+        return fused_attention(q, k, v, implementation="cudnn")
     return _chunked(chunked.softmax_attention, q, k, v, policy)
 
 
 def multires_attention(q: Array, k: Array, v: Array, segments: Sequence[tuple[int, Optional[Sequence[int]]]],
                        window: Optional[int], policy: KernelPolicy = PORTABLE) -> Array:
     """Joint attention over concatenated segments, (B, N, H, dh) each, queries scaled and rotated;
-    ``window`` None is the reference's global form (:func:`jaxrat.ops.windowed_attention.multires_attention`)."""
+    ``window`` None is the reference's global form (:func:`jaxrat.ops.windowed_attention.multires_attention`;
+    the gpu form: windows in the batch axis, padded keys by sequence lengths, :mod:`jaxrat.ops.gpu.multires`)."""
+    if _fused(policy, q, k, v):
+        from jaxrat.ops.gpu import multires_attention as gpu_multires
+
+        return gpu_multires(q, k, v, segments, window, implementation="cudnn")
     return _windowed(q, k, v, segments, window, attend=lambda a, b, c: softmax_attention(a, b, c, policy))
+
+
+def masked_attention(q: Array, k: Array, v: Array, key_ok: Optional[Array] = None,
+                     policy: KernelPolicy = PORTABLE) -> Array:
+    """Multi-head ``softmax(q k^T / sqrt(d)) v`` on (B, N, H, d) arrays, keys where ``key_ok`` ((B, Nk)
+    bool; None: all), every row keeping at least one key. The portable form materialises the
+    logits in float32 (the DETR decoder's are small)."""
+    heads = lambda a: a.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
+    d = q.shape[-1]
+    if _fused(policy, heads(q), heads(k), heads(v)):
+        from jaxrat.ops.gpu import fused_attention
+        from jaxrat.ops.gpu import masked_attention as gpu_masked
+
+        if key_ok is None:
+            out = fused_attention(heads(q), heads(k), heads(v), scale=d**-0.5, implementation="cudnn")
+        else:
+            out = gpu_masked(heads(q), heads(k), heads(v), key_ok[:, None, :], scale=d**-0.5, implementation="cudnn")
+        return heads(out)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    logits = logits / jnp.sqrt(d).astype(jnp.float32)
+    if key_ok is not None:
+        logits = jnp.where(key_ok[:, None, None, :], logits, -1e9)
+    weights = jax.nn.softmax(logits, -1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 def grouping_maps(q: Array, k: Array) -> tuple[Array, Array]:

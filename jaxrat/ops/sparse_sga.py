@@ -180,13 +180,16 @@ def _offset_dots(a: Array, xb: Array, geom: Geometry) -> Array:
 
 
 def _offset_weighted_sum(w: Array, xb: Array, geom: Geometry) -> Array:
-    """(N, No, taps) weights, (N, blocks, s, C) -> (N, o.., C) f32: sum over taps of w x[tap]."""
+    """(N, No, taps) weights, (N, blocks, s, C) -> (N, o.., C) f32: sum over taps of w x[tap].
+
+    The weights take x's dtype for the product (bfloat16 on a GPU: full-rate matmuls), which
+    accumulates in float32."""
     n, sd, ns = w.shape[0], len(geom.grid), int(np.prod(geom.stride))
     w_off = w.reshape(n, *geom.out, len(geom.offsets), *geom.stride)
     u = jnp.zeros((n, *geom.out, xb.shape[-1]), jnp.float32)
     for i, j in enumerate(geom.offsets):
         wj = _shift_to_blocks(w_off[(slice(None),) * (1 + sd) + (i,)], j, geom).reshape(n, -1, ns)
-        uj = jnp.einsum("nbs,nbsd->nbd", wj, xb.astype(jnp.float32))
+        uj = jnp.einsum("nbs,nbsd->nbd", wj.astype(xb.dtype), xb, preferred_element_type=jnp.float32)
         u = u + _take_at_offset(uj.reshape(n, *geom.blocks, xb.shape[-1]), j, geom)
     return u
 
@@ -208,7 +211,7 @@ def _offset_outer(w: Array, a: Array, geom: Geometry) -> Array:
     ws = jnp.stack([_shift_to_blocks(w_off[(slice(None),) * (1 + sd) + (i,)], j, geom).reshape(n, -1, ns)
                     for i, j in enumerate(geom.offsets)], axis=-1)
     aj = jnp.stack([_shift_to_blocks(a, j, geom).reshape(n, -1, c) for j in geom.offsets], axis=-2)
-    return jnp.einsum("nbsj,nbjc->nbsc", ws, aj.astype(jnp.float32))
+    return jnp.einsum("nbsj,nbjc->nbsc", ws.astype(aj.dtype), aj, preferred_element_type=jnp.float32)
 
 
 def _maps(logits: Array, geom: Geometry, normalise_columns: bool) -> tuple[Array, Array, Array]:
@@ -286,7 +289,7 @@ def _update_bwd(geom, normalise_columns, res, du):
 def _update_grads(qg, kb, vb, du, geom, normalise_columns):
     """Gradients of :func:`_update_plain`: recomputes the maps from q, k, v."""
     a_k, denom, a_q = _maps(_offset_dots(qg, kb, geom), geom, normalise_columns)
-    du = du.astype(jnp.float32)
+    du = du.astype(vb.dtype)  # the products in the inputs' dtype, accumulated in float32
     d_aq = _offset_dots(du, vb, geom)  # (N, No, taps): du[o] . v[tap]
     dvb = _offset_outer(a_q, du, geom)
     if normalise_columns:  # A_q = A_k / (W(colsum(A_k)) + eps): through both A_k's

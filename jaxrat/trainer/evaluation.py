@@ -20,7 +20,7 @@ from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
 from jaxrat.trainer.hooks import Evaluation
 from jaxrat.trainer.loop import check_batch_sizes, to_global
-from jaxrat.trainer.state import make_state_spec
+from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
 from jaxrat.trainer.step import make_eval_step
 
 
@@ -45,6 +45,7 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     """
     directory, step = resolve(f"{workdir}:{step_spec}")
     mesh = make_mesh(config.mesh.axes)
+    check_kernels_run_here(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     task = load_task(config)
     out_dir = out_dir or os.path.join(workdir, "eval", name or f"step_{step}")

@@ -24,7 +24,7 @@ from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
-from jaxrat.trainer.state import make_state_spec, restore_or_init
+from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
 from jaxrat.trainer.workdir import hold as hold_workdir
 
@@ -77,6 +77,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
 def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) -> dict[str, float]:
     # ---- world
     mesh = make_mesh(config.mesh.axes)
+    check_kernels_run_here(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     check_tracking(config.get("tracking"))
     logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())

@@ -20,6 +20,7 @@ import ml_collections as mlc
 from jaxrat.checkpointing import store
 from jaxrat.tracking.summary import write_summary
 from jaxrat.tracking.writers import MetricWriter
+from jaxrat.trainer.state import resolve_compute_dtype
 
 
 def hardware(mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "task": config.task.name, "model": config.model.name,
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
-        "hardware": hw, "mesh": hw["mesh"],
+        "hardware": hw, "mesh": hw["mesh"], "compute_dtype": resolve_compute_dtype(config.train.compute_dtype, mesh),
         "kernels": None if kernels is None else {"configured": config.model.get("kernels", "auto"),
                                                  **dataclasses.asdict(kernels)},
         "last_train": last_train, "last_eval": {f"eval/{k}": v for k, v in last_eval.items()}, "best": best,

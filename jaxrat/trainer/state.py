@@ -30,6 +30,18 @@ from jaxrat.trainer.optimizer import make_optimizer
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def resolve_compute_dtype(name: str, mesh: jax.sharding.Mesh) -> str:
+    """``train.compute_dtype`` as the step runs it: "auto" is bfloat16 on GPUs (their matmul units run
+    it at full rate; float32 would be TF32 at best) and float32 elsewhere (a CPU gains nothing from
+    bfloat16 matmuls); "float32" and "bfloat16" are taken as given. Parameters and optimizer state
+    stay float32 either way."""
+    if name == "auto":
+        return "bfloat16" if mesh.devices.flat[0].platform == "gpu" else "float32"
+    if name not in DTYPES:
+        raise ConfigError(f"config.train.compute_dtype={name!r}; use 'auto', 'float32' or 'bfloat16'.")
+    return name
+
+
 def _is_key(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -41,6 +53,16 @@ def resolve_kernels(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> ops.Kern
                            process_count=jax.process_count())
     except ValueError as e:
         raise ConfigError(f"config.model.kernels: {e}.") from None
+
+
+def check_kernels_run_here(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+    """A run (not a lowering) needs kernels its devices can execute: the gpu form's fused attention is
+    a set of CUDA custom calls."""
+    platform = ops.policy.platform_of(mesh.devices.flat)
+    if config.model.get("kernels", "auto") == "gpu" and ops.policy.form_for_platform(platform) != "gpu":
+        raise ConfigError(f"config.model.kernels='gpu' builds the GPU program, which cannot run on {platform} "
+                          f"devices; use 'auto' here (the GPU program can still be lowered and inspected on this "
+                          f"machine: docs/rat.md, 'On GPUs').")
 
 
 def build_task_model(task: Task, dtype: Any, rngs: nnx.Rngs, kernels: ops.KernelPolicy) -> nnx.Module:
@@ -104,9 +126,9 @@ class StateSpec:
 
 def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task) -> StateSpec:
     """Split the task's model abstractly and decide every sharding; nothing is allocated."""
-    if config.train.compute_dtype not in DTYPES:
-        raise ConfigError(f"config.train.compute_dtype={config.train.compute_dtype!r}; use 'float32' or 'bfloat16'.")
-    dtype = DTYPES[config.train.compute_dtype]
+    compute_dtype = resolve_compute_dtype(config.train.compute_dtype, mesh)
+    logging.info("compute dtype %s (train.compute_dtype=%s)", compute_dtype, config.train.compute_dtype)
+    dtype = DTYPES[compute_dtype]
     kernels = resolve_kernels(config, mesh)
     logging.info("kernels: %s form (model.kernels=%s), attention block %d", kernels.form,
                  config.model.get("kernels", "auto"), kernels.block_elements)

@@ -1,0 +1,40 @@
+"""Attention with a key padding mask (DETR's cross-attention over a letterboxed image) as one
+fused call: each row's kept keys are gathered to the front and masked by length.
+
+A letterboxed image's padding is at its right and bottom, so in row-major token order the padded
+keys are interleaved with the real ones; cuDNN masks only a row's tail (``key_value_seq_lengths``)
+unless given a materialised bias. One stable gather per row puts the kept keys first, in order
+(softmax does not care about key order), and the count of kept keys is the row's length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrat.ops.gpu.fused import Implementation, fused_attention
+
+Array = jax.Array
+
+
+def masked_attention(
+    q: Array, k: Array, v: Array, key_ok: Array, *, scale: float = 1.0, implementation: Implementation = "auto"
+) -> Array:
+    """``softmax(scale * q k^T, keys where key_ok) v`` over the last two axes.
+
+    Args:
+      q: (..., Nq, dqk) queries.
+      k: (..., Nk, dqk) keys.
+      v: (..., Nk, dv) values.
+      key_ok: (..., Nk) bool, True for the keys to attend to; every row needs at least one.
+      scale: logit scale.
+      implementation: fused attention implementation (:func:`jaxrat.ops.gpu.fused.choose_implementation`).
+
+    Returns:
+      (..., Nq, dv) in q's dtype.
+    """
+    key_ok = jnp.broadcast_to(key_ok, k.shape[:-1])
+    order = jnp.argsort(~key_ok, axis=-1, stable=True)[..., None]
+    k, v = jnp.take_along_axis(k, order, axis=-2), jnp.take_along_axis(v, order, axis=-2)
+    lengths = jnp.sum(key_ok, axis=-1, dtype=jnp.int32)
+    return fused_attention(q, k, v, scale=scale, kv_lengths=lengths, implementation=implementation)

@@ -1,0 +1,141 @@
+"""The GPU kernels lowered for CUDA on this CPU machine: every attention a cuDNN fused call, no
+while loop from chunking, matmuls in bfloat16.
+
+``jax.nn.dot_product_attention(implementation="cudnn")`` asks the local cuDNN for its version at
+trace time and raises "cuDNN is not detected." without one; the tests give it a version (9.10) so
+the program a GPU would run can be traced and lowered here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrat.ops.gpu import dense_sga, fused_attention, fused_attention_calls, masked_attention, multires_attention
+
+FWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmax\(")
+BWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmaxBackward\(")
+DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)")
+
+
+@pytest.fixture(autouse=True)
+def cudnn_version(monkeypatch):
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+def lower_for_cuda(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def counts(text: str) -> tuple[int, int]:
+    return len(FWD.findall(text)), len(BWD.findall(text))
+
+
+def value_and_grads(f, argnums=(0, 1, 2)):
+    return jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
+
+
+def zeros(*shape, dtype=jnp.bfloat16):
+    return jnp.zeros(shape, dtype)
+
+
+def test_without_cudnn_the_trace_refuses(monkeypatch):
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.undo()
+    if fused_attention_stablehlo.cuda_versions is not None:
+        pytest.skip("this jaxlib carries the CUDA plugin")
+    with pytest.raises(RuntimeError, match="cuDNN is not detected"):
+        lower_for_cuda(lambda q: fused_attention(q, q, q, implementation="cudnn"), zeros(2, 64, 64))
+
+
+def test_fused_attention_is_one_cudnn_call_each_way():
+    q = zeros(2, 8, 1024, 64)
+    text = lower_for_cuda(value_and_grads(fused_attention), q, q, q)
+    assert counts(text) == (1, 1)
+    assert "stablehlo.while" not in text and not DOT.search(text)
+
+
+def test_odd_lengths_and_padded_keys_still_lower_to_cudnn():
+    q, k, v = zeros(3, 7, 60), zeros(3, 33, 60), zeros(3, 33, 20)
+    f = lambda q, k, v: fused_attention(q, k, v, kv_lengths=jnp.array([33, 10, 1]))
+    assert counts(lower_for_cuda(value_and_grads(f), q, k, v)) == (1, 1)
+    # the log-sum-exp through cuDNN's own statistics, with padded keys
+    lse = lambda q, k, v: fused_attention(q, k, v, kv_lengths=jnp.array([33, 10, 1]), return_lse=True)[1]
+    assert counts(lower_for_cuda(lse, q, k, v)) == (1, 0)
+
+
+def test_more_slices_than_a_cuda_grid_axis_are_split_into_calls():
+    q = zeros(70_000, 16, 8)  # e.g. 1024 px windows: 484 tiles x 8 heads x 18 images
+    assert counts(lower_for_cuda(value_and_grads(fused_attention), q, q, q)) == (2, 2)
+
+
+def test_dense_sga_is_five_fused_forwards_and_one_fused_backward():
+    q, k = zeros(2, 4, 64, 64), zeros(2, 4, 1024, 64)
+    text = lower_for_cuda(value_and_grads(dense_sga), q, k, k)
+    # forward: row lse, column lse, U; backward: dW, then the attention whose VJP gives dQ, dK
+    assert counts(text) == (5, 1)
+    assert "stablehlo.while" not in text and not DOT.search(text)
+    fwd_only = lower_for_cuda(dense_sga, q, k, k)
+    assert counts(fwd_only) == (3, 0)
+    # the log-sum-exps come back in float32 (cuDNN's softmax statistics)
+    stats = re.findall(r"custom_call @__cudnn\$fmhaSoftmax\(.*-> \(tensor<[^>]*>, (tensor<[^>]*>)", fwd_only)
+    # (the U call returns no statistics: its second result is cuDNN's workspace)
+    assert stats[:2] == ["tensor<8x1x64xf32>", "tensor<8x1x1024xf32>"], stats
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_multires_attention_windows_lower_to_one_call_per_scale(window):
+    segments = [(5, None), (21 * 21, (21, 21)), (16, (4, 4))]  # 21 = 2 whole windows of 8 and a padded one
+    x = zeros(2, sum(n for n, _ in segments), 4, 32)
+    f = lambda x: multires_attention(x, x, x, segments, window)
+    text = lower_for_cuda(value_and_grads(f, argnums=0), x)
+    # global form: one call; windowed: the global tokens' call and one for the 21x21 scale
+    want = 1 if window is None else 2
+    assert counts(text) == (want, want)
+    assert "stablehlo.while" not in text and not DOT.search(text)
+
+
+def test_masked_cross_attention_is_one_cudnn_call_each_way():
+    q, k = zeros(2, 8, 100, 32), zeros(2, 8, 1200, 32)
+    key_ok = jnp.ones((2, 1, 1200), bool)
+    f = lambda q, k, v: masked_attention(q, k, v, key_ok, scale=32**-0.5)
+    text = lower_for_cuda(value_and_grads(f), q, k, k)
+    assert counts(text) == (1, 1)
+    assert "stablehlo.while" not in text and not DOT.search(text)
+
+
+def test_on_a_mesh_the_wrapped_calls_are_found_too():
+    """Over several devices jax wraps each cuDNN call in its custom partitioning; the same calls,
+    with their global shapes, are found from the wrappers' signatures."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    q, k = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=on) for s in ((8, 4, 64, 16), (8, 4, 1024, 16)))
+    text = lower_for_cuda(value_and_grads(dense_sga), q, k, k)
+    assert counts(text) == (0, 0) and "CustomSPMDPartitioning" in text
+    calls = fused_attention_calls(text)
+    assert [c.backward for c in calls].count(False) == 5 and [c.backward for c in calls].count(True) == 1
+    single = fused_attention_calls(lower_for_cuda(value_and_grads(dense_sga), *(jnp.zeros(s.shape, s.dtype)
+                                                                               for s in (q, k, k))))
+    assert sorted(calls) == sorted(single)
+    assert sum(c.flops for c in calls) > 0
+
+
+def test_float32_takes_the_pallas_triton_kernel():
+    q = zeros(2, 256, 64, dtype=jnp.float32)
+    text = lower_for_cuda(value_and_grads(fused_attention), q, q, q)
+    assert counts(text) == (0, 0)
+    assert "custom_call @__gpu$xla.gpu.triton" in text
+
+
+def test_the_portable_form_has_bf16_dots_and_no_custom_calls():
+    q = zeros(2, 64, 32)
+    text = lower_for_cuda(value_and_grads(lambda *a: dense_sga(*a, implementation="xla")), q, q, q)
+    dots = DOT.findall(text)
+    assert dots and all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b in dots), dots
+    assert "custom_call" not in text
