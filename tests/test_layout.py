@@ -16,7 +16,7 @@ LAYERS = {
     "models": 2, "data": 2,
     "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config": 1, "compile_cache": 1, "cli": 1,
     "hugepages": 1,
-    "errors": 0, "tree_paths": 0,
+    "errors": 0, "tree_paths": 0, "fileio": 0,
 }
 MAX_LINES = 420
 

@@ -15,7 +15,6 @@ removing the failed step's folder, leaving the previous checkpoints as they were
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -29,6 +28,7 @@ from etils import epath
 from jaxrat.checkpointing import digest, recovery, store
 from jaxrat.checkpointing.schedule import Policy, metric_fn, preservation
 from jaxrat.errors import CheckpointError, ConfigError
+from jaxrat.fileio import write_json
 from jaxrat.tree_paths import named_leaves
 
 
@@ -129,9 +129,7 @@ class Checkpointer:
         pointer = {"step": step, "metric": self.policy.best_metric, "mode": self.policy.best_mode,
                    "value": self._metric[step]}
         path = os.path.join(self.directory, store.BEST_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(pointer, f)
-        os.replace(path + ".tmp", path)  # readers re-rank from metadata if this is not atomic
+        write_json(path, pointer)  # readers re-rank from metadata if it is missing
 
     def step_metadata(self, step: int) -> dict[str, Any]:
         """What :meth:`save` stored with ``step`` (reason, metrics, eval_pending, topology)."""
