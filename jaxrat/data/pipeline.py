@@ -14,14 +14,12 @@ so a run may also resume with another worker count. Bad files: see :mod:`jaxrat.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import gc
 import json
 import logging
 import math
 import os
-import signal
 from typing import Any, Callable, Iterator, Sequence
 
 import grain
@@ -32,6 +30,7 @@ from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError
 from jaxrat.data.process_rows import ProcessRows
 from jaxrat.data.sources.isic import DecodePair
+from jaxrat.data.workers import finish_shared_memory_unlinks, worker_ignores_job_signals
 from jaxrat.errors import ConfigError, DataError
 
 IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
@@ -289,55 +288,6 @@ class StreamIterator:
         finish_shared_memory_unlinks()
 
 
-def _worker_ignores_job_signals(worker_index: int, worker_count: int) -> None:
-    """Run in each input worker: SIGTERM and SIGINT are the parent's to act on.
-
-    SLURM's preemption and a terminal's Ctrl-C signal every process of the job. A worker killed by
-    them dies with batches in shared memory that nobody unlinks (the resource tracker then warns of
-    "leaked shared_memory objects"); ignoring them, it keeps going until the parent, which saves
-    and exits, stops it through Grain, which unlinks the batches still in flight. A parent that
-    never stops them is ended by the scheduler's SIGKILL, which follows SIGTERM.
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def finish_shared_memory_unlinks() -> None:
-    """Wait until every worker batch dropped so far has had its shared memory unlinked.
-
-    Grain's process prefetch unlinks a dropped batch's shared memory on a background thread pool;
-    unlinks still queued there when the process exits never run, and Python's resource tracker then
-    warns of "leaked shared_memory objects" (and removes them itself).
-    """
-    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
-
-    pool = SharedMemoryArray._del_thread_pool
-    if pool is not None:
-        # Grain's pool has one thread (FIFO): once this no-op ran, every earlier unlink has. Bounded,
-        # so a stuck unlink (a dead /dev/shm) cannot hang the exit.
-        pool.apply_async(lambda: None).wait(10)
-
-
-@atexit.register
-def _unlink_in_place_from_now_on() -> None:
-    # Runs before multiprocessing's own exit handler (registered earlier), which would SIGTERM the
-    # daemonic children still running and wait for them: input workers ignore SIGTERM (see
-    # _worker_ignores_job_signals), so an iterator nobody closed would hang the exit there.
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(5)
-    # Batches still referenced at exit (a preempted or failed run's last ones) are dropped during
-    # interpreter teardown, when the pool's thread may no longer run: unlink those in the caller.
-    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
-
-    pool = SharedMemoryArray._del_thread_pool
-    SharedMemoryArray._del_thread_pool = None
-    SharedMemoryArray._outstanding_del_requests = None
-    if pool is not None:
-        pool.apply_async(lambda: None).wait(10)
 
 
 def train_iterator(
@@ -387,7 +337,7 @@ def train_iterator(
             _allow_grain_flags()
             per_worker = max(2, -(-prefetch * local_batch // workers))
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=per_worker),
-                                worker_init_fn=_worker_ignores_job_signals)
+                                worker_init_fn=worker_ignores_job_signals)
         return iter(it.batch(local_batch, drop_remainder=True))
 
     return StreamIterator(build, start_example, gb, process_count)
