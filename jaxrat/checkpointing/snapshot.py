@@ -18,6 +18,7 @@ no device collective. Orbax's barriers there go through the JAX distributed clie
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import jax
@@ -89,8 +90,19 @@ class Snapshotter:
     def _compiled_for(self, xs: list[jax.Array]) -> Any:
         key = tuple((x.shape, x.dtype, x.sharding) for x in xs)
         if key not in self._compiled:
-            self._compiled[key] = jax.jit(lambda arrays: [jnp.copy(x) for x in arrays],
-                                          out_shardings=[_host_sharding(x) for x in xs])
+            def copy(arrays):
+                return [jnp.copy(x) for x in arrays]
+
+            host = [_host_sharding(x) for x in xs]
+            try:
+                self._compiled[key] = jax.jit(copy, out_shardings=host).lower(xs).compile()
+            except Exception as e:  # a backend without host outputs for these arrays: copy on the devices
+                if host == [x.sharding for x in xs]:
+                    raise
+                logging.warning("checkpoint: the state cannot be copied to pinned host memory (%s); the async "
+                                "save copies it on the devices instead, which holds its size in device memory "
+                                "while it is written", e)
+                self._compiled[key] = jax.jit(copy, out_shardings=[x.sharding for x in xs]).lower(xs).compile()
         return self._compiled[key]
 
 
