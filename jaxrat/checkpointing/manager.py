@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import grain
@@ -287,6 +288,10 @@ class Checkpointer:
             recovery.remove_uncommitted(self.directory, step)
         if not recovery.is_disk_full(error):
             raise error
+        # Orbax's failed write leaves a coroutine it never awaited; Python would report it at exit,
+        # after (and instead of being) the last line, which must be the sentence below.
+        warnings.filterwarnings("ignore", message=r"coroutine '.*write_fragment' was never awaited",
+                                category=RuntimeWarning)
         kept = store.committed_steps(self.directory)
         what = "the last save" if step is None else f"step {step}"
         previous = f"the last complete checkpoint (step {kept[-1]}) is intact" if kept else "no checkpoint was complete"
