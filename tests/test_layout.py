@@ -17,7 +17,7 @@ LAYERS = {
     "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config": 1, "compile_cache": 1, "cli": 1,
     "ops": 1,
     "hugepages": 1,
-    "errors": 0, "tree_paths": 0, "platform_hint": 0,
+    "errors": 0, "tree_paths": 0, "platform_hint": 0, "fileio": 0,
 }
 MAX_LINES = 420
 

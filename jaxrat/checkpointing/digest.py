@@ -21,7 +21,8 @@ from jaxrat.tree_paths import named_leaves
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
-def _leaf_digest(x: jax.Array) -> jax.Array:
+def leaf_digest(x: jax.Array) -> jax.Array:
+    """The digest of one array, traced (see the module's docstring)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
@@ -37,7 +38,19 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
     return jnp.sum(words * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
-_digests = jax.jit(lambda tree: jax.tree.map(_leaf_digest, tree))
+_digests = jax.jit(lambda tree: jax.tree.map(leaf_digest, tree))
+
+
+def start_digests(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Dispatch the digests of ``arrays`` (every process, in the same order); read them with
+    :func:`finish_digests`, from any thread."""
+    return _digests(arrays)
+
+
+def finish_digests(started: dict[str, jax.Array]) -> dict[str, int]:
+    """The numbers of :func:`start_digests`' results."""
+    # A scalar result is replicated, so this process's copy is the global value.
+    return {name: int(np.asarray(v.addressable_data(0))) for name, v in started.items()}
 
 
 def digest(state: Any) -> dict[str, int]:
@@ -45,10 +58,31 @@ def digest(state: Any) -> dict[str, int]:
 
     Every process must call it (a sharded leaf's sum is a collective); all get the same result.
     """
-    arrays = {name: leaf for name, leaf in named_leaves(state).items() if isinstance(leaf, jax.Array)}
-    out = _digests(arrays)
-    # A scalar result is replicated, so this process's copy is the global value.
-    return {name: int(np.asarray(v.addressable_data(0))) for name, v in out.items()}
+    return finish_digests(start_digests({n: x for n, x in named_leaves(state).items() if isinstance(x, jax.Array)}))
+
+
+_HOST_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}
+_CHUNK = 1 << 20
+
+
+def host_digest(x: Any) -> int:
+    """:func:`leaf_digest` of an array this process holds whole, computed with NumPy on the host
+    (no device work, so any thread may call it); equal to the device's for every dtype."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    a = np.asarray(x)
+    if a.dtype == np.bool_:
+        a = a.view(np.uint8)
+    # Row-major flat order of the words, as the device's per-dimension iotas number them (an 8-byte
+    # element's two words are adjacent, low word first, as bitcast_convert_type splits it).
+    words = np.ascontiguousarray(a).reshape(-1).view(_HOST_WORDS[a.dtype.itemsize])
+    total = np.uint64(0)
+    for start in range(0, words.size, _CHUNK):
+        w = words[start:start + _CHUNK].astype(np.uint64)
+        weights = (np.arange(start, start + w.size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) & np.uint64(
+            0xFFFFFFFF)
+        total += np.sum(w * weights, dtype=np.uint64)  # wraps modulo 2**64, a multiple of 2**32
+    return int(total) & 0xFFFFFFFF
 
 
 def mismatches(expected: dict[str, int], state: Any) -> list[str]:

@@ -15,10 +15,11 @@ removing the failed step's folder, leaving the previous checkpoints as they were
 
 from __future__ import annotations
 
-import json
+import concurrent.futures
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import grain
@@ -28,7 +29,9 @@ from etils import epath
 
 from jaxrat.checkpointing import digest, recovery, store
 from jaxrat.checkpointing.schedule import Policy, metric_fn, preservation
+from jaxrat.checkpointing.snapshot import FrozenDataState, Snapshotter, use_distributed_barriers
 from jaxrat.errors import CheckpointError, ConfigError
+from jaxrat.fileio import write_json
 from jaxrat.tree_paths import named_leaves
 
 
@@ -50,8 +53,12 @@ class Checkpointer:
         self.policy = policy or Policy()
         p = self.policy
         modes = ocp.options.AtomicityMode
+        if p.async_save:
+            use_distributed_barriers()
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=p.async_save,
+            # Async saves run Orbax's synchronous save on our own thread (see snapshot.py): Orbax's
+            # async path does its per-array work on the caller's thread.
+            enable_async_checkpointing=False,
             cleanup_tmp_directories=True,  # a killed save's folder goes away at the next start
             create=True,
             preservation_policy=preservation(p),
@@ -64,6 +71,10 @@ class Checkpointer:
         self._mngr = _Manager(self.directory, item_names=("state", "data"), options=options)
         self._state_reader = ocp.StandardCheckpointHandler()
         self._inflight: int | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self._worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
+                        if p.async_save else None)
+        self._snapshot = Snapshotter()
         self._metric: dict[int, float] = {}
         if p.tracks_best:
             for step in self._mngr.all_steps():
@@ -74,11 +85,13 @@ class Checkpointer:
         self._failed: int | None = None  # the step whose save failed; nothing is pending after it
 
     def latest_step(self) -> int | None:
-        """Newest complete checkpoint step, or None."""
+        """Newest complete checkpoint step, or None (waits for a save in flight)."""
+        self._finish_inflight()
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Every kept checkpoint step (the one being written included), ascending."""
+        """Every kept checkpoint step, ascending (waits for a save in flight)."""
+        self._finish_inflight()
         return sorted(self._mngr.all_steps())
 
     def save(self, step: int, state: Any, data_iter: Any = None, *, reason: str,
@@ -89,33 +102,49 @@ class Checkpointer:
         ``metrics`` (eval metrics of this step, e.g. ``{"eval/dice": 0.8}``) rank the checkpoint for
         ``best_metric``; ``eval_pending`` tells a resumed run to run this step's eval first.
         """
+        t0 = time.perf_counter()
+        # One save at a time: usually the previous one ended long ago and this costs nothing; this
+        # also names the step if that save failed.
+        self._finish_inflight()
         if step in self._mngr.all_steps():
             return None
-        t0 = time.perf_counter()
-        self._finish_inflight()  # Orbax would wait here too; this names the step if that save failed
-        items = {"state": ocp.args.StandardSave(state)}
-        if data_iter is not None:
-            items["data"] = grain.checkpoint.CheckpointSave(data_iter)
         clean = {k: float(v) for k, v in (metrics or {}).items()}
         meta = {"reason": reason, "eval_pending": eval_pending, "metrics": clean,
-                "process_count": jax.process_count(), "device_count": jax.device_count(),
-                "digest": digest.digest(state)}
+                "process_count": jax.process_count(), "device_count": jax.device_count()}
         if self.policy.tracks_best:
             meta.update(best_metric=self.policy.best_metric, best_mode=self.policy.best_mode)
             if self.policy.best_metric in clean:
                 self._metric[step] = clean[self.policy.best_metric]
-        try:
-            self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
-                            metrics=clean if self.policy.tracks_best else None)
-        except Exception as e:
-            self._save_failed(step, e)
-        blocked = time.perf_counter() - t0
+        if self._worker is None:
+            self._write(step, state, data_iter, meta, clean, lambda: digest.digest(state))
+            blocked = time.perf_counter() - t0
+        else:
+            # What the loop waits for: a copy no later step can change, and the data position now.
+            copy, digests = self._snapshot(state)
+            data = FrozenDataState(data_iter) if data_iter is not None else None
+            self._inflight = step
+            self._pending = self._worker.submit(self._write, step, copy, data, meta, clean, digests)
+            blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
-        # Orbax waited for the previous save before starting this one, so that one is committed.
-        self._inflight = step if self.policy.async_save else None
-        self._write_best_pointer()
         logging.info("checkpoint: saving step %d (%s), train loop blocked %.3f s", step, reason, blocked)
         return blocked
+
+    def _write(self, step: int, state: Any, data_iter: Any, meta: dict[str, Any], metrics: dict[str, float],
+               digests: Any) -> None:
+        """Orbax's save and commit of one step (on the save thread for async saves), then the best pointer."""
+        items = {"state": ocp.args.StandardSave(state)}
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        meta = {**meta, "digest": digests()}
+        try:
+            self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
+                            metrics=metrics if self.policy.tracks_best else None)
+        except Exception as e:
+            if self._worker is None:
+                self._save_failed(step, e)
+            raise
+        self._inflight = None
+        self._write_best_pointer()
 
     def _write_best_pointer(self) -> None:
         """Point ``best.json`` at the best *committed* checkpoint (process 0 writes it)."""
@@ -129,9 +158,7 @@ class Checkpointer:
         pointer = {"step": step, "metric": self.policy.best_metric, "mode": self.policy.best_mode,
                    "value": self._metric[step]}
         path = os.path.join(self.directory, store.BEST_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(pointer, f)
-        os.replace(path + ".tmp", path)  # readers re-rank from metadata if this is not atomic
+        write_json(path, pointer)  # readers re-rank from metadata if it is missing
 
     def step_metadata(self, step: int) -> dict[str, Any]:
         """What :meth:`save` stored with ``step`` (reason, metrics, eval_pending, topology)."""
@@ -232,6 +259,8 @@ class Checkpointer:
         """Finish pending saves and release resources (after a failed save: only release)."""
         if self._failed is None:
             self.wait()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         try:
             self._mngr.close()
             self._state_reader.close()
@@ -241,8 +270,11 @@ class Checkpointer:
             logging.debug("checkpoint: closing after the failed save of step %d", self._failed, exc_info=True)
 
     def _finish_inflight(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
         try:
-            self._mngr.wait_until_finished()
+            pending.result()
         except Exception as e:
             step, self._inflight = self._inflight, None
             self._save_failed(step, e)
@@ -256,6 +288,10 @@ class Checkpointer:
             recovery.remove_uncommitted(self.directory, step)
         if not recovery.is_disk_full(error):
             raise error
+        # Orbax's failed write leaves a coroutine it never awaited; Python would report it at exit,
+        # after (and instead of being) the last line, which must be the sentence below.
+        warnings.filterwarnings("ignore", message=r"coroutine '.*write_fragment' was never awaited",
+                                category=RuntimeWarning)
         kept = store.committed_steps(self.directory)
         what = "the last save" if step is None else f"step {step}"
         previous = f"the last complete checkpoint (step {kept[-1]}) is intact" if kept else "no checkpoint was complete"

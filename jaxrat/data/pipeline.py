@@ -30,6 +30,7 @@ from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError
 from jaxrat.data.process_rows import ProcessRows
 from jaxrat.data.sources.isic import DecodePair
+from jaxrat.data.workers import finish_shared_memory_unlinks, worker_ignores_job_signals
 from jaxrat.errors import ConfigError, DataError
 
 IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
@@ -284,6 +285,9 @@ class StreamIterator:
         # A reader thread that stopped on an error keeps its last element in a reference cycle with
         # that error; collect it now, while its worker shared memory can still be unlinked.
         gc.collect()
+        finish_shared_memory_unlinks()
+
+
 
 
 def train_iterator(
@@ -332,7 +336,8 @@ def train_iterator(
         if workers > 0:
             _allow_grain_flags()
             per_worker = max(2, -(-prefetch * local_batch // workers))
-            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=per_worker))
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=per_worker),
+                                worker_init_fn=worker_ignores_job_signals)
         return iter(it.batch(local_batch, drop_remainder=True))
 
     return StreamIterator(build, start_example, gb, process_count)

@@ -19,6 +19,7 @@ import stat
 import time
 
 from jaxrat.errors import DataError
+from jaxrat.fileio import move_into_place, write_json
 
 _MANIFEST = ".jaxrat_staged.json"
 
@@ -115,8 +116,7 @@ def _stage_locked(src: str, dest: str) -> str:
     try:
         shutil.copytree(src, tmp)
         _make_owner_writable(tmp)
-        with open(os.path.join(tmp, _MANIFEST), "w") as f:
-            json.dump(want, f)
+        write_json(os.path.join(tmp, _MANIFEST), want)
     except BaseException:
         _remove(tmp)  # a full disk keeps no half copy
         raise
@@ -124,8 +124,8 @@ def _stage_locked(src: str, dest: str) -> str:
     if os.path.exists(dest):
         # Moved aside in one step, not deleted in place: a kill during a deletion could leave
         # a copy with its manifest but without some files.
-        os.replace(dest, old)
-    os.replace(tmp, dest)  # the copy appears complete or not at all
+        move_into_place(dest, old)
+    move_into_place(tmp, dest)  # the copy appears complete or not at all
     _remove(old)
     size = sum(v[0] for v in want["files"].values())
     logging.info("data: staged %s to %s (%d files, %.1f MB) in %.1f s",

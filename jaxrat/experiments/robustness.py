@@ -17,7 +17,6 @@ under ``DIR/robustness/points/``.
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import logging
 import math
@@ -28,6 +27,7 @@ import ml_collections as mlc
 
 from jaxrat.checkpointing.store import resolve
 from jaxrat.errors import ConfigError, UserError
+from jaxrat.fileio import save_figure, write_csv, write_text
 
 OUT_DIR = "robustness"
 FILES = ("table.md", "table.csv", "table.json", "plot.png")
@@ -123,15 +123,13 @@ def write_outputs(table: dict[str, Any], out_dir: str) -> list[str]:
     """Write ``table.{md,csv,json}`` and ``plot.png`` to ``out_dir``; return their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f) for f in FILES]
-    _atomic_write(paths[0], to_markdown(table))
-    with open(paths[1] + ".tmp", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["size", "spacing", "reference"] + [c for m in table["metrics"] for c in (m, f"{m}_rel_change")])
-        for r in table["rows"]:
-            cells = [c for m in table["metrics"] for c in (r["metrics"].get(m, ""), _blank(r["relative_change"][m]))]
-            w.writerow([r["size"], r["spacing"], int(r["reference"])] + cells)
-    os.replace(paths[1] + ".tmp", paths[1])
-    _atomic_write(paths[2], json.dumps(table, indent=2) + "\n")
+    write_text(paths[0], to_markdown(table))
+    names = table["metrics"]
+    header = ["size", "spacing", "reference"] + [c for m in names for c in (m, f"{m}_rel_change")]
+    write_csv(paths[1], ([r["size"], r["spacing"], int(r["reference"])]
+                         + [c for m in names for c in (r["metrics"].get(m, ""), _blank(r["relative_change"][m]))]
+                         for r in table["rows"]), header)
+    write_text(paths[2], json.dumps(table, indent=2) + "\n")
     plot(table, paths[3])
     for p in paths:
         logging.info("wrote %s", p)
@@ -140,12 +138,6 @@ def write_outputs(table: dict[str, Any], out_dir: str) -> list[str]:
 
 def _blank(x: float | None) -> Any:
     return "" if x is None else x
-
-
-def _atomic_write(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def to_markdown(table: dict[str, Any]) -> str:
@@ -197,5 +189,4 @@ def plot(table: dict[str, Any], path: str) -> None:
         axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"step {table['step']}, trained at {table['train_size']} px (dashed)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=100)
-    os.replace(path + ".tmp.png", path)
+    save_figure(path, fig, dpi=100)

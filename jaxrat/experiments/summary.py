@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxrat.errors import UserError
 from jaxrat.experiments.sweep import MANIFEST, run_state
+from jaxrat.fileio import save_figure, write_text
 
 EVAL_PREFIX = "eval/"
 
@@ -185,7 +186,7 @@ def plot(runs: list[RunSummary], path: str) -> bool:
     if metrics:
         axes.flat[0].legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(path, fig, dpi=100)
     plt.close(fig)
     return True
 
@@ -195,9 +196,7 @@ def write_summary(root: str) -> list[RunSummary]:
     runs = collect(root)
     header, rows = table(runs)
     for name, text in (("summary.md", to_markdown(header, rows)), ("summary.csv", to_csv(header, rows))):
-        with open(os.path.join(root, name + ".tmp"), "w") as f:
-            f.write(text)
-        os.replace(os.path.join(root, name + ".tmp"), os.path.join(root, name))
+        write_text(os.path.join(root, name), text)
     if runs:
         plot(runs, os.path.join(root, "summary.png"))
     return runs

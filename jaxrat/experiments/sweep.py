@@ -12,7 +12,6 @@ checkpoints, because that is what ``jaxrat.main`` does with a workdir.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shlex
@@ -27,6 +26,7 @@ from jaxrat.checkpointing.store import committed_steps, step_metadata
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
 from jaxrat.errors import ConfigError
+from jaxrat.fileio import write_json
 
 MANIFEST = "sweep.json"  # ROOT/sweep.json: the config, variants and common overrides of the last invocation
 _OVERRIDE = re.compile(r"^--config\.[A-Za-z_][\w.]*=")
@@ -173,9 +173,7 @@ def write_manifest(root: str, config: str, variants: list[Variant], common: Sequ
     os.makedirs(root, exist_ok=True)
     data = {"config": config, "common": list(common),
             "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in variants]}
-    with open(os.path.join(root, MANIFEST + ".tmp"), "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(os.path.join(root, MANIFEST + ".tmp"), os.path.join(root, MANIFEST))
+    write_json(os.path.join(root, MANIFEST), data, indent=2)
 
 
 def _train(cmd: list[str]) -> int:

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from jaxrat.errors import ConfigError
+from jaxrat.fileio import write_json
 from jaxrat.tracking.base import Guard, TrackerBase, describe
 
 # Fail fast: the client's defaults (120 s timeout, 7 retries with backoff) would hold the thread,
@@ -173,10 +174,7 @@ class MLflowTracker(TrackerBase):
                   else self._client.create_experiment(self.experiment, artifact_location=self._artifacts))
         run = self._client.create_run(exp_id, run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id
-        tmp = self._id_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"tracking_uri": self.uri, "experiment_id": exp_id, "run_id": self.run_id}, f)
-        os.replace(tmp, self._id_file)
+        write_json(self._id_file, {"tracking_uri": self.uri, "experiment_id": exp_id, "run_id": self.run_id})
         logging.info("mlflow: run %s in experiment %r at %s", self.run_id, self.experiment, self.uri)
         return self.run_id
 

@@ -10,13 +10,9 @@ import json
 import os
 from typing import Any, Mapping
 
+from jaxrat.fileio import write_text
+
 JSON_NAME, MARKDOWN_NAME = "summary.json", "summary.md"
-
-
-def _write_atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def _fmt(v: Any) -> str:
@@ -56,6 +52,6 @@ def markdown(s: Mapping[str, Any]) -> str:
 def write_summary(workdir: str, summary: Mapping[str, Any]) -> list[str]:
     """Write ``summary.json`` and ``summary.md`` under ``workdir``; returns their paths."""
     paths = [os.path.join(workdir, JSON_NAME), os.path.join(workdir, MARKDOWN_NAME)]
-    _write_atomic(paths[0], json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
-    _write_atomic(paths[1], markdown(summary))
+    write_text(paths[0], json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    write_text(paths[1], markdown(summary))
     return paths

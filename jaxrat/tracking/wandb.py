@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxrat.errors import ConfigError
+from jaxrat.fileio import write_json
 from jaxrat.tracking.base import TrackerBase
 
 STATUS_EXIT_CODE = {"finished": 0, "failed": 1, "preempted": 1}
@@ -38,9 +39,7 @@ class WandbTracker(TrackerBase):
                 run_id = json.load(f)["run_id"]
         except (OSError, ValueError, KeyError):
             run_id = uuid.uuid4().hex[:12]
-            with open(id_file + ".tmp", "w") as f:
-                json.dump({"run_id": run_id}, f)
-            os.replace(id_file + ".tmp", id_file)
+            write_json(id_file, {"run_id": run_id})
         self._run = wandb.init(
             project=tracking.get("wandb_project", "") or "jaxrat", entity=tracking.get("wandb_entity", "") or None,
             name=tracking.get("run_name", "") or os.path.basename(os.path.normpath(workdir)), id=run_id,

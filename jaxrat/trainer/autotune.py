@@ -10,7 +10,6 @@ it, which is also how tests simulate a device.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.errors import ConfigError
+from jaxrat.fileio import write_json
 
 LR_RULES = ("none", "linear", "sqrt")
 
@@ -128,10 +128,7 @@ def apply(config: mlc.ConfigDict, choice: Choice, workdir: str) -> None:
     config.optimizer.learning_rate = choice.learning_rate
     logging.info("%s", choice.table())
     if jax.process_index() == 0:
-        path = os.path.join(workdir, "autotune.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(dataclasses.asdict(choice), f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_json(os.path.join(workdir, "autotune.json"), dataclasses.asdict(choice), indent=2)
 
 
 def abstract_batch(example: dict[str, np.ndarray], global_batch: int, sharding: Any) -> dict[str, Any]:

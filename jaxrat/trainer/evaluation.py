@@ -15,6 +15,7 @@ from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config import load_run_config
+from jaxrat.fileio import write_json
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
@@ -63,8 +64,6 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     if jax.process_index() == 0:
         result = {"workdir": workdir, "step": step, "metrics": metrics,
                   "config": json.loads(config.to_json_best_effort())}
-        with open(os.path.join(out_dir, "metrics.json.tmp"), "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
-        os.replace(os.path.join(out_dir, "metrics.json.tmp"), os.path.join(out_dir, "metrics.json"))
+        write_json(os.path.join(out_dir, "metrics.json"), result, indent=2, sort_keys=True)
         logging.info("wrote %s", os.path.join(out_dir, "metrics.json"))
     return step, metrics

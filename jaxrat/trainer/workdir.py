@@ -20,6 +20,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.errors import ConfigError, UserError
+from jaxrat.fileio import move_into_place, write_text
 from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
@@ -83,12 +84,6 @@ def has_checkpoint(workdir: str) -> bool:
     return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
 
 
-def _write_atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
 def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> None:
     """Stop a resume whose config changes what is trained (:class:`ConfigChanged`), then write
     ``WORKDIR/config.json``; a different previous one is kept as ``config.<its UTC time>.json``."""
@@ -120,8 +115,8 @@ def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bo
         aside, n = os.path.join(workdir, f"config.{stamp}.json"), 1
         while os.path.exists(aside):
             aside, n = os.path.join(workdir, f"config.{stamp}.{n}.json"), n + 1
-        os.replace(path, aside)
-    _write_atomic(path, config.to_json_best_effort(indent=2, sort_keys=True))
+        move_into_place(path, aside)
+    write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 # ------------------------------------------------------------------------------------- the run

@@ -18,6 +18,7 @@ import time
 import uuid
 
 from jaxrat.errors import UserError
+from jaxrat.fileio import write_bytes
 
 LOCK_NAME = "run.lock"
 DEFAULT_LEASE_S = 120.0
@@ -183,11 +184,16 @@ class WorkdirLock:
         return json.dumps(dataclasses.asdict(self.me), sort_keys=True).encode()
 
     def _write_tmp(self) -> str:
-        tmp = f"{self.path}.{self.me.token}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._payload())
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = f"{self.path}.{self.me.token}.tmp"  # named for its owner: a dead one's is recognisable
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._payload())
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return tmp
 
     def _create(self) -> bool:
@@ -263,7 +269,7 @@ class WorkdirLock:
             now = self._read()
             if now is None or (now[0].token if now[0] else None) != (stale.token if stale else None):
                 return False  # it changed under us: decide again
-            os.replace(self._write_tmp(), self.path)
+            write_bytes(self.path, self._payload())
             return self._owner_token() == self.me.token
         finally:
             with contextlib.suppress(FileNotFoundError):

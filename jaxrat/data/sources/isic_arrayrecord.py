@@ -28,6 +28,7 @@ from jaxrat.data.sources import isic
 from jaxrat.data.sources.isic import DecodePair
 from jaxrat.data.sources.tfds import data_source
 from jaxrat.errors import DataError
+from jaxrat.fileio import write_json
 
 NAME = "isic2018_task1"
 CLI = "python -m jaxrat.data.prepare_isic"
@@ -150,8 +151,7 @@ def prepare(src: str, out: str, *, split_file: str = "", on_bad_file: str = "fai
     import tensorflow_datasets as tfds
 
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=src))
-    with open(settings_path, "w") as f:
-        json.dump(settings, f)
+    write_json(settings_path, settings)
     return out
 
 

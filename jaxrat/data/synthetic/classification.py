@@ -15,6 +15,8 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
+from jaxrat.fileio import write_json
+
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (200, 40, 40), "green": (40, 170, 60), "blue": (50, 70, 210)}
 LABEL_COLUMNS = ("shape", "kind")
@@ -63,7 +65,5 @@ def write_dataset(root: str, num_train: int, num_val: int, image_size: int, seed
                 Image.fromarray(image).save(os.path.join(root, name))
                 out.writerow([name, shape, kind])
                 index += 1
-    with open(marker + ".tmp", "w") as f:
-        json.dump(params, f)
-    os.replace(marker + ".tmp", marker)  # present only once every file is written
+    write_json(marker, params)  # present only once every file is written
     return csvs

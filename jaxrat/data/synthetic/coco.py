@@ -14,6 +14,8 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
+from jaxrat.fileio import write_json
+
 # The 80 COCO 2017 detection categories (id, name).
 _NAMES = (
     "person bicycle car motorcycle airplane bus train truck boat traffic_light fire_hydrant - stop_sign "
@@ -92,9 +94,7 @@ def write_coco(root: str, num_train: int = 16, num_val: int = 8, image_size: int
                                                      for c, n in COCO_CATEGORIES]}
         with open(os.path.join(root, "annotations", f"instances_{folder}.json"), "w") as f:
             json.dump(spec, f)
-    with open(marker + ".tmp", "w") as f:
-        json.dump(params, f)
-    os.replace(marker + ".tmp", marker)
+    write_json(marker, params)  # the marker appears only once every file is written
     return root
 
 

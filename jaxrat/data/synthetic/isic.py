@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from jaxrat.data.sources.isic import SPLIT_FOLDERS
+from jaxrat.fileio import write_json
 
 _MARKER = "jaxrat_synthetic.json"
 
@@ -80,8 +81,5 @@ def write_dataset(data_dir: str, num_train: int, num_val: int, image_size: int, 
             Image.fromarray(image).save(os.path.join(img_dir, f"{name}.jpg"), quality=92)
             Image.fromarray(mask).save(os.path.join(mask_dir, f"{name}_segmentation.png"))
         start += count
-    tmp = marker + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(params, f)
-    os.replace(tmp, marker)  # the marker appears only once every file is written
+    write_json(marker, params)  # the marker appears only once every file is written
     return data_dir

@@ -1,0 +1,65 @@
+"""Input worker processes' exit: no shared memory left behind, whatever ends the run.
+
+Grain's process prefetch passes batches through shared memory. A batch is unlinked by whoever
+drops it last, on a background thread pool; a worker killed mid-batch, or an unlink still queued
+when the process exits, leaves the segment for Python's resource tracker, which warns of "leaked
+shared_memory objects" at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing.util  # noqa: F401  (registers its exit handler first, so ours runs before it)
+import signal
+
+
+def worker_ignores_job_signals(worker_index: int, worker_count: int) -> None:
+    """Run in each input worker: SIGTERM and SIGINT are the parent's to act on.
+
+    SLURM's preemption and a terminal's Ctrl-C signal every process of the job. A worker killed by
+    them dies with batches in shared memory that nobody unlinks (the resource tracker then warns of
+    "leaked shared_memory objects"); ignoring them, it keeps going until the parent, which saves
+    and exits, stops it through Grain, which unlinks the batches still in flight. A parent that
+    never stops them is ended by the scheduler's SIGKILL, which follows SIGTERM.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def finish_shared_memory_unlinks() -> None:
+    """Wait until every worker batch dropped so far has had its shared memory unlinked.
+
+    Grain's process prefetch unlinks a dropped batch's shared memory on a background thread pool;
+    unlinks still queued there when the process exits never run, and Python's resource tracker then
+    warns of "leaked shared_memory objects" (and removes them itself).
+    """
+    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+
+    pool = SharedMemoryArray._del_thread_pool
+    if pool is not None:
+        # Grain's pool has one thread (FIFO): once this no-op ran, every earlier unlink has. Bounded,
+        # so a stuck unlink (a dead /dev/shm) cannot hang the exit.
+        pool.apply_async(lambda: None).wait(10)
+
+
+@atexit.register
+def _unlink_in_place_from_now_on() -> None:
+    # Runs before multiprocessing's own exit handler (registered earlier; atexit runs the last
+    # first), which would SIGTERM the daemonic children still running and wait for them: input
+    # workers ignore SIGTERM (see worker_ignores_job_signals), so an iterator nobody closed would
+    # hang the exit there.
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(5)
+    # Batches still referenced at exit (a preempted or failed run's last ones) are dropped during
+    # interpreter teardown, when the pool's thread may no longer run: unlink those in the caller.
+    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+
+    pool = SharedMemoryArray._del_thread_pool
+    SharedMemoryArray._del_thread_pool = None
+    SharedMemoryArray._outstanding_del_requests = None
+    if pool is not None:
+        pool.apply_async(lambda: None).wait(10)
