@@ -48,13 +48,13 @@ def main(argv: list[str], overrides: list[str]) -> None:
         from jaxrat.inference.run import Options, predict_files, prepare_output
 
         tta = parse_tta(_TTA.value)
-        inputs = expand_inputs(_INPUT.value)
         options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
                           top_k=_TOP_K.value, min_score=_MIN_SCORE.value)
         if options.tile:
             from jaxrat.inference.augment import check_tiling
 
             check_tiling(options.tile, options.overlap)
+        inputs = expand_inputs(_INPUT.value)
         from jaxrat.trainer.evaluation import open_trained_run
 
         workdir, config = open_trained_run(_WORKDIR.value, overrides)

@@ -96,3 +96,115 @@ def test_predictor_on_arrays_matches_the_files_it_wrote(trained, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = np.asarray(Image.open(os.path.join(out, "masks", "x.png"))) > 0
     assert (written == preds[0].mask).mean() > 0.999  # two device counts: float noise at the threshold at most
+
+
+def _evaluate(*args, devices=2):
+    return subprocess.run([sys.executable, "-m", "jaxrat.evaluate", *args], cwd=REPO, env=env_with_devices(devices),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _dice_jaccard(pred, truth):
+    tp, fp, fn = (pred & truth).sum(), (pred & ~truth).sum(), (~pred & truth).sum()
+    dice = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0
+    iou = tp / (tp + fp + fn) if tp + fp + fn else 1.0
+    return dice, (iou if iou >= 0.65 else 0.0)
+
+
+def test_evaluate_per_image_equals_scores_of_the_masks_predict_writes(trained, tmp_path):
+    proc = _evaluate(f"--workdir={trained}", "--save_predictions", "--name=saved")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = os.path.join(trained, "eval", "saved")
+    result = __import__("json").load(open(os.path.join(out, "metrics.json")))
+    logged = [r for r in __import__("runner").read_metrics(trained) if "eval/orig/dice" in r][-1]
+    assert result["metrics"]["eval/dice"] == pytest.approx(logged["eval/dice"], abs=1e-6)  # as training logged
+    assert result["metrics"]["eval/orig/dice"] == pytest.approx(logged["eval/orig/dice"], abs=1e-6)
+    rows = _rows(os.path.join(out, "per_image.csv"))
+    assert len(rows) == 8
+    val = os.path.join(out, "synthetic_data", "process_0")
+    images = os.path.join(val, "ISIC2018_Task1-2_Validation_Input")
+    truth_dir = os.path.join(val, "ISIC2018_Task1_Validation_GroundTruth")
+    # predict on the validation images, as a user would, at another device count and batch size
+    predicted = str(tmp_path / "pred")
+    proc = _predict(f"--workdir={trained}", f"--input={images}", f"--out={predicted}", "--batch=3", devices=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dices, jaccards = [], []
+    for r in rows:
+        stem = os.path.splitext(r["image"])[0]
+        truth = np.asarray(Image.open(os.path.join(truth_dir, stem + "_segmentation.png"))) > 127
+        for where in (predicted, os.path.join(out, "predictions")):
+            pred = np.asarray(Image.open(os.path.join(where, "masks", stem + ".png"))) > 0
+            assert pred.shape == truth.shape
+            dice, jt = _dice_jaccard(pred, truth)
+            assert dice == pytest.approx(float(r["dice"]), abs=1e-4)
+            assert jt == pytest.approx(float(r["jaccard_thresholded"]), abs=1e-4)
+        dices.append(dice)
+        jaccards.append(jt)
+    assert np.mean(dices) == pytest.approx(result["metrics"]["eval/orig/dice"], abs=1e-4)
+    assert np.mean(jaccards) == pytest.approx(result["metrics"]["eval/orig/jaccard_thresholded"], abs=1e-4)
+
+    proc = _evaluate(f"--workdir={trained}", "--split=train", "--tta=flip")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = __import__("json").load(open(os.path.join(trained, "eval", "step_6_train_tta-flip", "metrics.json")))
+    assert train["split"] == "train" and train["metrics"]["eval/num_images"] == 32
+    assert len(_rows(os.path.join(trained, "eval", "step_6_train_tta-flip", "per_image.csv"))) == 32
+    proc = _evaluate(f"--workdir={trained}", "--split=test")
+    assert proc.returncode == 2 and "no test split" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tta_averages_the_mirrored_views(trained):
+    from jaxrat.inference import Predictor
+    from jaxrat.inference.augment import parse_tta
+
+    plain = Predictor.from_workdir(trained)
+    flip = Predictor.from_workdir(trained, tta=parse_tta("flip"))
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)  # the model's own size: no resampling
+    views = [plain([x])[0].probability, plain([x[:, ::-1]])[0].probability[:, ::-1],
+             plain([x[::-1]])[0].probability[::-1]]
+    np.testing.assert_allclose(flip([x])[0].probability, np.mean(views, 0), atol=1e-5)
+    scaled = Predictor.from_workdir(trained, tta=parse_tta("flip,scale=0.5:1")).predict([x])[0]
+    assert scaled.probability.shape == (32, 32)
+    assert not np.allclose(scaled.probability, flip([x])[0].probability, atol=1e-4)
+    for bad in ("flop", "scale=", "scale=0:1"):
+        with pytest.raises(Exception, match="--tta"):
+            parse_tta(bad)
+
+
+def test_tiles_cover_big_images_at_their_own_size(trained, tmp_path):
+    from jaxrat.inference import Predictor
+    from jaxrat.inference.augment import blend, tiles, window_starts
+
+    for length, window, overlap in ((128, 32, 0.5), (100, 32, 0.25), (20, 32, 0.5), (33, 32, 0.9)):
+        starts = window_starts(length, window, overlap)
+        covered = np.zeros(max(length, window), bool)
+        for s in starts:
+            covered[s:s + window] = True
+        assert covered[:length].all() and starts[-1] + window >= length
+    corners = tiles(70, 50, 32, 0.5)
+    np.testing.assert_allclose(blend(70, 50, 32, corners, [np.full((32, 32), 0.25, np.float32)] * len(corners)), 0.25,
+                               rtol=1e-6)
+
+    p = Predictor.from_workdir(trained)
+    big = np.asarray(Image.open(os.path.join(trained, "synthetic_data", "process_0",
+                                             "ISIC2018_Task1-2_Validation_Input", "ISIC_0000032.jpg")).convert("RGB"))
+    big = np.asarray(Image.fromarray(big).resize((128, 128)))  # 4x the training size
+    tiled = p.predict_tiled(big, 32, 0.5)
+    assert tiled.mask.shape == (128, 128) and tiled.probability.shape == (128, 128)
+    # One window as large as the image: the model run once at that size.
+    whole = p.predict_tiled(big, 128, 0.5)
+    direct = p.run_batch({"image": _normalised(big)[None]})[0]
+    np.testing.assert_allclose(whole.probability, direct, atol=1e-5)
+    proc = _evaluate(f"--workdir={trained}", "--tile=32", "--overlap=0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tiled_eval = __import__("json").load(open(os.path.join(trained, "eval", "step_6_tile32", "metrics.json")))
+    assert tiled_eval["tiling"] == {"tile": 32, "overlap": 0.5}
+    assert tiled_eval["metrics"]["eval/orig/num_images"] == 8
+    assert len(_rows(os.path.join(trained, "eval", "step_6_tile32", "per_image.csv"))) == 8
+    proc = _predict(f"--workdir={trained}", f"--input={tmp_path}", f"--out={tmp_path / 'o'}", "--tile=30")
+    assert proc.returncode == 2 and "--tile 30" in proc.stderr
+
+
+def _normalised(image):
+    from jaxrat.data.transforms import Normalize
+
+    return Normalize().map({"image": image})["image"]

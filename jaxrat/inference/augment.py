@@ -101,6 +101,23 @@ def classification_probs(logits_fn: Callable[[jax.Array], list], images: jax.Arr
     return [t / n for t in total]
 
 
+class TTAModel:
+    """A model seen through test-time augmentation, for a task's eval step: called like the model,
+    it returns the logits of the views' averaged probabilities (segmentation: (B, H, W, 1);
+    classification: one (B, classes) array per head), so the task's metrics and loss apply as is."""
+
+    def __init__(self, model: Callable, tta: TTA, kind: str) -> None:
+        if kind not in ("segmentation", "classification"):
+            raise UserError(f"--tta is for segmentation and classification, not {kind}; drop --tta.")
+        self.model, self.tta, self.kind = model, tta, kind
+
+    def __call__(self, images: jax.Array) -> jax.Array | list[jax.Array]:
+        if self.kind == "segmentation":
+            p = jnp.clip(segmentation_probs(self.model, images, self.tta), 1e-7, 1 - 1e-7)
+            return (jnp.log(p) - jnp.log1p(-p))[..., None]
+        return [jnp.log(jnp.maximum(p, 1e-30)) for p in classification_probs(self.model, images, self.tta)]
+
+
 # ------------------------------------------------------------------------------------ tiling
 
 def window_starts(length: int, window: int, overlap: float) -> list[int]:

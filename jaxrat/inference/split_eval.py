@@ -1,0 +1,64 @@
+"""``jaxrat.evaluate`` through the :class:`~jaxrat.inference.predictor.Predictor`: sliding-window
+(``--tile``) segmentation scored at each image's own resolution, and ``--save-predictions``
+(the files ``jaxrat.predict`` writes, for the evaluated split's images)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrat.inference.inputs import InputImage
+from jaxrat.tasks import segmentation_metrics as metrics
+from jaxrat.tasks.base import record_name
+
+
+def split_images(task: Any) -> list[InputImage]:
+    """The image files of a prepared task's eval split, named by their file name."""
+    source = task.val_source if hasattr(task, "val_source") else task._val.example_source()
+    out = []
+    for i, rec in enumerate(source.records):
+        first = rec[0] if isinstance(rec, (tuple, list)) else rec
+        path = first.get("path") if isinstance(first, dict) else first
+        if isinstance(path, str):
+            out.append(InputImage(path, record_name(rec, i)))
+    return out
+
+
+def tiled_segmentation(predictor: Any, task: Any, tile: int, overlap: float) -> tuple[dict[str, float], list]:
+    """Metrics (``eval/orig/<name>``) and per-image rows of the eval split predicted in windows
+    at full resolution, against the masks as stored. Each process predicts every P-th image."""
+    from jaxrat.data.imageio import load_rgb_with_size
+
+    source = task.val_source
+    p, count = jax.process_index(), jax.process_count()
+    rows = []
+    for i in range(p, len(source), count):
+        pair = source.records[i]
+        image, _ = load_rgb_with_size(pair[0])  # as stored, like the masks (EXIF ignored, as in training)
+        mask = source.loader.original_mask(pair).astype(bool)
+        pred = predictor.predict_tiled(image, tile, overlap).mask
+        tp = int(np.count_nonzero(pred & mask))
+        fp, fn = int(np.count_nonzero(pred)) - tp, int(np.count_nonzero(mask)) - tp
+        rows.append((i, 1, tp, fp, fn, mask.size - tp - fp - fn, *mask.shape))
+    per = metrics.OriginalResolution(original_mask=None, threshold=predictor.threshold)
+    pad = -(-len(source) // count) - len(rows)  # equal row counts for the gather
+    per.rows = rows + [(0, 0, 0, 0, 0, 0, 0, 0)] * pad
+    named = {f"eval/{metrics.ORIGINAL_PREFIX}{k}": v for k, v in metrics.finalize_metrics(per.sums()).items()}
+    return named, per.per_image(lambda i: record_name(source.records[i], i))
+
+
+def save_predictions(predictor: Any, task: Any, out: str) -> dict[str, Any]:
+    """Write ``jaxrat.predict``'s files for the eval split into ``out``."""
+    from jaxrat.inference.run import Options, predict_files
+
+    os.makedirs(out, exist_ok=True)
+    sync = None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sync = lambda: multihost_utils.sync_global_devices("evaluate: predictions written")  # noqa: E731
+    return predict_files(predictor, split_images(task), out, Options(), process_index=jax.process_index(),
+                         process_count=jax.process_count(), progress=False, sync=sync)
