@@ -68,9 +68,13 @@ def main(argv: list[str], overrides: list[str]) -> None:
         wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None
         if tta.active:
             TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
+        from jaxrat.inference.split_eval import swap_to_train, use_split
+
+        per_image = _PER_IMAGE.value and not _TILE.value
+        use_split(config, _SPLIT.value, per_image)
         context: dict = {}
-        _, metrics = evaluate_checkpoint(config, workdir, str(step), name, split=_SPLIT.value, wrap_model=wrap,
-                                         per_image=_PER_IMAGE.value and not _TILE.value, context=context)
+        _, metrics = evaluate_checkpoint(config, workdir, str(step), name, wrap_model=wrap, per_image=per_image,
+                                         prepared=lambda task: swap_to_train(task, _SPLIT.value), context=context)
         if _TILE.value or _SAVE.value:
             from jaxrat.inference import split_eval
             from jaxrat.inference.predictor import Predictor

@@ -145,7 +145,7 @@ def test_evaluate_per_image_equals_scores_of_the_masks_predict_writes(trained, t
     proc = _evaluate(f"--workdir={trained}", "--split=train", "--tta=flip")
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = __import__("json").load(open(os.path.join(trained, "eval", "step_6_train_tta-flip", "metrics.json")))
-    assert train["split"] == "train" and train["metrics"]["eval/num_images"] == 32
+    assert train["config"]["data"]["eval_split"] == "train" and train["metrics"]["eval/num_images"] == 32
     assert len(_rows(os.path.join(trained, "eval", "step_6_train_tta-flip", "per_image.csv"))) == 32
     proc = _evaluate(f"--workdir={trained}", "--split=test")
     assert proc.returncode == 2 and "no test split" in proc.stderr and "Traceback" not in proc.stderr
@@ -208,3 +208,48 @@ def _normalised(image):
     from jaxrat.data.transforms import Normalize
 
     return Normalize().map({"image": image})["image"]
+
+
+LOADER_CHECK = """
+import importlib.util, json, sys
+import numpy as np
+spec = importlib.util.spec_from_file_location("exported", sys.argv[1] + "/exported.py")
+exported = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(exported)
+model = exported.load(sys.argv[1])
+prob = model.predict_image(sys.argv[2])
+np.save(sys.argv[3], prob)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("jaxrat"))))
+"""
+
+
+def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
+    out = str(tmp_path / "export")
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={trained}", f"--out={out}", "--batch=2",
+                           "--platforms=cpu,cuda"], cwd=REPO, env=env_with_devices(2), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified: max difference" in proc.stdout
+    contract = __import__("json").load(open(os.path.join(out, "model.json")))
+    assert contract["image_size"] == 32 and contract["channel_order"] == "RGB" and contract["batch_size"] == 2
+    assert contract["normalisation"]["mean"][0] == pytest.approx(0.485 * 255) and contract["threshold"] == 0.5
+    assert contract["platforms"] == ["cpu", "cuda"]
+
+    src = tmp_path / "in"
+    write_inputs(str(src))
+    predicted = str(tmp_path / "pred")
+    proc = _predict(f"--workdir={trained}", f"--input={src}", f"--out={predicted}", "--save_probs=npy")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = env_with_devices(1)
+    env.pop("PYTHONPATH", None)  # the loader needs jax and numpy only: no jaxrat on the path
+    for name in ("a.jpg", "sub/exif6.jpg", "sub/deeper/i16.png", "sub/cmyk.jpg"):
+        stem = name if name.startswith("a.") else os.path.splitext(name)[0]
+        got = str(tmp_path / "got.npy")
+        proc = subprocess.run([sys.executable, "-c", LOADER_CHECK, out, str(src / name), got], cwd=str(tmp_path),
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == "[]"  # no jaxrat module was imported
+        want = np.load(os.path.join(predicted, "probs", stem + ".npy"))
+        have = np.load(got)
+        assert have.shape == want.shape == EXPECTED_SIZES[name][::-1]
+        np.testing.assert_allclose(have, want, atol=1e-5)

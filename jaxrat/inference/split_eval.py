@@ -10,9 +10,37 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrat.errors import ConfigError
 from jaxrat.inference.inputs import InputImage
 from jaxrat.tasks import segmentation_metrics as metrics
 from jaxrat.tasks.base import record_name
+
+SPLITS = ("train", "validation", "test")
+
+
+def use_split(config: Any, split: str, per_image: bool) -> None:
+    """Before the task is made: ask for ``split`` as the eval data (segmentation reads it through
+    ``data.eval_split``; other built-in tasks are switched by :func:`swap_to_train`), and for
+    per-image segmentation scores, which are those at the original resolution."""
+    if split not in SPLITS:
+        raise ConfigError(f"--split {split}; use one of {', '.join(SPLITS)}.")
+    with config.unlocked():
+        config.data.eval_split = split
+        if per_image and config.task.get("name") == "segmentation" and "eval_original_resolution" in config.task:
+            config.task.eval_original_resolution = True
+
+
+def swap_to_train(task: Any, split: str) -> None:
+    """Once the data are prepared: classification and detection evaluate their training split."""
+    if split == "validation" or type(task).__name__ == "SegmentationTask":
+        return
+    if split == "test":
+        raise ConfigError(f"--split test is available for segmentation (ISIC 2018's test ground truth); "
+                          f"{type(task).__name__} evaluates train or validation.")
+    if hasattr(task, "train_source"):
+        task.val_source = task.train_source
+    else:  # detection keeps its splits as COCO datasets
+        task._val = task._train
 
 
 def split_images(task: Any) -> list[InputImage]:

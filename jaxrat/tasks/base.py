@@ -70,6 +70,11 @@ class EvalAccumulator(abc.ABC):
         """Images to log, ``{name: (N, H, W, 3) floats in [0, 1]}``; {} for none."""
         return {}
 
+    def per_image_summary(self) -> dict[str, Any]:
+        """After :meth:`finalize`: split-level results beside the per-image rows (e.g. each
+        category's AP), merged into ``metrics.json`` by ``jaxrat.evaluate``; {} for none."""
+        return {}
+
     def per_image(self) -> list[dict[str, Any]]:
         """After :meth:`finalize`: one row per eval example (``image`` first, then the task's
         columns), every process's, in example order; [] when the task keeps none."""

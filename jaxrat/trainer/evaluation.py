@@ -17,7 +17,6 @@ from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config import load_run_config
-from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
@@ -37,56 +36,30 @@ def open_trained_run(workdir: str, overrides: list[str]) -> tuple[str, mlc.Confi
     return workdir, config
 
 
-SPLITS = ("train", "validation", "test")
-
-
-def use_split(config: mlc.ConfigDict, split: str) -> None:
-    """Before ``task.prepare_data``: ask for ``split`` as the eval data (segmentation reads it through
-    ``data.eval_split``); other built-in tasks are switched after it (:func:`_swap_to_train`)."""
-    if split not in SPLITS:
-        raise ConfigError(f"--split {split}; use one of {', '.join(SPLITS)}.")
-    with config.unlocked():
-        config.data.eval_split = split
-
-
-def _swap_to_train(task: Any, split: str) -> None:
-    if split == "validation" or type(task).__name__ == "SegmentationTask":
-        return
-    if split == "test":
-        raise ConfigError(f"--split test is available for segmentation (ISIC 2018's test ground truth); "
-                          f"{type(task).__name__} evaluates train or validation.")
-    if hasattr(task, "train_source"):
-        task.val_source = task.train_source
-    else:  # detection keeps its splits as COCO datasets
-        task._val = task._train
-
-
 def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "latest", name: str = "", *,
-                        out_dir: str | None = None, data_dir: str | None = None, split: str = "validation",
-                        wrap_model: Callable[[Any], Any] | None = None,
+                        out_dir: str | None = None, data_dir: str | None = None,
+                        prepared: Callable[[Any], None] | None = None, wrap_model: Callable[[Any], Any] | None = None,
                         per_image: bool = False, context: dict | None = None) -> tuple[int, dict[str, float]]:
     """Evaluate checkpoint ``step_spec`` (a step, "best" or "latest") of ``workdir`` under ``config``.
 
     Writes ``metrics.json`` (and ``metrics.jsonl`` + TensorBoard) to ``out_dir`` (default
     ``workdir/eval/NAME``, NAME defaulting to ``step_<step>``); the task prepares its data under
     ``data_dir`` (default ``out_dir``: where synthetic data is written). Checkpoints are only read.
-    ``split``: the data evaluated; ``wrap_model``: see :func:`jaxrat.trainer.step.make_eval_step`
-    (test-time augmentation); ``per_image``: also ``per_image.csv`` (segmentation scores at each
-    image's original resolution, classification labels, detection counts; detection adds each
-    category's AP to metrics.json); ``context``: filled with the ``task`` (its data prepared) and
-    the ``out_dir``. Returns ``(step, {"eval/<metric>": value})``.
+    ``prepared(task)`` runs once the task's data are prepared (e.g. to pick another split);
+    ``wrap_model``: see :func:`jaxrat.trainer.step.make_eval_step` (test-time augmentation);
+    ``per_image``: also ``per_image.csv`` (the accumulator's :meth:`per_image` rows) and its
+    :meth:`per_image_summary` in metrics.json; ``context``: filled with the ``task`` (its data
+    prepared) and the ``out_dir``. Returns ``(step, {"eval/<metric>": value})``.
     """
     directory, step = resolve(f"{workdir}:{step_spec}")
     mesh = make_mesh(config.mesh.axes)
     check_batch_sizes(config, mesh.size, jax.process_count())
-    use_split(config, split)
-    if per_image and config.task.get("name") == "segmentation" and "eval_original_resolution" in config.task:
-        config.task.eval_original_resolution = True  # per-image scores are those at the original resolution
     task = load_task(config)
     out_dir = out_dir or os.path.join(workdir, "eval", name or f"step_{step}")
     os.makedirs(out_dir, exist_ok=True)
     logging.info("data: %s", task.prepare_data(data_dir or out_dir))
-    _swap_to_train(task, split)
+    if prepared is not None:
+        prepared(task)
     if context is not None:
         context.update(task=task, out_dir=out_dir)
     spec = make_state_spec(config, mesh, task)
@@ -100,12 +73,10 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
         writer.close()
     acc = evaluation.last_accumulator
     rows = acc.per_image() if per_image else []  # a collective under several processes: every one asks
-    per_category = acc.per_category_ap() if per_image and hasattr(acc, "per_category_ap") else None
+    extra = acc.per_image_summary() if per_image else {}
     if jax.process_index() == 0:
-        result = {"workdir": workdir, "step": step, "split": split, "metrics": metrics,
+        result = {"workdir": workdir, "step": step, "metrics": metrics, **extra,
                   "config": json.loads(config.to_json_best_effort())}
-        if per_category is not None:
-            result["per_category_AP"] = per_category
         if per_image:
             write_rows(os.path.join(out_dir, "per_image.csv"), rows)
             logging.info("wrote %s (%d images)", os.path.join(out_dir, "per_image.csv"), len(rows))

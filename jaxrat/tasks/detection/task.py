@@ -330,11 +330,11 @@ class DetectionEval(EvalAccumulator):
                         "best_score": float(np.max(scores)) if len(scores) else 0.0})
         return out
 
-    def per_category_ap(self) -> dict[str, float]:
-        """AP of each category (by name) over the split, from :meth:`finalize`'s detections."""
+    def per_image_summary(self) -> dict[str, Any]:
+        """``per_category_AP``: the AP of each category (by name) over the split."""
         from jaxrat.tasks.detection.coco_eval import per_category_ap
 
-        return per_category_ap(self.annotation_file, getattr(self, "results", []))
+        return {"per_category_AP": per_category_ap(self.annotation_file, getattr(self, "results", []))}
 
     def images(self) -> dict[str, np.ndarray]:
         """The first eval images with true (green) and detected (red) boxes."""
