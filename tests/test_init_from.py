@@ -76,6 +76,21 @@ def test_an_npz_of_backbone_parameters_lands_under_the_backbone(tmp_path, caplog
         load_init(path, abstract)
 
 
+def test_rename_moves_a_checkpoints_parameters_to_other_paths(saved, caplog):
+    mesh = _mesh()
+    fresh = _state(0, mesh)
+    model = {"backbone": {"net": fresh["params"]}, "class_head": {"w": jax.numpy.zeros((3,))}}
+    abstract = {"params": _abstract(model, mesh)}
+    caplog.set_level(logging.INFO)
+    loaded = load_init(saved, abstract, rename="conv/=backbone/net/conv/,head/=backbone/net/head/",
+                       strict=False)["params"]
+    np.testing.assert_array_equal(loaded["backbone"]["net"]["conv"]["kernel"],
+                                  np.arange(32, dtype=np.float32).reshape(8, 4) + 5)
+    assert "not in the checkpoint): class_head/w" in caplog.text
+    with pytest.raises(ConfigError, match="OLD_PREFIX=NEW_PREFIX"):
+        load_init(saved, abstract, rename="backbone")
+
+
 RAT = dict(feature_dims=16, num_blocks=1, num_heads=2, iters=1, dropout=0.0, attention="sparse",
            positional_encoding="rose", mr_attention="windowed", mr_window=16)
 CLASSIFIER_CONFIG = """

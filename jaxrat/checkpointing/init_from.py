@@ -17,7 +17,7 @@ from jaxrat.tree_paths import named_leaves, path_name
 
 
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
-              strict: bool = True) -> dict[str, Any]:
+              strict: bool = True, rename: str = "") -> dict[str, Any]:
     """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
 
     ``spec`` is ``PATH[:STEP|:best|:latest]`` (a jaxrat run) or a ``.npz`` of parameters by path
@@ -27,16 +27,19 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     ``strict``: every parameter must load (a shape difference, or a parameter one side lacks, ends
     with a ConfigError naming it). Otherwise ``params`` holds only the parameters that loaded
     (merge them into a fresh state with :func:`merge_params`) and the log lists the others, which
-    keep their fresh initialisation; nothing loading at all is an error.
+    keep their fresh initialisation; nothing loading at all is an error. ``rename``:
+    ``"OLD=NEW[,OLD2=NEW2]"`` path prefixes of the source replaced before matching (a segmenter's
+    ``backbone/`` is a DETR's ``backbone/net/``).
     The optimizer state comes with its schedule step counts set to 0 (see :func:`restart_schedules`).
     """
     want = named_leaves(abstract_state["params"])
     select = _selector(include, exclude)
-    if _is_npz(spec):
+    renames = _renames(rename)
+    if _is_npz(spec) or renames:
         if optimizer:
-            raise ConfigError(f"init_from={spec}: a .npz holds parameters only; drop "
+            raise ConfigError(f"init_from={spec}: a .npz or init_from_rename loads parameters only; drop "
                               f"--config.checkpoint.init_optimizer.")
-        return {"params": _load_npz(spec, abstract_state["params"], want, select, strict)}
+        return {"params": _load_arrays(spec, abstract_state["params"], want, select, strict, renames)}
     directory, step = store.resolve(spec)
     where = os.path.join(directory, str(step))
     with ocp.PyTreeCheckpointer() as ckptr:
@@ -141,17 +144,53 @@ def _is_npz(spec: str) -> bool:
 NPZ_PREFIXES = ("", "backbone/")
 
 
-def _load_npz(spec: str, abstract_params: Any, want: dict[str, Any], select: Callable[[str], bool],
-              strict: bool) -> Any:
+def _renames(rename: str) -> list[tuple[str, str]]:
+    out = []
+    for part in (p.strip() for p in rename.split(",") if p.strip()):
+        old, eq, new = part.partition("=")
+        if not eq:
+            raise ConfigError(f"init_from_rename={rename!r}: write OLD_PREFIX=NEW_PREFIX, comma-separated, e.g. "
+                              f"backbone/=backbone/net/.")
+        out.append((old, new))
+    return out
+
+
+def _source_arrays(spec: str) -> dict[str, Any]:
+    """Every parameter of a .npz, or of a jaxrat checkpoint read onto the host, by path."""
     import numpy as np
 
-    with np.load(os.path.expanduser(spec)) as data:
-        flat = {k: data[k] for k in data.files}
-    # The prefix under which most of the file's names are this model's parameters.
-    prefix = max(NPZ_PREFIXES, key=lambda p: sum(f"{p}{k}" in want for k in flat))
-    if prefix:
-        logging.info("init_from: the names in %s are placed under %s", spec, prefix)
-    arrays = {f"{prefix}{k}": v for k, v in flat.items()}
+    if _is_npz(spec):
+        with np.load(os.path.expanduser(spec)) as data:
+            return {k: data[k] for k in data.files}
+    directory, step = store.resolve(spec)
+    where = os.path.join(directory, str(step), "state")
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where)).tree["params"]
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device),
+                                         meta)}
+        restored = ckptr.restore(where, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+    return {k: np.asarray(v) for k, v in named_leaves(restored["params"]).items()}
+
+
+def _load_arrays(spec: str, abstract_params: Any, want: dict[str, Any], select: Callable[[str], bool],
+                 strict: bool, renames: list[tuple[str, str]]) -> Any:
+    flat = _source_arrays(spec)
+    if renames:
+        def renamed(k: str) -> str:
+            for old, new in renames:
+                if k.startswith(old):
+                    return new + k[len(old):]
+            return k
+
+        arrays = {renamed(k): v for k, v in flat.items()}
+    else:
+        # The prefix under which most of the file's names are this model's parameters.
+        prefix = max(NPZ_PREFIXES, key=lambda p: sum(f"{p}{k}" in want for k in flat))
+        if prefix:
+            logging.info("init_from: the names in %s are placed under %s", spec, prefix)
+        arrays = {f"{prefix}{k}": v for k, v in flat.items()}
     chosen = _choose(want, {k: tuple(v.shape) for k, v in arrays.items()}, select, spec, strict)
     sub = _subtree(abstract_params, chosen)
 

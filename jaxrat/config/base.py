@@ -26,6 +26,8 @@ def base_config() -> mlc.ConfigDict:
     c.init_from_include = ""
     c.init_from_exclude = ""
     c.init_from_strict = False
+    # "OLD=NEW[,...]": source path prefixes renamed first (a segmenter's backbone/ is DETR's backbone/net/).
+    c.init_from_rename = ""
 
     c.data = mlc.ConfigDict()
     c.data.name = "isic2018"

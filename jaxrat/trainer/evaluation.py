@@ -93,7 +93,7 @@ def write_rows(path: str, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         columns += [k for k in r if k not in columns]
     with open(path + ".tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns or ["image"])
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{v:.8g}" if isinstance(v, float) else v) for k, v in r.items()})

@@ -158,7 +158,8 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
     if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
         loaded = load_init(config.init_from, spec.abstract_with_shardings(),
                            optimizer=config.checkpoint.init_optimizer, include=config.get("init_from_include", ""),
-                           exclude=config.get("init_from_exclude", ""), strict=config.get("init_from_strict", True))
+                           exclude=config.get("init_from_exclude", ""), strict=config.get("init_from_strict", True),
+                           rename=config.get("init_from_rename", ""))
     init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values
