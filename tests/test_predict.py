@@ -253,3 +253,27 @@ def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
         have = np.load(got)
         assert have.shape == want.shape == EXPECTED_SIZES[name][::-1]
         np.testing.assert_allclose(have, want, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_two_processes_split_the_images_and_process_0_merges(trained, tmp_path):
+    from runner import free_port, process_env
+
+    src, out = str(tmp_path / "in"), str(tmp_path / "out")
+    write_inputs(src)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxrat.predict", "--noprogress", f"--workdir={trained}",
+                               f"--input={src}", f"--out={out}",
+                               f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                               "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+                              cwd=REPO, env=process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert "predicted 8 images" in logs[0] and "predicted" not in logs[1]
+    assert [r["image"] for r in _rows(os.path.join(out, "predictions.csv"))] == sorted(EXPECTED_SIZES)
+    assert not os.path.exists(os.path.join(out, ".parts"))
+    assert open(os.path.join(out, "skipped.txt")).read().count("\n") == 1
+    for name, (w, h) in EXPECTED_SIZES.items():
+        stem = name if name.startswith("a.") else os.path.splitext(name)[0]
+        assert Image.open(os.path.join(out, "masks", stem + ".png")).size == (w, h)

@@ -39,6 +39,7 @@ def expand_inputs(spec: str) -> list[InputImage]:
                 if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."):
                     full = os.path.join(root, f)
                     found.append(InputImage(full, os.path.relpath(full, path).replace(os.sep, "/")))
+        found.sort(key=lambda i: i.name)
         if not found:
             raise UserError(f"--input {spec}: the folder holds no image files ({', '.join(IMAGE_EXTENSIONS[:4])}, "
                             f"...); point --input at a folder of images, a file, a glob or a list of paths.")
