@@ -68,6 +68,8 @@ def main(argv: list[str], overrides: list[str]) -> None:
         wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None
         if tta.active:
             TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
+        if _TILE.value and kind != "segmentation":
+            raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
         from jaxrat.inference.split_eval import swap_to_train, use_split
 
         per_image = _PER_IMAGE.value and not _TILE.value

@@ -12,9 +12,8 @@ import os
 
 from jaxrat.errors import UserError
 
-# Extensions read as images when a folder is walked; a file or a glob named explicitly is read
-# whatever its extension (a broken or non-image one ends in skipped.txt).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jfif")
+# A folder's files are all tried, whatever their extension (an image saved as .dat is still read;
+# a README is listed in skipped.txt as no image); hidden files (.DS_Store) are left out.
 # A text file listing paths: these extensions, read one path per line.
 LIST_EXTENSIONS = (".txt", ".lst", ".list")
 
@@ -36,13 +35,13 @@ def expand_inputs(spec: str) -> list[InputImage]:
         for root, dirs, files in os.walk(path, followlinks=True):
             dirs.sort()
             for f in sorted(files):
-                if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."):
+                if not f.startswith("."):  # every file is tried: one that is no image lands in skipped.txt
                     full = os.path.join(root, f)
                     found.append(InputImage(full, os.path.relpath(full, path).replace(os.sep, "/")))
         found.sort(key=lambda i: i.name)
         if not found:
-            raise UserError(f"--input {spec}: the folder holds no image files ({', '.join(IMAGE_EXTENSIONS[:4])}, "
-                            f"...); point --input at a folder of images, a file, a glob or a list of paths.")
+            raise UserError(f"--input {spec}: the folder holds no files; point --input at a folder of images, a "
+                            f"file, a glob or a list of paths.")
         return found
     if os.path.isfile(path) and path.lower().endswith(LIST_EXTENSIONS):
         return _from_list(path)

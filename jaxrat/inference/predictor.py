@@ -22,7 +22,6 @@ import tempfile
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 
@@ -160,7 +159,7 @@ class Predictor:
             pad = -(-m // len(self.mesh.devices.flat)) * len(self.mesh.devices.flat) - m
             if pad:
                 chunk = {k: np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for k, v in chunk.items()}
-            placed = {k: jax.device_put(jnp.asarray(v), self.spec.batch_sharding) for k, v in chunk.items()}
+            placed = {k: jax.device_put(np.asarray(v), self.spec.batch_sharding) for k, v in chunk.items()}
             out = jax.device_get(self._forward(self.params, placed))
             outs.append(jax.tree.map(lambda x, m=m: np.asarray(x)[:m], out))
         return jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
