@@ -22,7 +22,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds confi
 _STEP = flags.DEFINE_string("step", "latest", "Checkpoint: a step number, 'best' or 'latest'.")
 _OUT = flags.DEFINE_string("out", None, "Output folder.")
 _PLATFORMS = flags.DEFINE_string("platforms", "cpu", "Comma-separated platforms to lower for: cpu, cuda, rocm, tpu.")
-_BATCH = flags.DEFINE_integer("batch", 1, "The batch size of the exported program (the loader pads to it).")
+_BATCH = flags.DEFINE_integer("batch", 1, "The exported program's batch size (the loader pads to it); 0: any "
+                               "batch size, for models whose code allows a symbolic batch (the U-Net; not RAT).")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -33,15 +34,15 @@ def main(argv: list[str], overrides: list[str]) -> None:
         if argv[1:]:
             raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --out, --platforms, --batch.")
         platforms = tuple(p.strip() for p in _PLATFORMS.value.split(",") if p.strip())
-        if not platforms or _BATCH.value < 1:
-            raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a positive number.")
+        if not platforms or _BATCH.value < 0:
+            raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a number >= 0.")
         from jaxrat.inference import exported
         from jaxrat.inference.exporting import export_model, portable
         from jaxrat.inference.predictor import Predictor
         from jaxrat.trainer.evaluation import open_trained_run
 
         workdir, config = open_trained_run(_WORKDIR.value, overrides)
-        predictor = Predictor(portable(config), workdir, _STEP.value, batch_size=_BATCH.value)
+        predictor = Predictor(portable(config), workdir, _STEP.value, batch_size=_BATCH.value or 0)
         check = export_model(predictor, _OUT.value, platforms=platforms, batch=_BATCH.value)
         shutil.copyfile(exported.__file__, os.path.join(_OUT.value, "exported.py"))
         said = (f"verified: max difference {check['max_abs_diff']:.2g}" if check["verified"]

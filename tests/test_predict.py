@@ -254,6 +254,17 @@ def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
         assert have.shape == want.shape == EXPECTED_SIZES[name][::-1]
         np.testing.assert_allclose(have, want, atol=1e-5)
 
+    any_batch = str(tmp_path / "any_batch")  # one symbolic batch dimension (the U-Net allows it)
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={trained}", f"--out={any_batch}",
+                           "--batch=0"], cwd=REPO, env=env_with_devices(1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from jaxrat.inference import exported
+
+    model = exported.load(any_batch)
+    assert model.contract["batch_size"] is None and model.exported.in_avals[0].shape[1:] == (32, 32, 3)
+    pixels = np.random.default_rng(0).uniform(0, 255, (5, 32, 32, 3)).astype(np.float32)
+    np.testing.assert_allclose(model(pixels), exported.load(out)(pixels), atol=1e-5)
+
 
 @pytest.mark.integration
 def test_two_processes_split_the_images_and_process_0_merges(trained, tmp_path):

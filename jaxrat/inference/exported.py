@@ -10,7 +10,7 @@ it next to the exported files and use it anywhere jax runs::
 
 ``model.json`` holds the input contract: ``image_size``, ``channel_order`` (RGB),
 ``input_range`` (0..255; the ImageNet normalisation ``mean``/``std`` is applied inside the model),
-``batch_size`` (the exported batch; :class:`Exported` pads and splits other sizes), ``threshold``,
+``batch_size`` (the exported batch, null for any; :class:`Exported` pads and splits other sizes), ``threshold``,
 ``labels`` and what each output means.
 """
 
@@ -34,14 +34,15 @@ class Exported:
             self.contract: dict[str, Any] = json.load(f)
         with open(os.path.join(directory, MODEL_FILE), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
-        self.batch_size = int(self.contract["batch_size"])
+        self.batch_size = int(self.contract["batch_size"] or 0)  # 0: exported for any batch size
         self.image_size = int(self.contract["image_size"])
 
     def __call__(self, pixels: np.ndarray, *extra: np.ndarray) -> Any:
         """The model's outputs (see ``contract["outputs"]``) for ``pixels`` (N, size, size, 3) in 0..255
         (and, for detection, ``pad_mask`` (N, size, size), 1 on padding)."""
         arrays = [np.asarray(pixels, np.float32), *(np.asarray(e, np.float32) for e in extra)]
-        n, b = len(arrays[0]), self.batch_size
+        n = len(arrays[0])
+        b = self.batch_size or max(n, 1)
         outs = []
         for start in range(0, n, b):
             chunk = [a[start:start + b] for a in arrays]

@@ -42,7 +42,7 @@ def contract(predictor: Any, batch: int, platforms: Sequence[str]) -> dict[str, 
     s = predictor.image_size
     c: dict[str, Any] = {
         "format": "jax.export (StableHLO), jax " + jax.__version__, "platforms": list(platforms),
-        "task": predictor.kind, "image_size": s, "batch_size": batch, "channel_order": "RGB",
+        "task": predictor.kind, "image_size": s, "batch_size": batch or None, "channel_order": "RGB",
         "input": f"float32 (batch, {s}, {s}, 3) pixel values 0..255, the image resized to {s} x {s}"
                  + (" (letterboxed: scaled to fit, padded at the bottom/right with 0)" if predictor.keep_aspect
                     else " (stretched, bilinear)"),
@@ -81,14 +81,18 @@ def export_model(predictor: Any, out: str, *, platforms: Sequence[str] = ("cpu",
         x = (pixels - mean) / std
         return predictor._outputs(params, {"image": x, **({"pad_mask": pad_mask[0]} if pad_mask else {})})
 
-    shapes = [jax.ShapeDtypeStruct((batch, s, s, 3), jnp.float32)]
+    # batch 0: one symbolic batch dimension (any batch size), where the model's code allows it.
+    n = jax.export.symbolic_shape("batch")[0] if batch == 0 else batch
+    shapes = [jax.ShapeDtypeStruct((n, s, s, 3), jnp.float32)]
     if kind == "detection":
-        shapes.append(jax.ShapeDtypeStruct((batch, s, s), jnp.float32))
+        shapes.append(jax.ShapeDtypeStruct((n, s, s), jnp.float32))
     try:
         exp = jax.export.export(jax.jit(infer), platforms=tuple(platforms))(*shapes)
-    except Exception as e:  # a kernel without a lowering for one of the platforms
-        raise UserError(f"Export for {', '.join(platforms)} failed ({type(e).__name__}: {str(e)[:300]}); export "
-                        f"for fewer --platforms.") from None
+    except Exception as e:  # a kernel without a lowering for one of the platforms, or a size-dependent choice
+        fix = ("export with a fixed --batch N (this model picks its kernels from the batch's size)" if batch == 0
+               else "export for fewer --platforms")
+        raise UserError(f"Export for {', '.join(platforms)} failed ({type(e).__name__}: {str(e)[:300]}); "
+                        f"{fix}.") from None
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, MODEL_FILE + ".tmp"), "wb") as f:
         f.write(exp.serialize())
@@ -108,7 +112,7 @@ def verify(predictor: Any, out: str, seed: int = 0) -> dict[str, Any]:
                         ", ".join(loaded.exported.platforms))
         return {"verified": False, "max_abs_diff": None}
     rng = np.random.default_rng(seed)
-    n, s = loaded.batch_size + 1, predictor.image_size  # more than one batch: the loader's padding too
+    n, s = (loaded.batch_size or 2) + 1, predictor.image_size  # more than one batch: the loader's padding too
     pixels = rng.uniform(0, 255, (n, s, s, 3)).astype(np.float32)
     from jaxrat.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
