@@ -22,7 +22,7 @@ import os
 
 from absl import flags
 
-from jaxrat.cli import fail, quiet_libraries, run_with_config_overrides
+from jaxrat.cli import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
 from jaxrat.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
@@ -35,6 +35,7 @@ _OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with 
 _PER_IMAGE = flags.DEFINE_bool("per_image", True, "Write per_image.csv.")
 _SAVE = flags.DEFINE_bool("save_predictions", False, "Also write jaxrat.predict's files to NAME/predictions/.")
 flags.mark_flags_as_required(["workdir"])
+hyphen_aliases("save_predictions", "per_image")
 
 
 def _default_name(step: str) -> str:

@@ -37,7 +37,7 @@ def test_predict_folder_writes_a_mask_per_readable_image_at_its_size(trained, tm
     src, out = str(tmp_path / "in"), str(tmp_path / "out")
     write_inputs(src)
     before = snapshot(src)
-    proc = _predict(f"--workdir={trained}", f"--input={src}", f"--out={out}", "--save_probs=png16")
+    proc = _predict(f"--workdir={trained}", f"--input={src}", f"--out={out}", "--save-probs=png16")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "predicted 8 images" in proc.stdout and "1 skipped" in proc.stdout
     assert snapshot(src) == before  # the input folder is byte-identical
@@ -111,7 +111,7 @@ def _dice_jaccard(pred, truth):
 
 
 def test_evaluate_per_image_equals_scores_of_the_masks_predict_writes(trained, tmp_path):
-    proc = _evaluate(f"--workdir={trained}", "--save_predictions", "--name=saved")
+    proc = _evaluate(f"--workdir={trained}", "--save-predictions", "--name=saved")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = os.path.join(trained, "eval", "saved")
     result = __import__("json").load(open(os.path.join(out, "metrics.json")))
