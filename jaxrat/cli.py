@@ -88,6 +88,12 @@ def quiet_libraries() -> None:
             sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
 
 
+def hyphen_aliases(*names: str) -> None:
+    """Accept ``--save-probs`` for ``--save_probs`` (absl names flags with underscores; people type both)."""
+    for name in names:
+        flags.DEFINE_alias(name.replace("_", "-"), name)
+
+
 def fail(message: str) -> None:
     """Print ``jaxrat: error: message`` and exit with the user-error status (never requeued)."""
     _SAID_WHY.set()

@@ -1,39 +1,116 @@
-"""Evaluate a trained run: ``python -m jaxrat.evaluate --workdir DIR [--step N|best|latest] [--name NAME]``.
+"""Evaluate a trained run: ``python -m jaxrat.evaluate --workdir DIR [--step N|best|latest] [--name NAME]
+[--split validation|test|train] [--tta flip,scale=0.75:1:1.25] [--tile SIZE --overlap F] [--save_predictions]``.
 
 The run's own config (``DIR/config.json``) is loaded and may be overridden like training's
 (``--config.data.image_size=384``: evaluate at another resolution). The same command runs under
 ``srun``/``mpirun``/``torchrun`` on many hosts. Metrics go to ``DIR/eval/NAME/metrics.json`` (and
-``metrics.jsonl`` + TensorBoard there); checkpoints are only read. Synthetic data is read at the
-size it was trained on and resized like real data (:func:`jaxrat.config.load_run_config`). The work
-is :func:`jaxrat.trainer.evaluation.evaluate_checkpoint`; ``python -m jaxrat.robustness`` runs it at
-several resolutions.
+``metrics.jsonl`` + TensorBoard there), one row per image to ``per_image.csv``, and with
+``--save_predictions`` the files ``python -m jaxrat.predict`` writes to ``predictions/``;
+checkpoints are only read. Synthetic data is read at the size it was trained on and resized like
+real data (:func:`jaxrat.config.load_run_config`). The work is
+:func:`jaxrat.trainer.evaluation.evaluate_checkpoint`; ``python -m jaxrat.robustness`` runs it at
+several resolutions. ``--tta`` averages augmented views inside the eval step (every metric);
+``--tile`` predicts each image in windows at its own resolution and reports the metrics at the
+original resolution (``eval/orig/...``) only.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+
 from absl import flags
 
-from jaxrat.cli import fail, quiet_libraries, run_with_config_overrides
+from jaxrat.cli import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
 from jaxrat.errors import UserError
+from jaxrat.fileio import write_json
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_string("step", "latest", "Checkpoint to evaluate: a step number, 'best' or 'latest'.")
-_NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step and overrides).")
+_NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step, split, TTA).")
+_SPLIT = flags.DEFINE_enum("split", "validation", ["validation", "test", "train"], "The data to evaluate.")
+_TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
+_TILE = flags.DEFINE_integer("tile", 0, "Segmentation: predict each image in TILE x TILE windows at its own size.")
+_OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with its neighbour (with --tile).")
+_PER_IMAGE = flags.DEFINE_bool("per_image", True, "Write per_image.csv.")
+_SAVE = flags.DEFINE_bool("save_predictions", False, "Also write jaxrat.predict's files to NAME/predictions/.")
 flags.mark_flags_as_required(["workdir"])
+hyphen_aliases("save_predictions", "per_image")
+
+
+def _default_name(step: str) -> str:
+    parts = [] if _SPLIT.value == "validation" else [_SPLIT.value]
+    parts += [f"tta-{_TTA.value.replace(',', '-').replace(':', '_').replace('=', '')}"] if _TTA.value else []
+    parts += [f"tile{_TILE.value}"] if _TILE.value else []
+    return "_".join([step] + parts)
 
 
 def main(argv: list[str], overrides: list[str]) -> None:
     """Initialise the runtime from the run's config, then evaluate."""
-    from jaxrat.trainer.evaluation import evaluate_checkpoint, open_trained_run
+    from jaxrat.inference.augment import TTAModel, check_tiling, parse_tta
+    from jaxrat.trainer.evaluation import evaluate_checkpoint, open_trained_run, write_rows
 
     quiet_libraries()
     try:
         if argv[1:]:
-            raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --step, --name and --config.KEY=VALUE.")
+            raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --step, --name, --split, --tta, "
+                            f"--tile and --config.KEY=VALUE.")
+        tta = parse_tta(_TTA.value)
+        if _TILE.value:
+            check_tiling(_TILE.value, _OVERLAP.value)
         workdir, config = open_trained_run(_WORKDIR.value, overrides)
-        evaluate_checkpoint(config, workdir, _STEP.value, _NAME.value)
+        import jax
+
+        from jaxrat.checkpointing.store import resolve
+
+        step = resolve(f"{workdir}:{_STEP.value}")[1]
+        name = _NAME.value or _default_name(f"step_{step}")
+        kind = {"segmentation": "segmentation", "classification": "classification"}.get(config.task.name, "other")
+        wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None
+        if tta.active:
+            TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
+        if _TILE.value and kind != "segmentation":
+            raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
+        from jaxrat.inference.split_eval import swap_to_train, use_split
+
+        per_image = _PER_IMAGE.value and not _TILE.value
+        use_split(config, _SPLIT.value, per_image)
+        context: dict = {}
+        _, metrics = evaluate_checkpoint(config, workdir, str(step), name, wrap_model=wrap, per_image=per_image,
+                                         prepared=lambda task: swap_to_train(task, _SPLIT.value), context=context)
+        if _TILE.value or _SAVE.value:
+            from jaxrat.inference import split_eval
+            from jaxrat.inference.predictor import Predictor
+
+            task, out_dir = context["task"], context["out_dir"]
+            predictor = Predictor(config, workdir, str(step), tta=tta, data_dir=out_dir)
+            if _TILE.value:
+                tiled, rows = split_eval.tiled_segmentation(predictor, task, _TILE.value, _OVERLAP.value)
+                if jax.process_index() == 0:
+                    _add_metrics(out_dir, tiled, _TILE.value, _OVERLAP.value)
+                    if _PER_IMAGE.value:
+                        write_rows(os.path.join(out_dir, "per_image.csv"), rows)
+                logging.info("tiled (%d px, overlap %g): %s", _TILE.value, _OVERLAP.value,
+                             " ".join(f"{k} {v:.4f}" for k, v in tiled.items()))
+            if _SAVE.value:
+                counts = split_eval.save_predictions(predictor, task, os.path.join(out_dir, "predictions"))
+                logging.info("wrote predictions of %d images to %s", counts["images"],
+                             os.path.join(out_dir, "predictions"))
+        del metrics
     except UserError as e:
         fail(str(e))
+
+
+def _add_metrics(out_dir: str, tiled: dict[str, float], tile: int, overlap: float) -> None:
+    """Replace the original-resolution metrics of metrics.json by the tiled prediction's."""
+    path = os.path.join(out_dir, "metrics.json")
+    with open(path) as f:
+        result = json.load(f)
+    result["metrics"] = {k: v for k, v in result["metrics"].items() if not k.startswith("eval/orig/")}
+    result["metrics"].update(tiled)
+    result["tiling"] = {"tile": tile, "overlap": overlap}
+    write_json(path, result, indent=2, sort_keys=True)
 
 
 def run() -> None:

@@ -10,7 +10,9 @@ PACKAGE = pathlib.Path(REPO, "jaxrat")
 # Higher layers may import lower ones, never the reverse; two rooms of one layer never import
 # each other. Inside a room (a package folder) imports are free.
 LAYERS = {
-    "main": 5, "launch": 5, "checkpoints": 5, "evaluate": 5, "sweep": 5, "summarize": 5, "robustness": 5,
+    "main": 6, "launch": 6, "checkpoints": 6, "evaluate": 6, "sweep": 6, "summarize": 6, "robustness": 6,
+    "predict": 6, "export": 6,
+    "inference": 5,
     "trainer": 4, "experiments": 4,
     "tasks": 3,
     "models": 2, "data": 2,

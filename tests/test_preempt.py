@@ -178,7 +178,8 @@ def test_init_from_best_starts_a_new_run_and_a_shape_mismatch_names_the_paramete
     # Trained weights (fresh optimizer, same data): the first loss is far below a fresh model's.
     assert losses_by_step(str(tmp_path / "new"))[1] < losses_by_step(ref)[1] - 0.05
 
-    run = Run(str(tmp_path / "bad"), [*args, "--config.model.num_classes=2"], cached_env(1, cache),
+    run = Run(str(tmp_path / "bad"), [*args, "--config.model.num_classes=2", "--config.init_from_strict=true"],
+              cached_env(1, cache),
               str(tmp_path / "bad.log"))
     assert run.wait() == 2
     err = run.output().strip().splitlines()[-1]

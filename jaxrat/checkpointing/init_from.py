@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import re
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -15,21 +16,47 @@ from jaxrat.errors import ConfigError
 from jaxrat.tree_paths import named_leaves, path_name
 
 
-def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dict[str, Any]:
+def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
+              strict: bool = True, rename: str = "") -> dict[str, Any]:
     """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
 
-    ``spec`` is ``PATH[:STEP|:best|:latest]``; arrays land on the shardings of ``abstract_state``.
-    A parameter whose shape differs, or that one side lacks, ends with a ConfigError naming it.
+    ``spec`` is ``PATH[:STEP|:best|:latest]`` (a jaxrat run) or a ``.npz`` of parameters by path
+    (``python -m jaxrat.models.torch_import``); arrays land on the shardings of ``abstract_state``.
+    ``include``/``exclude``: regexes searched in parameter paths (``backbone/...``, as
+    :func:`jaxrat.tree_paths.named_leaves` spells them): only included, not excluded ones load.
+    ``strict``: every parameter must load (a shape difference, or a parameter one side lacks, ends
+    with a ConfigError naming it). Otherwise ``params`` holds only the parameters that loaded
+    (merge them into a fresh state with :func:`merge_params`) and the log lists the others, which
+    keep their fresh initialisation; nothing loading at all is an error. ``rename``:
+    ``"OLD=NEW[,OLD2=NEW2]"`` path prefixes of the source replaced before matching (for a source
+    whose model names its parts otherwise).
     The optimizer state comes with its schedule step counts set to 0 (see :func:`restart_schedules`).
     """
+    want = named_leaves(abstract_state["params"])
+    select = _selector(include, exclude)
+    renames = _renames(rename)
+    if _is_npz(spec) or renames:
+        if optimizer:
+            raise ConfigError(f"init_from={spec}: a .npz or init_from_rename loads parameters only; drop "
+                              f"--config.checkpoint.init_optimizer.")
+        return {"params": _load_arrays(spec, abstract_state["params"], want, select, strict, renames)}
     directory, step = store.resolve(spec)
-    keys = ["params"] + (["opt_state"] if optimizer else [])
-    target = {k: abstract_state[k] for k in keys}
     where = os.path.join(directory, str(step))
-    # The "state" item alone, read with the plain PyTree handler: no manager, nothing to clean up.
     with ocp.PyTreeCheckpointer() as ckptr:
         saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where) / "state").tree
-        _check_compatible(target, {k: saved[k] for k in keys if k in saved}, where, optimizer)
+        have = {k: tuple(getattr(v, "shape", ())) for k, v in named_leaves(saved.get("params", {})).items()}
+        if strict and not (include or exclude):
+            keys = ["params"] + (["opt_state"] if optimizer else [])
+            target = {k: abstract_state[k] for k in keys}
+            _check_compatible(target, {k: saved[k] for k in keys if k in saved}, where, optimizer)
+        else:
+            chosen = _choose(want, have, select, f"{directory} step {step}", strict)
+            if optimizer and len(chosen) < len(want):
+                raise ConfigError("init_from: --config.checkpoint.init_optimizer needs every parameter loaded, but "
+                                  f"{len(want) - len(chosen)} are not; drop init_optimizer or the patterns.")
+            keys = ["params"] + (["opt_state"] if optimizer else [])
+            target = {"params": _subtree(abstract_state["params"], chosen),
+                      **({"opt_state": abstract_state["opt_state"]} if optimizer else {})}
         restored = dict(ckptr.restore(os.path.join(where, "state"), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
     logging.info("init_from: loaded %s from %s", " and ".join(keys), where)
@@ -40,6 +67,139 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dic
                          "again at its warmup; the loaded moments and their bias-correction counts are kept",
                          ", ".join(reset))
     return restored
+
+
+def merge_params(fresh: Any, loaded: Any) -> Any:
+    """``fresh`` params with every leaf that ``loaded`` (a subtree of the same paths) holds replaced."""
+    got = named_leaves(loaded)
+
+    def pick(path: tuple, leaf: Any) -> Any:
+        return got.get(path_name(path), leaf)
+
+    return jax.tree_util.tree_map_with_path(pick, fresh)
+
+
+def _selector(include: str, exclude: str) -> Callable[[str], bool]:
+    try:
+        inc = re.compile(include) if include else None
+        exc = re.compile(exclude) if exclude else None
+    except re.error as e:
+        raise ConfigError(f"init_from_include/init_from_exclude: {e}; fix the regular expression.") from None
+    return lambda name: (inc is None or bool(inc.search(name))) and not (exc is not None and exc.search(name))
+
+
+def _choose(want: dict[str, Any], have: dict[str, tuple], select: Callable[[str], bool], where: str,
+            strict: bool) -> list[str]:
+    """The parameter paths to load; logs (or, when ``strict``, raises for) the others."""
+    chosen, excluded, missing, differ = [], [], [], []
+    for name, leaf in want.items():
+        if not select(name):
+            excluded.append(name)
+        elif name not in have:
+            missing.append(name)
+        elif have[name] != tuple(leaf.shape):
+            differ.append(f"{name} (checkpoint {have[name]}, model {tuple(leaf.shape)})")
+        else:
+            chosen.append(name)
+    hint = "; train from scratch, pick a checkpoint of the same model, or narrow --config.init_from_include"
+    if strict and (missing or differ):
+        raise ConfigError(f"init_from: {(missing or differ)[0]} cannot load from {where}{hint}.")
+    if not chosen:
+        raise ConfigError(f"init_from: no parameter of this model loads from {where} (of {len(want)}: {len(excluded)} "
+                          f"excluded by the patterns, {len(missing)} missing there, {len(differ)} of another shape)"
+                          f"{hint}.")
+    logging.info("init_from: %d of %d parameter tensors load from %s", len(chosen), len(want), where)
+    for what, names in (("shape differs", differ), ("not in the checkpoint", missing),
+                        ("excluded by init_from_include/exclude", excluded)):
+        if names:
+            logging.warning("init_from: re-initialised (%s): %s", what, ", ".join(names))
+    unused = sorted(set(have) - set(want))
+    if unused:
+        logging.info("init_from: %d checkpoint tensors not used, e.g. %s", len(unused), ", ".join(unused[:3]))
+    return chosen
+
+
+def _subtree(tree: Any, names: list[str]) -> Any:
+    """The nested dicts of ``tree`` holding only the leaves at ``names``."""
+    keep = set(names)
+
+    def walk(node: Any, prefix: str) -> Any:
+        if hasattr(node, "shape"):
+            return node if prefix in keep else None
+        out = {}
+        for k, v in node.items():
+            sub = walk(v, f"{prefix}/{k}" if prefix else str(k))
+            if sub is not None and sub != {}:
+                out[k] = sub
+        return out
+
+    return walk(tree, "")
+
+
+def _is_npz(spec: str) -> bool:
+    return spec.endswith(".npz") and os.path.isfile(os.path.expanduser(spec))
+
+
+# Where a backbone-only .npz (torch_import converts the reference backbone) lives in jaxrat's models.
+NPZ_PREFIXES = ("", "backbone/")
+
+
+def _renames(rename: str) -> list[tuple[str, str]]:
+    out = []
+    for part in (p.strip() for p in rename.split(",") if p.strip()):
+        old, eq, new = part.partition("=")
+        if not eq:
+            raise ConfigError(f"init_from_rename={rename!r}: write OLD_PREFIX=NEW_PREFIX, comma-separated, e.g. "
+                              f"encoder/=backbone/.")
+        out.append((old, new))
+    return out
+
+
+def _source_arrays(spec: str) -> dict[str, Any]:
+    """Every parameter of a .npz, or of a jaxrat checkpoint read onto the host, by path."""
+    import numpy as np
+
+    if _is_npz(spec):
+        with np.load(os.path.expanduser(spec)) as data:
+            return {k: data[k] for k in data.files}
+    directory, step = store.resolve(spec)
+    where = os.path.join(directory, str(step), "state")
+    with ocp.PyTreeCheckpointer() as ckptr:
+        meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where)).tree["params"]
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device),
+                                         meta)}
+        restored = ckptr.restore(where, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
+    return {k: np.asarray(v) for k, v in named_leaves(restored["params"]).items()}
+
+
+def _load_arrays(spec: str, abstract_params: Any, want: dict[str, Any], select: Callable[[str], bool],
+                 strict: bool, renames: list[tuple[str, str]]) -> Any:
+    flat = _source_arrays(spec)
+    if renames:
+        def renamed(k: str) -> str:
+            for old, new in renames:
+                if k.startswith(old):
+                    return new + k[len(old):]
+            return k
+
+        arrays = {renamed(k): v for k, v in flat.items()}
+    else:
+        # The prefix under which most of the file's names are this model's parameters.
+        prefix = max(NPZ_PREFIXES, key=lambda p: sum(f"{p}{k}" in want for k in flat))
+        if prefix:
+            logging.info("init_from: the names in %s are placed under %s", spec, prefix)
+        arrays = {f"{prefix}{k}": v for k, v in flat.items()}
+    chosen = _choose(want, {k: tuple(v.shape) for k, v in arrays.items()}, select, spec, strict)
+    sub = _subtree(abstract_params, chosen)
+
+    def put(path: tuple, leaf: Any) -> Any:
+        value = arrays[path_name(path)].astype(leaf.dtype)
+        return jax.device_put(value, leaf.sharding) if getattr(leaf, "sharding", None) is not None else value
+
+    logging.info("init_from: loaded params from %s", spec)
+    return jax.tree_util.tree_map_with_path(put, sub)
 
 
 def restart_schedules(opt_state: Any) -> tuple[Any, list[str]]:

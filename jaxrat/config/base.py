@@ -19,6 +19,15 @@ def base_config() -> mlc.ConfigDict:
     # Start a new run from another run's weights: "PATH[:STEP|:best|:latest]" (a workdir, its checkpoints/
     # folder or one step folder); params only unless checkpoint.init_optimizer. Ignored when resuming.
     c.init_from = ""
+    # Which parameters init_from loads: regexes searched in parameter paths (e.g. "^backbone/" for the
+    # RAT backbone only; exclude "^heads/" to leave a classifier's heads fresh). With init_from_strict
+    # every parameter must load (a missing one or another shape stops the run); otherwise those
+    # re-initialise and the log lists them.
+    c.init_from_include = ""
+    c.init_from_exclude = ""
+    c.init_from_strict = False
+    # "OLD=NEW[,...]": source path prefixes renamed first (a source model that names its parts otherwise).
+    c.init_from_rename = ""
 
     c.data = mlc.ConfigDict()
     c.data.name = "isic2018"

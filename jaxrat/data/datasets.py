@@ -40,7 +40,9 @@ def synthetic_image_size(data_cfg: Any) -> int:
 def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int
 ) -> tuple[ExampleSource, ExampleSource]:
-    """(train, validation) for ``config.data``; writes the synthetic dataset first when asked."""
+    """(train, validation) for ``config.data``; writes the synthetic dataset first when asked. With
+    ``data.eval_split`` ("train", "validation" or "test"; set by ``jaxrat.evaluate --split``) the
+    second source is that split."""
     if data_cfg.name not in SEGMENTATION_DATASETS:
         raise ConfigError(f"Unknown dataset config.data.name={data_cfg.name!r}; "
                           f"use one of {list(SEGMENTATION_DATASETS)}.")
@@ -49,6 +51,12 @@ def resolve_segmentation(
         raise ConfigError(f"config.data.source={source!r}; use one of {list(SOURCES)}.")
     record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
     policy = BadFilePolicy(_get(data_cfg, "on_bad_file", "fail"), record)
+    eval_split = _get(data_cfg, "eval_split", "validation") or "validation"
+    if eval_split not in ("train", "validation", "test"):
+        raise ConfigError(f"Evaluation split {eval_split!r}; use train, validation or test.")
+    if eval_split == "test" and data_cfg.synthetic and not (data_cfg.data_dir or ""):
+        raise ConfigError("The synthetic dataset has no test split; evaluate --split validation or train, or point "
+                          "--config.data.data_dir at ISIC 2018 with its test ground truth.")
 
     if source == "tfds":
         from jaxrat.data.sources import isic_arrayrecord
@@ -56,7 +64,7 @@ def resolve_segmentation(
         tfds_dir = os.path.expanduser(data_cfg.data_dir or "") or os.path.join(isic.default_data_dir(), "tfds")
         return tuple(  # type: ignore[return-value]
             isic_arrayrecord.example_source(tfds_dir, split, policy, _get(data_cfg, "split_file", ""))
-            for split in ("train", "validation")
+            for split in ("train", eval_split)
         )
 
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
@@ -78,7 +86,7 @@ def resolve_segmentation(
         data_dir = staging.stage(data_dir, local)
     split_file = _get(data_cfg, "split_file", "")
     out = []
-    for split in ("train", "validation"):
+    for split in ("train", eval_split):
         pairs = isic.find_pairs(data_dir, split, split_file=split_file, policy=policy)
         out.append(ExampleSource(pairs, policy=policy, name=f"isic2018/{split}"))
     return out[0], out[1]

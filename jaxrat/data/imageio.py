@@ -147,6 +147,27 @@ def load_rgb_with_size(path: Source, at_least: tuple[int, int] | None = None) ->
     return _convert(source_name(path), img, to_rgb), size
 
 
+def load_rgb_upright(path: Source, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """Like :func:`load_rgb_with_size`, but turned as the EXIF orientation says (as a viewer shows
+    the photo): for prediction on new images, whose outputs must lie on the image as seen. Returns
+    (pixels, (w, h) of the full-size upright image)."""
+    from PIL import ImageOps
+
+    img, (w, h) = _open(path, at_least)
+    try:
+        orientation = int(img.getexif().get(0x0112, 1) or 1)
+    except (ValueError, OSError, SyntaxError, TypeError):  # a damaged EXIF block: the pixels are still good
+        orientation = 1
+    if orientation != 1:
+        try:
+            img = ImageOps.exif_transpose(img)
+        except (ValueError, OSError, SyntaxError, TypeError) as e:
+            raise BadFileError(source_name(path), f"its EXIF orientation cannot be applied ({e})") from None
+        if orientation in (5, 6, 7, 8):
+            w, h = h, w
+    return _convert(source_name(path), img, to_rgb), (w, h)
+
+
 def load_rgb(path: str) -> np.ndarray:
     """Load any PIL-readable image (grayscale, palette, CMYK, 16-bit, RGBA) as uint8 RGB (H, W, 3)."""
     return load_rgb_with_size(path)[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import os
 from typing import Any, Iterable, Iterator, Mapping
 
 import jax
@@ -68,6 +69,16 @@ class EvalAccumulator(abc.ABC):
     def images(self) -> dict[str, np.ndarray]:
         """Images to log, ``{name: (N, H, W, 3) floats in [0, 1]}``; {} for none."""
         return {}
+
+    def per_image_summary(self) -> dict[str, Any]:
+        """After :meth:`finalize`: split-level results beside the per-image rows (e.g. each
+        category's AP), merged into ``metrics.json`` by ``jaxrat.evaluate``; {} for none."""
+        return {}
+
+    def per_image(self) -> list[dict[str, Any]]:
+        """After :meth:`finalize`: one row per eval example (``image`` first, then the task's
+        columns), every process's, in example order; [] when the task keeps none."""
+        return []
 
 
 class Task(abc.ABC):
@@ -168,6 +179,14 @@ def host_rows(x: jax.Array) -> np.ndarray:
         start = (s.index[0].start or 0) if s.index else 0
         shards.setdefault(start, s.data)
     return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)], axis=0)
+
+
+def record_name(record: Any, index: int) -> str:
+    """A short name of an eval record for per-image results: its image file's name."""
+    first = record[0] if isinstance(record, (tuple, list)) else record
+    if isinstance(first, dict):
+        first = first.get("path") or first.get("id") or first.get("name") or index
+    return os.path.basename(str(getattr(first, "name", first)))  # a path, or in-memory bytes' name
 
 
 def load_task(config: mlc.ConfigDict) -> Task:

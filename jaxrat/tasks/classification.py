@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from jaxrat.errors import ConfigError
-from jaxrat.tasks.base import Batch, EvalAccumulator
+from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows, record_name
 from jaxrat.tasks.class_weights import class_weights
 from jaxrat.tasks.image_task import ImageTask
 from jaxrat.tasks.mixing import mix_batch
@@ -120,21 +120,28 @@ class ClassificationTask(ImageTask):
         valid = batch["valid"] > 0
         sums: dict[str, jax.Array] = {}
         k = int(self.config.task.top_k)
+        preds = []
         for h, ((num, den), lg) in enumerate(zip(self._head_losses(logits, batch["labels"], valid, None), logits)):
             c, y = self.num_classes[h], batch["labels"][:, h]
             has = (valid & (y >= 0)).astype(jnp.float32)
             pred = jnp.argmax(lg, -1)
+            preds.append(pred.astype(jnp.int32))
             onehot_y = jax.nn.one_hot(jnp.maximum(y, 0), c) * has[:, None]
             name = self.heads[h]
             sums[f"{name}/confusion"] = onehot_y.T @ jax.nn.one_hot(pred, c)
             top = jax.lax.top_k(lg, min(k, c))[1]
             sums[f"{name}/topk_hits"] = ((top == y[:, None]).any(-1) * has).sum()
             sums[f"{name}/loss_sum"], sums[f"{name}/weight_sum"] = num, den
-        return sums, None
+        return sums, jnp.stack(preds, -1)  # (B, heads): the predicted classes, for per-image results
 
     # ----------------------------------------------------------------------------- host side
     def new_eval(self) -> EvalAccumulator:
-        return _ClassificationEval(self.heads, bool(self.config.train.log_images))
+        def label(h: int, c: int) -> str:
+            names = self.vocabularies.get(self.heads[h]) or []
+            return str(names[c]) if 0 <= c < len(names) else ("" if c < 0 else str(c))
+
+        return _ClassificationEval(self.heads, bool(self.config.train.log_images),
+                                   name=lambda i: record_name(self.val_source.records[i], i), label=label)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -159,13 +166,42 @@ def head_metrics(confusion: np.ndarray, topk_hits: float) -> dict[str, float]:
 
 
 class _ClassificationEval(EvalAccumulator):
-    def __init__(self, heads: tuple[str, ...], log_images: bool) -> None:
+    def __init__(self, heads: tuple[str, ...], log_images: bool, name: Any = str, label: Any = None) -> None:
         super().__init__()
         self.heads, self.log_images = heads, log_images
         self._confusions: dict[str, np.ndarray] = {}
+        self._name, self._label = name, label or (lambda h, c: str(c))
+        self._rows: list[np.ndarray] = []  # (valid, labels..., predictions...) per example, this process's
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
         self.add_sums(sums)
+        if outputs is not None:
+            self._rows.append(np.concatenate([np.asarray(batch["valid"]).reshape(-1, 1).astype(np.int32),
+                                              np.asarray(batch["labels"], np.int32), host_rows(outputs)], 1))
+
+    def per_image(self) -> list[dict[str, Any]]:
+        """True and predicted label per head of every eval image, in the split's order."""
+        n = len(self.heads)
+        local = np.concatenate(self._rows) if self._rows else np.zeros((0, 1 + 2 * n), np.int32)
+        count = jax.process_count()
+        if count > 1:
+            from jax.experimental import multihost_utils
+
+            rows = np.asarray(multihost_utils.process_allgather(local, tiled=True)).reshape(count, len(local), -1)
+            # Process p read elements p, p + P, p + 2P, ... of the (padded) split.
+            local = rows.transpose(1, 0, 2).reshape(-1, rows.shape[-1])
+        out = []
+        for i, r in enumerate(local.tolist()):
+            if not r[0]:
+                continue
+            row: dict[str, Any] = {"image": self._name(i)}
+            for h, head in enumerate(self.heads):
+                true, pred = r[1 + h], r[1 + n + h]
+                row[f"{head}/true"] = self._label(h, true)
+                row[f"{head}/predicted"] = self._label(h, pred)
+                row[f"{head}/correct"] = int(true == pred) if true >= 0 else ""
+            out.append(row)
+        return out
 
     def finalize(self) -> dict[str, float]:
         totals = jax.device_get(self.totals)

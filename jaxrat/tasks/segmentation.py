@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxrat.errors import ConfigError
 from jaxrat.tasks import segmentation_metrics as metrics
-from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows
+from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows, record_name
 from jaxrat.tasks.image_task import ImageTask
 
 _EPS = 1e-6
@@ -133,7 +133,8 @@ class SegmentationTask(ImageTask):
 
     def new_eval(self) -> EvalAccumulator:
         return _SegmentationEval(log_images=bool(self.config.train.log_images), threshold=self.threshold,
-                                 original=self._original_resolution() if self.eval_original_resolution else None)
+                                 original=self._original_resolution() if self.eval_original_resolution else None,
+                                 name=lambda i: record_name(self.val_source.records[i], i))
 
     def _original_resolution(self) -> metrics.OriginalResolution:
         from jaxrat.data import transforms as T
@@ -180,11 +181,16 @@ def overlay(image: np.ndarray, truth: np.ndarray, pred: np.ndarray) -> np.ndarra
 
 class _SegmentationEval(EvalAccumulator):
     def __init__(self, log_images: bool, threshold: float = 0.5,
-                 original: metrics.OriginalResolution | None = None) -> None:
+                 original: metrics.OriginalResolution | None = None, name: Any = str) -> None:
         super().__init__()
         self._want_images, self._threshold = log_images, threshold
         self._images: dict[str, np.ndarray] = {}
         self._original = original
+        self._name = name
+
+    def per_image(self) -> list[dict[str, Any]]:
+        """Scores at each image's original resolution (with ``task.eval_original_resolution``)."""
+        return self._original.per_image(self._name) if self._original is not None else []
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
         self.add_sums(sums)

@@ -116,7 +116,7 @@ class OriginalResolution:
         """Count this process's rows of one eval batch: ``probs`` (B, h, w[, 1])."""
         for p, i, v in zip(probs, index, valid):
             if not v:  # padding, or a file skipped as bad: never opened, never counted
-                self.rows.append((int(i), 0, 0, 0, 0, 0))
+                self.rows.append((int(i), 0, 0, 0, 0, 0, 0, 0))
                 continue
             mask = self.original_mask(int(i)).astype(bool)
             H, W = mask.shape
@@ -124,20 +124,38 @@ class OriginalResolution:
             tp = int(np.count_nonzero(pred & mask))
             fp = int(np.count_nonzero(pred)) - tp
             fn = int(np.count_nonzero(mask)) - tp
-            self.rows.append((int(i), 1, tp, fp, fn, H * W - tp - fp - fn))
+            self.rows.append((int(i), 1, tp, fp, fn, H * W - tp - fp - fn, H, W))
 
-    def sums(self) -> dict[str, float]:
-        """Sums over every process's valid images, in float64 and in example order (the same
-        numbers whatever the number of processes or the batch split)."""
+    def gathered(self) -> np.ndarray:
+        """Every process's valid rows ``(index, 1, tp, fp, fn, tn, height, width)``, in example order
+        (the same whatever the number of processes or the batch split). A collective: every
+        process calls it."""
         import jax
 
         # int32 (JAX's default width): pixel counts of an image, exact up to 2^31 pixels.
-        rows = np.asarray(self.rows, np.int32).reshape(-1, 6)
+        rows = np.asarray(self.rows, np.int32).reshape(-1, 8)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
         rows = rows[rows[:, 1] > 0]
-        rows = rows[np.argsort(rows[:, 0], kind="stable")].astype(np.float64)
+        return rows[np.argsort(rows[:, 0], kind="stable")]
+
+    def sums(self) -> dict[str, float]:
+        """Sums over every process's valid images, in float64 and in example order."""
+        rows = self.gathered().astype(np.float64)
         tp, fp, fn, tn = (rows[:, k] for k in range(2, 6))
         return sums_from_counts(tp, fp, fn, tn, rows[:, 1])
+
+    def per_image(self, name: Callable[[int], str]) -> list[dict[str, Any]]:
+        """One row per valid image: ``name(index)``, its size and scores at its original resolution."""
+        rows = self.gathered()
+        out = []
+        for i, _, tp, fp, fn, tn, h, w in rows.tolist():
+            scores = per_image_scores(*(np.float64(c) for c in (tp, fp, fn, tn)))
+            out.append({"image": name(i), "width": w, "height": h, "dice": float(scores["dice"]),
+                        "iou": float(scores["iou"]), "jaccard_thresholded": float(scores["jaccard_thresholded"]),
+                        "sensitivity": float(scores["sensitivity_per_image"]),
+                        "specificity": float(scores["specificity_per_image"]),
+                        "accuracy": float(scores["accuracy_per_image"]), "tp": tp, "fp": fp, "fn": fn, "tn": tn})
+        return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any, Callable
 
 import jax
 import ml_collections as mlc
@@ -15,7 +16,7 @@ from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config import load_run_config
-from jaxrat.fileio import write_json
+from jaxrat.fileio import write_csv, write_json
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
@@ -36,13 +37,19 @@ def open_trained_run(workdir: str, overrides: list[str]) -> tuple[str, mlc.Confi
 
 
 def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "latest", name: str = "", *,
-                        out_dir: str | None = None, data_dir: str | None = None) -> tuple[int, dict[str, float]]:
+                        out_dir: str | None = None, data_dir: str | None = None,
+                        prepared: Callable[[Any], None] | None = None, wrap_model: Callable[[Any], Any] | None = None,
+                        per_image: bool = False, context: dict | None = None) -> tuple[int, dict[str, float]]:
     """Evaluate checkpoint ``step_spec`` (a step, "best" or "latest") of ``workdir`` under ``config``.
 
     Writes ``metrics.json`` (and ``metrics.jsonl`` + TensorBoard) to ``out_dir`` (default
     ``workdir/eval/NAME``, NAME defaulting to ``step_<step>``); the task prepares its data under
     ``data_dir`` (default ``out_dir``: where synthetic data is written). Checkpoints are only read.
-    Returns ``(step, {"eval/<metric>": value})``.
+    ``prepared(task)`` runs once the task's data are prepared (e.g. to pick another split);
+    ``wrap_model``: see :func:`jaxrat.trainer.step.make_eval_step` (test-time augmentation);
+    ``per_image``: also ``per_image.csv`` (the accumulator's :meth:`per_image` rows) and its
+    :meth:`per_image_summary` in metrics.json; ``context``: filled with the ``task`` (its data
+    prepared) and the ``out_dir``. Returns ``(step, {"eval/<metric>": value})``.
     """
     directory, step = resolve(f"{workdir}:{step_spec}")
     mesh = make_mesh(config.mesh.axes)
@@ -52,18 +59,37 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     out_dir = out_dir or os.path.join(workdir, "eval", name or f"step_{step}")
     os.makedirs(out_dir, exist_ok=True)
     logging.info("data: %s", task.prepare_data(data_dir or out_dir))
+    if prepared is not None:
+        prepared(task)
+    if context is not None:
+        context.update(task=task, out_dir=out_dir)
     spec = make_state_spec(config, mesh, task)
     params = load_init(f"{directory}:{step}", spec.abstract_with_shardings())["params"]
     writer = MetricWriter(out_dir, is_main=jax.process_index() == 0)
     try:
-        eval_step = compiled_together(make_eval_step(spec), "eval step")
+        eval_step = compiled_together(make_eval_step(spec, wrap_model), "eval step")
         evaluation = Evaluation(config, task, eval_step, lambda b: to_global(b, spec.batch_sharding), writer)
         metrics = evaluation.run(step, params, interrupt=lambda: False)
     finally:
         writer.close()
+    acc = evaluation.last_accumulator
+    rows = acc.per_image() if per_image else []  # a collective under several processes: every one asks
+    extra = acc.per_image_summary() if per_image else {}
     if jax.process_index() == 0:
-        result = {"workdir": workdir, "step": step, "metrics": metrics,
+        result = {"workdir": workdir, "step": step, "metrics": metrics, **extra,
                   "config": json.loads(config.to_json_best_effort())}
+        if per_image:
+            write_rows(os.path.join(out_dir, "per_image.csv"), rows)
+            logging.info("wrote %s (%d images)", os.path.join(out_dir, "per_image.csv"), len(rows))
         write_json(os.path.join(out_dir, "metrics.json"), result, indent=2, sort_keys=True)
         logging.info("wrote %s", os.path.join(out_dir, "metrics.json"))
     return step, metrics
+
+
+def write_rows(path: str, rows: list[dict[str, Any]]) -> None:
+    """Rows (dicts with the same keys) as a CSV file, floats with 8 significant digits."""
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    cell = lambda v: f"{v:.8g}" if isinstance(v, float) else ("" if v is None else v)  # noqa: E731
+    write_csv(path, [[cell(r.get(k)) for k in columns] for r in rows], header=columns)

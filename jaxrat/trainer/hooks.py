@@ -180,6 +180,7 @@ class Evaluation:
             sums, outputs = self.eval_step(params, self.to_global(batch))
             acc.update(sums, batch, outputs)
         metrics = acc.finalize()
+        self.last_accumulator = acc  # for per-image results (python -m jaxrat.evaluate)
         named = {f"eval/{k}": v for k, v in metrics.items()}
         self.last, self.last_step = metrics, step
         self._rank(step, named)

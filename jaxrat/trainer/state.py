@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat import ops
 from jaxrat.checkpointing import Checkpointer, load_init
+from jaxrat.checkpointing.init_from import merge_params
 from jaxrat.errors import ConfigError
 from jaxrat.parallel import sharding
 from jaxrat.tasks.base import Task
@@ -199,7 +200,12 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
     loaded: dict[str, Any] = {}
     if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
         loaded = load_init(config.init_from, spec.abstract_with_shardings(),
-                           optimizer=config.checkpoint.init_optimizer)
+                           optimizer=config.checkpoint.init_optimizer, include=config.get("init_from_include", ""),
+                           exclude=config.get("init_from_exclude", ""), strict=config.get("init_from_strict", True),
+                           rename=config.get("init_from_rename", ""))
     init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)
-    state = {**init(jax.random.key_data(jax.random.key(config.seed))), **loaded}
+    state = init(jax.random.key_data(jax.random.key(config.seed)))
+    if "params" in loaded:  # the parameters that did not load keep their fresh values
+        loaded["params"] = merge_params(state["params"], loaded["params"])
+    state = {**state, **loaded}
     return Restored(state, data, False)

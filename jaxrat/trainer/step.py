@@ -120,11 +120,15 @@ class OnMesh:
             return self.fn.trace(*args)
 
 
-def make_eval_step(spec: StateSpec) -> Callable[[Any, dict], tuple[dict, Any]]:
-    """``eval_step(params, batch) -> (sums, outputs)``: sums replicated, outputs batch-sharded."""
+def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = None
+                   ) -> Callable[[Any, dict], tuple[dict, Any]]:
+    """``eval_step(params, batch) -> (sums, outputs)``: sums replicated, outputs batch-sharded.
+    ``wrap_model(model)``: a callable the task's eval step calls instead of the model (test-time
+    augmentation returns the logits of the views' averaged probabilities)."""
 
     def step(params: Any, batch: dict) -> tuple[dict, Any]:
-        return spec.task.eval_step(spec.model(params, jax.random.key(0), train=False), batch)
+        model = spec.model(params, jax.random.key(0), train=False)
+        return spec.task.eval_step(wrap_model(model) if wrap_model else model, batch)
 
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())

@@ -29,7 +29,8 @@ CONFIG_NAME = "config.json"
 # and hosts. Anything else changes what is trained (model, task, data, optimizer, seed, batch) and
 # must match the checkpoint's config.json; a prefix ending in "." covers its whole section.
 RESUMABLE = (
-    "num_train_steps", "init_from", "train.log_every", "train.eval_every", "train.eval_at_end",
+    "num_train_steps", "init_from", "init_from_include", "init_from_exclude", "init_from_strict",
+    "init_from_rename", "train.log_every", "train.eval_every", "train.eval_at_end",
     "train.log_images", "checkpoint.", "mesh.", "sharding.", "distributed.", "workdir.", "tracking.",
     "data.data_dir", "data.stage_to_local_dir", "data.num_threads", "data.prefetch_buffer",
     "data.device_prefetch", "data.num_workers", "data.worker_ram_budget_gb", "data.on_bad_file",

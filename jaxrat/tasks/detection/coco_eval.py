@@ -49,3 +49,24 @@ def evaluate(annotation_path: str, results: list[dict[str, Any]]) -> dict[str, f
         ev.accumulate()
         ev.summarize()
     return {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}
+
+
+def per_category_ap(annotation_path: str, results: list[dict[str, Any]]) -> dict[str, float]:
+    """COCO AP (IoU 0.50:0.95, all areas, 100 detections) of each category, by category name;
+    -1 for a category without ground truth in the split."""
+    from pycocotools.cocoeval import COCOeval
+
+    gt = load_annotations(annotation_path)
+    names = {c: gt.cats[c]["name"] for c in sorted(gt.getCatIds())}
+    if not results:
+        return {n: 0.0 for n in names.values()}
+    with contextlib.redirect_stdout(io.StringIO()):
+        ev = COCOeval(gt, gt.loadRes(results), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+    precision = ev.eval["precision"]  # (iou thresholds, recall points, categories, areas, max dets)
+    out = {}
+    for k, c in enumerate(ev.params.catIds):
+        p = precision[:, :, k, 0, -1]
+        out[names[c]] = float(p[p > -1].mean()) if (p > -1).any() else -1.0
+    return out

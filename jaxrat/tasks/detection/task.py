@@ -307,7 +307,34 @@ class DetectionEval(EvalAccumulator):
             self.category_ids, np.repeat(rows["image_id"][keep], k), rows["boxes"][keep].reshape(-1, 4),
             rows["scores"][keep].reshape(-1), rows["labels"][keep].reshape(-1),
             np.repeat(rows["orig_size"][keep], k, axis=0))
+        self.results, self._kept = results, {key: v[keep] for key, v in rows.items()}
         return {**evaluate(self.annotation_file, results), "num_images": n}
+
+    # Score from which a detection counts in the per-image table.
+    COUNT_SCORE = 0.5
+
+    def per_image(self) -> list[dict[str, Any]]:
+        """Per image: ground-truth boxes (non-crowd), detections scoring >= 0.5 and the best score."""
+        from jaxrat.data.sources.coco import load_annotations
+
+        kept = getattr(self, "_kept", None)
+        if not kept:
+            return []
+        gt = load_annotations(self.annotation_file)
+        out = []
+        for iid, (w, h), scores in zip(kept["image_id"].tolist(), kept["orig_size"].tolist(), kept["scores"]):
+            info = gt.imgs.get(int(iid), {})
+            out.append({"image": info.get("file_name", str(iid)), "image_id": int(iid), "width": int(w),
+                        "height": int(h), "ground_truth": len(gt.getAnnIds(imgIds=[int(iid)], iscrowd=False)),
+                        "detections": int(np.sum(scores >= self.COUNT_SCORE)),
+                        "best_score": float(np.max(scores)) if len(scores) else 0.0})
+        return out
+
+    def per_image_summary(self) -> dict[str, Any]:
+        """``per_category_AP``: the AP of each category (by name) over the split."""
+        from jaxrat.tasks.detection.coco_eval import per_category_ap
+
+        return {"per_category_AP": per_category_ap(self.annotation_file, getattr(self, "results", []))}
 
     def images(self) -> dict[str, np.ndarray]:
         """The first eval images with true (green) and detected (red) boxes."""

@@ -1,0 +1,113 @@
+"""Run a model written by ``python -m jaxrat.export`` without jaxrat's model code.
+
+This module imports only the standard library, numpy and jax (PIL on first use, for images); copy
+it next to the exported files and use it anywhere jax runs::
+
+    from exported import load
+    model = load("export_dir")              # reads model.jax and model.json
+    probs = model(pixels)                   # pixels: (batch, size, size, 3) RGB values 0..255
+    prob = model.predict_image("photo.jpg") # segmentation: (H, W) probabilities at the photo's size
+
+``model.json`` holds the input contract: ``image_size``, ``channel_order`` (RGB),
+``input_range`` (0..255; the ImageNet normalisation ``mean``/``std`` is applied inside the model),
+``batch_size`` (the exported batch, null for any; :class:`Exported` pads and splits other sizes), ``threshold``,
+``labels`` and what each output means.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+MODEL_FILE, CONTRACT_FILE = "model.jax", "model.json"
+
+
+class Exported:
+    """A deserialised export: callable on (N, size, size, 3) pixel arrays, any N."""
+
+    def __init__(self, directory: str) -> None:
+        with open(os.path.join(directory, CONTRACT_FILE)) as f:
+            self.contract: dict[str, Any] = json.load(f)
+        with open(os.path.join(directory, MODEL_FILE), "rb") as f:
+            self.exported = jax.export.deserialize(bytearray(f.read()))
+        self.batch_size = int(self.contract["batch_size"] or 0)  # 0: exported for any batch size
+        self.image_size = int(self.contract["image_size"])
+
+    def __call__(self, pixels: np.ndarray, *extra: np.ndarray) -> Any:
+        """The model's outputs (see ``contract["outputs"]``) for ``pixels`` (N, size, size, 3) in 0..255
+        (and, for detection, ``pad_mask`` (N, size, size), 1 on padding)."""
+        arrays = [np.asarray(pixels, np.float32), *(np.asarray(e, np.float32) for e in extra)]
+        n = len(arrays[0])
+        b = self.batch_size or max(n, 1)
+        outs = []
+        for start in range(0, n, b):
+            chunk = [a[start:start + b] for a in arrays]
+            m = len(chunk[0])
+            chunk = [np.concatenate([c, np.repeat(c[-1:], b - m, 0)]) if m < b else c for c in chunk]
+            out = self.exported.call(*chunk)
+            outs.append(jax.tree.map(lambda x, m=m: np.asarray(x)[:m], out))
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+
+    def predict_image(self, path: str) -> np.ndarray:
+        """Segmentation: the foreground probability of the image file ``path`` at its full size,
+        preprocessed as ``jaxrat.predict`` does (reduced-scale JPEG decoding, EXIF orientation,
+        bilinear resizes; stretched, not letterboxed, unless the contract says ``letterbox``)."""
+        from PIL import Image
+
+        image, (h, w) = read_upright(path, self.image_size)
+        s = self.image_size
+        if self.contract.get("letterbox"):
+            scale = min(s / h, s / w)
+            ch, cw = max(1, min(s, round(h * scale))), max(1, min(s, round(w * scale)))
+            canvas = np.zeros((s, s, 3), np.uint8)
+            canvas[:ch, :cw] = np.asarray(Image.fromarray(image).resize((cw, ch), Image.BILINEAR))
+            prob = self(canvas[None])[0][:ch, :cw]
+        else:
+            resized = image if image.shape[:2] == (s, s) else np.asarray(
+                Image.fromarray(image).resize((s, s), Image.BILINEAR))
+            prob = self(resized[None])[0]
+        if prob.shape == (h, w):
+            return np.asarray(prob, np.float32)
+        return np.asarray(Image.fromarray(np.ascontiguousarray(prob, np.float32)).resize((w, h), Image.BILINEAR))
+
+
+def read_upright(path: str, at_least: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """(uint8 RGB pixels, full (h, w)) of an image file: JPEGs decoded at a reduced scale no smaller
+    than ``at_least``, turned by their EXIF orientation, any mode converted as jaxrat does."""
+    from PIL import Image, ImageOps
+
+    img = Image.open(path)
+    w, h = img.size
+    if img.format == "JPEG":
+        img.draft("RGB", (at_least, at_least))
+    img.load()
+    try:
+        orientation = int(img.getexif().get(0x0112, 1) or 1)
+    except (ValueError, OSError, SyntaxError, TypeError):
+        orientation = 1
+    if orientation != 1:
+        img = ImageOps.exif_transpose(img)
+        if orientation in (5, 6, 7, 8):
+            w, h = h, w
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(img, np.float64)
+        lo, hi = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 1.0)
+        if img.mode == "F":
+            arr = (arr - lo) / max(hi - lo, 1e-12)
+        else:
+            full = next((2.0**b - 1 for b in (8, 10, 12, 16, 32) if hi <= 2.0**b - 1), hi)
+            arr = np.clip(arr, 0, None) / full
+        arr = (arr * 255.0).round().astype(np.uint8)
+        return np.repeat(arr[..., None], 3, -1), (h, w)
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    return np.asarray(img.convert("RGB"), np.uint8), (h, w)
+
+
+def load(directory: str) -> Exported:
+    """The exported model in ``directory``."""
+    return Exported(directory)

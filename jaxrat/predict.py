@@ -1,0 +1,92 @@
+"""Predict new images with a trained run:
+``python -m jaxrat.predict --workdir W --input PATH --out OUT [--step best|latest|N]``.
+
+PATH is a folder (searched recursively), an image, a glob (quoted) or a text file listing paths.
+Segmentation writes a mask PNG per image at its original size and orientation, an overlay JPEG and
+``predictions.csv``; classification a CSV of each head's top-k labels; detection COCO results JSON
+and the images with their boxes drawn (layout: :mod:`jaxrat.inference.writers`, docs/predict.md).
+Unreadable files are listed in ``OUT/skipped.txt``. ``--tta flip,scale=0.75:1:1.25`` averages
+augmented views, ``--tile SIZE --overlap F`` predicts big images in Gaussian-blended windows at
+their own resolution. Under ``srun``/``mpirun`` the processes split the images and process 0
+writes the merged CSV/JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from absl import flags
+
+from jaxrat.cli import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
+from jaxrat.errors import UserError
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_STEP = flags.DEFINE_string("step", "latest", "Checkpoint: a step number, 'best' or 'latest'.")
+_INPUT = flags.DEFINE_string("input", None, "A folder (recursive), an image, a glob or a text file of paths.")
+_OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace jaxrat's outputs in an existing non-empty --out.")
+_SAVE_PROBS = flags.DEFINE_enum("save_probs", "", ["", "png16", "npy"],
+                                "Also save segmentation probabilities: 16-bit PNG (p * 65535) or float32 .npy.")
+_TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
+_TILE = flags.DEFINE_integer("tile", 0, "Segmentation: predict at the image's own resolution in TILE x TILE windows.")
+_OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with its neighbour (with --tile).")
+_BATCH = flags.DEFINE_integer("batch", 0, "Images (or windows) per forward pass (default: the run's eval batch).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Classification: labels per head in the CSV (default: config.task.top_k).")
+_MIN_SCORE = flags.DEFINE_float("min_score", 0.3, "Detection: the lowest score drawn on the images and counted.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress line on stderr.")
+flags.mark_flags_as_required(["workdir", "input", "out"])
+hyphen_aliases("save_probs", "top_k", "min_score")
+
+
+def main(argv: list[str], overrides: list[str]) -> None:
+    """Load the run, expand the inputs, predict, say how many were written and skipped."""
+    quiet_libraries()
+    try:
+        if argv[1:]:
+            raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --input, --out and options (--help).")
+        from jaxrat.inference.augment import parse_tta
+        from jaxrat.inference.inputs import expand_inputs
+        from jaxrat.inference.run import Options, predict_files, prepare_output
+
+        tta = parse_tta(_TTA.value)
+        options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
+                          top_k=_TOP_K.value, min_score=_MIN_SCORE.value)
+        if options.tile:
+            from jaxrat.inference.augment import check_tiling
+
+            check_tiling(options.tile, options.overlap)
+        inputs = expand_inputs(_INPUT.value)
+        from jaxrat.trainer.evaluation import open_trained_run
+
+        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        import jax
+
+        from jaxrat.inference.predictor import Predictor
+
+        if jax.process_index() == 0:
+            prepare_output(_OUT.value, inputs, _INPUT.value, _OVERWRITE.value)
+        sync = None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("predict: output folder ready")
+            sync = lambda: multihost_utils.sync_global_devices("predict: parts written")  # noqa: E731
+        predictor = Predictor(config, workdir, _STEP.value, batch_size=_BATCH.value, tta=tta)
+        logging.info("predict: %d images, %s, step %d, tta %s%s", len(inputs), predictor.kind, predictor.step,
+                     tta.describe(), f", tiles {options.tile} px" if options.tile else "")
+        counts = predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),
+                               process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync)
+        if jax.process_index() == 0:
+            skipped = f"; {counts['skipped']} skipped (see {_OUT.value}/skipped.txt)" if counts["skipped"] else ""
+            print(f"jaxrat: predicted {counts['images']} images into {_OUT.value}{skipped}", flush=True)
+    except UserError as e:
+        fail(str(e))
+
+
+def run() -> None:
+    """Console entry point (also ``python -m jaxrat.predict``)."""
+    run_with_config_overrides(main)
+
+
+if __name__ == "__main__":
+    run()

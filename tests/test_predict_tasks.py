@@ -1,0 +1,81 @@
+"""predict and evaluate's per-image results for classification and detection (smoke runs)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from predict_inputs import EXPECTED_SIZES, write_inputs
+from runner import REPO, env_with_devices, run_main
+
+pytestmark = pytest.mark.slow
+
+
+def _cmd(module, *args):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env_with_devices(2),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_classification_top_k_labels_and_per_image_truth(tmp_path):
+    wd = str(tmp_path / "run")
+    run_main(wd, config=os.path.join(REPO, "configs", "classification.py") + ":smoke")
+    src, out = str(tmp_path / "in"), str(tmp_path / "out")
+    write_inputs(src)
+    proc = _cmd("jaxrat.predict", "--noprogress", f"--workdir={wd}", f"--input={src}", f"--out={out}", "--top_k=2",
+                "--tta=flip")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(os.path.join(out, "predictions.csv"))
+    assert [r["image"] for r in rows] == sorted(EXPECTED_SIZES)
+    shapes = {"circle", "square", "triangle"}  # the synthetic data's label strings, not class numbers
+    for r in rows:
+        assert r["shape/top1_label"] in shapes and r["shape/top2_label"] in shapes
+        assert float(r["shape/top1_probability"]) >= float(r["shape/top2_probability"])
+        assert "shape/top3_label" not in r and "kind/top1_label" in r
+
+    proc = _cmd("jaxrat.evaluate", f"--workdir={wd}", "--name=cls")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.load(open(os.path.join(wd, "eval", "cls", "metrics.json")))["metrics"]
+    per = _rows(os.path.join(wd, "eval", "cls", "per_image.csv"))
+    assert len(per) == 16 and per[0]["shape/true"] in shapes
+    top1 = sum(int(r["shape/correct"]) for r in per) / len(per)
+    assert top1 == pytest.approx(metrics["eval/shape/top1"], abs=1e-6)
+    proc = _cmd("jaxrat.evaluate", f"--workdir={wd}", "--split=test")
+    assert proc.returncode == 2 and "--split test" in proc.stderr
+
+
+def test_detection_coco_results_in_original_pixels(tmp_path):
+    wd = str(tmp_path / "run")
+    run_main(wd, config=os.path.join(REPO, "configs", "coco.py") + ":smoke")
+    src, out = str(tmp_path / "in"), str(tmp_path / "out")
+    write_inputs(src)
+    proc = _cmd("jaxrat.predict", "--noprogress", f"--workdir={wd}", f"--input={src}", f"--out={out}",
+                "--min_score=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    images = json.load(open(os.path.join(out, "images.json")))
+    results = json.load(open(os.path.join(out, "detections.json")))
+    cats = {c["id"]: c["name"] for c in images["categories"]}
+    sizes = {i["id"]: (i["width"], i["height"]) for i in images["images"]}
+    assert {i["file_name"] for i in images["images"]} == set(EXPECTED_SIZES) and results
+    for r in results:
+        assert cats[r["category_id"]] == r["category_name"]
+        x, y, w, h = r["bbox"]
+        W, H = sizes[r["image_id"]]
+        assert -0.01 <= x <= x + w <= W + 0.01 and -0.01 <= y <= y + h <= H + 0.01
+    assert len(os.listdir(os.path.join(out, "boxes"))) == 3  # a.jpg, a.png and sub/
+    proc = _cmd("jaxrat.predict", f"--workdir={wd}", f"--input={src}", f"--out={tmp_path / 'o2'}", "--tta=flip")
+    assert proc.returncode == 2 and "--tta is not available for detection" in proc.stderr
+
+    proc = _cmd("jaxrat.evaluate", f"--workdir={wd}", "--name=det")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.load(open(os.path.join(wd, "eval", "det", "metrics.json")))
+    assert set(result["per_category_AP"]) <= set(cats.values()) and result["per_category_AP"]
+    per = _rows(os.path.join(wd, "eval", "det", "per_image.csv"))
+    assert len(per) == result["metrics"]["eval/num_images"] and all(int(r["ground_truth"]) >= 0 for r in per)
