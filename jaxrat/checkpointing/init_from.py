@@ -15,16 +15,19 @@ from jaxrat.errors import ConfigError
 from jaxrat.tree_paths import named_leaves, path_name
 
 
-def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dict[str, Any]:
+def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, params_from: str = "params"
+              ) -> dict[str, Any]:
     """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
+    ``params_from`` names the checkpoint item read as ``"params"``: ``"ema_params"`` reads the
+    moving average of a run trained with ``optimizer.ema_decay``.
 
     ``spec`` is ``PATH[:STEP|:best|:latest]``; arrays land on the shardings of ``abstract_state``.
     A parameter whose shape differs, or that one side lacks, ends with a ConfigError naming it.
     The optimizer state comes with its schedule step counts set to 0 (see :func:`restart_schedules`).
     """
     directory, step = store.resolve(spec)
-    keys = ["params"] + (["opt_state"] if optimizer else [])
-    target = {k: abstract_state[k] for k in keys}
+    keys = [params_from] + (["opt_state"] if optimizer else [])
+    target = {k: abstract_state["params" if k == params_from else k] for k in keys}
     where = os.path.join(directory, str(step))
     # The "state" item alone, read with the plain PyTree handler: no manager, nothing to clean up.
     with ocp.PyTreeCheckpointer() as ckptr:
@@ -33,6 +36,7 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False) -> dic
         restored = dict(ckptr.restore(os.path.join(where, "state"), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
     logging.info("init_from: loaded %s from %s", " and ".join(keys), where)
+    restored["params"] = restored.pop(params_from)
     if optimizer:
         restored["opt_state"], reset = restart_schedules(restored["opt_state"])
         if reset:

@@ -85,6 +85,13 @@ def base_config() -> mlc.ConfigDict:
     # global batch / reference_batch_size (the batch the learning rate was tuned for; 0: no scaling).
     c.optimizer.lr_scaling = "none"
     c.optimizer.reference_batch_size = 0
+    # Exponential moving average of the parameters (0: off), e.g. 0.999: kept in the train state,
+    # sharded like the parameters and checkpointed; evaluation, best checkpoints and early stopping
+    # then use it (eval/*), the raw parameters are logged as eval_raw/* (docs/experiments.md).
+    c.optimizer.ema_decay = 0.0
+    # Warm the decay up as min(ema_decay, (1 + t) / (10 + t)) at update t, so that the average of a
+    # short or young run is not dominated by the random initialisation.
+    c.optimizer.ema_warmup = True
 
     c.train = mlc.ConfigDict()
     c.train.compute_dtype = "float32"  # or "bfloat16"; params stay float32

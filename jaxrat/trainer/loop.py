@@ -113,9 +113,14 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
     evaluation = hooks.Evaluation(config, task, eval_step, put, writer)
     feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+
+    def evaluate(step: int, state: dict) -> dict[str, float] | None:
+        raw = state["params"] if spec.ema else None  # eval/* is the average's, eval_raw/* the raw weights'
+        return evaluation.run(step, spec.eval_params(state), saver.preemption_requested, raw_params=raw)
+
     done, status, images_per_sec = first, "failed", None
     try:
-        if start.eval_pending and evaluation.run(first, state["params"], saver.preemption_requested) is None:
+        if start.eval_pending and evaluate(first, state) is None:
             saver.stop_for_preemption(first, state, feed.consumed_state(), eval_pending=True)
         for step in range(first, total):
             batch, waited = feed.next_timed(chrono.devices_busy)
@@ -127,7 +132,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
             if saver.preemption_requested():
                 log.flush(done)
                 saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=eval_due)
-            evaluated = evaluation.run(done, state["params"], saver.preemption_requested) if eval_due else None
+            evaluated = evaluate(done, state) if eval_due else None
             if eval_due and evaluated is None:
                 log.flush(done)
                 saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=True)
@@ -145,7 +150,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
                 config, workdir, status=status, mesh=mesh, first=first, last=done,
                 wall_time_s=time.perf_counter() - t_created, last_train=log.last,
                 images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
-                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory)
+                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory,
+                last_eval_raw=evaluation.last_raw)
             run_summary.publish(writer, workdir, summary)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)

@@ -43,8 +43,13 @@ def checkpoints(directory: str) -> dict[str, Any]:
 
 def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.sharding.Mesh, first: int, last: int,
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
-          last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str) -> dict[str, Any]:
-    """The summary's content (every process may call it; only process 0 writes it)."""
+          last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
+          last_eval_raw: dict[str, float] | None = None, stopped_early: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
+    """The summary's content (every process may call it; only process 0 writes it).
+
+    ``last_eval_raw`` holds the raw parameters' ``eval_raw/*`` when ``last_eval`` is their moving
+    average's; ``stopped_early`` says why early stopping ended the run."""
     hw = hardware(mesh)
     return {
         "workdir": workdir, "status": status, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -52,7 +57,10 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
         "hardware": hw, "mesh": hw["mesh"],
-        "last_train": last_train, "last_eval": {f"eval/{k}": v for k, v in last_eval.items()}, "best": best,
+        "last_train": last_train,
+        "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},
+        "best": best, "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),
+        "stopped_early": stopped_early,
         "checkpoints": checkpoints(checkpoint_dir),
         "config": json.loads(config.to_json_best_effort()),
     }
