@@ -113,6 +113,14 @@ def base_config() -> mlc.ConfigDict:
     # gradient copies on each device while they are added and N host dispatches per micro-batch; the
     # loss is then the mean of the shards' losses, like DDP over N GPUs.
     c.train.reduction_shards = 0
+    # Early stopping: end the run after this many evaluations in a row without an improvement of
+    # more than early_stop_min_delta in early_stop_metric ("" = checkpoint.best_metric, ranked by
+    # checkpoint.best_mode; another metric by early_stop_mode). 0: off. The run saves its last
+    # step, counts as finished for sweeps and says why in its log and summary.json.
+    c.train.early_stop_patience = 0
+    c.train.early_stop_min_delta = 0.0
+    c.train.early_stop_metric = ""
+    c.train.early_stop_mode = "max"  # for an early_stop_metric other than checkpoint.best_metric
 
     c.checkpoint = mlc.ConfigDict()
     c.checkpoint.every_steps = 200  # 0: no step rule; the last step and preemptions always save

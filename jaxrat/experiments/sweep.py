@@ -23,7 +23,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrat.checkpointing.store import committed_steps, step_metadata
+from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
 from jaxrat.errors import ConfigError
@@ -129,16 +129,19 @@ class RunState:
     step: int | None
     total: int
     eval_pending: bool = False
+    stopped_early: bool = False
 
     @property
     def finished(self) -> bool:
         """The final step is checkpointed and its evaluation done (a run preempted in the final
-        evaluation saved the final step with the eval still pending)."""
+        evaluation saved the final step with the eval still pending), or early stopping ended it."""
+        if self.step is not None and self.stopped_early:
+            return True
         return self.step is not None and self.step >= self.total and not self.eval_pending
 
     def describe(self) -> str:
         if self.finished:
-            return "finished"
+            return f"stopped early at step {self.step}" if self.stopped_early else "finished"
         if self.step is None:
             return "not started"
         return f"at step {self.step} of {self.total}"
@@ -158,7 +161,8 @@ def run_state(workdir: str, total: int) -> RunState:
     steps = committed_steps(directory)
     if not steps:
         return RunState(None, total)
-    return RunState(steps[-1], total, bool(step_metadata(directory, steps[-1]).get("eval_pending")))
+    meta = step_metadata(directory, steps[-1])
+    return RunState(steps[-1], total, bool(meta.get("eval_pending")), stopped_early(meta))
 
 
 # ------------------------------------------------------------------------------------ running
@@ -212,7 +216,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
         state = run_state(workdir, target_steps(config, args))
         head = f"sweep [{i}/{len(variants)}] {v.name}"
         if state.finished:
-            print(f"{head}: finished (step {state.step}), skipped", flush=True)
+            print(f"{head}: {state.describe()} (step {state.step}), skipped", flush=True)
             continue
         cmd = train_command(config, workdir, args, python)
         verb = "would resume" if dry_run else "resuming"

@@ -231,11 +231,13 @@ class Saver:
         self.ckpt, self.writer = ckpt, writer
         self.schedule = SaveSchedule(policy, total_steps)
         self.watch = PreemptionWatch()
+        self.extra: Callable[[], dict[str, Any]] = dict  # metadata saved with every checkpoint (early stopping)
 
     def save(self, step: int, state: Any, data_state: Any, reason: str, metrics: dict[str, float] | None = None,
              eval_pending: bool = False) -> None:
         """Start saving ``state`` and the data position at ``step``."""
-        blocked = self.ckpt.save(step, state, data_state, reason=reason, metrics=metrics, eval_pending=eval_pending)
+        blocked = self.ckpt.save(step, state, data_state, reason=reason, metrics=metrics, eval_pending=eval_pending,
+                                 extra=self.extra())
         self.schedule.saved()
         if blocked is not None:
             self.writer.write_scalars(step, {"checkpoint/blocked_s": blocked})

@@ -142,6 +142,7 @@ class Restored:
     state: dict[str, Any]
     data: Iterator
     eval_pending: bool
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # what was saved with the checkpoint
 
     @property
     def step(self) -> int:
@@ -163,7 +164,8 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
         logging.info("resumed from step %d (%s)", step, "iterator state" if data_ok else "position from step")
         if config.init_from:
             logging.info("init_from=%s ignored: this workdir already has checkpoints", config.init_from)
-        return Restored(state, data, bool(ckpt.step_metadata(step).get("eval_pending")))
+        meta = ckpt.step_metadata(step)
+        return Restored(state, data, bool(meta.get("eval_pending")), meta)
     loaded: dict[str, Any] = {}
     if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
         loaded = load_init(config.init_from, spec.abstract_with_shardings(),
