@@ -43,6 +43,13 @@ def base_config() -> mlc.ConfigDict:
     c.data.on_bad_file = "fail"  # "fail" or "skip" (skipped files listed in WORKDIR/skipped_files.txt)
     c.data.source = "files"  # "files" (official folders) or "tfds" (ArrayRecord: python -m jaxrat.data.prepare_isic)
     c.data.split_file = ""  # JSON {split: [image ids or indices]} re-splitting all labelled images
+    # K-fold cross-validation of the training split (jaxrat.data.folds): folds=K > 0 validates on fold
+    # `fold` of the training split and trains on the others (stratified by class where there are
+    # classes); the assignment is written to fold_dir ("" = the workdir). jaxrat.sweep --folds K sets them.
+    c.data.folds = 0
+    c.data.fold = 0
+    c.data.fold_seed = 0
+    c.data.fold_dir = ""
     c.data.stage_to_local_dir = ""  # copy data_dir to this node-local folder before training
     # Decoding processes per training process. -1: this process's share of the CPU cores minus one
     # (for the step), within worker_ram_budget_gb; 0: decode in reader threads of this process.

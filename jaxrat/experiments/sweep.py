@@ -32,12 +32,23 @@ MANIFEST = "sweep.json"  # ROOT/sweep.json: the config, variants and common over
 _OVERRIDE = re.compile(r"^--config\.[A-Za-z_][\w.]*=")
 
 
+FOLDS_DIR = "folds"  # ROOT/folds: the cross-validation assignment files (jaxrat.data.folds)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One run of a sweep: its name (also its workdir under the root) and its config overrides."""
+    """One run of a sweep: its name (also its workdir under the root) and its config overrides;
+    a repeat of a variant over folds and seeds also names the variant, its fold and its seed."""
 
     name: str
     overrides: tuple[str, ...]
+    variant: str = ""  # the get_sweep() variant this run repeats ("": the run is the variant)
+    fold: int | None = None
+    seed: int | None = None
+
+    @property
+    def group(self) -> str:
+        return self.variant or self.name
 
 
 def _override(item: Any, where: str) -> str:
@@ -120,6 +131,42 @@ def select(variants: list[Variant], only: Sequence[str]) -> list[Variant]:
     return [v for v in variants if not only or v.name in only]
 
 
+def base_seed(config: str, common: Sequence[str]) -> int:
+    """``seed`` of ``config`` after ``common`` (the last override naming it wins)."""
+    for o in reversed(common):
+        if o.startswith("--config.seed="):
+            return int(o.partition("=")[2])
+    return int(load_config(config).seed)
+
+
+def replicate(variants: list[Variant], root: str, *, folds: int = 0, seeds: int = 1, first_seed: int = 0
+              ) -> list[Variant]:
+    """Each variant once per fold (``folds`` >= 2) and per seed (``first_seed`` + 0 .. ``seeds`` - 1):
+    run ``NAME-f<fold>-s<seed>`` (``-f``/``-s`` only where there are several). The fold and seed
+    overrides come after the variant's own and before the common ones."""
+    if folds < 0 or folds == 1:
+        raise ConfigError(f"--folds {folds}: use 0 (no cross-validation) or K >= 2 folds.")
+    if seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: use 1 or more seeds.")
+    if not folds and seeds == 1:
+        return variants
+    fold_dir = os.path.join(os.path.abspath(root), FOLDS_DIR)
+    out = []
+    for v in variants:
+        for fold in range(folds) if folds else [None]:
+            for i in range(seeds):
+                seed = first_seed + i
+                name, extra = v.name, [f"--config.seed={seed}"]
+                if fold is not None:
+                    name += f"-f{fold}"
+                    extra += [f"--config.data.folds={folds}", f"--config.data.fold={fold}",
+                              f"--config.data.fold_dir={fold_dir}"]
+                if seeds > 1:
+                    name += f"-s{seed}"
+                out.append(Variant(name, (*v.overrides, *extra), v.name, fold, seed))
+    return out
+
+
 # ------------------------------------------------------------------------------ finished or not
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +223,8 @@ def write_manifest(root: str, config: str, variants: list[Variant], common: Sequ
     """``ROOT/sweep.json``: what was swept, for the summary's order and its overrides column."""
     os.makedirs(root, exist_ok=True)
     data = {"config": config, "common": list(common),
-            "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in variants]}
+            "variants": [{"name": v.name, "overrides": list(v.overrides), "variant": v.group, "fold": v.fold,
+                          "seed": v.seed} for v in variants]}
     with open(os.path.join(root, MANIFEST + ".tmp"), "w") as f:
         json.dump(data, f, indent=2)
     os.replace(os.path.join(root, MANIFEST + ".tmp"), os.path.join(root, MANIFEST))
