@@ -11,6 +11,7 @@ PACKAGE = pathlib.Path(REPO, "jaxrat")
 # each other. Inside a room (a package folder) imports are free.
 LAYERS = {
     "main": 5, "launch": 5, "checkpoints": 5, "evaluate": 5, "sweep": 5, "summarize": 5, "robustness": 5,
+    "tune": 5, "report": 5,
     "trainer": 4, "experiments": 4,
     "tasks": 3,
     "models": 2, "data": 2,

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import time
 from typing import Any
 
@@ -27,6 +28,29 @@ def hardware(mesh: jax.sharding.Mesh) -> dict[str, Any]:
     return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
             "local_device_count": jax.local_device_count(), "process_count": jax.process_count(),
             "host": socket.gethostname(), "mesh": {str(k): int(v) for k, v in mesh.shape.items()}}
+
+
+def code_version() -> dict[str, Any]:
+    """The jaxrat source this run trained with: its git commit and whether the checkout had
+    uncommitted changes (None outside a git checkout), and the installed package version."""
+    from importlib import metadata
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out: dict[str, Any] = {"commit": None, "dirty": None, "version": None}
+    try:
+        out["version"] = metadata.version("jaxrat")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        git = ["git", "-C", here]
+        out["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                       check=True).stdout.strip() or None
+        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout
+        out["dirty"] = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def checkpoints(directory: str) -> dict[str, Any]:
@@ -56,7 +80,7 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "task": config.task.name, "model": config.model.name,
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
-        "hardware": hw, "mesh": hw["mesh"],
+        "hardware": hw, "mesh": hw["mesh"], "code": code_version(),
         "last_train": last_train,
         "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},
         "best": best, "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),
