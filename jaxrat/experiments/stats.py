@@ -79,6 +79,10 @@ def compute(root: str, runs: list[Any]) -> dict[str, Any] | None:
     if not any(r["fold"] is not None or r["seed"] is not None for r in info):
         return None
     by_name = {r.name: r for r in runs}
+    started = {r["variant"] for r in info if r["name"] in by_name}
+    info = [r for r in info if r["variant"] in started]  # variants left out of this sweep (--only): not shown
+    if not info:
+        return None
     variants: list[str] = []
     values: dict[str, dict[str, dict[str, float]]] = {}  # variant -> metric -> pair key -> value
     counted: dict[str, list[str]] = {}
