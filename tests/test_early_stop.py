@@ -77,3 +77,21 @@ def test_a_flat_run_stops_resumes_its_count_and_is_finished_for_the_sweep(tmp_pa
     proc = run_main(wd, *flat, "--config.num_train_steps=20")
     assert "nothing to do" in proc.stderr + proc.stdout
     assert len([r for r in read_metrics(wd) if "train/loss" in r]) == trained
+
+
+def test_the_sweep_sees_a_stop_in_the_metadata_or_at_a_step_saved_before(tmp_path):
+    from pathlib import Path
+
+    from test_sweep import fake_checkpoint
+
+    fake_checkpoint(Path(tmp_path, "meta"), 4)
+    meta = Path(tmp_path, "meta", "checkpoints", "4", "_CHECKPOINT_METADATA")
+    meta.write_text(json.dumps({"custom_metadata": {"early_stop": {"stopped": True}}}))
+    assert run_state(str(tmp_path / "meta"), 20).describe() == "stopped early at step 4"
+    # Preempted in its evaluation at step 4, resumed, stopped there: the checkpoint was saved before.
+    fake_checkpoint(Path(tmp_path, "pending"), 4, eval_pending=True)
+    assert not run_state(str(tmp_path / "pending"), 20).finished
+    Path(tmp_path, "pending", "summary.json").write_text(json.dumps({"stopped_early": {"step": 4}}))
+    assert run_state(str(tmp_path / "pending"), 20).finished
+    Path(tmp_path, "pending", "summary.json").write_text(json.dumps({"stopped_early": {"step": 2}}))
+    assert not run_state(str(tmp_path / "pending"), 20).finished

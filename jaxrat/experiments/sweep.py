@@ -209,7 +209,19 @@ def run_state(workdir: str, total: int) -> RunState:
     if not steps:
         return RunState(None, total)
     meta = step_metadata(directory, steps[-1])
-    return RunState(steps[-1], total, bool(meta.get("eval_pending")), stopped_early(meta))
+    return RunState(steps[-1], total, bool(meta.get("eval_pending")),
+                    stopped_early(meta) or _summary_says_stopped(workdir, steps[-1]))
+
+
+def _summary_says_stopped(workdir: str, step: int) -> bool:
+    """Early stopping at a step saved before (a resumed run that redid that step's evaluation and
+    stopped there) is recorded in ``summary.json`` only."""
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            s = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(s, dict) and (s.get("stopped_early") or {}).get("step") == step
 
 
 # ------------------------------------------------------------------------------------ running
