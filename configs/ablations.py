@@ -71,3 +71,13 @@ def get_sweep(arg: str | None = None) -> dict[str, list[str]]:
         "width_half": [f"--config.model.rat.feature_dims={dims // 2}"],
         "width_2x": [f"--config.model.rat.feature_dims={dims * 2}"],
     }
+
+
+def get_search_space(arg: str | None = None) -> dict[str, dict]:
+    """What ``python -m jaxrat.tune`` searches (docs/experiments.md): the optimiser's learning rate
+    and weight decay on log scales, and the RAT's dropout. The objective is checkpoint.best_metric."""
+    return {
+        "optimizer.learning_rate": {"type": "float", "low": 1e-4, "high": 3e-2, "log": True},
+        "optimizer.weight_decay": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True},
+        "model.rat.mlp_dropout": {"type": "categorical", "choices": [0.0, 0.1]},
+    }

@@ -1,12 +1,14 @@
 """Entry point: run an ablation sweep, one variant after another or as one job array.
 
-    python -m jaxrat.sweep --config configs/ablations.py[:arg] --root DIR [--only a,b]
+    python -m jaxrat.sweep --config configs/ablations.py[:arg] --root DIR [--only a,b] [--folds K] [--seeds S]
         [--local | --slurm | --lsf] [--dry-run] [job options of jaxrat.launch] [--config.x=y ...]
     python -m jaxrat.sweep --summarize --root DIR          (= python -m jaxrat.summarize DIR)
 
 Variants come from the config file's ``get_sweep()``; variant NAME trains in DIR/NAME with its
 overrides, then any ``--config.x=y`` given here (those apply to every variant and win). Finished
 variants (final checkpoint written) are skipped, unfinished ones resume from their checkpoints.
+``--folds K --seeds S`` repeat every variant K x S times (run NAME-f<fold>-s<seed>), each fold of the
+training split held out once as validation (assignment files in DIR/folds).
 ``--local`` (the default) trains them here one after another and writes the summary at the end;
 ``--slurm``/``--lsf`` write DIR/sweep.sbatch (.bsub) for a job array of the unfinished variants and
 submit it (``--dry-run`` prints it instead). See docs/experiments.md.
@@ -44,6 +46,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse
     where.add_argument("--lsf", action="store_true", help="submit an LSF job array")
     where.add_argument("--summarize", action="store_true", help="only write DIR/summary.{md,csv,png}")
     p.add_argument("--dry-run", action="store_true", help="print what would run (the job script) and stop")
+    p.add_argument("--folds", type=int, default=0,
+                   help="K: repeat each variant over K cross-validation folds of the training split")
+    p.add_argument("--seeds", type=int, default=1, help="repeat each variant (and fold) over this many seeds")
     p.add_argument("--max-parallel", type=int, default=0, help="array elements running at once (0: no limit)")
     add_job_arguments(p)
     a, rest = p.parse_known_args(argv)
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         variants = sweep.load_sweep(a.config, common)
         chosen = sweep.select(variants, [n for n in a.only.split(",") if n])
+        if a.folds or a.seeds != 1:
+            first = sweep.base_seed(a.config, common)
+            variants, chosen = (sweep.replicate(v, a.root, folds=a.folds, seeds=a.seeds, first_seed=first)
+                                for v in (variants, chosen))
         if a.max_parallel < 0:
             raise UserError(f"--max-parallel {a.max_parallel} must be 0 (no limit) or more.")
         if not a.dry_run:

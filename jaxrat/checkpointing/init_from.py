@@ -17,8 +17,10 @@ from jaxrat.tree_paths import named_leaves, path_name
 
 
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
-              strict: bool = True, rename: str = "") -> dict[str, Any]:
+              strict: bool = True, rename: str = "", params_from: str = "params") -> dict[str, Any]:
     """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
+    ``params_from`` names the checkpoint item read as ``"params"``: ``"ema_params"`` reads the
+    moving average of a run trained with ``optimizer.ema_decay``.
 
     ``spec`` is ``PATH[:STEP|:best|:latest]`` (a jaxrat run) or a ``.npz`` of parameters by path
     (``python -m jaxrat.models.torch_import``); arrays land on the shardings of ``abstract_state``.
@@ -44,22 +46,25 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     where = os.path.join(directory, str(step))
     with ocp.PyTreeCheckpointer() as ckptr:
         saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where) / "state").tree
-        have = {k: tuple(getattr(v, "shape", ())) for k, v in named_leaves(saved.get("params", {})).items()}
+        if params_from not in saved:
+            raise ConfigError(f"init_from: the checkpoint {where} holds no {params_from} (the run kept no moving "
+                              f"average); load its params instead.")
+        have = {k: tuple(getattr(v, "shape", ())) for k, v in named_leaves(saved[params_from]).items()}
+        keys = [params_from] + (["opt_state"] if optimizer else [])
         if strict and not (include or exclude):
-            keys = ["params"] + (["opt_state"] if optimizer else [])
-            target = {k: abstract_state[k] for k in keys}
+            target = {k: abstract_state["params" if k == params_from else k] for k in keys}
             _check_compatible(target, {k: saved[k] for k in keys if k in saved}, where, optimizer)
         else:
             chosen = _choose(want, have, select, f"{directory} step {step}", strict)
             if optimizer and len(chosen) < len(want):
                 raise ConfigError("init_from: --config.checkpoint.init_optimizer needs every parameter loaded, but "
                                   f"{len(want) - len(chosen)} are not; drop init_optimizer or the patterns.")
-            keys = ["params"] + (["opt_state"] if optimizer else [])
-            target = {"params": _subtree(abstract_state["params"], chosen),
+            target = {params_from: _subtree(abstract_state["params"], chosen),
                       **({"opt_state": abstract_state["opt_state"]} if optimizer else {})}
         restored = dict(ckptr.restore(os.path.join(where, "state"), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
     logging.info("init_from: loaded %s from %s", " and ".join(keys), where)
+    restored["params"] = restored.pop(params_from)
     if optimizer:
         restored["opt_state"], reset = restart_schedules(restored["opt_state"])
         if reset:

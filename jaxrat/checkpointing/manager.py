@@ -95,12 +95,14 @@ class Checkpointer:
         return sorted(self._mngr.all_steps())
 
     def save(self, step: int, state: Any, data_iter: Any = None, *, reason: str,
-             metrics: dict[str, float] | None = None, eval_pending: bool = False) -> float | None:
+             metrics: dict[str, float] | None = None, eval_pending: bool = False,
+             extra: dict[str, Any] | None = None) -> float | None:
         """Start saving ``state`` and the data position at ``step``; returns the seconds the caller was
         blocked, or None when ``step`` is already saved.
 
         ``metrics`` (eval metrics of this step, e.g. ``{"eval/dice": 0.8}``) rank the checkpoint for
-        ``best_metric``; ``eval_pending`` tells a resumed run to run this step's eval first.
+        ``best_metric``; ``eval_pending`` tells a resumed run to run this step's eval first;
+        ``extra`` (JSON) is stored beside them for the loop's own bookkeeping (early stopping).
         """
         t0 = time.perf_counter()
         # One save at a time: usually the previous one ended long ago and this costs nothing; this
@@ -110,7 +112,7 @@ class Checkpointer:
             return None
         clean = {k: float(v) for k, v in (metrics or {}).items()}
         meta = {"reason": reason, "eval_pending": eval_pending, "metrics": clean,
-                "process_count": jax.process_count(), "device_count": jax.device_count()}
+                "process_count": jax.process_count(), "device_count": jax.device_count(), **(extra or {})}
         if self.policy.tracks_best:
             meta.update(best_metric=self.policy.best_metric, best_mode=self.policy.best_mode)
             if self.policy.best_metric in clean:

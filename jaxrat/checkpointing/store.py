@@ -20,6 +20,7 @@ METADATA_FILE = "_CHECKPOINT_METADATA"
 # Unreadable checkpoints are moved here as ``<step>-<UTC time>``: not a step name, so Orbax's manager,
 # its start-up cleanup (which removes only ``*.orbax-checkpoint-tmp*``) and ``committed_steps`` skip it.
 DAMAGED_DIR = "damaged"
+EARLY_STOP_KEY = "early_stop"  # a step's metadata entry of the loop's early stopping state
 _STEP_RE = re.compile(r"^\d+$")
 
 
@@ -86,6 +87,11 @@ def step_metadata(directory: str, step: int | str) -> dict[str, Any]:
     if raw.get("commit_timestamp_nsecs"):
         meta["committed_at"] = raw["commit_timestamp_nsecs"] / 1e9
     return meta
+
+
+def stopped_early(meta: dict[str, Any]) -> bool:
+    """Whether a step's metadata says early stopping ended the run there (the run is finished)."""
+    return bool((meta.get(EARLY_STOP_KEY) or {}).get("stopped"))
 
 
 def best_step(directory: str) -> tuple[int, dict[str, Any]] | None:

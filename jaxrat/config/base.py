@@ -52,6 +52,13 @@ def base_config() -> mlc.ConfigDict:
     c.data.on_bad_file = "fail"  # "fail" or "skip" (skipped files listed in WORKDIR/skipped_files.txt)
     c.data.source = "files"  # "files" (official folders) or "tfds" (ArrayRecord: python -m jaxrat.data.prepare_isic)
     c.data.split_file = ""  # JSON {split: [image ids or indices]} re-splitting all labelled images
+    # K-fold cross-validation of the training split (jaxrat.data.folds): folds=K > 0 validates on fold
+    # `fold` of the training split and trains on the others (stratified by class where there are
+    # classes); the assignment is written to fold_dir ("" = the workdir). jaxrat.sweep --folds K sets them.
+    c.data.folds = 0
+    c.data.fold = 0
+    c.data.fold_seed = 0
+    c.data.fold_dir = ""
     c.data.stage_to_local_dir = ""  # copy data_dir to this node-local folder before training
     # Decoding processes per training process. -1: this process's share of the CPU cores minus one
     # (for the step), within worker_ram_budget_gb; 0: decode in reader threads of this process.
@@ -97,6 +104,13 @@ def base_config() -> mlc.ConfigDict:
     # global batch / reference_batch_size (the batch the learning rate was tuned for; 0: no scaling).
     c.optimizer.lr_scaling = "none"
     c.optimizer.reference_batch_size = 0
+    # Exponential moving average of the parameters (0: off), e.g. 0.999: kept in the train state,
+    # sharded like the parameters and checkpointed; evaluation, best checkpoints and early stopping
+    # then use it (eval/*), the raw parameters are logged as eval_raw/* (docs/experiments.md).
+    c.optimizer.ema_decay = 0.0
+    # Warm the decay up as min(ema_decay, (1 + t) / (10 + t)) at update t, so that the average of a
+    # short or young run is not dominated by the random initialisation.
+    c.optimizer.ema_warmup = True
 
     c.train = mlc.ConfigDict()
     # "auto": bfloat16 on GPUs, float32 on CPUs (resolved from the mesh's devices; the run summary
@@ -120,6 +134,14 @@ def base_config() -> mlc.ConfigDict:
     # gradient copies on each device while they are added and N host dispatches per micro-batch; the
     # loss is then the mean of the shards' losses, like DDP over N GPUs.
     c.train.reduction_shards = 0
+    # Early stopping: end the run after this many evaluations in a row without an improvement of
+    # more than early_stop_min_delta in early_stop_metric ("" = checkpoint.best_metric, ranked by
+    # checkpoint.best_mode; another metric by early_stop_mode). 0: off. The run saves its last
+    # step, counts as finished for sweeps and says why in its log and summary.json.
+    c.train.early_stop_patience = 0
+    c.train.early_stop_min_delta = 0.0
+    c.train.early_stop_metric = ""
+    c.train.early_stop_mode = "max"  # for an early_stop_metric other than checkpoint.best_metric
 
     c.checkpoint = mlc.ConfigDict()
     c.checkpoint.every_steps = 200  # 0: no step rule; the last step and preemptions always save

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrat.data import folds
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
@@ -61,6 +62,9 @@ def resolve_segmentation(
     if source == "tfds":
         from jaxrat.data.sources import isic_arrayrecord
 
+        if folds.settings(data_cfg)[0]:
+            raise ConfigError("config.data.folds applies to source='files'; cross-validate on the image folders "
+                              "(--config.data.source=files) or set --config.data.folds=0.")
         tfds_dir = os.path.expanduser(data_cfg.data_dir or "") or os.path.join(isic.default_data_dir(), "tfds")
         return tuple(  # type: ignore[return-value]
             isic_arrayrecord.example_source(tfds_dir, split, policy, _get(data_cfg, "split_file", ""))
@@ -85,6 +89,14 @@ def resolve_segmentation(
             isic.find_pairs(data_dir, "train")  # raises the helpful "not found" message
         data_dir = staging.stage(data_dir, local)
     split_file = _get(data_cfg, "split_file", "")
+    if folds.settings(data_cfg)[0]:  # validation is a fold of the training split
+        pairs = isic.find_pairs(data_dir, "train", split_file=split_file, policy=policy)
+        ids = [os.path.splitext(os.path.basename(img))[0] for img, _ in pairs]
+        parts = folds.split(pairs, ids, data_cfg, process_index=process_index, workdir=workdir)
+        assert parts is not None
+        k, fold = folds.settings(data_cfg)[:2]
+        return (ExampleSource(parts[0], policy=policy, name=f"isic2018/train-fold{fold}of{k}"),
+                ExampleSource(parts[1], policy=policy, name=f"isic2018/fold{fold}of{k}"))
     out = []
     for split in ("train", eval_split):
         pairs = isic.find_pairs(data_dir, split, split_file=split_file, policy=policy)
@@ -141,8 +153,17 @@ def resolve_classification(
     records, shared = _share_vocabularies([r for r, _ in splits], vocabs, heads)
     labels = np.stack([r["labels"] for split in records for r in split])
     found = tuple(max(len(shared[h]), int(labels[:, i].max()) + 1) for i, h in enumerate(heads))
+    names = ("train", "validation")
+    train = records[0]
+    ids = [os.path.relpath(str(r["path"]), data_dir) for r in train]
+    # Stratified by the first head's class: each fold holds its classes in the training split's proportions.
+    parts = folds.split(train, ids, data_cfg, classes=[int(r["labels"][0]) for r in train],
+                        process_index=process_index, workdir=workdir)
+    if parts is not None:
+        k, fold = folds.settings(data_cfg)[:2]
+        records, names = list(parts), (f"train-fold{fold}of{k}", f"fold{fold}of{k}")
     out = [ExampleSource(r, loader=folder.DecodeClassification(), policy=policy, name=f"{source}/{s}")
-           for r, s in zip(records, ("train", "validation"))]
+           for r, s in zip(records, names)]
     return out[0], out[1], shared, found
 
 

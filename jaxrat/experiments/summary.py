@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from jaxrat.errors import UserError
+from jaxrat.experiments import stats as repeat_stats
 from jaxrat.experiments.sweep import MANIFEST, run_state
 from jaxrat.fileio import save_figure, write_text
 
@@ -191,12 +192,26 @@ def plot(runs: list[RunSummary], path: str) -> bool:
     return True
 
 
+def study_markdown(root: str, runs: list[RunSummary]) -> tuple[str, dict[str, Any] | None]:
+    """The per-run table, then (for a sweep over folds/seeds) the variants' mean ± sd and paired
+    differences (:mod:`jaxrat.experiments.stats`); and those numbers."""
+    text = to_markdown(*table(runs))
+    numbers = repeat_stats.compute(root, runs)
+    if numbers is not None:
+        primary = sorted({r.best_metric for r in runs if r.best_metric})
+        text += "\n" + repeat_stats.markdown(numbers, primary)
+    return text, numbers
+
+
 def write_summary(root: str) -> list[RunSummary]:
-    """Write ``summary.md``, ``summary.csv`` and ``summary.png`` under ``root``; return the runs."""
+    """Write ``summary.md``, ``summary.csv`` and ``summary.png`` (and ``summary_stats.json`` for a
+    sweep over folds/seeds) under ``root``; return the runs."""
     runs = collect(root)
-    header, rows = table(runs)
-    for name, text in (("summary.md", to_markdown(header, rows)), ("summary.csv", to_csv(header, rows))):
-        write_text(os.path.join(root, name), text)
+    text, numbers = study_markdown(root, runs)
+    write_text(os.path.join(root, "summary.md"), text)
+    write_text(os.path.join(root, "summary.csv"), to_csv(*table(runs)))
+    if numbers is not None:
+        write_text(os.path.join(root, repeat_stats.STATS_FILE), json.dumps(numbers, indent=2) + "\n")
     if runs:
         plot(runs, os.path.join(root, "summary.png"))
     return runs
@@ -209,5 +224,7 @@ def report(root: str) -> str:
     runs = write_summary(root)
     if not runs:
         raise UserError(f"{root} holds no runs (no <name>/metrics.jsonl); run the sweep first, or pass its --root.")
-    files = [f for f in ("summary.md", "summary.csv", "summary.png") if os.path.exists(os.path.join(root, f))]
-    return to_markdown(*table(runs)) + f"\nwritten: {', '.join(os.path.join(root, f) for f in files)}\n"
+    files = [f for f in ("summary.md", "summary.csv", "summary.png", repeat_stats.STATS_FILE)
+             if os.path.exists(os.path.join(root, f))]
+    text, _ = study_markdown(root, runs)
+    return text + f"\nwritten: {', '.join(os.path.join(root, f) for f in files)}\n"

@@ -12,6 +12,7 @@ checkpoints, because that is what ``jaxrat.main`` does with a workdir.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrat.checkpointing.store import committed_steps, step_metadata
+from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
 from jaxrat.errors import ConfigError
@@ -32,12 +33,23 @@ MANIFEST = "sweep.json"  # ROOT/sweep.json: the config, variants and common over
 _OVERRIDE = re.compile(r"^--config\.[A-Za-z_][\w.]*=")
 
 
+FOLDS_DIR = "folds"  # ROOT/folds: the cross-validation assignment files (jaxrat.data.folds)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One run of a sweep: its name (also its workdir under the root) and its config overrides."""
+    """One run of a sweep: its name (also its workdir under the root) and its config overrides;
+    a repeat of a variant over folds and seeds also names the variant, its fold and its seed."""
 
     name: str
     overrides: tuple[str, ...]
+    variant: str = ""  # the get_sweep() variant this run repeats ("": the run is the variant)
+    fold: int | None = None
+    seed: int | None = None
+
+    @property
+    def group(self) -> str:
+        return self.variant or self.name
 
 
 def _override(item: Any, where: str) -> str:
@@ -120,6 +132,42 @@ def select(variants: list[Variant], only: Sequence[str]) -> list[Variant]:
     return [v for v in variants if not only or v.name in only]
 
 
+def base_seed(config: str, common: Sequence[str]) -> int:
+    """``seed`` of ``config`` after ``common`` (the last override naming it wins)."""
+    for o in reversed(common):
+        if o.startswith("--config.seed="):
+            return int(o.partition("=")[2])
+    return int(load_config(config).seed)
+
+
+def replicate(variants: list[Variant], root: str, *, folds: int = 0, seeds: int = 1, first_seed: int = 0
+              ) -> list[Variant]:
+    """Each variant once per fold (``folds`` >= 2) and per seed (``first_seed`` + 0 .. ``seeds`` - 1):
+    run ``NAME-f<fold>-s<seed>`` (``-f``/``-s`` only where there are several). The fold and seed
+    overrides come after the variant's own and before the common ones."""
+    if folds < 0 or folds == 1:
+        raise ConfigError(f"--folds {folds}: use 0 (no cross-validation) or K >= 2 folds.")
+    if seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: use 1 or more seeds.")
+    if not folds and seeds == 1:
+        return variants
+    fold_dir = os.path.join(os.path.abspath(root), FOLDS_DIR)
+    out = []
+    for v in variants:
+        for fold in range(folds) if folds else [None]:
+            for i in range(seeds):
+                seed = first_seed + i
+                name, extra = v.name, [f"--config.seed={seed}"]
+                if fold is not None:
+                    name += f"-f{fold}"
+                    extra += [f"--config.data.folds={folds}", f"--config.data.fold={fold}",
+                              f"--config.data.fold_dir={fold_dir}"]
+                if seeds > 1:
+                    name += f"-s{seed}"
+                out.append(Variant(name, (*v.overrides, *extra), v.name, fold, seed))
+    return out
+
+
 # ------------------------------------------------------------------------------ finished or not
 
 @dataclasses.dataclass(frozen=True)
@@ -129,16 +177,19 @@ class RunState:
     step: int | None
     total: int
     eval_pending: bool = False
+    stopped_early: bool = False
 
     @property
     def finished(self) -> bool:
         """The final step is checkpointed and its evaluation done (a run preempted in the final
-        evaluation saved the final step with the eval still pending)."""
+        evaluation saved the final step with the eval still pending), or early stopping ended it."""
+        if self.step is not None and self.stopped_early:
+            return True
         return self.step is not None and self.step >= self.total and not self.eval_pending
 
     def describe(self) -> str:
         if self.finished:
-            return "finished"
+            return f"stopped early at step {self.step}" if self.stopped_early else "finished"
         if self.step is None:
             return "not started"
         return f"at step {self.step} of {self.total}"
@@ -158,7 +209,20 @@ def run_state(workdir: str, total: int) -> RunState:
     steps = committed_steps(directory)
     if not steps:
         return RunState(None, total)
-    return RunState(steps[-1], total, bool(step_metadata(directory, steps[-1]).get("eval_pending")))
+    meta = step_metadata(directory, steps[-1])
+    return RunState(steps[-1], total, bool(meta.get("eval_pending")),
+                    stopped_early(meta) or _summary_says_stopped(workdir, steps[-1]))
+
+
+def _summary_says_stopped(workdir: str, step: int) -> bool:
+    """Early stopping at a step saved before (a resumed run that redid that step's evaluation and
+    stopped there) is recorded in ``summary.json`` only."""
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            s = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(s, dict) and (s.get("stopped_early") or {}).get("step") == step
 
 
 # ------------------------------------------------------------------------------------ running
@@ -172,7 +236,8 @@ def write_manifest(root: str, config: str, variants: list[Variant], common: Sequ
     """``ROOT/sweep.json``: what was swept, for the summary's order and its overrides column."""
     os.makedirs(root, exist_ok=True)
     data = {"config": config, "common": list(common),
-            "variants": [{"name": v.name, "overrides": list(v.overrides)} for v in variants]}
+            "variants": [{"name": v.name, "overrides": list(v.overrides), "variant": v.group, "fold": v.fold,
+                          "seed": v.seed} for v in variants]}
     write_json(os.path.join(root, MANIFEST), data, indent=2)
 
 
@@ -210,7 +275,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
         state = run_state(workdir, target_steps(config, args))
         head = f"sweep [{i}/{len(variants)}] {v.name}"
         if state.finished:
-            print(f"{head}: finished (step {state.step}), skipped", flush=True)
+            print(f"{head}: {state.describe()} (step {state.step}), skipped", flush=True)
             continue
         cmd = train_command(config, workdir, args, python)
         verb = "would resume" if dry_run else "resuming"

@@ -30,6 +30,8 @@ def markdown(s: Mapping[str, Any]) -> str:
     hw, steps, ck = s.get("hardware", {}), s.get("steps", {}), s.get("checkpoints", {})
     best = s.get("best") or {}
     lines = [f"# Run summary: {s.get('workdir', '')}", "", f"Status: **{s.get('status', '')}**", ""]
+    if s.get("stopped_early"):
+        lines += [f"Stopped early at step {s['stopped_early'].get('step')}: {s['stopped_early'].get('reason')}.", ""]
     lines += _table({
         "task / model": f"{s.get('task', '')} / {s.get('model', '')}",
         "steps": f"{steps.get('first', '')} -> {steps.get('last', '')} of {steps.get('total', '')}",

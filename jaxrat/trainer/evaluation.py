@@ -64,7 +64,9 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     if context is not None:
         context.update(task=task, out_dir=out_dir)
     spec = make_state_spec(config, mesh, task)
-    params = load_init(f"{directory}:{step}", spec.abstract_with_shardings())["params"]
+    # A run trained with an average of its weights is scored with it, as training ranked it.
+    params = load_init(f"{directory}:{step}", spec.abstract_with_shardings(),
+                       params_from="ema_params" if spec.ema else "params")["params"]
     writer = MetricWriter(out_dir, is_main=jax.process_index() == 0)
     try:
         eval_step = compiled_together(make_eval_step(spec, wrap_model), "eval step")

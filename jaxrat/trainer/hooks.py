@@ -22,6 +22,8 @@ from jaxrat.errors import ConfigError, UserError
 from jaxrat.tasks.base import Task
 from jaxrat.tracking.writers import MetricWriter, format_progress
 
+RAW_PREFIX = "eval_raw/"  # the raw parameters' metrics when eval/* are those of their moving average
+
 
 class TrainingDiverged(UserError):
     """The loss became NaN or Inf."""
@@ -161,6 +163,7 @@ class Evaluation:
         self.config, self.task, self.eval_step, self.to_global, self.writer = config, task, eval_step, to_global, writer
         self.total = config.num_train_steps
         self.last: dict[str, float] = {}
+        self.last_raw: dict[str, float] = {}  # eval_raw/* of the last eval, when EMA is on
         self.last_step: int | None = None
         # The best value of checkpoint.best_metric among this run's evals: {"metric", "value", "step"}.
         self.best: dict[str, Any] | None = None
@@ -169,30 +172,49 @@ class Evaluation:
         t = self.config.train
         return step % t.eval_every == 0 or (step == self.total and t.eval_at_end)
 
-    def run(self, step: int, params: Any, interrupt: Callable[[], bool]) -> dict[str, float] | None:
+    def run(self, step: int, params: Any, interrupt: Callable[[], bool], raw_params: Any = None
+            ) -> dict[str, float] | None:
         """``{"eval/<metric>": value}`` over the whole eval split, or None when ``interrupt()`` (asked
-        before every batch, in every process alike) cut it short."""
-        acc = self.task.new_eval()
-        for batch in self.task.eval_batches(global_batch=self.config.data.eval_batch_size,
-                                            process_index=jax.process_index(), process_count=jax.process_count()):
-            if interrupt():
+        before every batch, in every process alike) cut it short.
+
+        With ``raw_params`` (the trained parameters when ``params`` is their moving average) those are
+        evaluated too and logged as ``eval_raw/<metric>``; ``eval/*`` stays the ranked, reported one.
+        """
+        metrics, acc = self._evaluate(params, interrupt)
+        if metrics is None:
+            return None
+        raw: dict[str, float] = {}
+        if raw_params is not None:
+            raw, _ = self._evaluate(raw_params, interrupt)
+            if raw is None:
                 return None
-            sums, outputs = self.eval_step(params, self.to_global(batch))
-            acc.update(sums, batch, outputs)
-        metrics = acc.finalize()
         self.last_accumulator = acc  # for per-image results (python -m jaxrat.evaluate)
         named = {f"eval/{k}": v for k, v in metrics.items()}
-        self.last, self.last_step = metrics, step
+        named_raw = {f"{RAW_PREFIX}{k}": v for k, v in raw.items()}
+        self.last, self.last_raw, self.last_step = metrics, named_raw, step
         self._rank(step, named)
-        self.writer.write_scalars(step, named)
+        self.writer.write_scalars(step, {**named, **named_raw})
         images = acc.images() if self.config.train.log_images else {}
         if images:
             self.writer.write_images(step, images)
         if jax.process_index() == 0:
             known = self.task.metric_names
             order = [k for k in known if k in metrics] + sorted(set(metrics) - set(known))
-            logging.info("eval step %d: %s", step, " ".join(f"{k} {metrics[k]:.4f}" for k in order))
-        return named
+            line = " ".join(f"{k} {metrics[k]:.4f}" for k in order)
+            if raw:
+                line = f"{line} (EMA; raw parameters: " + " ".join(f"{k} {raw[k]:.4f}" for k in order) + ")"
+            logging.info("eval step %d: %s", step, line)
+        return {**named, **named_raw}
+
+    def _evaluate(self, params: Any, interrupt: Callable[[], bool]) -> tuple[dict[str, float] | None, Any]:
+        acc = self.task.new_eval()
+        for batch in self.task.eval_batches(global_batch=self.config.data.eval_batch_size,
+                                            process_index=jax.process_index(), process_count=jax.process_count()):
+            if interrupt():
+                return None, acc
+            sums, outputs = self.eval_step(params, self.to_global(batch))
+            acc.update(sums, batch, outputs)
+        return acc.finalize(), acc
 
     def _rank(self, step: int, named: dict[str, float]) -> None:
         c = self.config.checkpoint
@@ -210,11 +232,13 @@ class Saver:
         self.ckpt, self.writer = ckpt, writer
         self.schedule = SaveSchedule(policy, total_steps)
         self.watch = PreemptionWatch()
+        self.extra: Callable[[], dict[str, Any]] = dict  # metadata saved with every checkpoint (early stopping)
 
     def save(self, step: int, state: Any, data_state: Any, reason: str, metrics: dict[str, float] | None = None,
              eval_pending: bool = False) -> None:
         """Start saving ``state`` and the data position at ``step``."""
-        blocked = self.ckpt.save(step, state, data_state, reason=reason, metrics=metrics, eval_pending=eval_pending)
+        blocked = self.ckpt.save(step, state, data_state, reason=reason, metrics=metrics, eval_pending=eval_pending,
+                                 extra=self.extra())
         self.schedule.saved()
         if blocked is not None:
             self.writer.write_scalars(step, {"checkpoint/blocked_s": blocked})

@@ -23,6 +23,7 @@ from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
+from jaxrat.trainer.early_stop import EarlyStop
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
@@ -86,6 +87,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
     task = load_task(config)
     policy = Policy.from_config(config.checkpoint)
     hooks.check_best_metric(policy, task)
+    early = EarlyStop(config, task)
     logging.info("data: %s", task.prepare_data(workdir))
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
 
@@ -110,15 +112,28 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
     writer.write_hparams(config.to_dict())
     chrono = hooks.Chrono(config.data.batch_size, first, t_created)
     saver = hooks.Saver(ckpt, policy, total, writer)
+    early.load(start.meta)
+    saver.extra = early.state
     log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
     evaluation = hooks.Evaluation(config, task, eval_step, put, writer)
     feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+
+    def evaluate(step: int, state: dict) -> dict[str, float] | None:
+        raw = state["params"] if spec.ema else None  # eval/* is the average's, eval_raw/* the raw weights'
+        return evaluation.run(step, spec.eval_params(state), saver.preemption_requested, raw_params=raw)
+
     done, status, images_per_sec = first, "failed", None
     try:
-        if start.eval_pending and evaluation.run(first, state["params"], saver.preemption_requested) is None:
-            saver.stop_for_preemption(first, state, feed.consumed_state(), eval_pending=True)
-        for step in range(first, total):
+        if start.eval_pending:
+            evaluated = evaluate(first, state)
+            if evaluated is None:
+                saver.stop_for_preemption(first, state, feed.consumed_state(), eval_pending=True)
+            if early.update(first, evaluated):
+                saver.save(first, state, feed.consumed_state(), "early_stop", metrics=evaluated)
+        if early.stopped:
+            logging.info("stopped early at step %d (%s); nothing to do", first, early.stopped)
+        for step in range(first, total if not early.stopped else first):
             batch, waited = feed.next_timed(chrono.devices_busy)
             state, metrics = train_step(state, batch)
             chrono.step_dispatched(metrics["train/loss"], waited)
@@ -128,10 +143,14 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
             if saver.preemption_requested():
                 log.flush(done)
                 saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=eval_due)
-            evaluated = evaluation.run(done, state["params"], saver.preemption_requested) if eval_due else None
+            evaluated = evaluate(done, state) if eval_due else None
             if eval_due and evaluated is None:
                 log.flush(done)
                 saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=True)
+            if early.update(done, evaluated):  # the last checkpoint says so: resumes and sweeps see it
+                log.flush(done)
+                saver.save(done, state, feed.consumed_state(), "early_stop", metrics=evaluated)
+                break
             saver.maybe_save(done, state, feed.consumed_state(), log_step=log_step, metrics=evaluated)
         images_per_sec = chrono.examples_per_sec()
         saver.finish()
@@ -146,7 +165,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
                 config, workdir, status=status, mesh=mesh, first=first, last=done,
                 wall_time_s=time.perf_counter() - t_created, last_train=log.last,
                 images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
-                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory, kernels=spec.kernels)
+                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory,
+                last_eval_raw=evaluation.last_raw, stopped_early=early.summary(done), kernels=spec.kernels)
             run_summary.publish(writer, workdir, summary)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxrat.errors import ConfigError
@@ -56,3 +57,30 @@ def make_optimizer(cfg: Any, num_steps: int) -> tuple[optax.GradientTransformati
                              mask=lambda params: decay_mask(params, exclude)))
     return optax.chain(*parts), schedule
 
+
+
+def ema_enabled(cfg: Any) -> bool:
+    """Whether ``optimizer.ema_decay`` asks for an average of the parameters; a decay outside
+    [0, 1) is a ConfigError."""
+    decay = float(cfg.get("ema_decay", 0.0) or 0.0)
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"config.optimizer.ema_decay={decay}; use 0 (off) or a decay in (0, 1) such as 0.999.")
+    return decay > 0.0
+
+
+def ema_decay_at(cfg: Any, step: jax.Array) -> jax.Array:
+    """The decay applied by update ``step + 1`` (``step`` counts updates already made).
+
+    With ``ema_warmup`` it is ``min(ema_decay, (1 + t) / (10 + t))`` (the ``num_updates`` form of
+    TensorFlow's ExponentialMovingAverage and timm's first ModelEma), so early updates weigh more.
+    """
+    decay = jnp.asarray(float(cfg.ema_decay), jnp.float32)
+    if not cfg.get("ema_warmup", False):
+        return decay
+    t = step.astype(jnp.float32) + 1.0
+    return jnp.minimum(decay, (1.0 + t) / (10.0 + t))
+
+
+def update_ema(ema: Any, params: Any, decay: jax.Array) -> Any:
+    """``decay * ema + (1 - decay) * params``, leaf by leaf in each leaf's dtype."""
+    return jax.tree.map(lambda e, p: (decay * e + (1.0 - decay) * p).astype(e.dtype), ema, params)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import time
 from typing import Any
 
@@ -31,6 +32,29 @@ def hardware(mesh: jax.sharding.Mesh) -> dict[str, Any]:
             "host": socket.gethostname(), "mesh": {str(k): int(v) for k, v in mesh.shape.items()}}
 
 
+def code_version() -> dict[str, Any]:
+    """The jaxrat source this run trained with: its git commit and whether the checkout had
+    uncommitted changes (None outside a git checkout), and the installed package version."""
+    from importlib import metadata
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out: dict[str, Any] = {"commit": None, "dirty": None, "version": None}
+    try:
+        out["version"] = metadata.version("jaxrat")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        git = ["git", "-C", here]
+        out["commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                       check=True).stdout.strip() or None
+        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout
+        out["dirty"] = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
 def checkpoints(directory: str) -> dict[str, Any]:
     """Paths of the last and best committed checkpoints (best: ``checkpoint.best_metric`` ranked)."""
     steps = store.committed_steps(directory)
@@ -46,18 +70,27 @@ def checkpoints(directory: str) -> dict[str, Any]:
 def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.sharding.Mesh, first: int, last: int,
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
           last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
+          last_eval_raw: dict[str, float] | None = None, stopped_early: dict[str, Any] | None = None,
           kernels: Any = None) -> dict[str, Any]:
-    """The summary's content (every process may call it; only process 0 writes it)."""
+    """The summary's content (every process may call it; only process 0 writes it).
+
+    ``last_eval_raw`` holds the raw parameters' ``eval_raw/*`` when ``last_eval`` is their moving
+    average's; ``stopped_early`` says why early stopping ended the run; ``kernels`` is the run's
+    resolved kernel policy."""
     hw = hardware(mesh)
     return {
         "workdir": workdir, "status": status, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "task": config.task.name, "model": config.model.name,
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
-        "hardware": hw, "mesh": hw["mesh"], "compute_dtype": resolve_compute_dtype(config.train.compute_dtype, mesh),
+        "hardware": hw, "mesh": hw["mesh"], "code": code_version(),
+        "compute_dtype": resolve_compute_dtype(config.train.compute_dtype, mesh),
         "kernels": None if kernels is None else {"configured": config.model.get("kernels", "auto"),
                                                  **dataclasses.asdict(kernels)},
-        "last_train": last_train, "last_eval": {f"eval/{k}": v for k, v in last_eval.items()}, "best": best,
+        "last_train": last_train,
+        "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},
+        "best": best, "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),
+        "stopped_early": stopped_early,
         "checkpoints": checkpoints(checkpoint_dir),
         "config": json.loads(config.to_json_best_effort()),
     }

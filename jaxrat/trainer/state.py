@@ -1,6 +1,7 @@
 """The train state: its shapes and shardings, creation born sharded, and restore-or-init.
 
-The state is a plain dict of arrays, ``{"step", "params", "opt_state", "rng"}``, so a checkpoint
+The state is a plain dict of arrays, ``{"step", "params", "opt_state", "rng"}`` (plus
+``"ema_params"``, the parameters' moving average, when ``optimizer.ema_decay`` is on), so a checkpoint
 holds nothing but arrays. The model's non-parameter state (dropout RNG streams) is rebuilt every
 step from the step's key instead of being carried, so dropout noise depends only on (seed, step).
 """
@@ -26,7 +27,7 @@ from jaxrat.errors import ConfigError
 from jaxrat.parallel import sharding
 from jaxrat.tasks.base import Task
 from jaxrat.trainer.input_feed import Restorable
-from jaxrat.trainer.optimizer import make_optimizer
+from jaxrat.trainer.optimizer import ema_enabled, make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -101,6 +102,11 @@ class StateSpec:
     grad_shardings: Any
     batch_sharding: NamedSharding
     kernels: ops.KernelPolicy = ops.PORTABLE
+    ema: bool = False  # the state carries "ema_params"
+
+    def eval_params(self, state: dict[str, Any]) -> Any:
+        """The parameters evaluation, best checkpoints and predictions use: the average when on."""
+        return state["ema_params"] if self.ema else state["params"]
 
     def model(self, params: Any, rng: jax.Array, *, train: bool) -> nnx.Module:
         """The model in train or eval mode with ``params`` (inside jit)."""
@@ -112,12 +118,15 @@ class StateSpec:
         key = jax.random.wrap_key_data(rng_data)
         rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
         params = nnx.to_pure_dict(nnx.state(build_task_model(self.task, self.dtype, rngs, self.kernels), nnx.Param))
-        return {
+        state = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
             "opt_state": self.tx.init(params),
             "rng": jax.random.key_data(jax.random.fold_in(key, 2)),
         }
+        if self.ema:  # the average starts at the initial weights (timm, Ultralytics)
+            state["ema_params"] = jax.tree.map(jnp.copy, params)
+        return state
 
     def abstract_with_shardings(self) -> Any:
         """The state's shapes carrying the current mesh's shardings (restore target)."""
@@ -147,7 +156,8 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
                 f"jaxrat models must not keep mutable statistics (use GroupNorm/LayerNorm)."
             )
     spec = StateSpec(config, mesh, task, dtype, tx, schedule, train_graphdef, eval_graphdef, abstract_rest,
-                     None, {}, None, NamedSharding(mesh, sharding.batch_spec(mesh)), kernels)
+                     None, {}, None, NamedSharding(mesh, sharding.batch_spec(mesh)), kernels,
+                     ema=ema_enabled(config.optimizer))
     spec.abstract_state = jax.eval_shape(spec.init_state, jax.random.key_data(jax.random.key(0)))
 
     zero, sc = config.sharding.zero, config.sharding
@@ -161,6 +171,8 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
     params, opt_state = spec.abstract_state["params"], spec.abstract_state["opt_state"]
     spec.state_shardings = {"step": rep, "rng": rep, "params": shard(params, zero >= 3),
                             "opt_state": shard(opt_state, zero >= 1)}
+    if spec.ema:  # read by evaluation as the parameters are, so laid out as they are
+        spec.state_shardings["ema_params"] = spec.state_shardings["params"]
     spec.grad_shardings = shard(params, zero >= 2)
     sharding.log_shardings(params, spec.state_shardings["params"], "params")
     sharding.log_shardings(opt_state, spec.state_shardings["opt_state"], "opt_state")
@@ -175,6 +187,7 @@ class Restored:
     state: dict[str, Any]
     data: Iterator
     eval_pending: bool
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # what was saved with the checkpoint
 
     @property
     def step(self) -> int:
@@ -196,7 +209,8 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
         logging.info("resumed from step %d (%s)", step, "iterator state" if data_ok else "position from step")
         if config.init_from:
             logging.info("init_from=%s ignored: this workdir already has checkpoints", config.init_from)
-        return Restored(state, data, bool(ckpt.step_metadata(step).get("eval_pending")))
+        meta = ckpt.step_metadata(step)
+        return Restored(state, data, bool(meta.get("eval_pending")), meta)
     loaded: dict[str, Any] = {}
     if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
         loaded = load_init(config.init_from, spec.abstract_with_shardings(),
@@ -208,4 +222,7 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
     if "params" in loaded:  # the parameters that did not load keep their fresh values
         loaded["params"] = merge_params(state["params"], loaded["params"])
     state = {**state, **loaded}
+    if spec.ema and "params" in loaded:  # average the loaded weights, not the discarded random ones
+        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=spec.state_shardings["params"])
+        state["ema_params"] = copy(loaded["params"])
     return Restored(state, data, False)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
 from jaxrat.trainer.fixed_shards import FixedShardStep
+from jaxrat.trainer.optimizer import ema_decay_at, update_ema
 from jaxrat.trainer.state import StateSpec
 
 TASK_STREAM = 0x7A5C  # folded into a micro-batch's key for the task's own randomness
@@ -67,6 +68,10 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
             new_params = jax.tree.map(lambda p, u: p + u, params, updates)
             new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
+        if spec.ema:
+            with jax.named_scope("ema"):
+                ema = update_ema(state["ema_params"], new_params, ema_decay_at(spec.config.optimizer, state["step"]))
+                new_state["ema_params"] = keep(ema, state["ema_params"])
         metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
                    "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
                    "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}

@@ -34,6 +34,7 @@ from flax import nnx
 
 from jaxrat.data import transforms as T
 from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
+from jaxrat.errors import ConfigError
 from jaxrat.tasks.base import SHARD_TOTALS, Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
@@ -119,6 +120,9 @@ def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
     from jaxrat.data.sources.coco import CocoDetection
 
+    if int(data_cfg.get("folds", 0) or 0):
+        raise ConfigError("config.data.folds: cross-validation folds are not implemented for COCO detection; "
+                          "set --config.data.folds=0 (COCO's val2017 is the validation split).")
     record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
     policy = BadFilePolicy(data_cfg.get("on_bad_file", "fail"), record)
     root = os.path.expanduser(data_cfg.data_dir or "")
@@ -148,8 +152,6 @@ class DetectionTask(Task):
         self.t = config.task
         queries = int(config.model.get("num_queries", 0) or 0)
         if queries and queries < int(self.t.max_boxes):
-            from jaxrat.errors import ConfigError
-
             # Every target needs its own query: the matcher cannot assign more boxes than queries.
             raise ConfigError(f"config.model.num_queries={queries} < config.task.max_boxes={self.t.max_boxes}; "
                               f"raise the queries or lower max_boxes.")

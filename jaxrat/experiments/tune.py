@@ -1,0 +1,332 @@
+"""Hyperparameter search with Optuna: each trial one ``jaxrat.main`` run, pruned on its eval metrics.
+
+A config file opts in with ``get_search_space(arg=None)`` next to ``get_config``, returning
+``{"optimizer.learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+"model.rat.num_blocks": {"type": "int", "low": 1, "high": 4}, "optimizer.b1": {"type": "categorical",
+"choices": [0.9, 0.95]}}``. The study lives in ``ROOT/optuna_journal.log`` (Optuna's
+JournalStorage on a file: appends under a file lock, so workers on several nodes, e.g. the
+elements of a SLURM job array, share it), with a TPE sampler and a median pruner.
+
+A worker (:func:`run_worker`) asks for a trial, trains it in ``ROOT/trials/trial_<n>`` as a
+subprocess, and follows its ``metrics.jsonl``: every evaluation of the objective metric is
+reported to the trial, and when the pruner says so the run gets SIGTERM (it checkpoints and stops,
+as when preempted) and the trial is PRUNED. Workers stop when the study holds ``trials`` trials.
+
+A trial whose worker died (kill -9, a lost node) stays RUNNING in the journal; a worker that
+finds one (its worker's process gone from this host, or its heartbeat file older than
+:data:`STALE_S`) marks it FAIL and queues its parameters again with its workdir, so the retry
+resumes the run from its checkpoint. Such a replaced trial does not count towards ``trials``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.errors import ConfigError, UserError
+from jaxrat.experiments.sweep import _value, train_command
+
+JOURNAL = "optuna_journal.log"
+STUDY = "jaxrat"
+TRIALS_DIR = "trials"
+WORKERS_DIR = "workers"
+STALE_S = 120.0  # a worker's heartbeat this old means the worker is gone
+HEARTBEAT_S = 10.0
+REPLACED = "replaced"  # user attr of a FAIL trial whose parameters were queued again
+TYPES = ("float", "int", "categorical")
+
+
+# ------------------------------------------------------------------------------ the search space
+
+def load_search_space(config: str, common: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """``get_search_space(arg)`` of ``config`` (``path[:arg]``), checked: known keys, values that
+    the config accepts, well-formed ranges."""
+    path, _, arg = config.partition(":")
+    module = load_config_module(path)
+    if not hasattr(module, "get_search_space"):
+        raise ConfigError(f"Config file {path} defines no get_search_space(); add one returning "
+                          "{'optimizer.learning_rate': {'type': 'float', 'low': 1e-4, 'high': 1e-2, 'log': True}} "
+                          "(see configs/ablations.py).")
+    try:
+        raw = module.get_search_space(arg) if arg else module.get_search_space()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{path}: get_search_space() must return a non-empty dict {{config key: range}}.")
+    space = {}
+    for key, spec in raw.items():
+        where = f"{path}: get_search_space()[{key!r}]"
+        if not isinstance(spec, dict) or spec.get("type") not in TYPES:
+            raise ConfigError(f"{where} must be a dict with 'type' one of {list(TYPES)}.")
+        if spec["type"] == "categorical":
+            if not spec.get("choices"):
+                raise ConfigError(f"{where}: a categorical range needs a non-empty 'choices' list.")
+            # Optuna stores scalars only: a tuple choice (a U-Net's widths) travels as its override text.
+            spec = {**spec, "choices": [c if c is None or isinstance(c, (bool, int, float, str)) else _value(c)
+                                        for c in spec["choices"]]}
+            samples = list(spec["choices"])
+        else:
+            if "low" not in spec or "high" not in spec or not spec["low"] <= spec["high"]:
+                raise ConfigError(f"{where}: give 'low' <= 'high'.")
+            samples = [spec["low"], spec["high"]]
+        for v in samples:  # a typo'd key or a value the field refuses fails before any trial
+            check_override_args(["--config", config, f"--config.{key.removeprefix('--config.')}={_value(v)}",
+                                 *common])
+        space[key.removeprefix("--config.")] = dict(spec)
+    return space
+
+
+def suggest(trial: Any, space: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The trial's value for every key of the space."""
+    out = {}
+    for key, s in space.items():
+        if s["type"] == "float":
+            out[key] = trial.suggest_float(key, s["low"], s["high"], log=bool(s.get("log")), step=s.get("step"))
+        elif s["type"] == "int":
+            out[key] = trial.suggest_int(key, s["low"], s["high"], log=bool(s.get("log")), step=s.get("step", 1))
+        else:
+            out[key] = trial.suggest_categorical(key, list(s["choices"]))
+    return out
+
+
+def to_overrides(params: dict[str, Any]) -> list[str]:
+    return [f"--config.{k}={_value(v)}" for k, v in params.items()]
+
+
+def objective(config: str, common: Sequence[str], metric: str = "", mode: str = "") -> tuple[str, str]:
+    """(metric, "maximize" | "minimize"): ``metric``/``mode``, else the config's
+    ``checkpoint.best_metric``/``best_mode`` after ``common``."""
+    c = load_config(config)
+    found = {"checkpoint.best_metric": c.checkpoint.best_metric, "checkpoint.best_mode": c.checkpoint.best_mode}
+    for o in common:
+        key, _, value = o.removeprefix("--config.").partition("=")
+        if key in found:
+            found[key] = value
+    metric, mode = metric or found["checkpoint.best_metric"], mode or found["checkpoint.best_mode"]
+    if not metric:
+        raise ConfigError("No metric to optimise: pass --metric eval/NAME or set --config.checkpoint.best_metric.")
+    if mode not in ("max", "min"):
+        raise ConfigError(f"--mode {mode!r}; use 'max' or 'min'.")
+    return metric, "maximize" if mode == "max" else "minimize"
+
+
+# ------------------------------------------------------------------------------------ the study
+
+def open_study(root: str, direction: str, seed: int = 0) -> Any:
+    """The study of ``root`` (created on first use): journal file storage, TPE, median pruning."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    os.makedirs(root, exist_ok=True)
+    storage = JournalStorage(JournalFileBackend(os.path.join(root, JOURNAL)))
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=3)
+    # Pruning starts once two trials have reported; a trial is pruned at an evaluation where it is
+    # worse than the median of the earlier trials at the same step.
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    return optuna.create_study(study_name=STUDY, storage=storage, sampler=sampler, pruner=pruner,
+                               direction=direction, load_if_exists=True)
+
+
+def counted(study: Any) -> list[Any]:
+    """The trials that count towards ``--trials`` (all but the replaced ones)."""
+    return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(REPLACED)]
+
+
+def _worker_alive(worker: str, root: str) -> bool:
+    host, _, pid = worker.rpartition("-")
+    beat = os.path.join(root, WORKERS_DIR, worker)
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    try:
+        return time.time() - os.path.getmtime(beat) < STALE_S
+    except OSError:
+        return False
+
+
+def recover_stale(study: Any, root: str) -> list[int]:
+    """Mark RUNNING trials whose worker is gone FAIL (replaced) and queue their parameters again
+    with their workdir; returns their numbers."""
+    import optuna
+
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        worker = t.user_attrs.get("worker")
+        if not worker or _worker_alive(worker, root):
+            continue
+        try:
+            study._storage.set_trial_user_attr(t._trial_id, REPLACED, True)
+            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        except Exception:  # another worker got there first
+            continue
+        study.enqueue_trial(t.params, user_attrs={"workdir": t.user_attrs.get("workdir", ""), "retry_of": t.number})
+        logging.warning("tune: trial %d was left running by worker %s, which is gone; it is queued again and "
+                        "resumes from its checkpoint", t.number, worker)
+        out.append(t.number)
+    return out
+
+
+# ----------------------------------------------------------------------------------- one trial
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the tuner dies, even by kill -9 (Linux), so no orphan trains on."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _eval_rows(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """Complete lines of ``metrics.jsonl`` after ``offset``; returns them and the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    rows = []
+    for line in data[:end].splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows, offset + end
+
+
+class Interrupted(Exception):
+    """The worker was asked to stop (SIGTERM/SIGINT): its trial is queued again."""
+
+
+def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[str, str] | None = None,
+              stop: threading.Event | None = None) -> tuple[str, float | None]:
+    """Train one trial; ("complete", value), ("pruned", last value) or ("failed", None).
+
+    Raises :class:`Interrupted` when ``stop`` is set (the run was told to checkpoint and stop)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "metrics.jsonl")
+    offset, last, pruned = 0, None, False
+    with open(os.path.join(workdir, "tune.log"), "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        try:
+            while True:
+                done = proc.poll() is not None
+                rows, offset = _eval_rows(path, offset)
+                for row in rows:
+                    if metric in row and isinstance(row.get("step"), int):
+                        last = float(row[metric])
+                        trial.report(last, row["step"])
+                        if not pruned and not done and trial.should_prune():
+                            pruned = True
+                            logging.info("tune: trial %d pruned at step %d (%s %.4g)", trial.number, row["step"],
+                                         metric, last)
+                            proc.send_signal(signal.SIGTERM)  # checkpoint and stop, as when preempted
+                if done:
+                    break
+                if stop is not None and stop.is_set():
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait()
+                    raise Interrupted()
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    status = proc.returncode
+    if pruned:
+        return "pruned", last
+    if status == 0 and last is not None:
+        return "complete", last
+    logging.warning("tune: trial %d ended with status %s%s; see %s", trial.number, status,
+                    "" if last is not None else f" and no {metric}", os.path.join(workdir, "tune.log"))
+    return "failed", None
+
+
+# ------------------------------------------------------------------------------------- a worker
+
+def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), *, metric: str = "",
+               mode: str = "", seed: int = 0, python: str = sys.executable) -> int:
+    """Run trials until the study of ``root`` holds ``trials`` (replaced ones aside); exit status."""
+    import optuna
+
+    if trials < 1:
+        raise UserError(f"--trials {trials}: run at least one trial.")
+    root = os.path.abspath(root)
+    space = load_search_space(config, common)
+    metric, direction = objective(config, common, metric, mode)
+    study = open_study(root, direction, seed)
+    worker = f"{socket.gethostname()}-{os.getpid()}"
+    beat = os.path.join(root, WORKERS_DIR, worker)
+    os.makedirs(os.path.dirname(beat), exist_ok=True)
+    stop, alive = threading.Event(), threading.Event()
+
+    def heartbeat() -> None:
+        while not alive.wait(HEARTBEAT_S):
+            with open(beat, "a"):
+                os.utime(beat)
+
+    with open(beat, "a"):
+        pass
+    threading.Thread(target=heartbeat, daemon=True).start()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
+    try:
+        while not stop.is_set():
+            recover_stale(study, root)
+            if len(counted(study)) >= trials:
+                break
+            trial = study.ask()
+            earlier = [t for t in counted(study) if t.number < trial.number]
+            if len(earlier) >= trials:  # another worker asked at the same moment and took the last one
+                study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                break
+            params = suggest(trial, space)
+            workdir = trial.user_attrs.get("workdir") or os.path.join(root, TRIALS_DIR, f"trial_{trial.number}")
+            trial.set_user_attr("workdir", workdir)
+            trial.set_user_attr("worker", worker)
+            trial.set_user_attr("overrides", to_overrides(params))
+            cmd = train_command(config, workdir, [*to_overrides(params), *common], python)
+            logging.info("tune: trial %d: %s", trial.number, " ".join(to_overrides(params)))
+            try:
+                state, value = run_trial(trial, cmd, workdir, metric, stop=stop)
+            except Interrupted:
+                # Queued again with its workdir: the next worker resumes it from its checkpoint.
+                study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                study.enqueue_trial(params, user_attrs={"workdir": workdir, "retry_of": trial.number})
+                break
+            if state == "complete":
+                study.tell(trial, value)
+            elif state == "pruned":
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            logging.info("tune: trial %d %s%s", trial.number, state, f" ({metric} {value:.4g})" if value is not None
+                         else "")
+    finally:
+        alive.set()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        try:
+            os.remove(beat)
+        except OSError:
+            pass
+    return 42 if stop.is_set() else 0

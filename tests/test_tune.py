@@ -1,0 +1,116 @@
+"""jaxrat.tune without training: the search space, the study journal, stale trials, the job array."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from jaxrat.errors import ConfigError
+from jaxrat.experiments import tune, tune_summary
+from jaxrat.experiments.sweep import load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = "tests/toy/sweep_config.py"
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def test_the_search_space_is_checked_and_becomes_overrides():
+    space = tune.load_search_space(TOY)
+    assert space["model.features"]["choices"] == ["(4,8)", "(8,16)"]  # tuples travel as override text
+    params = tune.suggest(optuna.trial.FixedTrial({"optimizer.learning_rate": 1e-3, "model.features": "(8,16)"}),
+                          space)
+    assert tune.to_overrides(params) == ["--config.optimizer.learning_rate=0.001", "--config.model.features=(8,16)"]
+    assert set(tune.load_search_space("configs/ablations.py:smoke")) == {
+        "optimizer.learning_rate", "optimizer.weight_decay", "model.rat.mlp_dropout"}
+    assert tune.objective(TOY, []) == ("eval/dice", "maximize")
+    assert tune.objective(TOY, ["--config.checkpoint.best_metric=eval/loss", "--config.checkpoint.best_mode=min"]) \
+        == ("eval/loss", "minimize")
+    with pytest.raises(ConfigError, match="defines no get_search_space"):
+        tune.load_search_space("configs/isic.py:smoke")
+
+
+def test_bad_ranges_and_keys_name_the_fix(tmp_path):
+    def space(text):
+        path = tmp_path / "c.py"
+        isic = str(REPO / "configs/isic.py")
+        path.write_text(f"from jaxrat.config import load_config\n"
+                        f"def get_config(arg=None):\n    return load_config({isic!r} + ':smoke')\n"
+                        f"def get_search_space(arg=None):\n    return {text}\n")
+        return tune.load_search_space(str(path))
+
+    with pytest.raises(ConfigError, match="did you mean --config.optimizer.learning_rate"):
+        space("{'optimizer.learningrate': {'type': 'float', 'low': 0.1, 'high': 1.0}}")
+    with pytest.raises(ConfigError, match="'low' <= 'high'"):
+        space("{'optimizer.learning_rate': {'type': 'float', 'low': 1.0, 'high': 0.1}}")
+    with pytest.raises(ConfigError, match="'type' one of"):
+        space("{'optimizer.learning_rate': [0.1, 1.0]}")
+
+
+def test_a_trial_left_running_by_a_dead_worker_is_queued_again_with_its_workdir(tmp_path):
+    root = str(tmp_path)
+    study = tune.open_study(root, "maximize")
+    done = study.ask()
+    study.tell(done, 0.5)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = study.ask()
+    orphan.suggest_float("optimizer.learning_rate", 1e-4, 1e-2, log=True)
+    orphan.set_user_attr("worker", f"{socket.gethostname()}-{dead.pid}")
+    orphan.set_user_attr("workdir", "/runs/trial_1")
+    mine = study.ask()  # running in this (live) process: left alone
+    mine.set_user_attr("worker", f"{socket.gethostname()}-{os.getpid()}")
+    assert tune.recover_stale(study, root) == [orphan.number]
+    assert tune.recover_stale(study, root) == []
+    trials = {t.number: t for t in study.get_trials()}
+    assert trials[orphan.number].state == optuna.trial.TrialState.FAIL and trials[orphan.number].user_attrs["replaced"]
+    assert trials[mine.number].state == optuna.trial.TrialState.RUNNING
+    again = study.ask()
+    assert again.user_attrs["workdir"] == "/runs/trial_1" and again.user_attrs["retry_of"] == orphan.number
+    assert again.suggest_float("optimizer.learning_rate", 1e-4, 1e-2, log=True) == \
+        trials[orphan.number].params["optimizer.learning_rate"]
+    assert [t.number for t in tune.counted(tune.open_study(root, "maximize"))] == [0, 2, 3]
+
+
+def test_the_summary_and_the_best_variant_file(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    (tmp_path / tune_summary.SETTINGS).write_text(
+        '{"config": "%s", "metric": "eval/dice", "common": ["--config.num_train_steps=4"]}' % (REPO / TOY))
+    study = tune.open_study(root, "maximize")
+    for lr, value in ((1e-3, 0.5), (3e-3, 0.7), (1e-2, 0.6)):
+        t = study.ask()
+        t.suggest_float("optimizer.learning_rate", 1e-4, 1e-1, log=True)
+        t.set_user_attr("overrides", [f"--config.optimizer.learning_rate={lr}"])
+        t.report(value - 0.1, 2)
+        study.tell(t, value)
+    t = study.ask()
+    t.report(0.1, 2)
+    study.tell(t, state=optuna.trial.TrialState.PRUNED)
+    s = tune_summary.write(root)
+    assert s["counts"] == {"complete": 3, "pruned": 1} and s["pruned"] == [3]
+    assert s["best"]["number"] == 1 and set(s["importances"]) == {"optimizer.learning_rate"}
+    md = (tmp_path / "tune_summary.md").read_text()
+    assert "pruned: 3" in md and "| 1 | complete | 0.7 | 2 | 0.6 | optimizer.learning_rate=0.003 |" in md
+    variants = load_sweep(str(tmp_path / tune_summary.BEST_SWEEP))
+    assert [(v.name, v.overrides) for v in variants] == [
+        ("best", ("--config.optimizer.learning_rate=0.003", "--config.num_train_steps=4"))]
+
+
+def test_slurm_dry_run_is_an_array_of_workers_on_one_study(tmp_path, capsys):
+    from jaxrat import tune as cli
+
+    assert cli.main(["--config", TOY, "--root", str(tmp_path), "--trials", "6", "--slurm", "--workers", "2",
+                     "--dry-run", "--config.train.eval_every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0-1\n" in out and "-m jaxrat.tune" in out
+    assert "VARIANT=worker-1; VARIANT_ARGS=(--trials=6 --seed=0)" in out
+    assert "--config.train.eval_every=1" in out
