@@ -3,7 +3,7 @@
 * :class:`ReferenceSegmentationHead` — the reference's head (experiments ``SegmentationHead``):
   a per-token MLP D -> D/2 -> D/4 -> classes on the **final** grid only (4x4 for a 256x256
   input), upsampled bilinearly (half-pixel centres, as ``align_corners=False``). PyTorch default
-  init. Kept for parity and comparison; it cannot draw fine boundaries (rat_reference.md flaw 8).
+  init. Kept for parity and comparison; it cannot draw fine boundaries (docs/reference.md flaw 8).
   The reference guesses a square grid from the token count; we use the known grid.
 * :class:`MultiLevelDecoderHead` — our default: a light FPN-style decoder over every stage of the
   backbone (initial projection at full resolution, then each block's grid), coarse to fine:

@@ -2,7 +2,7 @@
 
 Port of ``resolution_aware_transformer.ResolutionAwareTransformer`` (PyPI
 ``resolution-aware-transformer==2025.9.29.2036``), described in
-/work/shared/reference/rat_reference.md and docs/rat.md.
+docs/reference.md and docs/rat.md.
 
 Inputs are channels-last: one image (B, *spatial, C) or a pyramid (a list of them, same batch),
 each with its own spacing. A C->D convolution makes tokens; then ``num_blocks`` times: one SGA
@@ -100,7 +100,7 @@ class AbsolutePositionEmbedding(nnx.Module):
 
 
 class ResolutionAwareTransformer(nnx.Module):
-    """RAT backbone. Constructor arguments follow the reference (rat_reference.md 1.0), plus:
+    """RAT backbone. Constructor arguments follow the reference (docs/reference.md), plus:
 
     Args:
       reference_compat: reproduce the reference exactly (see module docstring).

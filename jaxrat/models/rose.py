@@ -8,7 +8,7 @@ interleaved real/imaginary parts) is multiplied by ``exp(i * <coord, omega[h, p]
 
 Only the first ``Hr = rotary_dim / dims_per_head`` heads are rotated (``rotary_ratio``); the others
 pass through. See docs/rat.md for the scaling modes, including ``"index"``, our fix of the
-reference's ``"rope"`` mode which starts with no rotation at all (rat_reference.md flaw 4).
+reference's ``"rope"`` mode which starts with no rotation at all (docs/reference.md flaw 4).
 """
 
 from __future__ import annotations

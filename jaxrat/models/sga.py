@@ -13,7 +13,7 @@ Port of ``spatial_grouping_attention.DenseSpatialGroupingAttention`` (PyPI
   (rows sum to 1, no column renormalisation) — the "standard attention" ablation.
 
 ``reference_compat=True`` reproduces the reference's head handling of the values (flaw 1 in
-rat_reference.md): V is split into heads by a plain row-major reshape of (B, N, D) and the
+docs/reference.md): V is split into heads by a plain row-major reshape of (B, N, D) and the
 update is merged back the same way. The default splits and merges heads properly.
 """
 
