@@ -1,7 +1,8 @@
 """RAT forward+backward: jaxrat (Flax) vs the PyTorch reference, side by side on this machine.
 
 ISIC model dims (D=128, 4 blocks, 8 heads, 3 iterations, MLP ratio 4, dropout 0.1), batch 2,
-input N(0, 1), train mode, loss = sum over scales of mean(tokens), as in docs/reference.md 5.4.
+input N(0, 1), train mode, loss = sum over scales of mean(tokens), as the reference's own benchmark
+(docs/reference.md, "Size and cost").
 Each measurement runs in its own subprocess. Peak memory = high-water RSS during the steps minus
 the RSS before the first step (the same rule for both; for jaxrat, compilation happens before that
 and is reported separately). jaxrat also reports ``compiled.memory_analysis()``.

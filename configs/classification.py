@@ -8,6 +8,9 @@ Variants (``--config configs/classification.py:VARIANT``):
           learns both heads in minutes on a laptop CPU.
   smoke   tiny and fast, for tests.
   rat     RAT instead of the CNN baseline, on your data.
+
+Expected (demo): top-1 0.97 on both heads after 300 steps, ~1 min on a 2-core CPU
+(docs/tasks.md; the README quotes this line, tests/test_docs.py keeps them equal).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Variants (``--config configs/isic.py:VARIANT``):
   demo    synthetic lesions in the official layout; learns visibly in minutes on a laptop CPU.
   smoke   tiny and fast, for tests.
   unet    the U-Net baseline on real ISIC 2018 data (same data, schedule and metrics as the RAT).
+
+Expected (demo): eval Dice 0.989 after 400 steps, under 10 min on a 2-core CPU
+(docs/rat.md, "Recommended defaults"; the README quotes this line, tests/test_docs.py keeps them equal).
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ def enable(directory: str = "") -> str | None:
     import jax
 
     if directory.strip().lower() == OFF:
+        # jax reads $JAX_COMPILATION_CACHE_DIR by itself at import: "none" has to switch that off too.
+        jax.config.update("jax_compilation_cache_dir", None)
         return None
     path = os.path.abspath(os.path.expanduser(directory or default_dir()))
     try:

@@ -1,17 +1,40 @@
-"""Test setup: 8 simulated CPU devices, set before anything imports jax; integration modules marked.
+"""Test setup: 8 simulated CPU devices, set before anything imports jax; one compilation cache for the
+whole run; integration modules marked.
 
 ``pytest -m "not slow"`` is the fast inner loop: it leaves out every test that starts training
 processes, clusters or notebooks (the modules below, and tests marked ``slow`` one by one).
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
+
+# One persistent XLA compilation cache for the whole test run, shared by this process, the xdist
+# workers and every subprocess (they inherit the environment; jaxrat.compile_cache.default_dir and
+# jax's own flag both read JAX_COMPILATION_CACHE_DIR): most tests compile the same few smoke programs,
+# each in a fresh process, so all but the first compile become cache reads. Every entry is cached, not
+# only the slow ones, because a test run is made of many small compiles. A fresh folder per run keeps
+# the run honest (nothing warm from a previous one); JAXRAT_TEST_CACHE_DIR names one to keep instead.
+_RUN_CACHE_OWNER = "JAXRAT_TEST_RUN_CACHE" not in os.environ
+if _RUN_CACHE_OWNER:
+    os.environ["JAXRAT_TEST_RUN_CACHE"] = os.environ.get("JAXRAT_TEST_CACHE_DIR") or tempfile.mkdtemp(
+        prefix="jaxrat-test-xla-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXRAT_TEST_RUN_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Only the process that made the folder removes it (the xdist controller, or a plain pytest run).
+    if _RUN_CACHE_OWNER and not os.environ.get("JAXRAT_TEST_CACHE_DIR") and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAXRAT_TEST_RUN_CACHE"], ignore_errors=True)
 
 # Whole modules of integration tests: real subprocesses (python -m jaxrat.main, jax.distributed on
 # 127.0.0.1, mpirun), a real SLURM cluster, or notebooks run top to bottom.
@@ -29,3 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         elif item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):
+        # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadfile) files are handed out in this
+        # order: the files with slow tests first, so that the last file to start is a short one and
+        # both workers finish at about the same time. Within a file the order is unchanged.
+        slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow_files)

@@ -37,3 +37,11 @@ def test_enable_none_and_unwritable(tmp_path, caplog, restore_jax_cache_config):
     assert compile_cache.enable(str(blocker / "sub")) is None
     assert "compilation cache off" in caplog.text and os.path.isfile(blocker)
     assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_none_also_turns_off_the_folder_jax_took_from_the_environment(tmp_path, restore_jax_cache_config):
+    # jax sets its flag from $JAX_COMPILATION_CACHE_DIR at import (the test run itself sets it, see
+    # tests/conftest.py); --config.train.compilation_cache_dir=none must still mean no cache.
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "from_env"))
+    assert compile_cache.enable("none") is None
+    assert jax.config.jax_compilation_cache_dir is None

@@ -24,9 +24,9 @@ TIMEOUT = 240
 
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory) -> str:
-    """One persistent XLA compilation cache for this session's relaunches (JAX writes it from
-    process 0 only, so two-process runs may share it)."""
-    return str(tmp_path_factory.getbasetemp() / "jax_compile_cache")
+    """The test run's one persistent XLA compilation cache (tests/conftest.py) for the relaunches (JAX
+    writes it from process 0 only, so two-process runs may share it)."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def cached_env(devices: int, cache_dir: str) -> dict[str, str]:

@@ -332,9 +332,11 @@ def test_killed_task_requeues_the_job_and_the_rerun_resumes_exactly(slurm, tmp_p
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         workdir = tmp_path / "run"
+        # The test run's compilation cache (tests/conftest.py): the second victim's job compiles nothing.
         proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--tasks-per-node",
                     "2", "--time", "00:20:00", "--job-name", JOB_NAME, "--workdir", str(workdir), "--max-restarts",
-                    "1", "--submit", "--", *DEAD_PEER_ARGS], 60, JAX_NUM_CPU_DEVICES="1")
+                    "1", "--cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"], "--submit", "--", *DEAD_PEER_ARGS],
+                   60, JAX_NUM_CPU_DEVICES="1")
         assert proc.returncode == 0, proc.stderr
         job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
         log = workdir / f"slurm-{job}.out"

@@ -1,4 +1,4 @@
-"""Download and extract official dataset archives: resumable, checksummed, into the official layout.
+"""Download and extract official dataset archives: resumable, verified, into the official layout.
 
     python -m jaxrat.data.download isic2018 --dest DIR [--splits train,validation,test]
     python -m jaxrat.data.download coco2017 --dest DIR
@@ -7,9 +7,10 @@ Each archive is fetched to ``DEST/downloads/NAME.part`` and resumed with an HTTP
 request after an interruption (``If-Range`` on the ETag, so a changed file restarts from zero).
 Before extraction it is checked: the byte count against ``Content-Length``; its MD5 against the
 ETag when the server's ETag is a plain MD5 (S3 and most static servers for single-part
-uploads); its SHA-256 against a pinned value (the registry below or ``--checksums FILE``); and
-every zip member's CRC. Extraction goes to a temporary folder renamed into place (macOS
-``__MACOSX``/``._*`` metadata left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
+uploads); its SHA-256 against a value you pin with ``--checksums FILE`` (the registry below pins
+none: the official values could not be read from this project's machines); and every zip member's
+CRC. Extraction goes to a temporary folder renamed into place (macOS ``__MACOSX``/``._*`` metadata
+left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
 and top-level folders of each archive extracted, so a rerun skips it while those folders exist.
 """
 

@@ -164,7 +164,7 @@ def plot(runs: list[RunSummary], path: str) -> bool:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        logging.warning("matplotlib is not installed, so %s is not drawn; pip install matplotlib (or jaxrat[dev])",
+        logging.warning("matplotlib is not installed, so %s is not drawn; pip install matplotlib (a jaxrat dependency)",
                         path)
         return False
     # A metric with one value everywhere (e.g. eval/num_images) has nothing to compare.

@@ -23,7 +23,8 @@ feature is the query's content and the cell's centre its anchor, so a query alre
 where it starts and the class and box heads learn at once; ``num_queries`` is then that stage's
 cell count.
 
-``head="reference"`` is the PyTorch reference's head instead (``docs/reference.md`` 2.2): the final
+``head="reference"`` is the PyTorch reference's head instead (``docs/reference.md``, "Heads, losses and
+metrics"): the final
 stage's tokens only, one multi-head cross-attention from learned queries without positions, residual,
 norm or FFN, then a linear class head and a linear + sigmoid box head; kept for comparison.
 """
