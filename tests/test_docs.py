@@ -223,8 +223,8 @@ python -m jaxrat.main --config configs/isic.py:demo --workdir runs/x --config.da
 python -m jaxrat.main --config configs/isic.py:nosuchvariant --workdir runs/y
 ```
 
-Inline: `--config configs/coco.py:demo --config.model.rat.remat=blocks`, `configs/isic.py[:demo|missing]`,
-and `--config.train.not_a_field=3`; the field `data.batch_size` and the field `model.rat.remat="blocks"`,
+Inline: `--config configs/coco.py:demo --config.model.rat.remats=blocks`, `configs/isic.py[:demo|missing]`,
+and `--config.train.not_a_field=3`; the field `data.batch_size` and the field `model.rat.remats="blocks"`,
 and the file `jaxrat/checkpointing/init_from.py`.
 Read [the guide](docs/no_such_page.md) and [data](docs/data.md#anchor).
 """
@@ -237,10 +237,10 @@ def test_the_checker_names_each_bad_item():
     assert "README.md:4: --config.data.no_such_key is not a key of configs/isic.py:demo" in text
     assert "--config.data.batch_size" not in text
     assert "README.md:6: configs/isic.py:nosuchvariant:" in text
-    assert "--config.model.rat.remat is not a key of configs/coco.py:demo" in text
+    assert "--config.model.rat.remats is not a key of configs/coco.py:demo" in text
     assert "configs/isic.py:missing:" in text and "configs/isic.py:demo:" not in text
     assert "--config.train.not_a_field is not a key of any config file" in text
     assert "link docs/no_such_page.md points at nothing" in text and "docs/data.md#anchor" not in text
-    assert "README.md:10: model.rat.remat is not a key of any config file" in text
+    assert "README.md:10: model.rat.remats is not a key of any config file" in text
     assert "data.batch_size is" not in text and "init_from" not in text
     assert len(problems) == 7, text
