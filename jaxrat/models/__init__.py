@@ -16,6 +16,7 @@ others: the one level). Models may switch dropout etc. via ``model.train()``/``m
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -78,7 +79,12 @@ def build_model(model_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs, 
             f"Unknown model {name!r} in config.model.name; choose one of {available_models()}."
         )
     try:
-        return _REGISTRY[name](**cfg, dtype=dtype, rngs=rngs, kernels=policy)
+        factory = _REGISTRY[name]
+        # A factory registered without a kernels argument (a user's own model) builds as it always did.
+        params = inspect.signature(factory).parameters
+        takes = "kernels" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        extra = {"kernels": policy} if takes else {}
+        return factory(**cfg, dtype=dtype, rngs=rngs, **extra)
     except TypeError as e:
         if "unexpected keyword" in str(e):
             raise ConfigError(f"config.model has a field model {name!r} does not accept: {e}.") from None

@@ -41,6 +41,7 @@ class CNNClassifier(nnx.Module):
 
     def __init__(self, *, num_classes: Sequence[int], features: Sequence[int] = (32, 64, 128), in_channels: int = 3,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: Any = None) -> None:
+        del kernels  # plain XLA convolutions whatever the kernel policy
         widths = [in_channels, *features]
         self.blocks = nnx.List([ConvBlock(a, b, dtype=dtype, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
         self.heads = Heads(widths[-1], num_classes, dtype=dtype, rngs=rngs)

@@ -88,7 +88,6 @@ def unet(
     *,
     dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
-    kernels: Any = None,
 ) -> UNet:
-    """Registry entry for :class:`UNet` (plain XLA convolutions whatever the ``kernels`` policy)."""
+    """Registry entry for :class:`UNet` (plain XLA convolutions, whatever the kernel policy)."""
     return UNet(features, in_channels, num_classes, dtype=dtype, rngs=rngs)
