@@ -103,6 +103,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         # Measured (benchmarks/rat_detr_step.py): the demo's 8 single-device shard programs per step
         # cost more than they buy for a RAT here, and the full RAT's width and depth dominate the step.
         c.train.reduction_shards = 0
+        c.num_train_steps = 600
+        c.train.eval_every = 200
+        c.checkpoint.every_steps = 200
         c.model.update(dict(backbone="rat", feature_levels=(1, 2, 3), query_level=2))
         c.model.rat = rat_config(feature_dims=64, num_blocks=3, num_heads=4, iters=1, mlp_ratio=2,
                                  mlp_dropout=0.0, sga_kernel_size=7, proj_kernel_size=7, attention="sparse",
