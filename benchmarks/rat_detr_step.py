@@ -72,8 +72,8 @@ def main() -> None:
             c = variant_config(name)
             step = Step(c, os.path.join(root, "data"))
             if c.train.reduction_shards:
-                # Step's AOT bundle of the shard programs rejected the state's pytree when called here
-                # ("input pytree does not match"); the step object itself compiles its programs on call.
+                # Under reduction shards, lower().compile() gives the shard program (for its memory
+                # analysis), not a whole step: run the step object, which compiles its programs on call.
                 step.compiled = make_train_step(step.spec)
             params = sum(x.size for x in jax.tree.leaves(step.state["params"]))
             jax.block_until_ready(step())
