@@ -86,7 +86,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.train.log_every = 20
         c.model.features = (16, 32, 64)
     if variant == "rat_demo":
-        c.train.reduction_shards = 0  # one program per step: the 8 shard programs cost a RAT more than a CNN
+        c.train.reduction_shards = 0  # one program per step (the 8 shard programs' cost for a RAT: not measured)
         # 300 steps at lr 1e-3 reached only top-1 0.70 / 0.68 (shape / kind): more steps, a higher rate
         # (0.82 / 0.82 after 1000, see the docstring).
         c.num_train_steps = 1000

@@ -102,8 +102,9 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
                             num_queries=64, decoder_layers=3, decoder_heads=4, ffn_dim=256, box_refine=True,
                             query_level=2))
     if variant == "rat_demo":
-        # Measured (benchmarks/rat_detr_step.py): the demo's 8 single-device shard programs per step
-        # cost more than they buy for a RAT here, and the full RAT's width and depth dominate the step.
+        # The COCO RAT's width, depth and 3 grouping iterations dominate the demo step (6.6 s against
+        # 0.88 s for this one, benchmarks/rat_detr_step.py); one program per step rather than the demo's
+        # 8 shard programs (their cost for a RAT is not measured yet: the benchmark's *_shards rows).
         c.train.reduction_shards = 0
         c.num_train_steps = 600
         c.train.eval_every = 200
