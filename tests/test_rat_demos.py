@@ -49,9 +49,9 @@ def test_rat_demo_builds_a_rat_and_trains(path, tmp_path):
 
 @pytest.mark.parametrize("path", DEMOS)
 def test_rat_demo_keeps_the_first_grid_off_the_quadratic_paths(path):
-    """What made the RAT-DETR demo step slow (benchmarks/rat_detr_step.py): dense SGA or global
-    multi-resolution attention over the full-resolution first grid, and the 8 single-device shard
-    programs per step; and for DETR, decoder memory holding the full-resolution stage."""
+    """The quadratic forms on the full-resolution first grid (dense SGA there doubled the RAT's
+    forward and backward at 64 px, docs/benchmarks.md), the 8 shard programs per step, and for DETR
+    decoder memory holding the full-resolution stage stay out of the RAT demos."""
     config = load_config(path)
     rat = RATConfig.from_mapping(dict(config.model.rat))
     assert rat.block_attention()[0] == "sparse"
