@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "rat_scaling": (["--variants", "windowed", "--sizes", "128", "256", "--time-up-to", "128", "--reps", "1"],
                     ["--sizes", "128", "256", "512", "1024", "--time-up-to", "512"]),
     "coco_step": (["--image-size", "128", "--batch", "4", "--devices", "2", "--reps", "1"], []),
+    "rat_detr_step": (["--variants", "rat_demo", "issue_no_shards"], ["--steps", "3"]),
     "zero_memory": (["--image-size", "64", "--batch-size", "8"], []),
     "detection_matching": (["--targets", "10", "50", "--reps", "2"], []),
     "data_pipeline": (["--config", "configs/isic.py:demo", "--images", "16", "--seconds", "5", "--workers", "0,1"],

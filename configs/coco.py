@@ -10,10 +10,15 @@ Variants (``--config configs/coco.py:VARIANT``):
           small CNN-backbone model whose queries are the 8x8 stage's tokens, with anchor boxes
           refined layer by layer and the focal class loss (what made it learn: docs/tasks.md,
           "Detection"); learns on a CPU in minutes.
+  rat_demo  the demo with a small RAT backbone instead of the CNN (64 features, 3 blocks, 4 heads,
+          one grouping iteration, sparse SGA, windowed MR attention: grids 64 -> 22 -> 8 -> 3), the
+          queries the 8x8 stage's tokens, one program per step (no reduction shards).
   smoke   tiny, with a small CNN backbone; seconds, for tests.
 
 Expected (demo): eval AP50 0.77 after 1000 steps, ~7 min on a 2-core CPU
 (docs/tasks.md, "Detection"; the README quotes this line, tests/test_docs.py keeps them equal).
+Expected (rat_demo): eval AP50 0.53 after 600 steps (0.20 at 200, 0.45 at 400), ~12 min on a 2-core CPU
+(measured once, the machine shared; 1.2 steps/s, 0.88 s a step in benchmarks/rat_detr_step.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-    """Return the detection config for ``arg`` in {None, "demo", "smoke"}."""
+    """Return the detection config for ``arg`` in {None, "demo", "rat_demo", "smoke"}."""
     c = base_config()
     c.data.name = "coco2017"
     c.data.image_size = 800  # square canvas; images are letterboxed (top-left) with a pad mask
@@ -69,13 +74,13 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
                              mr_attention="windowed", mr_window=16)
 
     variant = arg or ""
-    if variant in ("demo", "smoke"):
+    if variant in ("demo", "rat_demo", "smoke"):
         c.data.synthetic = True
         c.data.scale_jitter = (0.8, 1.2)
         c.optimizer.clip_norm = 1.0
         c.model.dropout = 0.0
         c.task.max_boxes = 8
-    if variant == "demo":
+    if variant in ("demo", "rat_demo"):
         c.data.synthetic_train = 1024
         c.data.synthetic_val = 128
         c.data.image_size = 64
@@ -96,7 +101,19 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.model.update(dict(backbone="cnn", cnn_widths=(32, 64, 96, 128), feature_levels=(1, 2, 3), hidden_dim=96,
                             num_queries=64, decoder_layers=3, decoder_heads=4, ffn_dim=256, box_refine=True,
                             query_level=2))
-    elif variant == "smoke":
+    if variant == "rat_demo":
+        # The COCO RAT's width, depth and 3 grouping iterations dominate the demo step (6.6 s against
+        # 0.88 s for this one, benchmarks/rat_detr_step.py); one program per step rather than the demo's
+        # 8 shard programs (their cost for a RAT is not measured yet: the benchmark's *_shards rows).
+        c.train.reduction_shards = 0
+        c.num_train_steps = 600
+        c.train.eval_every = 200
+        c.checkpoint.every_steps = 200
+        c.model.update(dict(backbone="rat", feature_levels=(1, 2, 3), query_level=2))
+        c.model.rat = rat_config(feature_dims=64, num_blocks=3, num_heads=4, iters=1, mlp_ratio=2,
+                                 mlp_dropout=0.0, sga_kernel_size=7, proj_kernel_size=7, attention="sparse",
+                                 positional_encoding="rose", mr_attention="windowed", mr_window=16)
+    if variant == "smoke":
         c.data.synthetic_train = 16
         c.data.synthetic_val = 8
         c.data.image_size = 32
@@ -114,6 +131,6 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.task.num_detections = 10
         c.model.update(dict(backbone="cnn", cnn_widths=(8, 16), feature_levels=None, hidden_dim=16, num_queries=10,
                             decoder_layers=2, decoder_heads=2, ffn_dim=32))
-    elif variant:
-        raise ValueError(f"Unknown variant {variant!r} for configs/coco.py; use demo, smoke or none.")
+    elif variant not in ("", "demo", "rat_demo"):
+        raise ValueError(f"Unknown variant {variant!r} for configs/coco.py; use demo, rat_demo, smoke or none.")
     return c
