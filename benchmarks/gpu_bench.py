@@ -205,15 +205,9 @@ def fused_attention_flops(stablehlo: str) -> float:
 
 def bf16_peak_flops(n: int, reps: int = 5) -> float:
     """FLOP/s of a jitted n x n bfloat16 matmul on the default device (best of ``reps``)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    f = jax.jit(jnp.matmul)
-    jax.block_until_ready(f(a, a))
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a, a))
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+    from step_profile import matmul_flops_per_s
+
+    return matmul_flops_per_s(jnp.bfloat16, n, reps)
 
 
 def _with_kernels(config: Any, kernels: str) -> Any:
