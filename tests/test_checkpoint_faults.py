@@ -113,6 +113,27 @@ def test_a_checkpoint_of_another_model_is_a_config_error_and_stays(tmp_path):
     assert store.committed_steps(directory) == [1] and not os.path.exists(os.path.join(directory, "damaged"))
 
 
+def test_turning_the_moving_average_on_or_off_at_resume_is_one_sentence(tmp_path):
+    directory = str(tmp_path / "checkpoints")
+    _saved(directory, [1])
+    with_ema = _abstract()
+    with_ema["ema_params"] = with_ema["params"]
+    ck = Checkpointer(directory, Policy())
+    with pytest.raises(ConfigError, match=r"saved without optimizer.ema_decay.*ema_decay=0.*init_from="):
+        ck.restore_latest(with_ema)
+    ck.close()
+    ema_dir = str(tmp_path / "ema" / "checkpoints")
+    ck = Checkpointer(ema_dir, Policy())
+    state = _state(1)
+    ck.save(1, {**state, "ema_params": state["params"]}, reason="steps")
+    ck.close()
+    ck = Checkpointer(ema_dir, Policy())
+    with pytest.raises(ConfigError, match=r"holds a moving average of the parameters .* this run has none"):
+        ck.restore_latest(_abstract())
+    ck.close()
+    assert store.committed_steps(directory) == [1] and store.committed_steps(ema_dir) == [1]
+
+
 def test_disk_full_is_recognised_in_tensorstore_and_os_errors():
     ts = ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file "/x/": Failed '
                     'to write 1681734 bytes to file 7: No space left on device [os_error_code=\'28\']')
