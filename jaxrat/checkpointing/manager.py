@@ -298,6 +298,10 @@ class Checkpointer:
         self._failed = -1 if step is None else step
         if step is not None:
             self._metric.pop(step, None)
+            try:  # let the save's other writer threads end before removing what they wrote
+                self._mngr.wait_until_finished()
+            except Exception:
+                logging.debug("checkpoint: waiting for the failed save of step %d", step, exc_info=True)
             recovery.remove_uncommitted(self.directory, step)
         if not recovery.is_disk_full(error):
             raise error

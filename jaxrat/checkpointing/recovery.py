@@ -63,13 +63,28 @@ def remove_uncommitted(directory: str, step: int) -> None:
     without a commit marker. A committed ``<step>/`` is never touched."""
     if jax.process_index() != 0:
         return
-    leftovers = glob.glob(os.path.join(glob.escape(directory), f"{step}.orbax-checkpoint-tmp*"))
-    in_place = os.path.join(directory, str(step))
-    if os.path.isdir(in_place) and not os.path.isfile(os.path.join(in_place, store.COMMIT_FILE)):
-        leftovers.append(in_place)
-    for path in leftovers:
-        shutil.rmtree(path, ignore_errors=True)
-        logging.info("checkpoint: removed %s, left by the failed save", path)
+
+    def leftovers() -> list[str]:
+        found = glob.glob(os.path.join(glob.escape(directory), f"{step}.orbax-checkpoint-tmp*"))
+        in_place = os.path.join(directory, str(step))
+        if os.path.isdir(in_place) and not os.path.isfile(os.path.join(in_place, store.COMMIT_FILE)):
+            found.append(in_place)
+        return found
+
+    # Orbax raises as soon as one of a save's writer threads fails; the others may still create
+    # folders and files for a moment, so remove until the step's leftovers stay gone.
+    deadline, quiet_since = time.monotonic() + 10.0, None
+    while time.monotonic() < deadline:
+        found = leftovers()
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+            logging.info("checkpoint: removed %s, left by the failed save", path)
+        now = time.monotonic()
+        if found or quiet_since is None:
+            quiet_since = now if not found else None
+        elif now - quiet_since >= 0.5:
+            return
+        time.sleep(0.05)
 
 
 def is_disk_full(error: BaseException) -> bool:
