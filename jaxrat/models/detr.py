@@ -217,7 +217,7 @@ class DETR(nnx.Module):
                 raise ConfigError(f"model.query_level={query_level} needs model.box_refine=True and must be one of "
                                   f"model.feature_levels={self.levels}.")
             self.query_norm = layer_norm(hidden_dim, 1e-5, dtype=dtype, rngs=rngs)
-            self.anchor_size = nnx.Param(jnp.full((2,), math.log(0.2 / 0.8)))  # sigmoid = 0.2
+            self.anchor_size = nnx.Param(jnp.full((2,), math.log(0.2 / 0.8), jnp.float32))  # sigmoid = 0.2
         if self.box_refine and self.query_level is None:
             # Anchors spread uniformly over the canvas, a fifth of it wide (in logit space).
             key_c, key_s = jax.random.split(rngs.params())

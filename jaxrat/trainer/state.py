@@ -118,6 +118,9 @@ class StateSpec:
         key = jax.random.wrap_key_data(rng_data)
         rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
         params = nnx.to_pure_dict(nnx.state(build_task_model(self.task, self.dtype, rngs, self.kernels), nnx.Param))
+        # A parameter made from a Python float is weakly typed; the step's outputs are not, so the
+        # step would be traced and compiled a second time at step 2 (seen: DETR's anchor_size).
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
         state = {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
