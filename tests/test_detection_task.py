@@ -19,6 +19,7 @@ from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES
+from jaxrat.tree_paths import named_leaves
 from runner import losses_by_step, read_metrics, run_main
 
 CONFIG = "configs/coco.py"
@@ -178,6 +179,21 @@ def test_box_refine_starts_at_the_anchors():
     anchors = jax.nn.sigmoid(model.anchors[...])
     assert jnp.allclose(boxes, jnp.broadcast_to(anchors, boxes.shape), atol=1e-5)
     assert float(anchors[:, :2].std()) > 0.1
+
+
+def test_the_demo_state_starts_strongly_typed_so_step_two_does_not_compile_again(tmp_path):
+    """A weakly typed leaf (a parameter made from a Python float, as DETR's anchor_size was) differs
+    from the step's strongly typed output, and jit traces and compiles the whole step again."""
+    from jaxrat.trainer.state import make_state_spec
+
+    config = load_config("configs/coco.py:demo")
+    mesh = make_mesh(config.mesh.axes, devices=jax.devices()[:1])
+    task = load_task(config)
+    task.prepare_data(str(tmp_path))  # the synthetic data's class count sizes the classifier
+    spec = make_state_spec(config, mesh, task)
+    shapes = jax.eval_shape(spec.init_state, jax.random.key_data(jax.random.key(0)))
+    weak = [name for name, leaf in named_leaves(shapes).items() if leaf.weak_type]
+    assert not weak, weak
 
 
 @pytest.mark.parametrize("focal", [False, True])
