@@ -204,3 +204,22 @@ def test_mlflow_default_store_is_in_the_workdir_and_a_resume_continues_its_run(t
     assert run.data.tags["checkpoint/last"] == "/w/checkpoints/3"
     (stored,) = glob.glob(str(tmp_path / "mlflow_artifacts" / "*" / "artifacts" / "summary.json"))
     assert open(stored).read() == '{"steps": 3}'
+
+
+def test_the_tensorboard_writer_does_not_import_torch_and_leaves_an_imported_one(tmp_path):
+    """tensorboardX imports torch when it can (~1 s of every run's start where the reference extra
+    is installed); jaxrat's writer blocks that, and only when torch was not imported already."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n{pre}from jaxrat.tracking.tensorboard import TensorBoardTracker\n"
+             "TensorBoardTracker(sys.argv[1]).log_scalars(1, {{'x': 1.0}})\n"
+             "print('torch' in sys.modules and sys.modules['torch'] is not None)\n")
+    plain = subprocess.run([sys.executable, "-c", probe.format(pre=""), str(tmp_path / "a")], capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout.strip() == "False", plain.stderr[-2000:]
+    assert glob.glob(str(tmp_path / "a" / "tensorboard" / "events.*"))
+    pytest.importorskip("torch")
+    kept = subprocess.run([sys.executable, "-c", probe.format(pre="import torch\n"), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=120)
+    assert kept.returncode == 0 and kept.stdout.strip() == "True", kept.stderr[-2000:]

@@ -6,12 +6,29 @@ for nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Mapping
+import sys
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from jaxrat.tracking.base import TrackerBase
+
+
+@contextlib.contextmanager
+def _without_torch() -> Iterator[None]:
+    """Import tensorboardX as if PyTorch were absent: its writer imports torch when it can only to
+    accept torch tensors, which we never pass, and that import is ~1 s of every run's start where
+    torch is installed (the reference extra). A process that already imported torch keeps it."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" raises ImportError
+    try:
+        yield
+    finally:
+        if blocked and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
 
 
 class TensorBoardTracker(TrackerBase):
@@ -20,7 +37,8 @@ class TensorBoardTracker(TrackerBase):
     name = "tensorboard"
 
     def __init__(self, workdir: str) -> None:
-        from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
+        with _without_torch():
+            from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
 
         self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
