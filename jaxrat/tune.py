@@ -84,13 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         if a.slurm or a.lsf:
             return _submit(a, p, argv, common)
         status = tune.run_worker(config, a.root, a.trials, common, metric=a.metric, mode=a.mode, seed=a.seed,
-                                 python=a.python)
+                                 python=a.python, worker_index=_worker_index(a.workdir))
         s = tune_summary.write(a.root)
         sys.stdout.write(tune_summary.markdown(s))
         return status
     except UserError as e:
         fail(str(e))
     return 2
+
+
+def _worker_index(workdir: str | None) -> int:
+    """A job-array element's index, from the ``--workdir DIR/worker-<i>`` the template passes; 0 here."""
+    name = os.path.basename(os.path.normpath(workdir or ""))
+    return int(name[len("worker-"):]) if name.startswith("worker-") and name[len("worker-"):].isdigit() else 0
 
 
 def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], common: list[str]) -> int:

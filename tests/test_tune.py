@@ -114,3 +114,18 @@ def test_slurm_dry_run_is_an_array_of_workers_on_one_study(tmp_path, capsys):
     assert "#SBATCH --array=0-1\n" in out and "-m jaxrat.tune" in out
     assert "VARIANT=worker-1; VARIANT_ARGS=(--trials=6 --seed=0)" in out
     assert "--config.train.eval_every=1" in out
+
+
+def test_workers_started_together_draw_different_parameters_and_a_rerun_the_same():
+    """Two array elements with one --seed drew identical overrides before the worker's index went
+    into the sampler's seed (seen on the local SLURM cluster: trials 0/1 and 2/3 were twins)."""
+    import optuna
+
+    from jaxrat.experiments.tune import sampler_for
+
+    def first(worker_index, trials_before=0):
+        study = optuna.create_study(sampler=sampler_for(0, worker_index, trials_before))
+        return study.ask().suggest_float("lr", 1e-5, 1e-1, log=True)
+
+    assert first(0) == first(0)
+    assert len({first(0), first(1), first(2), first(0, trials_before=4)}) == 4

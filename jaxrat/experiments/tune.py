@@ -137,6 +137,16 @@ def open_study(root: str, direction: str, seed: int = 0) -> Any:
                                direction=direction, load_if_exists=True)
 
 
+def sampler_for(seed: int, worker_index: int = 0, trials_before: int = 0) -> Any:
+    """TPE seeded from the search's ``seed``, the worker's index and the trials the study already
+    holds: the same for a rerun of the same command on the same study, different between workers."""
+    import numpy as np
+    import optuna
+
+    mixed = int(np.random.SeedSequence([seed, worker_index, trials_before]).generate_state(1)[0])
+    return optuna.samplers.TPESampler(seed=mixed, n_startup_trials=3)
+
+
 def counted(study: Any) -> list[Any]:
     """The trials that count towards ``--trials`` (all but the replaced ones)."""
     return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(REPLACED)]
@@ -262,8 +272,13 @@ def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[s
 # ------------------------------------------------------------------------------------- a worker
 
 def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), *, metric: str = "",
-               mode: str = "", seed: int = 0, python: str = sys.executable) -> int:
-    """Run trials until the study of ``root`` holds ``trials`` (replaced ones aside); exit status."""
+               mode: str = "", seed: int = 0, python: str = sys.executable, worker_index: int = 0) -> int:
+    """Run trials until the study of ``root`` holds ``trials`` (replaced ones aside); exit status.
+
+    ``worker_index`` (a job-array element's) and the trials already in the study go into the
+    sampler's seed: workers started together with one ``--seed`` drew the same parameters (two
+    elements of a SLURM array ran trials 0 and 1, and 2 and 3, with identical overrides), and so
+    did a resubmitted worker during the random start-up trials."""
     import optuna
 
     if trials < 1:
@@ -272,6 +287,7 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     space = load_search_space(config, common)
     metric, direction = objective(config, common, metric, mode)
     study = open_study(root, direction, seed)
+    study.sampler = sampler_for(seed, worker_index, len(study.trials))
     worker = f"{socket.gethostname()}-{os.getpid()}"
     beat = os.path.join(root, WORKERS_DIR, worker)
     os.makedirs(os.path.dirname(beat), exist_ok=True)
