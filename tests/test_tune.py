@@ -129,3 +129,21 @@ def test_workers_started_together_draw_different_parameters_and_a_rerun_the_same
 
     assert first(0) == first(0)
     assert len({first(0), first(1), first(2), first(0, trials_before=4)}) == 4
+
+
+@pytest.mark.parametrize("end, interrupted", [("os.kill(os.getpid(), signal.SIGTERM)", True), ("sys.exit(42)", True),
+                                              ("sys.exit(1)", False)])
+def test_a_trial_stopped_from_outside_is_interrupted_and_one_that_fails_is_failed(tmp_path, end, interrupted):
+    """scancel sends SIGTERM to the worker and its trial alike; the trial may die (or save and exit
+    42) before the worker's handler runs. That is a preemption to resume, not a failed trial."""
+    import optuna
+
+    from jaxrat.experiments.tune import Interrupted, run_trial
+
+    trial = optuna.create_study().ask()
+    cmd = [sys.executable, "-c", f"import os, signal, sys\n{end}"]
+    if interrupted:
+        with pytest.raises(Interrupted):
+            run_trial(trial, cmd, str(tmp_path / "t"), "eval/dice")
+    else:
+        assert run_trial(trial, cmd, str(tmp_path / "t"), "eval/dice") == ("failed", None)

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from jaxrat.config import check_override_args, load_config, load_config_module
 from jaxrat.errors import ConfigError, UserError
 from jaxrat.experiments.sweep import _value, train_command
@@ -225,6 +226,10 @@ class Interrupted(Exception):
     """The worker was asked to stop (SIGTERM/SIGINT): its trial is queued again."""
 
 
+# A trial's training process that ended like this was stopped from outside (its checkpoint is kept).
+PREEMPTED_STATUSES = (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGINT, -signal.SIGUSR1)
+
+
 def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[str, str] | None = None,
               stop: threading.Event | None = None) -> tuple[str, float | None]:
     """Train one trial; ("complete", value), ("pruned", last value) or ("failed", None).
@@ -262,6 +267,13 @@ def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[s
     status = proc.returncode
     if pruned:
         return "pruned", last
+    if status in PREEMPTED_STATUSES:
+        # Preempted, not failed: scancel or a job's time limit sends SIGTERM to the worker and the
+        # trial alike, and the trial can die of it (or save and exit 42) before the worker's own
+        # handler has run. Seen on the local SLURM cluster: the trial was counted as failed.
+        logging.info("tune: trial %d stopped with status %s (preempted); it resumes from its checkpoint",
+                     trial.number, status)
+        raise Interrupted()
     if status == 0 and last is not None:
         return "complete", last
     logging.warning("tune: trial %d ended with status %s%s; see %s", trial.number, status,
