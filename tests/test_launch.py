@@ -96,6 +96,8 @@ def test_lsf_script(tmp_path):
     (["--gpus-per-node", "8", "--tasks-per-node", "3"], "split evenly"),
     (["--time", "tomorrow"], "--time 'tomorrow'"),
     (["--signal-lead", "10"], "too short"),
+    (["--time", "00:05:00"], "--time 00:05:00 is not longer than --signal-lead 300 s"),
+    (["--time", "0:01:30", "--signal-lead", "120"], "not longer than --signal-lead 120 s"),
     (["--local-data", "/tmp/x"], "--stage-data"),
     (["--workdir", "$SCRATCH/run"], "cannot expand"),
     (["--workdir", "my run"], "contains spaces"),

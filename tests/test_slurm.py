@@ -386,7 +386,7 @@ def test_config_error_ends_the_job_without_requeue(slurm, tmp_path):
     """Every task exits 2 on a config error; the rendered script must not requeue it (a rerun fails alike)."""
     workdir = tmp_path / "job"
     proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--tasks-per-node", "2",
-                "--time", "00:05:00", "--job-name", JOB_NAME, "--workdir", str(workdir), "--submit", "--wait",
+                "--time", "00:10:00", "--job-name", JOB_NAME, "--workdir", str(workdir), "--submit", "--wait",
                 "--wait-timeout", "240", "--", "--config.no_such_key=1"], 300, JAX_NUM_CPU_DEVICES="1")
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     log = (workdir / f"slurm-{job}.out").read_text()

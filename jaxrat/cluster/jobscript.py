@@ -111,6 +111,12 @@ def validate(spec: JobSpec, scheduler: str) -> None:
         raise UserError(f"--time {spec.time!r} is not a duration; write HH:MM:SS or D-HH:MM:SS, e.g. 24:00:00.")
     if spec.signal_lead < 60:
         raise UserError(f"--signal-lead {spec.signal_lead} s is too short to save a checkpoint; use 60 or more.")
+    if _seconds(spec.time) <= spec.signal_lead:
+        # The scheduler would signal "time limit near" as soon as the job starts: checkpoint, stop and
+        # requeue, again and again (seen: a 5-minute test job told to stop one second after it started).
+        raise UserError(f"--time {spec.time} is not longer than --signal-lead {spec.signal_lead} s, the warning "
+                        f"before the limit that makes training checkpoint and stop; give a longer --time or a "
+                        f"shorter --signal-lead (60 s or more).")
     if re.search(r"[\s$'\"]", spec.run_dir):
         raise UserError(
             f"--workdir {spec.run_dir!r} contains spaces, quotes or '$', which #SBATCH/#BSUB lines cannot "
@@ -125,6 +131,11 @@ def validate(spec: JobSpec, scheduler: str) -> None:
         raise UserError(f"variant name {bad[0]!r} cannot name a workdir; use letters, digits, '.', '_' and '-'.")
     if spec.array and not all(0 <= i < len(spec.array) for i in spec.elements):
         raise UserError(f"array elements {list(spec.elements)} are not all among the {len(spec.array)} variants.")
+
+
+def _seconds(duration: str) -> int:
+    days, h, m, s = _TIME.match(duration).groups()  # type: ignore[union-attr]
+    return int(days or 0) * 86400 + int(h) * 3600 + int(m) * 60 + int(s or 0)
 
 
 def _minutes(duration: str) -> int:
