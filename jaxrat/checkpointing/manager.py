@@ -229,13 +229,13 @@ class Checkpointer:
         want = named_leaves(abstract_state)
         hint = (f"resume with the config this workdir was started with ({os.path.dirname(self.directory)}/config.json)"
                 f", or give this run a new workdir")
-        ema_missing = [n for n in want if n.startswith("ema_params") and n not in saved]
-        if ema_missing and len(ema_missing) == sum(n.startswith("ema_params") for n in want):
+        saved_ema, want_ema = (any(n.startswith("ema_params/") for n in names) for names in (saved, want))
+        if want_ema and not saved_ema:
             raise ConfigError(f"The checkpoint of step {step} in {self.directory} was saved without "
                               f"optimizer.ema_decay, so it holds no moving average to resume: resume with "
                               f"--config.optimizer.ema_decay=0, or start a new run in another --workdir with "
                               f"--config.init_from={os.path.dirname(self.directory)} (its weights start the average).")
-        if any(n.startswith("ema_params") for n in saved) and not any(n.startswith("ema_params") for n in want):
+        if saved_ema and not want_ema:
             raise ConfigError(f"The checkpoint of step {step} in {self.directory} holds a moving average of the "
                               f"parameters (optimizer.ema_decay was on) and this run has none: resume with the "
                               f"ema_decay of {os.path.dirname(self.directory)}/config.json, or give this run a new "

@@ -139,8 +139,7 @@ def _seconds(duration: str) -> int:
 
 
 def _minutes(duration: str) -> int:
-    days, h, m, s = _TIME.match(duration).groups()  # type: ignore[union-attr]
-    return int(days or 0) * 1440 + int(h) * 60 + int(m) + (1 if s and int(s) else 0)
+    return -(-_seconds(duration) // 60)  # started minutes count whole
 
 
 def _q(value: str) -> str:

@@ -130,7 +130,7 @@ def open_study(root: str, direction: str, seed: int = 0) -> Any:
 
     os.makedirs(root, exist_ok=True)
     storage = JournalStorage(JournalFileBackend(os.path.join(root, JOURNAL)))
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=3)
+    sampler = sampler_for(seed)
     # Pruning starts once two trials have reported; a trial is pruned at an evaluation where it is
     # worse than the median of the earlier trials at the same step.
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
