@@ -16,6 +16,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
+from file_costs import COSTS, DEFAULT  # noqa: E402
+
 # One persistent XLA compilation cache for the whole test run, shared by this process, the xdist
 # workers and every subprocess (they inherit the environment; jaxrat.compile_cache.default_dir and
 # jax's own flag both read JAX_COMPILATION_CACHE_DIR): most tests compile the same few smoke programs,
@@ -53,8 +55,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.slow)
     if hasattr(config, "workerinput"):
-        # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadfile) files are handed out in this
-        # order: the files with slow tests first, so that the last file to start is a short one and
-        # both workers finish at about the same time. Within a file the order is unchanged.
-        slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-        items.sort(key=lambda item: item.path not in slow_files)
+        # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadfile) files are handed out in the
+        # workers' collection order: longest first (tests/file_costs.py), so that the last files to
+        # start are short ones and both workers finish at about the same time.
+        items.sort(key=lambda item: -COSTS.get(item.path.name, DEFAULT))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist would otherwise hand out the files with the most tests first, undoing the order above.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False

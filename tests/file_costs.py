@@ -1,0 +1,138 @@
+"""Seconds each test file took in a full run on a 2-core machine, for handing files out longest first.
+
+``scripts/test.sh`` runs two xdist workers, one file at a time each. Started in xdist's default order
+(files with the most tests first), the one-test fuzz and cluster files came last and one worker ran
+alone for minutes at the end. tests/conftest.py hands files out longest first from this table
+(a file not in it counts as ``DEFAULT``), which leaves the two workers finishing together.
+The numbers only steer the order; a stale table makes the run slower, never wrong. Regenerate after
+adding or reshaping slow tests::
+
+    bash scripts/test.sh --junitxml=/tmp/junit.xml
+    python tests/file_costs.py /tmp/junit.xml
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+from xml.etree import ElementTree
+
+DEFAULT = 10.0
+
+COSTS = {
+    "test_reduction_shards.py": 320,
+    "test_slurm.py": 270,
+    "test_task_runs.py": 189,
+    "test_window_attention.py": 139,
+    "test_rat_demos.py": 123,
+    "test_chaos.py": 114,
+    "test_kernel_policy.py": 104,
+    "test_rat_parity.py": 91,
+    "test_sga.py": 87,
+    "test_checkpoint_kill.py": 85,
+    "test_preempt_multiprocess.py": 83,
+    "test_detection_task.py": 83,
+    "test_colabs.py": 75,
+    "test_training.py": 72,
+    "test_multiprocess.py": 71,
+    "test_predict.py": 60,
+    "test_init_from.py": 51,
+    "test_rat_model.py": 51,
+    "test_dead_peer.py": 50,
+    "test_strided_conv.py": 49,
+    "test_gpu_bench.py": 46,
+    "test_data_readonly.py": 43,
+    "test_gpu_kernels.py": 42,
+    "test_tune_runs.py": 40,
+    "test_ema.py": 38,
+    "test_train_step.py": 37,
+    "test_together.py": 37,
+    "test_predict_tasks.py": 35,
+    "test_workdir_runs.py": 34,
+    "test_autotune.py": 33,
+    "test_tracking_runs.py": 30,
+    "test_folds_run.py": 25,
+    "test_classification.py": 25,
+    "test_strip_conv.py": 24,
+    "test_preempt.py": 24,
+    "test_detection_losses.py": 23,
+    "test_worker_shutdown.py": 22,
+    "test_cli_errors.py": 21,
+    "test_step_profile.py": 20,
+    "test_isic_eval.py": 19,
+    "test_robustness.py": 19,
+    "test_ema_runs.py": 17,
+    "test_early_stop.py": 16,
+    "test_rose.py": 15,
+    "test_full_disk.py": 14,
+    "test_detection_matching.py": 14,
+    "test_sweep_run.py": 14,
+    "test_evaluate.py": 12,
+    "test_coco_step.py": 12,
+    "test_checkpoint_faults.py": 12,
+    "test_task_interface.py": 11,
+    "test_download.py": 9,
+    "test_distributed_init.py": 8,
+    "test_layers.py": 8,
+    "test_data_training.py": 7,
+    "test_workdir.py": 7,
+    "test_segmentation_task.py": 7,
+    "test_checkpoint.py": 6,
+    "test_data_badfiles.py": 5,
+    "test_attention_blocks.py": 4,
+    "test_docs.py": 4,
+    "test_sweep.py": 4,
+    "test_tracking.py": 4,
+    "test_gpu_lowering.py": 3,
+    "test_tune.py": 2,
+    "test_folds.py": 2,
+    "test_torch_import.py": 2,
+    "test_report.py": 2,
+    "test_data_sources.py": 2,
+    "test_input_feed.py": 2,
+    "test_checkpoint_snapshot.py": 2,
+    "test_cli_noise.py": 1,
+    "test_launch.py": 1,
+    "test_distributed_mpi.py": 1,
+    "test_staging.py": 0,
+    "test_sharding.py": 0,
+    "test_isic_data.py": 0,
+    "test_layout.py": 0,
+    "test_peers.py": 0,
+    "test_coco.py": 0,
+    "test_data_transforms.py": 0,
+    "test_fileio.py": 0,
+    "test_hugepages.py": 0,
+    "test_benchmarks_runner.py": 0,
+    "test_distributed.py": 0,
+    "test_writers.py": 0,
+    "test_compile_cache.py": 0,
+    "test_gpu_precision.py": 0,
+}
+
+
+def costs_from_junit(path: str) -> dict[str, float]:
+    """Test file name -> total seconds of its tests in a pytest junit XML report."""
+    totals: dict[str, float] = defaultdict(float)
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").split(".")
+        name = next((part for part in module if part.startswith("test_")), None)
+        if name:
+            totals[f"{name}.py"] += float(case.get("time") or 0.0)
+    return dict(totals)
+
+
+def _rewrite(costs: dict[str, float]) -> None:
+    here = Path(__file__)
+    text = here.read_text()
+    head, _, rest = text.partition("COSTS = {\n")
+    _, _, tail = rest.partition("}\n")
+    rows = "".join(f'    "{name}": {seconds:.0f},\n' for name, seconds in sorted(costs.items(), key=lambda kv: -kv[1]))
+    here.write_text(f"{head}COSTS = {{\n{rows}}}\n{tail}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/file_costs.py JUNIT_XML")
+    _rewrite(costs_from_junit(sys.argv[1]))
