@@ -12,18 +12,13 @@ from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
 from jaxrat.ops.chunked_attention import softmax_attention
 from jaxrat.ops.windowed_attention import multires_attention
-from model_configs import rat_model
-
-TINY = dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, decoder_dim=8, mlp_dropout=0.0)
+from model_configs import TINY_IMAGES, rat_model
+from model_configs import TINY_RAT as TINY
+from model_configs import mean_square_and_grads as loss_and_grads
 
 
 def build(**fields):
     return build_model(rat_model(num_classes=1, **(TINY | fields)), rngs=nnx.Rngs(0))
-
-
-@nnx.jit
-def loss_and_grads(model, x):
-    return nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
 
 
 def _allowed(segments, window):
@@ -64,7 +59,7 @@ def test_windowed_matches_a_masked_dense_attention():
 
 
 def test_window_covering_every_grid_equals_global():
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 24, 20, 3))
+    x = jax.random.normal(jax.random.PRNGKey(0), TINY_IMAGES)
     for extra in ({}, dict(scales=(24, 12))):
         ref_loss, ref_grads = loss_and_grads(build(**extra), x)
         # first grid 8x7: a window of 8 covers it, so nothing is tiled
@@ -78,7 +73,7 @@ def test_window_covering_every_grid_equals_global():
     "extra", [{}, dict(scales=(24, 12)), dict(attention="sparse")], ids=["single", "pyramid", "sparse"]
 )
 def test_small_window_shapes_and_finite_gradients(extra):
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 24, 20, 3))
+    x = jax.random.normal(jax.random.PRNGKey(0), TINY_IMAGES)
     model = build(mr_attention="windowed", mr_window=3, **extra)
     model.eval()
     y = nnx.jit(lambda m, x: m(x))(model, x)
@@ -96,7 +91,7 @@ def test_windowed_imports_the_same_weights():
 
 
 def test_block_remat_changes_nothing_but_memory():
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 24, 20, 3))
+    x = jax.random.normal(jax.random.PRNGKey(0), TINY_IMAGES)
     for extra in (dict(attention="sparse", mr_attention="windowed", mr_window=3, scales=(24, 12)),):
         ref_loss, ref_grads = loss_and_grads(build(**extra), x)
         loss, grads = loss_and_grads(build(remat="blocks", **extra), x)
