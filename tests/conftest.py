@@ -12,12 +12,7 @@ import tempfile
 
 import pytest
 
-# XLA's CPU collectives abort the whole process when a rendezvous waits 40 s (their default). A
-# test worker once died with "Fatal Python error: Aborted" while 8 device threads shared 2 busy
-# cores; this abort is the suspected cause (not confirmed). Waiting longer changes no result, and
-# pytest-timeout still ends a real hang.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
