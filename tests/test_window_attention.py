@@ -12,13 +12,11 @@ from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
 from jaxrat.ops.chunked_attention import softmax_attention
 from jaxrat.ops.windowed_attention import multires_attention
-from model_configs import TINY_IMAGES, rat_model
-from model_configs import TINY_RAT as TINY
-from model_configs import mean_square_and_grads as loss_and_grads
+from model_configs import TINY_IMAGES, TINY_RAT, mean_square_and_grads, rat_model
 
 
 def build(**fields):
-    return build_model(rat_model(num_classes=1, **(TINY | fields)), rngs=nnx.Rngs(0))
+    return build_model(rat_model(num_classes=1, **(TINY_RAT | fields)), rngs=nnx.Rngs(0))
 
 
 def _allowed(segments, window):
@@ -61,9 +59,9 @@ def test_windowed_matches_a_masked_dense_attention():
 def test_window_covering_every_grid_equals_global():
     x = jax.random.normal(jax.random.PRNGKey(0), TINY_IMAGES)
     for extra in ({}, dict(scales=(24, 12))):
-        ref_loss, ref_grads = loss_and_grads(build(**extra), x)
+        ref_loss, ref_grads = mean_square_and_grads(build(**extra), x)
         # first grid 8x7: a window of 8 covers it, so nothing is tiled
-        loss, grads = loss_and_grads(build(mr_attention="windowed", mr_window=8, **extra), x)
+        loss, grads = mean_square_and_grads(build(mr_attention="windowed", mr_window=8, **extra), x)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
@@ -78,9 +76,9 @@ def test_small_window_shapes_and_finite_gradients(extra):
     model.eval()
     y = nnx.jit(lambda m, x: m(x))(model, x)
     assert y.shape == (2, 24, 20, 1)
-    loss, grads = loss_and_grads(model, x)
+    loss, grads = mean_square_and_grads(model, x)
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(grads))
-    ref_loss, _ = loss_and_grads(build(**extra), x)
+    ref_loss, _ = mean_square_and_grads(build(**extra), x)
     assert not np.allclose(loss, ref_loss)  # a 3-token window really restricts the first block
 
 
@@ -93,8 +91,8 @@ def test_windowed_imports_the_same_weights():
 def test_block_remat_changes_nothing_but_memory():
     x = jax.random.normal(jax.random.PRNGKey(0), TINY_IMAGES)
     for extra in (dict(attention="sparse", mr_attention="windowed", mr_window=3, scales=(24, 12)),):
-        ref_loss, ref_grads = loss_and_grads(build(**extra), x)
-        loss, grads = loss_and_grads(build(remat="blocks", **extra), x)
+        ref_loss, ref_grads = mean_square_and_grads(build(**extra), x)
+        loss, grads = mean_square_and_grads(build(remat="blocks", **extra), x)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
