@@ -3,7 +3,7 @@
     python benchmarks/attention_blocks.py                    # ISIC shapes at 128 px, this device
     python benchmarks/attention_blocks.py --size 256 --dtype bfloat16   # e.g. on a GPU
 
-``jaxrat/ops/chunked_attention.py`` streams each (batch x head) slice's keys in chunks so that one
+``jaxrat/ops/portable/chunked_attention.py`` streams each (batch x head) slice's keys in chunks so that one
 (queries x key-chunk) block holds at most ``max_block_elements`` values; small slices (the windowed
 multi-resolution attention's tiles) are batched until a block holds that many. That one number
 trades cache locality (small blocks) against loop overhead and parallelism (large blocks), and its
@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from step_profile import matmul_flops_per_s
 
 from jaxrat import ops
-from jaxrat.ops import chunked_attention as C
 from jaxrat.ops.cpu import cache as cpu_cache
+from jaxrat.ops.portable import chunked_attention as C
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -52,8 +52,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hlo_calls import fused_attention_calls  # noqa: E402
+
 from jaxrat.config import load_config  # noqa: E402
-from jaxrat.ops.gpu import dense_sga, fused_attention_calls, multires_attention, why_not  # noqa: E402
+from jaxrat.ops.gpu import dense_sga, multires_attention, why_not  # noqa: E402
 
 FORMS = ("fused", "fallback", "portable")
 KERNELS = ("dense_sga", "sparse_sga", "mr_global", "mr_windowed")
@@ -94,7 +96,7 @@ def kernel_cases(geom: dict[str, Any], dtype: Any, forms: tuple[str, ...]) -> di
     from jaxrat.ops import PORTABLE
     from jaxrat.ops.attention import grouping_attention
     from jaxrat.ops.attention import multires_attention as policy_mr
-    from jaxrat.ops.sparse_sga import Geometry, sparse_blocks, sparse_update
+    from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_update
 
     portable_mr = lambda q, k, v, segments, window: policy_mr(q, k, v, segments, window, PORTABLE)
 

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxrat import hugepages
+from jaxrat.runtime import hugepages
 
 DIMS = dict(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1, attention="sparse")
 VARIANTS = {
@@ -121,7 +121,7 @@ def _spawn(variant: str, size: int, reps: int, timed: bool, components: bool, ti
     cmd = [sys.executable, __file__, "--child", variant, "--size", str(size), "--reps", str(reps)]
     cmd += (["--timed"] if timed else []) + (["--components"] if components else [])
     try:
-        # the environment a training process runs in: huge pages for malloc (jaxrat/hugepages.py)
+        # the environment a training process runs in: huge pages for malloc (jaxrat/runtime/hugepages.py)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=hugepages.environ())
     except subprocess.TimeoutExpired:
         return dict(variant=variant, size=size, error=f"timeout after {timeout}s")

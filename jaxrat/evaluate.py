@@ -22,9 +22,9 @@ import os
 
 from absl import flags
 
-from jaxrat.cli import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
-from jaxrat.errors import UserError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.console import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
+from jaxrat.runtime.errors import UserError
+from jaxrat.runtime.fileio import write_json
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_string("step", "latest", "Checkpoint to evaluate: a step number, 'best' or 'latest'.")

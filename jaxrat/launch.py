@@ -32,7 +32,7 @@ from jaxrat.cluster.jobscript import (  # noqa: F401  (re-exported: the renderer
     submit,
     validate,
 )
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 
 def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:

@@ -12,10 +12,10 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrat import hugepages, platform_hint
-from jaxrat.cli import fail, quiet_libraries
 from jaxrat.config import check_override_args
-from jaxrat.errors import UserError
+from jaxrat.runtime import hugepages, platform_hint
+from jaxrat.runtime.console import fail, quiet_libraries
+from jaxrat.runtime.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :variant.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the resolved config go.")
@@ -26,8 +26,9 @@ def main(argv: list[str]) -> None:
     """Initialise the distributed runtime, then train and evaluate."""
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from jaxrat import cluster, compile_cache  # before anything that touches JAX devices
+    from jaxrat import cluster
     from jaxrat.parallel.cpu_client import pin_cpu_parallelism
+    from jaxrat.runtime import compile_cache  # before anything that touches JAX devices
 
     quiet_libraries()
     config = _CONFIG.value
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.main``)."""
-    hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/hugepages.py)
+    hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/runtime/hugepages.py)
     try:
         check_override_args(sys.argv[1:])
     except UserError as e:

@@ -17,8 +17,8 @@ import logging
 
 from absl import flags
 
-from jaxrat.cli import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
-from jaxrat.errors import UserError
+from jaxrat.runtime.console import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
+from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_string("step", "latest", "Checkpoint: a step number, 'best' or 'latest'.")

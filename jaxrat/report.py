@@ -12,8 +12,8 @@ import argparse
 import os
 import sys
 
-from jaxrat.cli import fail
-from jaxrat.errors import UserError
+from jaxrat.runtime.console import fail
+from jaxrat.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

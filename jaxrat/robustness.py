@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from jaxrat.cli import fail, quiet_libraries, run_with_config_overrides
-from jaxrat.errors import UserError
+from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
+from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
 _SIZES = flags.DEFINE_string("sizes", None, "Input sizes in pixels, comma-separated, e.g. 128,192,256,384,512.")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxrat.cli import fail
-from jaxrat.errors import UserError
 from jaxrat.experiments.summary import report
+from jaxrat.runtime.console import fail
+from jaxrat.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

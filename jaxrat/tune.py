@@ -22,9 +22,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from jaxrat.cli import fail
 from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
-from jaxrat.errors import UserError
+from jaxrat.runtime.console import fail
+from jaxrat.runtime.errors import UserError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse.ArgumentParser]:

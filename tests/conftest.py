@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from file_costs import COSTS, DEFAULT  # noqa: E402
 
 # One persistent XLA compilation cache for the whole test run, shared by this process, the xdist
-# workers and every subprocess (they inherit the environment; jaxrat.compile_cache.default_dir and
+# workers and every subprocess (they inherit the environment; jaxrat.runtime.compile_cache.default_dir and
 # jax's own flag both read JAX_COMPILATION_CACHE_DIR): most tests compile the same few smoke programs,
 # each in a fresh process, so all but the first compile become cache reads. Every entry is cached, not
 # only the slow ones, because a test run is made of many small compiles. A fresh folder per run keeps

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer import autotune
 

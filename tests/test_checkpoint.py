@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule, inspect, load_init, store
 from jaxrat.cluster import PreemptionWatch, preemption
-from jaxrat.errors import ConfigError, UserError
+from jaxrat.runtime.errors import ConfigError, UserError
 
 
 def _mesh(n=8):
@@ -117,8 +117,8 @@ def test_init_from_loads_params_or_also_optimizer_onto_new_shardings(tmp_path):
 def test_init_from_with_optimizer_restarts_the_schedule_and_keeps_the_moments(tmp_path):
     import ml_collections as mlc
 
+    from jaxrat.runtime.tree_paths import named_leaves
     from jaxrat.trainer.optimizer import make_optimizer
-    from jaxrat.tree_paths import named_leaves
 
     cfg = mlc.ConfigDict(dict(learning_rate=1e-2, warmup_steps=10, end_learning_rate_factor=0.01, clip_norm=1.0,
                               b1=0.9, b2=0.999, weight_decay=0.05))

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat.checkpointing import Checkpointer, Policy, inspect, store
 from jaxrat.checkpointing.recovery import is_disk_full
-from jaxrat.errors import CheckpointError, ConfigError
+from jaxrat.runtime.errors import CheckpointError, ConfigError
 
 
 def _mesh(n=8):

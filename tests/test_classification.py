@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 from sklearn import metrics as skm
 
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.class_weights import class_weights
 from jaxrat.tasks.classification import ClassificationTask, head_metrics
 from jaxrat.tasks.mixing import mix_batch

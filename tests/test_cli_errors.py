@@ -11,7 +11,7 @@ from jaxrat.config import check_override_args
 from jaxrat.data import badfiles
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from runner import SMOKE, read_metrics, run_main
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from jaxrat.cli import _DropClosedLoopTracebacks
+from jaxrat.runtime.console import _DropClosedLoopTracebacks
 
 NOISE = ('Traceback (most recent call last):\n'
          '  File "/usr/lib/python3.11/asyncio/base_events.py", line 806, in call_soon_threadsafe\n'
@@ -68,7 +68,7 @@ def test_tensorstore_callbacks_on_a_closed_loop_print_nothing():
     script = textwrap.dedent("""
         import asyncio, sys, time
         import tensorstore as ts
-        from jaxrat.cli import _DropClosedLoopTracebacks
+        from jaxrat.runtime.console import _DropClosedLoopTracebacks
         sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
         for _ in range(3):
             promise, future = ts.Promise.new()
@@ -95,7 +95,7 @@ def test_a_library_error_logged_after_the_sentence_is_dropped_so_the_sentence_st
     script = textwrap.dedent("""
         import logging, threading
         from absl import app
-        from jaxrat import cli
+        from jaxrat.runtime import console as cli
 
         def main(argv):
             cli.quiet_libraries()

@@ -10,7 +10,7 @@ from jaxrat.data import pipeline
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import coco
 from jaxrat.data.synthetic import coco as synthetic_coco
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 from jaxrat.tasks.detection import coco_eval
 
 

@@ -5,7 +5,7 @@ import os
 import jax
 import pytest
 
-from jaxrat import compile_cache
+from jaxrat.runtime import compile_cache
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from jaxrat.data import badfiles, imageio, pipeline, staging
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.errors import ConfigError, DataError
+from jaxrat.runtime.errors import ConfigError, DataError
 
 TRAIN_IMG, TRAIN_MASK = isic.SPLIT_FOLDERS["train"]
 

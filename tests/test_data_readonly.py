@@ -17,7 +17,7 @@ from jaxrat.data import datasets, pipeline, staging
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 from runner import REPO, run_main
 
 ISIC_CONFIG = os.path.join(REPO, "configs", "isic.py")

@@ -10,7 +10,7 @@ from jaxrat.data import pipeline
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import folder, isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 
 def _img(path, value, size=(6, 5)):

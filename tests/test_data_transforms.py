@@ -5,7 +5,7 @@ import pytest
 
 from jaxrat.data import pipeline
 from jaxrat.data import transforms as T
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 
 def _example(h=40, w=60, box=(10, 8, 30, 20)):

@@ -14,12 +14,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.tree_paths import named_leaves
 from jaxrat.tasks.base import load_task
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES
-from jaxrat.tree_paths import named_leaves
 from runner import losses_by_step, read_metrics, run_main
 
 CONFIG = "configs/coco.py"

@@ -14,7 +14,7 @@ import pytest
 from jaxrat import cluster as D
 from jaxrat.cluster.init import _preflight
 from jaxrat.cluster.launchers import expand_hostlist, expand_tasks_per_node
-from jaxrat.errors import ConfigError, UserError
+from jaxrat.runtime.errors import ConfigError, UserError
 
 
 def slurm_step(**over: str) -> dict[str, str]:

@@ -37,7 +37,7 @@ import sys
 import pytest
 
 from jaxrat.config import base_config, flatten, load_config
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_FILES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]

@@ -17,7 +17,7 @@ from PIL import Image
 
 from jaxrat.data import download
 from jaxrat.data.sources import isic
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 from runner import kill_when_ready
 
 MAX_REQUESTS = 60  # the server answers at most this many requests

@@ -7,8 +7,8 @@ import pytest
 
 from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
 from jaxrat.experiments.sweep import run_state
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer.early_stop import EarlyStop
 from runner import read_metrics, run_main

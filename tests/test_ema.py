@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer.loop import to_global
 from jaxrat.trainer.optimizer import ema_decay_at, ema_enabled

@@ -1,4 +1,4 @@
-"""Files written whole or not at all (jaxrat.fileio): the old file survives every failure, no
+"""Files written whole or not at all (jaxrat.runtime.fileio): the old file survives every failure, no
 temporary is left behind, concurrent writers never share a temporary, permissions are open()'s."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 
-from jaxrat import fileio
+from jaxrat.runtime import fileio
 
 
 def _leftovers(folder) -> list[str]:

@@ -15,8 +15,8 @@ from scipy import stats as sps
 
 from jaxrat.config import load_config
 from jaxrat.data import datasets, folds
-from jaxrat.errors import ConfigError
 from jaxrat.experiments import stats, summary, sweep
+from jaxrat.runtime.errors import ConfigError
 from test_sweep import fake_run
 
 REPO = Path(__file__).resolve().parents[1]

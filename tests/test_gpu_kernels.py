@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from jaxrat.ops.attention import grouping_attention_reference
-from jaxrat.ops.chunked_attention import softmax_attention
 from jaxrat.ops.gpu import (
     choose_implementation,
     dense_sga,
@@ -22,7 +21,8 @@ from jaxrat.ops.gpu import (
     multires_attention,
     why_not,
 )
-from jaxrat.ops.windowed_attention import multires_attention as cpu_multires
+from jaxrat.ops.portable.chunked_attention import softmax_attention
+from jaxrat.ops.portable.windowed_attention import multires_attention as cpu_multires
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
 

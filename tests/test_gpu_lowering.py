@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrat.ops.gpu import dense_sga, fused_attention, fused_attention_calls, masked_attention, multires_attention
+from benchmark_scripts import load
+from jaxrat.ops.gpu import dense_sga, fused_attention, masked_attention, multires_attention
+
+fused_attention_calls = load("hlo_calls").fused_attention_calls
 
 FWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmax\(")
 BWD = re.compile(r"custom_call @__cudnn\$fmhaSoftmaxBackward\(")

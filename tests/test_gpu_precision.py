@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.trainer.state import resolve_compute_dtype
 from runner import REPO
 

@@ -1,4 +1,4 @@
-"""Huge pages for malloc in training processes (jaxrat.hugepages): when they are asked for, and the re-exec."""
+"""Huge pages for malloc in training processes (jaxrat.runtime.hugepages): when they are asked for, and the re-exec."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxrat import hugepages, platform_hint
+from jaxrat.runtime import hugepages, platform_hint
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_the_process_reexecutes_itself_once_with_its_own_command_line(tmp_path):
     script.write_text(
         "import os, sys\n"
         "print('start', os.getpid(), flush=True)\n"
-        "from jaxrat import hugepages\n"
+        "from jaxrat.runtime import hugepages\n"
         "hugepages.reexec_if_wanted()\n"
         "print('env', os.environ.get('GLIBC_TUNABLES'), sys.flags.optimize, sys.argv[1:])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXRAT_HUGEPAGES",

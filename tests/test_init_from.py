@@ -13,7 +13,7 @@ import pytest
 
 from jaxrat.checkpointing import Checkpointer, Policy, load_init
 from jaxrat.checkpointing.init_from import merge_params
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from test_checkpoint import _abstract, _mesh, _state
 
 

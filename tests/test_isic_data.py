@@ -7,7 +7,7 @@ from PIL import Image
 from jaxrat.data import pipeline
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 
 @pytest.fixture(scope="module")

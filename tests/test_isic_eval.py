@@ -14,7 +14,7 @@ from PIL import Image
 from jaxrat.config import load_config
 from jaxrat.data import pipeline
 from jaxrat.data.pipeline import ExampleSource
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks import segmentation
 from jaxrat.tasks.segmentation_metrics import JACCARD_THRESHOLD
 

@@ -18,11 +18,11 @@ from flax import nnx
 
 from jaxrat import ops
 from jaxrat.config import check_override_args, load_config
-from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
 from jaxrat.models.rat.config import field_names
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
 from jaxrat.trainer.step import make_train_step
@@ -125,7 +125,9 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
     """The ISIC RAT train step at 256 px with the gpu policy, lowered for CUDA on this CPU machine: every
     attention a cuDNN call (backward calls counted against the model's attention layers), no while loop
     from chunking, the large matmuls in bfloat16."""
-    from jaxrat.ops.gpu import fused_attention_calls
+    from benchmark_scripts import load
+
+    fused_attention_calls = load("hlo_calls").fused_attention_calls
 
     spec, step, batch = _isic_step("gpu", 256, devices=1, dtype="bfloat16", attention=attention,
                                    mr_attention=mr_attention)
@@ -141,7 +143,9 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
 def test_the_gpu_coco_rat_detr_step_is_fused_attention(cudnn_version):
     """The COCO RAT-DETR step (800 px, its real config) lowered for CUDA with the gpu policy: the RAT's
     windowed MR blocks and the decoder's self- and cross-attention are cuDNN calls, with no loop."""
-    from jaxrat.ops.gpu import fused_attention_calls
+    from benchmark_scripts import load
+
+    fused_attention_calls = load("hlo_calls").fused_attention_calls
 
     config = load_config("configs/coco.py")
     config.model.kernels = "gpu"

@@ -16,10 +16,9 @@ LAYERS = {
     "trainer": 4, "experiments": 4,
     "tasks": 3,
     "models": 2, "data": 2,
-    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config": 1, "compile_cache": 1, "cli": 1,
+    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config": 1,
     "ops": 1,
-    "hugepages": 1,
-    "errors": 0, "tree_paths": 0, "platform_hint": 0, "fileio": 0,
+    "runtime": 0,
 }
 MAX_LINES = 420
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrat.errors import ConfigError
 from jaxrat.models import available_models, build_model
 from jaxrat.models.rat import RATConfig, ResolutionAwareTransformer
+from jaxrat.runtime.errors import ConfigError
 from model_configs import rat_model
 
 TINY = dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, decoder_dim=8)

@@ -82,8 +82,8 @@ def test_table_relative_changes_and_markdown():
 
 
 def test_sizes_and_spacings_are_parsed_with_one_sentence_errors():
-    from jaxrat.errors import ConfigError
     from jaxrat.experiments.robustness import parse_sizes, parse_spacings
+    from jaxrat.runtime.errors import ConfigError
 
     assert parse_sizes("128, 192,256,128") == [128, 192, 256]
     assert parse_spacings("1,1.5,2") == [1.0, 1.5, 2.0]
@@ -101,7 +101,7 @@ def test_eval_spacing_coarsens_the_image_only():
     from jaxrat.config import base_config
     from jaxrat.data import pipeline
     from jaxrat.data import transforms as T
-    from jaxrat.errors import ConfigError
+    from jaxrat.runtime.errors import ConfigError
 
     checker = (np.indices((16, 16)).sum(0) % 2 * 255).astype(np.uint8)
     ex = {"image": np.repeat(checker[..., None], 3, -1), "mask": checker.copy()}

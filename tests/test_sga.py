@@ -12,10 +12,10 @@ from jaxrat import ops
 from jaxrat.models.rat.config import RATConfig
 from jaxrat.models.rat.sga import SpatialGroupingAttention as _SGA
 from jaxrat.ops import attention as A
-from jaxrat.ops import chunked_attention as C
 from jaxrat.ops.cpu import cache as cpu_cache
 from jaxrat.ops.policy import DEFAULT_BLOCK_ELEMENTS
-from jaxrat.ops.sparse_sga import (
+from jaxrat.ops.portable import chunked_attention as C
+from jaxrat.ops.portable.sparse_sga import (
     Geometry,
     scatter_window_map,
     sparse_blocks,

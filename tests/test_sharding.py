@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrat.errors import ConfigError
 from jaxrat.parallel import sharding
 from jaxrat.parallel.mesh import axis_sizes, make_mesh
+from jaxrat.runtime.errors import ConfigError
 
 
 def test_axis_sizes():

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from jaxrat.data import staging
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 from runner import kill_when_ready
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from jaxrat.cluster.jobscript import JobSpec, index_ranges, render
 from jaxrat.config import flatten, load_config
-from jaxrat.errors import ConfigError, UserError
 from jaxrat.experiments import summary, sweep
+from jaxrat.runtime.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "tests/toy/sweep_config.py"

@@ -8,7 +8,7 @@ import ml_collections as mlc
 import numpy as np
 import pytest
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tracking.base import TrackerBase, flatten
 from jaxrat.tracking.writers import MetricWriter, check_tracking, open_trackers
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxrat.config import load_config
-from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer.loop import check_batch_sizes, to_global
 from jaxrat.trainer.state import make_state_spec

@@ -11,9 +11,9 @@ from pathlib import Path
 import optuna
 import pytest
 
-from jaxrat.errors import ConfigError
 from jaxrat.experiments import tune, tune_summary
 from jaxrat.experiments.sweep import load_sweep
+from jaxrat.runtime.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "tests/toy/sweep_config.py"

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrat.errors import ConfigError
 from jaxrat.models import build_model
-from jaxrat.ops.chunked_attention import softmax_attention
-from jaxrat.ops.windowed_attention import multires_attention
+from jaxrat.ops.portable.chunked_attention import softmax_attention
+from jaxrat.ops.portable.windowed_attention import multires_attention
+from jaxrat.runtime.errors import ConfigError
 from model_configs import TINY_IMAGES, TINY_RAT, mean_square_and_grads, rat_model
 
 

@@ -12,8 +12,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxrat.checkpointing import store
-from jaxrat.errors import ConfigError
-from jaxrat.tree_paths import named_leaves, path_name
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.tree_paths import named_leaves, path_name
 
 
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
@@ -25,7 +25,7 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     ``spec`` is ``PATH[:STEP|:best|:latest]`` (a jaxrat run) or a ``.npz`` of parameters by path
     (``python -m jaxrat.models.torch_import``); arrays land on the shardings of ``abstract_state``.
     ``include``/``exclude``: regexes searched in parameter paths (``backbone/...``, as
-    :func:`jaxrat.tree_paths.named_leaves` spells them): only included, not excluded ones load.
+    :func:`jaxrat.runtime.tree_paths.named_leaves` spells them): only included, not excluded ones load.
     ``strict``: every parameter must load (a shape difference, or a parameter one side lacks, ends
     with a ConfigError naming it). Otherwise ``params`` holds only the parameters that loaded
     (merge them into a fresh state with :func:`merge_params`) and the log lists the others, which

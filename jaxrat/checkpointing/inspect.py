@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from jaxrat.checkpointing import store
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 MAX_METRIC_COLUMNS = 4
 

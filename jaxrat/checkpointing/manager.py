@@ -9,7 +9,7 @@ nothing is unpickled or executed on restore.
 
 Faults: a checkpoint that cannot be read back (truncated or corrupt files, or arrays whose digest
 differs from the one stored at save) is moved to ``damaged/`` and the next older one restored; a
-save that fails because the disk is full raises :class:`~jaxrat.errors.CheckpointError` after
+save that fails because the disk is full raises :class:`~jaxrat.runtime.errors.CheckpointError` after
 removing the failed step's folder, leaving the previous checkpoints as they were.
 """
 
@@ -30,9 +30,9 @@ from etils import epath
 from jaxrat.checkpointing import digest, recovery, store
 from jaxrat.checkpointing.schedule import Policy, metric_fn, preservation
 from jaxrat.checkpointing.snapshot import FrozenDataState, Snapshotter, use_distributed_barriers
-from jaxrat.errors import CheckpointError, ConfigError
-from jaxrat.fileio import write_json
-from jaxrat.tree_paths import named_leaves
+from jaxrat.runtime.errors import CheckpointError, ConfigError
+from jaxrat.runtime.fileio import write_json
+from jaxrat.runtime.tree_paths import named_leaves
 
 
 class _Manager(ocp.CheckpointManager):

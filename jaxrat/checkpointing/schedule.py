@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 BEST_FILE = "best.json"  # {"step", "metric", "mode", "value"}: written by process 0 after commits
 COMMIT_FILE = "commit_success.txt"

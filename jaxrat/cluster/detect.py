@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrat.cluster.launchers import KNOWN, NO_COORDINATOR, ClusterSpec, find_launcher, read_launcher
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 LAUNCHERS = ("auto", "single", "explicit", *KNOWN)
 

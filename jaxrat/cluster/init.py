@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxrat.cluster import peers
 from jaxrat.cluster.detect import ClusterSpec, config_field, detect, positive_int
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 logger = logging.getLogger(__name__)
 

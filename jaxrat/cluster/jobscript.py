@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 SCHEDULERS = ("slurm", "lsf")
 _TEMPLATES = {"slurm": "slurm.sbatch", "lsf": "lsf.bsub"}

@@ -12,7 +12,7 @@ import re
 import zlib
 from collections.abc import Callable, Mapping
 
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 # jax picks coordinator ports in [61440, 65535], above Linux's ephemeral range; so do we.
 _PORT_BASE, _PORT_SPAN = 61440, 4096

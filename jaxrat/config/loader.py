@@ -9,7 +9,7 @@ from typing import Any
 
 import ml_collections as mlc
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 
 def load_config(spec: str) -> mlc.ConfigDict:

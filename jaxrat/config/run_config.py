@@ -10,7 +10,7 @@ from typing import Any
 import ml_collections as mlc
 
 from jaxrat.config.loader import flatten
-from jaxrat.errors import ConfigError, UserError
+from jaxrat.runtime.errors import ConfigError, UserError
 
 
 def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:

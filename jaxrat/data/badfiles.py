@@ -13,7 +13,7 @@ is handled in two deterministic places, identically on every host:
    stream* (global index ``i`` -> ``i+1`` -> ...), which depends only on (seed, i) and the
    files, never on the host, the worker count or timing. Eval marks such an element invalid.
 
-Under ``fail`` both places raise :class:`~jaxrat.errors.DataError` naming the file and the
+Under ``fail`` both places raise :class:`~jaxrat.runtime.errors.DataError` naming the file and the
 problem. Under ``skip`` each bad file is logged with a running count and appended (once) to
 ``WORKDIR/skipped_files.txt`` by process 0.
 """
@@ -27,7 +27,7 @@ import os
 import threading
 
 from jaxrat.data.imageio import BadFileError
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 POLICIES = ("fail", "skip")
 SKIPPED_FILES_NAME = "skipped_files.txt"

@@ -22,7 +22,7 @@ from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 SEGMENTATION_DATASETS = ("isic2018",)
 SOURCES = ("files", "tfds")

@@ -31,8 +31,8 @@ import urllib.error
 import urllib.request
 import zipfile
 
-from jaxrat.errors import DataError, UserError
-from jaxrat.fileio import move_into_place, write_json
+from jaxrat.runtime.errors import DataError, UserError
+from jaxrat.runtime.fileio import move_into_place, write_json
 
 _STATE = ".jaxrat_downloads.json"
 _CHUNK = 1 << 20

@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxrat.errors import ConfigError, DataError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.errors import ConfigError, DataError
+from jaxrat.runtime.fileio import write_json
 
 
 def settings(data_cfg: Any) -> tuple[int, int, int, str]:

@@ -16,7 +16,7 @@ from typing import Union
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 _FIX = "replace or delete the file (or re-download the dataset), or set --config.data.on_bad_file=skip"
 # Modes that carry more than 8 bits per sample: rescaled to 8 bits rather than clipped.

@@ -31,7 +31,7 @@ from jaxrat.data.imageio import BadFileError
 from jaxrat.data.process_rows import ProcessRows
 from jaxrat.data.sources.isic import DecodePair
 from jaxrat.data.workers import finish_shared_memory_unlinks, worker_ignores_job_signals
-from jaxrat.errors import ConfigError, DataError
+from jaxrat.runtime.errors import ConfigError, DataError
 
 IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
 IMAGENET_STD = np.array(T.IMAGENET_STD, np.float32)

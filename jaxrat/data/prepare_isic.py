@@ -15,7 +15,7 @@ import os
 import sys
 
 from jaxrat.data.sources import isic_arrayrecord
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:

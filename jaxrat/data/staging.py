@@ -18,8 +18,8 @@ import shutil
 import stat
 import time
 
-from jaxrat.errors import DataError
-from jaxrat.fileio import move_into_place, write_json
+from jaxrat.runtime.errors import DataError
+from jaxrat.runtime.fileio import move_into_place, write_json
 
 _MANIFEST = ".jaxrat_staged.json"
 

@@ -33,7 +33,7 @@ from jaxrat.data.geometry import (  # noqa: F401  (re-exported: transforms is wh
     pil_resize,
     resize,
 )
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 _LEVEL_KEY = re.compile(r"(image|mask)(_\d+)?")  # image, image_1, mask_2, ... (not image_id)
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)

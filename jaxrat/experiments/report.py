@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxrat.experiments import summary as sweep_summary
 from jaxrat.experiments.sweep import MANIFEST
-from jaxrat.fileio import write_text
+from jaxrat.runtime.fileio import write_text
 
 FILES_DIR = "report_files"
 SKIP = {"checkpoints", "synthetic_data", "tensorboard", "eval", FILES_DIR, "trials", "folds", "wandb", "mlruns"}

@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 import ml_collections as mlc
 
 from jaxrat.checkpointing.store import resolve
-from jaxrat.errors import ConfigError, UserError
-from jaxrat.fileio import save_figure, write_csv, write_text
+from jaxrat.runtime.errors import ConfigError, UserError
+from jaxrat.runtime.fileio import save_figure, write_csv, write_text
 
 OUT_DIR = "robustness"
 FILES = ("table.md", "table.csv", "table.json", "plot.png")

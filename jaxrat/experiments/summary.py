@@ -16,10 +16,10 @@ import logging
 import os
 from typing import Any
 
-from jaxrat.errors import UserError
 from jaxrat.experiments import stats as repeat_stats
 from jaxrat.experiments.sweep import MANIFEST, run_state
-from jaxrat.fileio import save_figure, write_text
+from jaxrat.runtime.errors import UserError
+from jaxrat.runtime.fileio import save_figure, write_text
 
 EVAL_PREFIX = "eval/"
 

@@ -26,8 +26,8 @@ from typing import Any
 from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
-from jaxrat.errors import ConfigError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.fileio import write_json
 
 MANIFEST = "sweep.json"  # ROOT/sweep.json: the config, variants and common overrides of the last invocation
 _OVERRIDE = re.compile(r"^--config\.[A-Za-z_][\w.]*=")

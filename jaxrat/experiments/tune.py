@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from jaxrat.config import check_override_args, load_config, load_config_module
-from jaxrat.errors import ConfigError, UserError
 from jaxrat.experiments.sweep import _value, train_command
+from jaxrat.runtime.errors import ConfigError, UserError
 
 JOURNAL = "optuna_journal.log"
 STUDY = "jaxrat"

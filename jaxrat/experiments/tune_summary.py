@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from jaxrat.experiments.tune import JOURNAL, REPLACED, STUDY
-from jaxrat.fileio import write_text
+from jaxrat.runtime.fileio import write_text
 
 SUMMARY = "tune_summary"
 BEST_SWEEP = "best_sweep.py"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 # Rescaled views are rounded to a multiple of this many pixels (the models' downsampling).
 SCALE_MULTIPLE = 8

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat import fileio
-from jaxrat.errors import UserError
 from jaxrat.inference.exported import CONTRACT_FILE, MODEL_FILE, Exported
+from jaxrat.runtime import fileio
+from jaxrat.runtime.errors import UserError
 
 # Largest difference allowed between the deserialised function and the model.
 TOLERANCE = 1e-5

@@ -10,7 +10,7 @@ import dataclasses
 import glob
 import os
 
-from jaxrat.errors import UserError
+from jaxrat.runtime.errors import UserError
 
 # A folder's files are all tried, whatever their extension (an image saved as .dat is still read;
 # a README is listed in skipped.txt as no image); hidden files (.DS_Store) are left out.

@@ -28,9 +28,9 @@ import numpy as np
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
 from jaxrat.config import load_run_config
-from jaxrat.errors import ConfigError, UserError
 from jaxrat.inference import augment
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.trainer.state import make_state_spec
 

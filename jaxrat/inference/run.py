@@ -20,9 +20,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxrat.data.imageio import BadFileError, load_rgb_upright
-from jaxrat.errors import DataError, UserError
 from jaxrat.inference import writers
 from jaxrat.inference.inputs import InputImage
+from jaxrat.runtime.errors import DataError, UserError
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrat.errors import ConfigError
 from jaxrat.inference.inputs import InputImage
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks import segmentation_metrics as metrics
 from jaxrat.tasks.base import record_name
 

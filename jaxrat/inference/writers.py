@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
-from jaxrat import fileio
 from jaxrat.inference.inputs import InputImage
+from jaxrat.runtime import fileio
 
 # Files and folders a prediction writes (and --overwrite replaces).
 OUTPUT_NAMES = ("masks", "probs", "overlays", "boxes", "predictions.csv", "detections.json", "images.json",

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}

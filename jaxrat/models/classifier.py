@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrat.errors import ConfigError
 from jaxrat.models import register
 from jaxrat.models.rat.segmenter import rat_from_config
 from jaxrat.models.unet import ConvBlock
+from jaxrat.runtime.errors import ConfigError
 
 POOLS = ("mean", "leading")
 

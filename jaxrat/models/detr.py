@@ -39,11 +39,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrat import ops
-from jaxrat.errors import ConfigError
 from jaxrat.models import register
 from jaxrat.models.layers import layer_norm, linear
 from jaxrat.models.rat.segmenter import rat_from_config
 from jaxrat.ops import attention as attn
+from jaxrat.runtime.errors import ConfigError
 
 Array = jax.Array
 BACKBONES = ("rat", "cnn")

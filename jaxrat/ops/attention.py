@@ -4,11 +4,11 @@
   ``P = softmax(q k^T)`` over the keys.
 * :func:`softmax_attention`: plain attention ``softmax(q k^T) @ V`` (queries scaled beforehand).
 * :func:`multires_attention`: the multi-resolution block's joint attention over all scales, global
-  or windowed (:mod:`jaxrat.ops.windowed_attention`).
+  or windowed (:mod:`jaxrat.ops.portable.windowed_attention`).
 * :func:`masked_attention`: multi-head attention with a key padding mask (DETR's decoder).
 
 The ``cpu`` and ``portable`` forms are the memory-bounded chunked kernels of
-:mod:`jaxrat.ops.chunked_attention` (the cpu form with the CPU's block and slice batching). The
+:mod:`jaxrat.ops.portable.chunked_attention` (the cpu form with the CPU's block and slice batching). The
 ``gpu`` form is fused attention (:mod:`jaxrat.ops.gpu`: cuDNN, dense SGA as its flash
 decomposition) wherever cuDNN takes the call (bfloat16/float16, head dims up to 128); a call it
 refuses (float32 compute) takes the portable chunked kernel, which is memory-bounded at any
@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxrat.ops import chunked_attention as chunked
-from jaxrat.ops.chunked_attention import EPS
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
-from jaxrat.ops.windowed_attention import multires_attention as _windowed
+from jaxrat.ops.portable import chunked_attention as chunked
+from jaxrat.ops.portable.chunked_attention import EPS
+from jaxrat.ops.portable.windowed_attention import multires_attention as _windowed
 
 Array = jax.Array
 __all__ = ["EPS", "grouping_attention", "softmax_attention", "multires_attention", "masked_attention",
@@ -74,7 +74,7 @@ def softmax_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTA
 def multires_attention(q: Array, k: Array, v: Array, segments: Sequence[tuple[int, Optional[Sequence[int]]]],
                        window: Optional[int], policy: KernelPolicy = PORTABLE) -> Array:
     """Joint attention over concatenated segments, (B, N, H, dh) each, queries scaled and rotated;
-    ``window`` None is the reference's global form (:func:`jaxrat.ops.windowed_attention.multires_attention`;
+    ``window`` None is the reference's global form (:func:`jaxrat.ops.portable.windowed_attention.multires_attention`;
     the gpu form: windows in the batch axis, padded keys by sequence lengths, :mod:`jaxrat.ops.gpu.multires`)."""
     if _fused(policy, q, k, v):
         from jaxrat.ops.gpu import multires_attention as gpu_multires

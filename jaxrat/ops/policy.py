@@ -22,13 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+from jaxrat.ops.portable.chunked_attention import DEFAULT_BLOCK_ELEMENTS
+
 KERNELS = ("auto", "cpu", "gpu", "portable")
 FORMS = ("cpu", "gpu", "portable")
 # Device platforms (``jax.Device.platform``) per form; anything else (TPU, ...) runs portable.
 _PLATFORM_FORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
-# Queries x keys values of one attention block on every form but the CPU's cache-sized one: 512 Ki
-# float32 (2 MB), which bounds the kernels' memory at any resolution.
-DEFAULT_BLOCK_ELEMENTS = 1 << 19
 
 
 @dataclasses.dataclass(frozen=True)

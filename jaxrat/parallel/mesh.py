@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 
 def axis_sizes(axes: Sequence[tuple[str, int]], num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -16,8 +16,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrat.errors import ConfigError
-from jaxrat.tree_paths import path_name
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.tree_paths import path_name
 
 
 def batch_spec(mesh: Mesh) -> P:

@@ -22,7 +22,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 Batch = Mapping[str, Any]
 # Under ``train.reduction_shards`` the batch :meth:`Task.loss` gets is one fixed shard, and this key

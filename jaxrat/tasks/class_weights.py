@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 
 RULES = ("none", "inverse", "effective")
 

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks import segmentation_metrics as metrics
 from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows, record_name
 from jaxrat.tasks.image_task import ImageTask

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from jaxrat.errors import ConfigError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.fileio import write_json
 from jaxrat.tracking.base import Guard, TrackerBase, describe
 
 # Fail fast: the client's defaults (120 s timeout, 7 retries with backoff) would hold the thread,

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from jaxrat.fileio import write_text
+from jaxrat.runtime.fileio import write_text
 
 JSON_NAME, MARKDOWN_NAME = "summary.json", "summary.md"
 

@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxrat.errors import ConfigError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.fileio import write_json
 from jaxrat.tracking.base import TrackerBase
 
 STATUS_EXIT_CODE = {"finished": 0, "failed": 1, "preempted": 1}

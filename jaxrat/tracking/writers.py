@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxrat.errors import ConfigError, UserError
+from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tracking.base import Guard, Tracker, describe, flatten
 
 DEFAULT_BACKENDS = ("tensorboard", "jsonl")

@@ -19,8 +19,8 @@ import jax
 import ml_collections as mlc
 import numpy as np
 
-from jaxrat.errors import ConfigError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.fileio import write_json
 
 LR_RULES = ("none", "linear", "sqrt")
 

@@ -13,7 +13,7 @@ from typing import Any
 import ml_collections as mlc
 
 from jaxrat.checkpointing.store import EARLY_STOP_KEY as META_KEY
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 
 

@@ -11,13 +11,14 @@ from typing import Any, Callable
 import jax
 import ml_collections as mlc
 
-from jaxrat import cluster, compile_cache
+from jaxrat import cluster
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.store import resolve
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config import load_run_config
-from jaxrat.fileio import write_csv, write_json
 from jaxrat.parallel.mesh import make_mesh
+from jaxrat.runtime import compile_cache
+from jaxrat.runtime.fileio import write_csv, write_json
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
 from jaxrat.trainer.hooks import Evaluation

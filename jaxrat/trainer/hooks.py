@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule
 from jaxrat.cluster import Preempted, PreemptionWatch
-from jaxrat.errors import ConfigError, UserError
+from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import Task
 from jaxrat.tracking.writers import MetricWriter, format_progress
 

@@ -18,8 +18,8 @@ import numpy as np
 from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Preempted
 from jaxrat.cluster.together import compiled_together
-from jaxrat.errors import ConfigError
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrat.errors import ConfigError
-from jaxrat.tree_paths import path_name
+from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.tree_paths import path_name
 
 
 def make_schedule(cfg: Any, num_steps: int) -> optax.Schedule:

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from jaxrat import ops
 from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.checkpointing.init_from import merge_params
-from jaxrat.errors import ConfigError
 from jaxrat.parallel import sharding
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 from jaxrat.trainer.input_feed import Restorable
 from jaxrat.trainer.optimizer import ema_enabled, make_optimizer

@@ -19,8 +19,8 @@ from typing import Any
 import ml_collections as mlc
 import numpy as np
 
-from jaxrat.errors import ConfigError, UserError
-from jaxrat.fileio import move_into_place, write_text
+from jaxrat.runtime.errors import ConfigError, UserError
+from jaxrat.runtime.fileio import move_into_place, write_text
 from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"

@@ -17,8 +17,8 @@ import threading
 import time
 import uuid
 
-from jaxrat.errors import UserError
-from jaxrat.fileio import write_bytes
+from jaxrat.runtime.errors import UserError
+from jaxrat.runtime.fileio import write_bytes
 
 LOCK_NAME = "run.lock"
 DEFAULT_LEASE_S = 120.0

@@ -30,7 +30,7 @@ from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError, load_rgb_with_size
 from jaxrat.data.pipeline import ExampleSource
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 SPLITS = {"train": "train2017", "validation": "val2017", "val": "val2017"}
 

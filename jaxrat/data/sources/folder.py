@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError, load_rgb_with_size
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 

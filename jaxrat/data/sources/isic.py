@@ -28,7 +28,7 @@ from jaxrat.data import imageio
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size, source_name
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 SPLIT_FOLDERS = {
     "train": ("ISIC2018_Task1-2_Training_Input", "ISIC2018_Task1_Training_GroundTruth"),

@@ -27,8 +27,8 @@ from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
 from jaxrat.data.sources.isic import DecodePair
 from jaxrat.data.sources.tfds import data_source
-from jaxrat.errors import DataError
-from jaxrat.fileio import write_json
+from jaxrat.runtime.errors import DataError
+from jaxrat.runtime.fileio import write_json
 
 NAME = "isic2018_task1"
 CLI = "python -m jaxrat.data.prepare_isic"

@@ -19,7 +19,7 @@ import numpy as np
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import binary_mask
 from jaxrat.data.pipeline import ExampleSource
-from jaxrat.errors import DataError
+from jaxrat.runtime.errors import DataError
 
 
 def data_source(name: str, split: str, data_dir: str, *, encoded: Sequence[str] = (), how_to_prepare: str = ""):

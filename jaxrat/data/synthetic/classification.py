@@ -15,7 +15,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from jaxrat.fileio import write_json
+from jaxrat.runtime.fileio import write_json
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (200, 40, 40), "green": (40, 170, 60), "blue": (50, 70, 210)}

@@ -14,7 +14,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from jaxrat.fileio import write_json
+from jaxrat.runtime.fileio import write_json
 
 # The 80 COCO 2017 detection categories (id, name).
 _NAMES = (

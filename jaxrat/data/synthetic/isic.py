@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image
 
 from jaxrat.data.sources.isic import SPLIT_FOLDERS
-from jaxrat.fileio import write_json
+from jaxrat.runtime.fileio import write_json
 
 _MARKER = "jaxrat_synthetic.json"
 

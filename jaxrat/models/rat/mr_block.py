@@ -29,7 +29,7 @@ class MultiResBlock(nnx.Module):
 
     ``config.mr_attention="global"`` is the reference (every token sees every token, cost quadratic
     in pixels); ``"windowed"`` tiles grids larger than ``config.mr_window`` tokens per axis into
-    windows that see themselves and the small grids (linear cost, :mod:`jaxrat.ops.windowed_attention`).
+    windows that see themselves and the small grids (linear cost, :mod:`jaxrat.ops.portable.windowed_attention`).
     Both have the same parameters.
     """
 

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrat import ops
-from jaxrat.errors import ConfigError
 from jaxrat.models import register
 from jaxrat.models.rat.backbone import ResolutionAwareTransformer, ScaleOutput
 from jaxrat.models.rat.config import RATConfig
 from jaxrat.models.rat.heads import MultiLevelDecoderHead, ReferenceSegmentationHead
+from jaxrat.runtime.errors import ConfigError
 
 Array = jax.Array
 HEADS = ("decoder", "reference")

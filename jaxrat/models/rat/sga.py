@@ -31,7 +31,7 @@ from jaxrat.models.layers import Mlp, conv, layer_norm, linear
 from jaxrat.models.rat.config import RATConfig, as_tuple
 from jaxrat.models.rat.rose import RotarySpatialEmbedding
 from jaxrat.ops import attention as attn
-from jaxrat.ops.sparse_sga import (
+from jaxrat.ops.portable.sparse_sga import (
     Geometry,
     scatter_window_map,
     sparse_blocks,

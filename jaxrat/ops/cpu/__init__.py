@@ -2,7 +2,7 @@
 
 Each was measured faster than XLA's own form on CPUs, and each module's docstring gives the
 measurement: cache-sized attention blocks and unbatched large slices (:mod:`.cache`,
-:mod:`jaxrat.ops.chunked_attention`), strided convolutions as stride-block matmuls
+:mod:`jaxrat.ops.portable.chunked_attention`), strided convolutions as stride-block matmuls
 (:mod:`.strided_conv`), stride-1 weight gradients over row strips (:mod:`.strip_conv`), cache-sized
 MLP chunks (:mod:`.mlp`) and the RoSE rotation's angle gradient summed image by image
 (:mod:`.rotate`).

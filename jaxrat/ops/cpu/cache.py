@@ -1,6 +1,6 @@
 """The CPU's attention block, sized from its last-level cache (the ``cpu`` kernel policy).
 
-The chunked attention kernels (:mod:`jaxrat.ops.chunked_attention`) hold one (queries x key-chunk)
+The chunked attention kernels (:mod:`jaxrat.ops.portable.chunked_attention`) hold one (queries x key-chunk)
 block per slice at a time. On CPU the fastest block is a sixteenth of the last-level cache: a chunk
 step holds about four block-sized intermediates (logits, probabilities, their gradient), and keeping
 them in the cache is what the block is for; beyond that, larger blocks mean fewer loop steps, each
@@ -20,7 +20,7 @@ import glob
 import os
 from typing import Optional
 
-from jaxrat.ops.policy import DEFAULT_BLOCK_ELEMENTS
+from jaxrat.ops.portable.chunked_attention import DEFAULT_BLOCK_ELEMENTS
 
 # The block is a sixteenth of the last-level cache, within these bounds.
 CPU_BLOCK_BOUNDS = (1 << 19, 1 << 22)

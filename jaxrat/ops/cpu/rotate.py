@@ -5,7 +5,7 @@ with plain autodiff, the angle gradients of the rotated full-resolution keys too
 sparse RAT step at 512 px. Here the backward adds the few images one by one instead, 1.2 s less
 per step at 512 px, for more temporaries in XLA's plan (19.3 GiB against 17.8 GiB for the whole
 sparse RAT step at 1024 px, batch 2; the same whichever residual form, measured). The forward is
-the portable one (:func:`jaxrat.ops.rotate.turn_heads`).
+the portable one (:func:`jaxrat.ops.portable.rotate.turn_heads`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrat.ops.rotate import turn, turn_heads
+from jaxrat.ops.portable.rotate import turn, turn_heads
 
 Array = jax.Array
 # Largest leading (batch) axis whose sum the backward writes out as adds.
@@ -35,7 +35,7 @@ def _batch_sum(x: Array, dtype: Any) -> Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def rotate_heads(x: Array, cos: Array, sin: Array, heads: int) -> Array:
-    """:func:`jaxrat.ops.rotate.turn_heads` with the CPU backward (module docstring)."""
+    """:func:`jaxrat.ops.portable.rotate.turn_heads` with the CPU backward (module docstring)."""
     return turn_heads(x, cos, sin, heads)
 
 

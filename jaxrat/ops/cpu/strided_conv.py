@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrat.ops.cpu import SCOPE, strip_conv
-from jaxrat.ops.sparse_sga import Geometry, _blocked, _take_at_offset
+from jaxrat.ops.portable.sparse_sga import Geometry, _blocked, _take_at_offset
 
 Array = jax.Array
 # Input positions per image from which the blocked form is taken on CPU: it was faster at every

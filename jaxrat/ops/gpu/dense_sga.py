@@ -19,7 +19,7 @@ The backward (custom VJP, W = V / (c + eps)) is again attention calls and elemen
   dV = dW / (c + eps);  dc = -rowsum(dW * W) / (c + eps);
 * dQ, dK are the gradient of the plain attention O = attention(Q, K, [W, dc]) for the cotangent
   [dU, 1]: its dS = P * (dU W^T + dc - rowsum(dU * U) - P dc), exactly the SGA's dL (see
-  :mod:`jaxrat.ops.chunked_attention`), so one fused attention backward gives both.
+  :mod:`jaxrat.ops.portable.chunked_attention`), so one fused attention backward gives both.
 
 Log-sum-exps and column sums stay float32 whatever the compute dtype.
 """

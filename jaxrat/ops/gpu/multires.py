@@ -1,6 +1,6 @@
 """Multi-resolution attention (global and windowed) as fused attention calls, for GPUs.
 
-The same function as :func:`jaxrat.ops.windowed_attention.multires_attention`: global tokens
+The same function as :func:`jaxrat.ops.portable.windowed_attention.multires_attention`: global tokens
 attend to every token; a large scale's tokens attend to their own ``window^sd`` tile plus every
 global token. Here the tiles move into the batch axis of one fused attention call per large
 scale, each tile's keys followed by the global tokens. Tiles padded to whole windows put their
@@ -19,7 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrat.ops.gpu.fused import Implementation, fused_attention
-from jaxrat.ops.windowed_attention import broadcast_global, from_windows, real_tokens, segment_attention, to_windows
+from jaxrat.ops.portable.windowed_attention import (
+    broadcast_global,
+    from_windows,
+    real_tokens,
+    segment_attention,
+    to_windows,
+)
 
 Array = jax.Array
 

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxrat.data import transforms as T
 from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
-from jaxrat.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import SHARD_TOTALS, Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results

@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.policy import DEFAULT_BLOCK_ELEMENTS
+# Queries x keys values of one attention block on every policy but the CPU's cache-sized one: 512 Ki
+# float32 (2 MB), which bounds the kernels' memory at any resolution.
+DEFAULT_BLOCK_ELEMENTS = 1 << 19
 
 Array = jax.Array
 

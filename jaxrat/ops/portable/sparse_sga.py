@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.chunked_attention import EPS
+from jaxrat.ops.portable.chunked_attention import EPS
 
 Array = jax.Array
 

@@ -9,7 +9,7 @@ per fault. Measured on this 2-core CPU, sparse RAT fwd+bwd, batch 2 (benchmarks/
 tunables only when a process starts, so ``python -m jaxrat.main`` re-executes itself once with the
 tunable added. Nothing changes where it cannot help: another libc, glibc older than 2.35, or a
 kernel whose huge pages are ``always`` (already on) or ``never``, and a process that will run on
-GPUs (:func:`jaxrat.platform_hint.expects_cpu`). ``JAXRAT_HUGEPAGES=0`` opts out.
+GPUs (:func:`jaxrat.runtime.platform_hint.expects_cpu`). ``JAXRAT_HUGEPAGES=0`` opts out.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import platform
 import sys
 from typing import Mapping
 
-from jaxrat import platform_hint
+from jaxrat.runtime import platform_hint
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "JAXRAT_HUGEPAGES"
