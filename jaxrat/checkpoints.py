@@ -3,6 +3,7 @@
 import sys
 
 from jaxrat.checkpointing.inspect import main
+from jaxrat.runtime.command_line import run_argparse
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_argparse(main, sys.argv[1:]))

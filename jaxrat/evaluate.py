@@ -22,7 +22,7 @@ import os
 
 from absl import flags
 
-from jaxrat.runtime.console import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
+from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_json
 
@@ -36,7 +36,6 @@ _OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with 
 _PER_IMAGE = flags.DEFINE_bool("per_image", True, "Write per_image.csv.")
 _SAVE = flags.DEFINE_bool("save_predictions", False, "Also write jaxrat.predict's files to NAME/predictions/.")
 flags.mark_flags_as_required(["workdir"])
-hyphen_aliases("save_predictions", "per_image")
 
 
 def _default_name(step: str) -> str:

@@ -32,6 +32,7 @@ from jaxrat.cluster.jobscript import (  # noqa: F401  (re-exported: the renderer
     submit,
     validate,
 )
+from jaxrat.runtime.command_line import argparse_style, plain, prog
 from jaxrat.runtime.errors import UserError
 
 
@@ -41,7 +42,7 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m jaxrat.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog("python -m jaxrat.launch"), description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--config", required=True, help="config file[:variant], as for jaxrat.main")
     p.add_argument("--workdir", help="run directory on shared storage (default runs/<config>[-variant])")
     add_job_arguments(p)
@@ -59,7 +60,7 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status."""
-    spec, a = parse_args(sys.argv[1:] if argv is None else argv)
+    spec, a = parse_args(argparse_style(sys.argv[1:] if argv is None else argv))
     try:
         scheduler = a.scheduler
         if scheduler == "auto":

@@ -17,7 +17,7 @@ import logging
 
 from absl import flags
 
-from jaxrat.runtime.console import fail, hyphen_aliases, quiet_libraries, run_with_config_overrides
+from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
@@ -35,7 +35,6 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Classification: labels per head in th
 _MIN_SCORE = flags.DEFINE_float("min_score", 0.3, "Detection: the lowest score drawn on the images and counted.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress line on stderr.")
 flags.mark_flags_as_required(["workdir", "input", "out"])
-hyphen_aliases("save_probs", "top_k", "min_score")
 
 
 def main(argv: list[str], overrides: list[str]) -> None:

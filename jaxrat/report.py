@@ -12,15 +12,16 @@ import argparse
 import os
 import sys
 
+from jaxrat.runtime.command_line import argparse_style, plain, prog
 from jaxrat.runtime.console import fail
 from jaxrat.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m jaxrat.report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog("python -m jaxrat.report"), description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("root", help="a folder holding sweeps, searches, robustness tables or runs (at any depth)")
-    a = p.parse_args(argv)
+    a = p.parse_args(argparse_style(sys.argv[1:] if argv is None else argv))
     try:
         if not os.path.isdir(a.root):
             raise UserError(f"{a.root} is not a folder; pass the folder that holds your sweeps and searches.")

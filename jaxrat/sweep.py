@@ -24,6 +24,7 @@ from pathlib import Path
 from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
 from jaxrat.experiments import sweep
 from jaxrat.experiments.summary import report
+from jaxrat.runtime.command_line import argparse_style, plain, prog
 from jaxrat.runtime.console import fail
 from jaxrat.runtime.errors import UserError
 
@@ -35,7 +36,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse
         argv, tail = argv[:i], argv[i + 1:]
     else:
         tail = []
-    p = argparse.ArgumentParser(prog="python -m jaxrat.sweep", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=prog("python -m jaxrat.sweep"), description=plain(__doc__.split("\n\n")[0]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="config file[:arg] that defines get_sweep()")
     p.add_argument("--root", required=True, help="folder of the sweep: one workdir per variant, the summary")
@@ -62,7 +63,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = argparse_style(sys.argv[1:] if argv is None else argv)
     a, common, p = parse_args(argv)
     try:
         if a.summarize:

@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 
 from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
+from jaxrat.runtime.command_line import argparse_style, plain, prog
 from jaxrat.runtime.console import fail
 from jaxrat.runtime.errors import UserError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse.ArgumentParser]:
-    p = argparse.ArgumentParser(prog="python -m jaxrat.tune", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=prog("python -m jaxrat.tune"), description=plain(__doc__.split("\n\n")[0]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="config file[:arg] that defines get_search_space()")
     p.add_argument("--root", help="folder of the search: the study journal, one workdir per trial, the summary")
@@ -64,7 +65,7 @@ def _absolute(config: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = argparse_style(sys.argv[1:] if argv is None else argv)
     a, common, p = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -50,6 +50,7 @@ def test_main_fails_with_one_sentence(tmp_path, overrides, needle):
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("jaxrat: error:") == 1
+    assert not os.listdir(tmp_path), "a run refused before it starts leaves its workdir as it found it"
 
 
 @pytest.mark.parametrize("config, needle", [

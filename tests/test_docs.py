@@ -37,6 +37,7 @@ import sys
 import pytest
 
 from jaxrat.config import base_config, flatten, load_config
+from jaxrat.config.loader import packaged_configs
 from jaxrat.runtime.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,8 +116,8 @@ def _keys(spec: str | None) -> frozenset[str]:
 @functools.cache
 def _any_config_keys() -> frozenset[str]:
     keys = set(_keys(None))
-    for path in glob.glob(os.path.join(REPO, "configs", "*.py")):
-        keys |= _keys(os.path.relpath(path, REPO))
+    for name in packaged_configs():
+        keys |= _keys(f"configs/{name}.py")
     return frozenset(keys)
 
 
@@ -201,7 +202,7 @@ def test_readme_demo_results_are_the_configs_own():
     readme = _read("README.md")
     rows = [line for line in readme.splitlines() if line.startswith("|")]
     claimed = 0
-    for path in sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))):
+    for path in (os.path.join(REPO, "configs", f"{name}.py") for name in packaged_configs()):
         expected = dict(_EXPECTED.findall(_read(os.path.relpath(path, REPO))))
         for variant in sorted({"demo", *expected}):
             demo = f"configs/{os.path.basename(path)}:{variant}"

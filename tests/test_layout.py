@@ -11,7 +11,8 @@ PACKAGE = pathlib.Path(REPO, "jaxrat")
 # each other. Inside a room (a package folder) imports are free.
 LAYERS = {
     "main": 6, "launch": 6, "checkpoints": 6, "evaluate": 6, "sweep": 6, "summarize": 6, "robustness": 6,
-    "predict": 6, "export": 6, "tune": 6, "report": 6,
+    "predict": 6, "export": 6, "tune": 6, "report": 6, "download": 6, "commands": 6, "__main__": 7,
+    "configs": 3,
     "inference": 5,
     "trainer": 4, "experiments": 4,
     "tasks": 3,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import difflib
+import glob
 import importlib.util
+import json
 import os
 from typing import Any
 
@@ -11,16 +14,49 @@ import ml_collections as mlc
 
 from jaxrat.runtime.errors import ConfigError
 
+# The config files that ship with the package (a clone's configs/ is a link to this folder).
+PACKAGED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def packaged_configs() -> list[str]:
+    """The names of the packaged config files (``isic``, ``coco``, ...), sorted."""
+    paths = glob.glob(os.path.join(PACKAGED_DIR, "*.py"))
+    return sorted(os.path.splitext(os.path.basename(p))[0] for p in paths if not p.endswith("__init__.py"))
+
+
+def resolve_config_path(path: str) -> str:
+    """The file a ``--config`` path names: the path itself when it is a file; else a packaged config
+    named ``NAME`` (or ``NAME.py``, or ``configs/NAME.py`` from outside a clone, as the docs write it).
+
+    A path that names neither is a ConfigError listing the packaged names.
+    """
+    if os.path.isfile(path):
+        return path
+    name = os.path.splitext(os.path.basename(path))[0]
+    folder = os.path.basename(os.path.dirname(os.path.normpath(path)))
+    if (folder in ("", "configs") and path.endswith((".py", name)) and not path.endswith(".json")
+            and name in packaged_configs()):
+        return os.path.join(PACKAGED_DIR, name + ".py")
+    names = ", ".join(packaged_configs())
+    raise ConfigError(f"Config file {path} does not exist; pass a config file's path or a packaged config's "
+                      f"name ({names}), e.g. --config isic:demo.")
+
 
 def load_config(spec: str) -> mlc.ConfigDict:
     """Load ``path[:variant]`` the way ml_collections' ``--config`` flag does: ``get_config(variant)``.
 
-    A missing file or an unknown variant (the file's ``get_config`` raising ValueError) is a
-    ConfigError naming it. Config files use it to build on each other (``isic_multiscale.py``
-    loads ``isic.py``), and ``jaxrat.main`` checks a command line with it before ml_collections'
-    flag (which applies the overrides) loads the same file.
+    ``path`` may also name a packaged config (``isic:demo``, see :func:`resolve_config_path`) or be
+    a run's ``config.json`` (the resolved config a run wrote; no variant). A missing file or an
+    unknown variant (the file's ``get_config`` raising ValueError) is a ConfigError naming it.
+    Config files use it to build on each other (``isic_multiscale.py`` loads ``isic.py``), and
+    ``jaxrat.main`` loads its ``--config`` with it.
     """
     path, _, variant = spec.partition(":")
+    if path.endswith(".json"):
+        if variant:
+            raise ConfigError(f"--config {spec}: a config.json is one resolved config and has no variants; "
+                              f"drop :{variant}.")
+        return read_config_json(path)
     module = load_config_module(path)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"Config file {path} defines no get_config(); see configs/isic.py for the shape of one.")
@@ -30,10 +66,33 @@ def load_config(spec: str) -> mlc.ConfigDict:
         raise ConfigError(str(e)) from None
 
 
+def read_config_json(path: str) -> mlc.ConfigDict:
+    """A run's ``config.json`` as the ConfigDict it was written from (JSON lists back to tuples)."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found; pass the config.json in a training run's workdir.") from None
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); it was not written by jaxrat, or was damaged.") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds no config object; pass the config.json in a training run's workdir.")
+    return mlc.ConfigDict(_tuples(raw))
+
+
+def _tuples(x: Any) -> Any:
+    """JSON lists back to the tuples the config files use (mesh axes, heads, scales)."""
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    return x
+
+
 def load_config_module(path: str) -> Any:
-    """Import the config file at ``path`` as a module (for ``get_config``, ``get_sweep``)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"Config file {path} does not exist; pass e.g. --config configs/isic.py:demo.")
+    """Import the config file at ``path`` (or the packaged config it names) as a module (for
+    ``get_config``, ``get_sweep``)."""
+    path = resolve_config_path(path)
     name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -41,14 +100,65 @@ def load_config_module(path: str) -> Any:
     return module
 
 
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}
+def describe_packaged() -> str:
+    """One line per packaged config: its name, its variants (``VARIANTS``) and its first docstring line."""
+    lines = []
+    for name in packaged_configs():
+        module = load_config_module(os.path.join(PACKAGED_DIR, name + ".py"))
+        summary = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+        variants = [v or "(none)" for v in getattr(module, "VARIANTS", ("",))]
+        lines.append(f"{name:<16} {summary}")
+        lines.append(f"{'':<16} variants: {', '.join(variants)}   (--config {name}[:VARIANT])")
+    return "\n".join(lines) + "\n"
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+# Fields whose value is a (low, high) range: two numbers, low <= high.
+RANGES = {"data.random_crop_scale", "data.scale_jitter"}
+
+
+def _kind(value: object) -> type:
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, (int, float)):
+        return float
+    if isinstance(value, (tuple, list)):
+        return tuple
+    return type(value)
+
+
+def _wrong(key: str, raw: str, what: str, current: object) -> ConfigError:
+    return ConfigError(f"--config.{key}={raw} is not {what}; pass a value like the field's default, {current!r}.")
+
+
+def _check_sequence(key: str, current: tuple | list, raw: str) -> None:
+    """A tuple field takes a Python literal tuple (or list) whose items are of the default's kind."""
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        raise _wrong(key, raw, "a tuple", current) from None
+    if key in RANGES:
+        if (not isinstance(value, (tuple, list)) or len(value) != 2 or any(_kind(v) is not float for v in value)
+                or value[0] > value[1]):
+            raise _wrong(key, raw, "a range (low, high) with low <= high", current)
+        return
+    if not isinstance(value, (tuple, list)):
+        raise _wrong(key, raw, "a tuple", current)
+    kinds = {_kind(v) for v in current}
+    if len(kinds) == 1 and value and any(_kind(v) not in kinds for v in value):
+        plural = {float: "numbers", str: "strings", tuple: "tuples", bool: "booleans"}.get(_kind(current[0]), "items")
+        raise _wrong(key, raw, f"a tuple of {plural}", current)
 
 
 def _check_value(key: str, current: object, raw: str | None) -> None:
+    """Refuse ``raw`` unless it parses as the kind (and, for tuples, the shape) of the field's default."""
     if raw is None or current is None:
         return
+    if isinstance(current, (tuple, list)):
+        _check_sequence(key, current, raw)
+        return
     kind = type(current)
-    if kind not in _KIND_NAMES:
+    if kind not in _KIND_NAMES or kind is str:
         return
     try:
         if kind is bool:
@@ -59,19 +169,11 @@ def _check_value(key: str, current: object, raw: str | None) -> None:
         elif kind is float:
             float(raw)
     except ValueError:
-        raise ConfigError(
-            f"--config.{key}={raw} is not {_KIND_NAMES[kind]} (the field's default is {current!r}); "
-            f"pass {_KIND_NAMES[kind]}."
-        ) from None
+        raise _wrong(key, raw, _KIND_NAMES[kind], current) from None
 
 
-def check_override_args(argv: list[str]) -> None:
-    """Fail with one sentence on a missing config file, an unknown variant, an unknown
-    ``--config.KEY`` or a value of the wrong type.
-
-    ml_collections reports unknown keys with a KeyError traceback; we check first and name the
-    closest existing key instead.
-    """
+def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None]]]:
+    """(the ``--config`` spec, the ``(KEY, VALUE)`` of each ``--config.KEY=VALUE``) of a command line."""
     spec, overrides, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
@@ -83,9 +185,23 @@ def check_override_args(argv: list[str]) -> None:
                 value = argv[i + 1]
             overrides.append((key, value if (eq or value) else None))
         i += 1
-    if not spec:
-        return
-    config = load_config(spec)  # a missing file or unknown variant: one sentence, not absl's traceback
+    return spec, overrides
+
+
+def check_override_args(argv: list[str], config: mlc.ConfigDict | None = None, spec: str | None = None) -> None:
+    """Fail with one sentence on a missing config file, an unknown variant, an unknown
+    ``--config.KEY`` or a value of the wrong type or shape (the field's default says which).
+
+    ml_collections reports unknown keys with a KeyError traceback, and takes ``0.5`` for a range;
+    we check first and name the closest existing key instead. ``config``: the config ``argv``'s
+    overrides apply to, when already loaded (else ``argv``'s ``--config`` is loaded).
+    """
+    found, overrides = parse_overrides(argv)
+    spec = spec or found
+    if config is None:
+        if not spec:
+            return
+        config = load_config(spec)  # a missing file or unknown variant: one sentence, not absl's traceback
     flat = flatten(config)
     for key, value in overrides:
         if key.startswith("no") and key[2:] in flat and isinstance(flat[key[2:]], bool):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import ast
-import json
 import os
 from typing import Any
 
 import ml_collections as mlc
 
-from jaxrat.config.loader import flatten
+from jaxrat.config.loader import flatten, read_config_json
 from jaxrat.runtime.errors import ConfigError, UserError
 
 
@@ -21,14 +20,9 @@ def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:
     same images resized, as it would real data, rather than a new dataset drawn at the new size.
     """
     path = os.path.join(workdir, "config.json")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path} not found; pass the --workdir of a training run.") from None
-    except ValueError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); it was not written by jaxrat, or was damaged.") from None
-    config = mlc.ConfigDict(_tuples(raw))
+    if not os.path.isfile(path):
+        raise UserError(f"{path} not found; pass the --workdir of a training run.")
+    config = read_config_json(path)
     data = config.get("data")
     if data is not None and data.get("synthetic") and "image_size" in data:
         data.synthetic_image_size = int(data.get("synthetic_image_size", 0) or data.image_size)
@@ -45,15 +39,6 @@ def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:
             node = node[p]
         node[leaf] = _parse(value, flat[key], key)
     return config
-
-
-def _tuples(x: Any) -> Any:
-    """JSON lists back to the tuples the config files use (mesh axes, heads, scales)."""
-    if isinstance(x, dict):
-        return {k: _tuples(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return tuple(_tuples(v) for v in x)
-    return x
 
 
 def _parse(value: str, current: Any, key: str) -> Any:

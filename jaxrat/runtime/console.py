@@ -88,12 +88,6 @@ def quiet_libraries() -> None:
             sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
 
 
-def hyphen_aliases(*names: str) -> None:
-    """Accept ``--save-probs`` for ``--save_probs`` (absl names flags with underscores; people type both)."""
-    for name in names:
-        flags.DEFINE_alias(name.replace("_", "-"), name)
-
-
 def fail(message: str) -> None:
     """Print ``jaxrat: error: message`` and exit with the user-error status (never requeued)."""
     _SAID_WHY.set()
@@ -105,8 +99,24 @@ def fail(message: str) -> None:
     sys.exit(USER_ERROR_EXIT_CODE)
 
 
+def help_or_respell(module: str, config_overrides: bool = True) -> list[str]:
+    """``sys.argv`` in absl's flag style; with ``--help``, print the command's help as text and exit 0.
+
+    ``module`` is the ``__name__`` of the module that defines the command's flags."""
+    from jaxrat.runtime import command_line
+
+    defining = sys.argv[0] if module == "__main__" else module  # where absl filed the flags
+    if command_line.wants_help(sys.argv[1:]):
+        spec = getattr(sys.modules[module], "__spec__", None)
+        prog = "python -m " + (spec.name if spec else module)
+        text = command_line.absl_help(sys.modules[module].__doc__ or "", defining, prog, config_overrides)
+        command_line.print_help_and_exit(text)
+    return [sys.argv[0], *command_line.absl_style(sys.argv[1:])]
+
+
 def run_with_config_overrides(main: Callable[[list[str], list[str]], None]) -> None:
     """``absl.app.run(main)`` for a command that also takes ``--config.KEY=VALUE`` overrides: they are
     not absl flags, so they are set apart and handed to ``main(argv, overrides)``."""
-    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
-    app.run(lambda argv: main(argv, overrides), argv=[a for a in sys.argv if not a.startswith("--config.")])
+    argv = help_or_respell(main.__module__)
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    app.run(lambda argv: main(argv, overrides), argv=[a for a in argv if not a.startswith("--config.")])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Preempted
 from jaxrat.cluster.together import compiled_together
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
-from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
@@ -68,14 +69,37 @@ def _first_batch(iterator: Any) -> dict[str, np.ndarray]:
 
 
 def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]:
-    """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics."""
+    """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics.
+
+    A run refused before its state exists (missing data, a config the devices cannot run) leaves a
+    new or empty ``workdir`` as it found it: a stray config.json would make the fixed rerun a "resume".
+    """
     t_created = time.perf_counter()
     workdir = os.path.abspath(workdir)
-    with hold_workdir(config, workdir):  # one run per workdir; a resume keeps the config (docs/workdir.md)
-        return _train_and_evaluate(config, workdir, t_created)
+    existed = os.path.isdir(workdir)
+    fresh = not existed or not os.listdir(workdir)
+    started: list[bool] = []
+    try:
+        with hold_workdir(config, workdir):  # one run per workdir; a resume keeps the config (docs/workdir.md)
+            return _train_and_evaluate(config, workdir, t_created, started)
+    except UserError:
+        if fresh and not started and jax.process_index() == 0:
+            _clear(workdir, remove_folder=not existed)
+        raise
 
 
-def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) -> dict[str, float]:
+def _clear(workdir: str, remove_folder: bool) -> None:
+    """Remove what a refused run wrote into the new or empty ``workdir`` (nothing else was there)."""
+    if remove_folder:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for name in os.listdir(workdir):
+        path = os.path.join(workdir, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
+                        started: list[bool]) -> dict[str, float]:
     # ---- world
     mesh = make_mesh(config.mesh.axes)
     check_kernels_run_here(config, mesh)
@@ -105,6 +129,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)
+    started.append(True)
     state, first, total = start.state, start.step, config.num_train_steps
 
     # ---- loop

@@ -49,8 +49,8 @@ def default_data_dir() -> str:
 def _missing_message(data_dir: str, folder: str) -> str:
     return (
         f"ISIC 2018 data not found: looked for {os.path.join(data_dir, folder)}; download it with "
-        f"`python -m jaxrat.data.download isic2018 --dest {data_dir}` (or pass "
-        f"--config.data.data_dir=DIR), or train on synthetic data with --config configs/isic.py:demo."
+        f"`jaxrat download isic2018 --dest {data_dir}` (or pass "
+        f"--config.data.data_dir=DIR), or train on synthetic data with --config isic:demo."
     )
 
 

@@ -28,6 +28,9 @@ import ml_collections as mlc
 from jaxrat.config import base_config
 from jaxrat.models.rat import rat_config
 
+# What ``jaxrat train --list-configs`` lists ("" is the default variant).
+VARIANTS = ("", "demo", "rat_demo", "smoke")
+
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """Return the detection config for ``arg`` in {None, "demo", "rat_demo", "smoke"}."""

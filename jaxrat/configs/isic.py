@@ -17,6 +17,9 @@ import ml_collections as mlc
 from jaxrat.config import base_config
 from jaxrat.models.rat import rat_config
 
+# What ``jaxrat train --list-configs`` lists ("" is the default variant).
+VARIANTS = ("", "demo", "smoke", "unet")
+
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """Return the ISIC config for ``arg`` in {None, "demo", "smoke", "unet"}."""

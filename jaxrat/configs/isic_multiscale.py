@@ -15,6 +15,9 @@ import ml_collections as mlc
 from jaxrat.config import load_config
 from jaxrat.models.rat import rat_config
 
+# What ``jaxrat train --list-configs`` lists ("" is the default variant).
+VARIANTS = ("", "demo", "smoke")
+
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """Return the multi-scale ISIC config for ``arg`` in {None, "demo", "smoke"}."""

@@ -29,6 +29,9 @@ from jaxrat.models.rat import rat_config
 
 _ISIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")
 
+# What ``jaxrat train --list-configs`` lists ("" is the default variant).
+VARIANTS = ("", "demo", "smoke")
+
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """The base of the study for ``arg`` in {None, "demo", "smoke"}: the ISIC RAT, single scale."""

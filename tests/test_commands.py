@@ -1,0 +1,112 @@
+"""The ``jaxrat`` command: one subcommand per entry point, one flag style, help that reads as text,
+configs by name from any folder, and config mistakes refused at load in one sentence."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrat.commands import COMMANDS
+from jaxrat.config import check_override_args, load_config
+from jaxrat.runtime import command_line
+from jaxrat.runtime.errors import ConfigError
+from runner import REPO, SMOKE, env_with_devices
+
+
+def _run(*args: str, cwd: str = REPO, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = env_with_devices(1)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])  # from any folder, this checkout
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_top_level_help_lists_every_subcommand_in_one_line_each():
+    proc = _run("-m", "jaxrat", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("train", "evaluate", "predict", "export", "robustness", "sweep", "summarize", "tune", "report",
+                 "launch", "checkpoints", "download"):
+        assert any(line.split()[:1] == [name] for line in proc.stdout.splitlines()), name
+    unknown = _run("-m", "jaxrat", "trian")
+    assert unknown.returncode == 2 and "did you mean jaxrat train?" in unknown.stderr
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_subcommand_help_exits_0_as_plain_text(name):
+    proc = _run("-m", "jaxrat", name, "--help")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "usage:" in proc.stdout
+    assert "``" not in proc.stdout and ":mod:" not in proc.stdout and ":func:" not in proc.stdout
+
+
+def test_a_subcommand_is_its_module(tmp_path):
+    missing = str(tmp_path / "nothing")
+    a = _run("-m", "jaxrat", "checkpoints", missing)
+    b = _run("-m", "jaxrat.checkpoints", missing)
+    assert (a.returncode, a.stdout, a.stderr) == (b.returncode, b.stdout, b.stderr)
+    assert a.returncode == 2 and a.stderr.count("jaxrat: error:") == 1
+
+
+@pytest.mark.parametrize("flag", ["--save-predictions", "--save_predictions", "--no-per-image", "--noper_image"])
+def test_both_flag_spellings_are_accepted(tmp_path, flag):
+    # The flag parses: the command goes on to the one sentence about the missing run.
+    proc = _run("-m", "jaxrat", "evaluate", f"--workdir={tmp_path}", flag)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "config.json not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_respelling_leaves_overrides_and_the_tail_alone():
+    argv = ["--gpus_per_node=2", "--config.data.batch_size=4", "--dry_run", "--", "--save_predictions"]
+    assert command_line.argparse_style(argv) == ["--gpus-per-node=2", "--config.data.batch_size=4", "--dry-run",
+                                                 "--", "--save_predictions"]
+    assert command_line.plain("see :mod:`jaxrat.x` and ``--flag``") == "see jaxrat.x and --flag"
+
+
+def test_packaged_config_by_name_equals_the_clone_file():
+    assert load_config("isic:smoke").to_dict() == load_config(SMOKE).to_dict()
+    assert load_config("isic.py:demo").to_dict() == load_config(f"{REPO}/configs/isic.py:demo").to_dict()
+    with pytest.raises(ConfigError, match=r"isic, isic_multiscale\), e.g. --config isic:demo"):
+        load_config("nosuch:demo")
+
+
+def test_list_configs_names_every_config_and_its_variants():
+    proc = _run("-m", "jaxrat", "train", "--list-configs")
+    assert proc.returncode == 0, proc.stderr
+    assert "isic " in proc.stdout and "demo, smoke, unet" in proc.stdout and "coco " in proc.stdout
+
+
+def test_config_json_is_a_config(tmp_path):
+    from jaxrat.trainer.workdir import config_as_json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config_as_json(load_config(SMOKE))))
+    assert load_config(str(path)).to_dict() == load_config(SMOKE).to_dict()
+    with pytest.raises(ConfigError, match="has no variants"):
+        load_config(f"{path}:demo")
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("--config.data.random_crop_scale=0.5", "is not a range (low, high)"),
+    ("--config.data.scale_jitter=(1.2, 0.8)", "low <= high"),
+    ("--config.task.heads=label", "is not a tuple; pass a value like the field's default, ('shape', 'kind')."),
+    ("--config.model.features=('a', 'b')", "is not a tuple of numbers"),
+    ("--config.train.log_every=0.5", "is not an integer"),
+])
+def test_a_value_of_the_wrong_shape_is_refused_naming_the_field(arg, needle):
+    config = "configs/classification.py:smoke" if ".task.heads" in arg or "features" in arg else SMOKE
+    key = arg.split("=")[0].replace(".", r"\.")
+    with pytest.raises(ConfigError, match="^" + key) as e:
+        check_override_args([f"--config={config}", arg])
+    assert needle in str(e.value)
+    check_override_args([f"--config={config}", "--config.data.random_crop_scale=(0.5, 1.0)",
+                         "--config.mesh.axes=(('data', 2),)"])
+
+
+def test_train_from_outside_the_clone_by_name_refuses_a_bad_range_before_the_workdir(tmp_path):
+    proc = _run("-m", "jaxrat", "train", "--config", "isic:smoke", "--workdir", "w",
+                "--config.data.random_crop_scale=0.5", cwd=str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("jaxrat: error: --config.data.random_crop_scale=0.5")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
