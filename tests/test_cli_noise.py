@@ -2,6 +2,7 @@
 Orbax save fails mid-write) and lets everything else through."""
 
 import io
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -118,3 +119,49 @@ def test_a_library_error_logged_after_the_sentence_is_dropped_so_the_sentence_st
     lines = out.stderr.strip().splitlines()
     assert lines[-1] == "jaxrat: error: no space left on the device; free some.", out.stderr
     assert sum("raised" in line for line in lines) == 1, out.stderr
+
+
+def _record(pathname: str, name: str = "absl", level: int = 20):
+    import logging
+
+    return logging.LogRecord(name, level, pathname, 1, "a line", None, None)
+
+
+def test_library_info_is_dropped_from_a_venv_inside_a_folder_named_jaxrat():
+    import logging
+
+    import jaxrat.trainer.hooks as hooks
+    from jaxrat.runtime.console import _QuietLibraries
+
+    quiet = _QuietLibraries()
+    orbax = "/home/me/jaxrat/.venv/lib/python3.11/site-packages/orbax/checkpoint/manager.py"
+    assert not quiet.filter(_record(orbax))
+    assert quiet.filter(_record(orbax, level=logging.WARNING))
+    assert quiet.filter(_record(hooks.__file__, name="root"))
+    assert quiet.filter(_record("/elsewhere/x.py", name="jaxrat.custom"))
+
+
+def test_a_smoke_run_from_a_venv_under_a_jaxrat_folder_logs_no_library_info(tmp_path):
+    # The README's own setup: git clone ... jaxrat && bash scripts/demo.sh puts the venv at jaxrat/.venv.
+    import os
+
+    from runner import REPO, env_with_devices
+
+    clone = tmp_path / "jaxrat"
+    clone.mkdir()
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    os.symlink(venv, clone / ".venv")
+    python = str(clone / ".venv" / "bin" / os.path.basename(sys.executable))
+    env = env_with_devices(1)
+    env["PYTHONPATH"] = REPO
+    proc = subprocess.run([python, "-m", "jaxrat.main", "--config", "isic:smoke", f"--workdir={tmp_path / 'w'}",
+                           "--config.num_train_steps=2"], cwd=str(clone), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "/jaxrat/.venv/" in subprocess.run([python, "-c", "import orbax.checkpoint as o; print(o.__file__)"],
+                                              env=env, capture_output=True, text=True).stdout
+    own = {p.name for p in pathlib.Path(REPO, "jaxrat").rglob("*.py")}
+    # Python's log lines (absl format); C++ lines (I0000, e.g. a CUDA plugin's probe) bypass Python logging.
+    info = [line for line in proc.stderr.splitlines() if line[:1] == "I" and "] " in line and line[:5] != "I0000"]
+    foreign = [line for line in info if line.split("] ")[0].split()[-1].split(":")[0] not in own]
+    assert info and not foreign, foreign[:5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -15,13 +16,40 @@ USER_ERROR_EXIT_CODE = 2
 _SAID_WHY = threading.Event()
 
 
+_OWN_FILES: dict[str, bool] = {}
+
+
+def is_jaxrat_record(record: logging.LogRecord) -> bool:
+    """Whether jaxrat logged ``record``: its logger is named ``jaxrat...`` or the file that logged it
+    is a module of the jaxrat package. The module decides, not the path: a venv inside a folder
+    named jaxrat (``git clone ... jaxrat``) puts ``/jaxrat/`` in every library's path."""
+    if record.name == "jaxrat" or record.name.startswith("jaxrat."):
+        return True
+    path = record.pathname
+    own = _OWN_FILES.get(path)
+    if own is None:
+        own = False
+        real = os.path.realpath(path)
+        for name, module in list(sys.modules.items()):
+            spec = getattr(module, "__spec__", None)
+            dotted = spec.name if spec is not None and spec.name else name  # __main__ of python -m jaxrat.X
+            if dotted != "jaxrat" and not dotted.startswith("jaxrat."):
+                continue
+            file = getattr(module, "__file__", None)
+            if file and (file == path or os.path.realpath(file) == real):
+                own = True
+                break
+        _OWN_FILES[path] = own
+    return own
+
+
 class _QuietLibraries(logging.Filter):
     """Keep INFO lines from jaxrat only; libraries (Orbax logs a dozen lines per save) from WARNING
     up, and without their tracebacks: a failure jaxrat handles (a full disk during an async save)
     is explained by jaxrat's own sentence, not by three stack traces from library threads."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "/jaxrat/" in record.pathname.replace("\\", "/"):
+        if is_jaxrat_record(record):
             return True
         if record.levelno < logging.WARNING or _SAID_WHY.is_set():
             return False
