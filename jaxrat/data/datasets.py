@@ -22,9 +22,9 @@ from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.errors import ConfigError, DataError
 
-SEGMENTATION_DATASETS = ("isic2018",)
+SEGMENTATION_DATASETS = ("isic2018", "folder")
 SOURCES = ("files", "tfds")
 
 
@@ -39,9 +39,10 @@ def synthetic_image_size(data_cfg: Any) -> int:
 
 
 def resolve_segmentation(
-    data_cfg: Any, workdir: str, *, seed: int, process_index: int
+    data_cfg: Any, workdir: str, *, seed: int, process_index: int, num_classes: int = 1
 ) -> tuple[ExampleSource, ExampleSource]:
-    """(train, validation) for ``config.data``; writes the synthetic dataset first when asked. With
+    """(train, validation) for ``config.data``; writes the synthetic dataset first when asked.
+    ``num_classes`` (the model's): 1 reads masks as binary, more as class maps (``data.name="folder"``). With
     ``data.eval_split`` ("train", "validation" or "test"; set by ``jaxrat.evaluate --split``) the
     second source is that split."""
     if data_cfg.name not in SEGMENTATION_DATASETS:
@@ -55,6 +56,12 @@ def resolve_segmentation(
     eval_split = _get(data_cfg, "eval_split", "validation") or "validation"
     if eval_split not in ("train", "validation", "test"):
         raise ConfigError(f"Evaluation split {eval_split!r}; use train, validation or test.")
+    if data_cfg.name != "folder" and num_classes != 1:
+        raise ConfigError(f"config.model.num_classes={num_classes}: {data_cfg.name} masks are binary; use 1, or "
+                          f"config.data.name='folder' for class maps.")
+    if data_cfg.name == "folder":
+        return _folder_segmentation(data_cfg, workdir, policy, eval_split, seed=seed, process_index=process_index,
+                                    num_classes=num_classes)
     if eval_split == "test" and data_cfg.synthetic and not (data_cfg.data_dir or ""):
         raise ConfigError("The synthetic dataset has no test split; evaluate --split validation or train, or point "
                           "--config.data.data_dir at ISIC 2018 with its test ground truth.")
@@ -101,6 +108,51 @@ def resolve_segmentation(
     for split in ("train", eval_split):
         pairs = isic.find_pairs(data_dir, split, split_file=split_file, policy=policy)
         out.append(ExampleSource(pairs, policy=policy, name=f"isic2018/{split}"))
+    return out[0], out[1]
+
+
+def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eval_split: str, *, seed: int,
+                         process_index: int, num_classes: int) -> tuple[ExampleSource, ExampleSource]:
+    """Any images/ + masks/ dataset (:mod:`jaxrat.data.sources.segmentation_folder`): binary masks with
+    ``model.num_classes`` 1, class maps otherwise; folds and the bad-file policy as for ISIC."""
+    from jaxrat.data.sources import segmentation_folder as sf
+    from jaxrat.data.synthetic import segmentation as synthetic_segmentation
+
+    data_dir = os.path.expanduser(data_cfg.data_dir or "")
+    if data_cfg.synthetic and not data_dir:
+        data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+        synthetic_segmentation.write_dataset(data_dir, data_cfg.synthetic_train + data_cfg.synthetic_val,
+                                             synthetic_image_size(data_cfg), seed)
+    if not data_dir:
+        raise ConfigError("config.data.data_dir is empty; point it at the folder holding images/ and masks/.")
+    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
+    if local:
+        from jaxrat.data import staging
+
+        data_dir = staging.stage(data_dir, local)
+    total = data_cfg.synthetic_train + data_cfg.synthetic_val
+    fraction = (data_cfg.synthetic_val / total if data_cfg.synthetic and total and not data_cfg.data_dir
+                else float(_get(data_cfg, "val_fraction", 0.2)))
+    kw = dict(images=_get(data_cfg, "images_folder", "images"), masks=_get(data_cfg, "masks_folder", "masks"),
+              pairs_csv=_get(data_cfg, "pairs_csv", ""), val_fraction=fraction, seed=seed, policy=policy)
+    loader = (isic.DecodePair() if num_classes == 1
+              else sf.DecodeLabelPair(num_classes, tuple(tuple(p) for p in _get(data_cfg, "label_map", ()))))
+    if folds.settings(data_cfg)[0]:
+        pairs = sf.find_pairs(data_dir, "train", **kw) + sf.find_pairs(data_dir, "validation", **kw)
+        pairs = isic.check_pairs(sorted(pairs), policy, f"the dataset in {data_dir}")
+        parts = folds.split(pairs, [os.path.relpath(p[0], data_dir) for p in pairs], data_cfg,
+                            process_index=process_index, workdir=workdir)
+        assert parts is not None
+        k, fold = folds.settings(data_cfg)[:2]
+        return (ExampleSource(parts[0], loader, policy, f"folder/train-fold{fold}of{k}"),
+                ExampleSource(parts[1], loader, policy, f"folder/fold{fold}of{k}"))
+    out = []
+    for split in ("train", eval_split):
+        pairs = isic.check_pairs(sf.find_pairs(data_dir, split, **kw), policy, f"the {split} split of {data_dir}")
+        if not pairs:
+            raise DataError(f"No image/mask pairs for the {split} split in {data_dir}; check the folders "
+                            f"(or --config.data.val_fraction).")
+        out.append(ExampleSource(pairs, loader, policy, f"folder/{split}"))
     return out[0], out[1]
 
 

@@ -69,19 +69,21 @@ def _scaled_side(side: int, scale: float) -> int:
 
 
 def segmentation_probs(logits_fn: Callable[[jax.Array], jax.Array], images: jax.Array, tta: TTA) -> jax.Array:
-    """(B, H, W) foreground probabilities of ``images`` (B, H, W, 3), averaged over ``tta``'s views."""
+    """(B, H, W) foreground probabilities of ``images`` (B, H, W, 3), averaged over ``tta``'s views;
+    (B, H, W, C) class probabilities (softmax) for a model with C >= 2 output channels."""
     b, h, w, c = images.shape
     flips = [(), (2,), (1,)] if tta.flip else [()]
-    total, n = jnp.zeros((b, h, w), jnp.float32), 0
+    total, n = 0.0, 0
     for s in tta.scales:
         size = (h, w) if s == 1 else (_scaled_side(h, s), _scaled_side(w, s))
         x = images if size == (h, w) else jax.image.resize(images, (b, *size, c), "linear")
         for axes in flips:
             view = jnp.flip(x, axes) if axes else x
-            p = jax.nn.sigmoid(logits_fn(view).astype(jnp.float32))[..., 0]
+            logits = logits_fn(view).astype(jnp.float32)
+            p = jax.nn.sigmoid(logits)[..., 0] if logits.shape[-1] == 1 else jax.nn.softmax(logits, -1)
             p = jnp.flip(p, axes) if axes else p
             if size != (h, w):
-                p = jax.image.resize(p, (b, h, w), "linear")
+                p = jax.image.resize(p, (b, h, w, *p.shape[3:]), "linear")
             total, n = total + p, n + 1
     return total / n
 

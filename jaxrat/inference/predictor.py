@@ -40,7 +40,8 @@ KINDS = {"SegmentationTask": "segmentation", "ClassificationTask": "classificati
 @dataclasses.dataclass
 class Prediction:
     """One image's outputs at its original size. Segmentation: ``probability`` (H, W) and ``mask``
-    (H, W) bool; classification: ``heads`` {head: (classes,) probabilities}; detection: ``boxes``
+    (H, W) bool (multi-class: ``labels`` (H, W) uint8 classes, ``probability`` the winning class's,
+    ``mask`` not background); classification: ``heads`` {head: (classes,) probabilities}; detection: ``boxes``
     (K, 4) x1, y1, x2, y2 in pixels, ``scores`` (K,), ``labels`` (K,) contiguous class indices."""
 
     width: int
@@ -215,7 +216,12 @@ class Predictor:
         from jaxrat.tasks.segmentation_metrics import to_original
 
         content = letterbox_shape(h, w, self.image_size) if self.keep_aspect else None
-        p = to_original(np.asarray(prob, np.float32), h, w, content)
+        prob = np.asarray(prob, np.float32)
+        if prob.ndim == 3:  # class probabilities: each resized, then the most likely class per pixel
+            p = np.stack([to_original(prob[..., k], h, w, content) for k in range(prob.shape[-1])], -1)
+            labels = np.argmax(p, -1).astype(np.uint8)
+            return Prediction(w, h, probability=p.max(-1), mask=labels > 0, labels=labels)
+        p = to_original(prob, h, w, content)
         return Prediction(w, h, probability=p, mask=p >= self.threshold)
 
     def _detection(self, out: dict, content_size: np.ndarray, h: int, w: int) -> Prediction:
@@ -230,6 +236,8 @@ class Predictor:
         ``overlap``, Gaussian-blended (see :mod:`jaxrat.inference.augment`)."""
         if self.kind != "segmentation":
             raise UserError(f"--tile is for segmentation; this run is {self.kind}: drop --tile.")
+        if getattr(self.task, "num_classes", 1) > 1:
+            raise UserError("--tile blends binary probabilities; this run predicts several classes: drop --tile.")
         augment.check_tiling(tile, overlap)
         from jaxrat.data.transforms import Normalize
 

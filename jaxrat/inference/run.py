@@ -140,7 +140,8 @@ def _write_one(predictor: Any, out: str, stem: str, item: InputImage, image: np.
                options: Options, image_id: int, rows: list, results: list) -> None:
     row: dict[str, Any] = {"image": item.name}
     if predictor.kind == "segmentation":
-        row.update(writers.write_segmentation(out, stem, image, pred, options.save_probs))
+        names = getattr(predictor.task, "class_names", ()) if getattr(predictor.task, "num_classes", 1) > 1 else ()
+        row.update(writers.write_segmentation(out, stem, image, pred, options.save_probs, names))
     elif predictor.kind == "classification":
         k = options.top_k or int(predictor.config.task.get("top_k", 5))
         row.update(writers.classification_row(pred, predictor.task.heads, predictor.label_name, k))

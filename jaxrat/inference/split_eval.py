@@ -26,7 +26,9 @@ def use_split(config: Any, split: str, per_image: bool) -> None:
         raise ConfigError(f"--split {split}; use one of {', '.join(SPLITS)}.")
     with config.unlocked():
         config.data.eval_split = split
-        if per_image and config.task.get("name") == "segmentation" and "eval_original_resolution" in config.task:
+        binary = int(config.model.get("num_classes", 1) or 1) == 1  # per-image rows are binary scores
+        if (per_image and binary and config.task.get("name") == "segmentation"
+                and "eval_original_resolution" in config.task):
             config.task.eval_original_resolution = True
 
 

@@ -49,8 +49,12 @@ def _save_atomic(img: Image.Image, path: str, **kw: Any) -> None:
     fileio.save_image(path, img, **kw)
 
 
-def write_segmentation(out: str, stem: str, image: np.ndarray, pred: Any, save_probs: str) -> dict[str, Any]:
-    """Mask (+ probabilities, overlay) of one image; returns its CSV row (without the image name)."""
+def write_segmentation(out: str, stem: str, image: np.ndarray, pred: Any, save_probs: str,
+                       class_names: Sequence[str] = ()) -> dict[str, Any]:
+    """Mask (+ probabilities, overlay) of one image; returns its CSV row (without the image name).
+    A multi-class prediction (``pred.labels``) is written by :func:`write_classes`."""
+    if pred.labels is not None:
+        return write_classes(out, stem, image, pred, class_names)
     _save_atomic(Image.fromarray(pred.mask.astype(np.uint8) * 255, "L"), _path(out, "masks", stem, ".png"),
                  format="PNG")
     if save_probs == "png16":
@@ -65,6 +69,29 @@ def write_segmentation(out: str, stem: str, image: np.ndarray, pred: Any, save_p
     return {"width": pred.width, "height": pred.height, "foreground_fraction": float(fg.mean()),
             "mean_probability": float(pred.probability.mean()),
             "mean_foreground_probability": float(pred.probability[fg].mean()) if fg.any() else 0.0}
+
+
+def write_classes(out: str, stem: str, image: np.ndarray, pred: Any, class_names: Sequence[str]) -> dict[str, Any]:
+    """A class map as a palette PNG (pixel value = class, coloured per class) and a coloured overlay;
+    the CSV row holds each class's share of the pixels."""
+    from jaxrat.tasks.segmentation_multiclass import default_palette
+
+    names = list(class_names) or [f"class_{k}" for k in range(int(pred.labels.max(initial=0)) + 1)]
+    palette = default_palette(max(len(names), int(pred.labels.max(initial=0)) + 1))
+    png = Image.fromarray(pred.labels, "P")
+    png.putpalette([int(v) for v in palette.reshape(-1)] + [0] * (768 - palette.size))
+    _save_atomic(png, _path(out, "masks", stem, ".png"), format="PNG")
+    labels = pred.labels
+    if labels.shape != image.shape[:2]:
+        labels = np.asarray(Image.fromarray(labels).resize(image.shape[1::-1], Image.NEAREST))
+    tinted = image.astype(np.float32)
+    fg = labels > 0
+    tinted[fg] = 0.5 * tinted[fg] + 0.5 * palette[labels[fg]].astype(np.float32)
+    _save_atomic(Image.fromarray(tinted.astype(np.uint8)), _path(out, "overlays", stem, ".jpg"), format="JPEG",
+                 quality=90)
+    counts = np.bincount(pred.labels.reshape(-1), minlength=len(names)) / pred.labels.size
+    return {"width": pred.width, "height": pred.height, "foreground_fraction": float(fg.mean()),
+            **{f"fraction/{n}": float(counts[k]) for k, n in enumerate(names)}}
 
 
 def overlay(image: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks import segmentation_metrics as metrics
+from jaxrat.tasks import segmentation_multiclass as multiclass
 from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows, record_name
 from jaxrat.tasks.image_task import ImageTask
 
@@ -91,12 +92,19 @@ class SegmentationTask(ImageTask):
         self.threshold = float(t.threshold)
         self.eval_original_resolution = bool(t.get("eval_original_resolution", False))
         self.multiscale_loss = bool(t.get("multiscale_loss", False))
+        # 1: binary masks, sigmoid (ISIC); more: class maps, softmax (segmentation_multiclass).
+        self.num_classes = int(config.model.get("num_classes", 1) or 1)
+        self.class_names = multiclass.class_names(t.get("class_names", ()), self.num_classes)
+        if self.num_classes > 1 and (self.eval_original_resolution or self.multiscale_loss):
+            raise ConfigError(f"config.model.num_classes={self.num_classes}: task.eval_original_resolution and "
+                              f"task.multiscale_loss are for binary masks; set them False.")
 
     def prepare_data(self, workdir: str) -> str:
         from jaxrat.data import datasets
 
         self.train_source, self.val_source = datasets.resolve_segmentation(
-            self.config.data, workdir, seed=self.config.seed, process_index=jax.process_index())
+            self.config.data, workdir, seed=self.config.seed, process_index=jax.process_index(),
+            num_classes=self.num_classes)
         if self.eval_original_resolution:
             self._original_resolution()  # a source that cannot re-read its masks fails now, not at the first eval
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images"
@@ -113,6 +121,10 @@ class SegmentationTask(ImageTask):
     def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         kw = dict(bce_weight=self.bce_weight, dice_weight=self.dice_weight)
         mask = batch["mask"]
+        if self.num_classes > 1:
+            loss, parts = multiclass.loss_fn(model(batch["image"]), mask, ce_weight=self.bce_weight,
+                                             dice_weight=self.dice_weight)
+            return loss, {**parts, "foreground_fraction": jnp.mean((mask > 0) & (mask != multiclass.IGNORE_INDEX))}
         if not self.multiscale_loss:
             loss, parts = loss_fn(model(batch["image"]), mask, **kw)
         else:
@@ -127,11 +139,17 @@ class SegmentationTask(ImageTask):
 
     def eval_step(self, model: nnx.Module, batch: Batch) -> tuple[dict[str, jax.Array], Any]:
         logits = model(batch["image"])
+        if self.num_classes > 1:
+            sums = multiclass.eval_sums(logits, batch["mask"], batch["valid"], ce_weight=self.bce_weight,
+                                        dice_weight=self.dice_weight)
+            return sums, jax.nn.softmax(logits.astype(jnp.float32))
         sums = eval_sums(logits, batch["mask"], batch["valid"], threshold=self.threshold,
                          bce_weight=self.bce_weight, dice_weight=self.dice_weight)
         return sums, jax.nn.sigmoid(logits)
 
     def new_eval(self) -> EvalAccumulator:
+        if self.num_classes > 1:
+            return multiclass.MulticlassEval(self.class_names, log_images=bool(self.config.train.log_images))
         return _SegmentationEval(log_images=bool(self.config.train.log_images), threshold=self.threshold,
                                  original=self._original_resolution() if self.eval_original_resolution else None,
                                  name=lambda i: record_name(self.val_source.records[i], i))
@@ -152,6 +170,8 @@ class SegmentationTask(ImageTask):
 
     @property
     def metric_names(self) -> tuple[str, ...]:
+        if self.num_classes > 1:
+            return multiclass.metric_names(self.class_names)
         return METRICS + (metrics.ORIGINAL_METRICS if self.eval_original_resolution else ())
 
 

@@ -1,0 +1,139 @@
+"""Any segmentation dataset: the images/ + masks/ folder source (any names, split folders, a split
+ratio, a CSV of pairs), class maps with an ignore index, multi-class Dice/IoU per class checked
+against numpy, and a run that trains, evaluates and predicts label PNGs on such a folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError
+from jaxrat.data.sources import segmentation_folder as sf
+from jaxrat.data.synthetic import segmentation as synthetic
+from jaxrat.runtime.errors import DataError
+from jaxrat.tasks import segmentation_multiclass as mc
+from runner import REPO, env_with_devices
+
+
+def _numpy_per_class(pred: np.ndarray, truth: np.ndarray, valid: np.ndarray, c: int) -> tuple[float, float]:
+    keep = (truth != 255) & valid[:, None, None]
+    tp = np.sum((pred == c) & (truth == c) & keep)
+    fp = np.sum((pred == c) & (truth != c) & keep)
+    fn = np.sum((pred != c) & (truth == c) & keep)
+    dice = 2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else 1.0
+    return dice, (tp / (tp + fp + fn) if tp + fp + fn else 1.0)
+
+
+def test_per_class_dice_and_iou_match_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 9, 7, 4)).astype(np.float32)
+    truth = rng.integers(0, 4, size=(4, 9, 7)).astype(np.uint8)
+    truth[rng.random(truth.shape) < 0.1] = 255
+    valid = np.array([1, 1, 1, 0], bool)
+    sums = mc.eval_sums(jnp.asarray(logits), jnp.asarray(truth[..., None], jnp.float32), jnp.asarray(valid),
+                        ce_weight=1.0, dice_weight=1.0)
+    names = ("bg", "a", "b", "c")
+    got = mc.finalize({k: float(v) for k, v in sums.items()}, names)
+    pred = logits.argmax(-1)
+    expected = [_numpy_per_class(pred, truth, valid, c) for c in range(4)]
+    for c, name in enumerate(names):
+        assert got[f"dice/{name}"] == pytest.approx(expected[c][0], abs=1e-6)
+        assert got[f"iou/{name}"] == pytest.approx(expected[c][1], abs=1e-6)
+    assert got["dice"] == pytest.approx(np.mean([d for d, _ in expected[1:]]), abs=1e-6)
+    keep = (truth != 255) & valid[:, None, None]
+    assert got["pixel_accuracy"] == pytest.approx(np.sum((pred == truth) & keep) / keep.sum(), abs=1e-6)
+    assert got["num_images"] == 3
+
+
+def _pair(root, image_name, mask_name, size=(12, 10), value=1):
+    os.makedirs(os.path.dirname(os.path.join(root, image_name)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.join(root, mask_name)), exist_ok=True)
+    Image.fromarray(np.full((*size[::-1], 3), 90, np.uint8)).save(os.path.join(root, image_name))
+    mask = np.zeros(size[::-1], np.uint8)
+    mask[2:5, 3:6] = value
+    Image.fromarray(mask).save(os.path.join(root, mask_name))
+
+
+def test_folder_source_takes_any_names_formats_and_a_seeded_split(tmp_path):
+    root = str(tmp_path)
+    names = [("a b.jpg", "a b_mask.png"), ("x-1.png", "x-1.png"), ("scan.tif", "scan_segmentation.tiff"),
+             ("IMG_7.JPEG", "img_7.png"), ("z.png", "z_label.png")]
+    for image, mask in names:
+        _pair(root, f"images/{image}", f"masks/{mask}")
+    (tmp_path / "images" / "README.txt").write_text("not an image")
+    train = sf.find_pairs(root, "train", val_fraction=0.4, seed=3)
+    val = sf.find_pairs(root, "validation", val_fraction=0.4, seed=3)
+    assert len(train) == 3 and len(val) == 2 and not {p[0] for p in train} & {p[0] for p in val}
+    assert val == sf.find_pairs(root, "validation", val_fraction=0.4, seed=3)
+    loader = sf.DecodeLabelPair(num_classes=2)
+    for pair in train + val:
+        ex = loader.map(pair)
+        assert ex["image"].shape == (10, 12, 3) and set(np.unique(ex["mask"])) == {0, 1}
+
+
+def test_split_folders_csv_and_missing_masks(tmp_path):
+    root = str(tmp_path / "d")
+    _pair(root, "train/images/one.png", "train/masks/one.png")
+    _pair(root, "train/images/two.png", "train/masks/two.png")
+    _pair(root, "val/images/three.png", "val/masks/three_mask.png")
+    os.remove(os.path.join(root, "train/masks/two.png"))
+    with pytest.raises(BadFileError, match="no mask with its name"):
+        sf.find_pairs(root, "train")
+    assert len(sf.find_pairs(root, "train", policy=BadFilePolicy("skip"))) == 1
+    assert [os.path.basename(p[0]) for p in sf.find_pairs(root, "validation")] == ["three.png"]
+    csv = tmp_path / "d" / "pairs.csv"
+    csv.write_text("image,mask,split\ntrain/images/one.png,train/masks/one.png,train\n"
+                   "val/images/three.png,val/masks/three_mask.png,val\n")
+    assert len(sf.find_pairs(root, "validation", pairs_csv="pairs.csv")) == 1
+    with pytest.raises(DataError, match="No images/ and masks/ folders"):
+        sf.find_pairs(str(tmp_path), "train")
+
+
+def test_label_map_ignore_and_out_of_range_values(tmp_path):
+    _pair(str(tmp_path), "images/a.png", "masks/a.png", value=128)
+    pair = (str(tmp_path / "images" / "a.png"), str(tmp_path / "masks" / "a.png"))
+    with pytest.raises(BadFileError, match=r"label value\(s\) \[128\] but model.num_classes=3"):
+        sf.DecodeLabelPair(3).map(pair)
+    mask = sf.DecodeLabelPair(3, ((0, 0), (128, 2))).map(pair)["mask"]
+    assert set(np.unique(mask)) == {0, 2}
+
+
+def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_path):
+    data = synthetic.write_dataset(str(tmp_path / "my data"), num_images=24, size=32, seed=5)
+    work, out = tmp_path / "run", tmp_path / "pred"
+    env = env_with_devices(1)
+
+    def jaxrat(*args):
+        proc = subprocess.run([sys.executable, "-m", "jaxrat", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    common = [f"--config.data.data_dir={data}", "--config.data.val_fraction=0.25"]
+    jaxrat("train", "--config", "segmentation:smoke", f"--workdir={work}", "--config.num_train_steps=4", *common)
+    val = sf.find_pairs(data, "validation", val_fraction=0.25, seed=0)
+    listing = tmp_path / "val.txt"
+    listing.write_text("\n".join(p[0] for p in val) + "\n")
+    jaxrat("evaluate", f"--workdir={work}", "--name=check", "--step=latest")
+    jaxrat("predict", f"--workdir={work}", f"--input={listing}", f"--out={out}", "--step=latest")
+    reported = json.loads((work / "eval" / "check" / "metrics.json").read_text())["metrics"]
+    preds, truths = [], []
+    for image, mask in val:
+        png = Image.open(out / "masks" / (os.path.splitext(os.path.basename(image))[0] + ".png"))
+        assert png.mode == "P" and png.getpalette()[3:6] != [0, 0, 0]
+        preds.append(np.asarray(png))
+        truths.append(np.asarray(Image.open(mask)))
+        assert (out / "overlays" / (os.path.splitext(os.path.basename(image))[0] + ".jpg")).is_file()
+    pred, truth = np.stack(preds), np.stack(truths)
+    for c, name in enumerate(("background", "disc", "square")):
+        dice, iou = _numpy_per_class(pred, truth, np.ones(len(val), bool), c)
+        assert reported[f"eval/dice/{name}"] == pytest.approx(dice, abs=1e-6), name
+        assert reported[f"eval/iou/{name}"] == pytest.approx(iou, abs=1e-6), name
