@@ -42,6 +42,7 @@ from detection_matching import _free_match, _median_ms  # noqa: E402
 from jaxrat.config import load_config  # noqa: E402
 from jaxrat.parallel.mesh import make_mesh  # noqa: E402
 from jaxrat.tasks.base import load_task  # noqa: E402
+from jaxrat.tasks.detection import data as detection_data  # noqa: E402
 from jaxrat.tasks.detection import task as detection_task  # noqa: E402
 from jaxrat.tasks.detection.matching import hungarian_match  # noqa: E402
 from jaxrat.trainer import autotune  # noqa: E402
@@ -74,7 +75,7 @@ def memory(config, mesh, args: argparse.Namespace) -> tuple[dict, object]:
     """Lower and compile the step from shapes: (XLA's per-device accounting of it, the compiled step)."""
     lower = autotune.train_step_lowering(config, mesh, _task(config))
     t = time.perf_counter()
-    lowered = lower(detection_task.example_batch(config), args.batch)
+    lowered = lower(detection_data.example_batch(config), args.batch)
     lower_s = time.perf_counter() - t
     t = time.perf_counter()
     compiled = lowered.compile()
@@ -89,7 +90,7 @@ def memory(config, mesh, args: argparse.Namespace) -> tuple[dict, object]:
 
 
 def _batch(config, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    example = detection_task.example_batch(config)
+    example = detection_data.example_batch(config)
     batch = {k: np.repeat(v, n, axis=0) for k, v in example.items()}
     boxes = 3
     centre, size = rng.uniform(0.2, 0.8, (n, boxes, 2)), rng.uniform(0.05, 0.3, (n, boxes, 2))

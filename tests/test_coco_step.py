@@ -10,7 +10,7 @@ import pytest
 from jaxrat.config import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task
-from jaxrat.tasks.detection.task import example_batch
+from jaxrat.tasks.detection.data import example_batch
 from jaxrat.trainer.autotune import train_step_lowering
 
 

@@ -285,16 +285,16 @@ def test_auto_worker_count_respects_cores_and_ram():
 def test_auto_worker_count_shares_the_machine_among_its_processes(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))  # not pinned
-    monkeypatch.setattr(pipeline, "_available_ram_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(pipeline.workers, "_available_ram_bytes", lambda: 64 << 30)
     assert pipeline.resolve_num_workers(-1, 0, 1 << 20, 8) == 15
     assert pipeline.resolve_num_workers(-1, 0, 1 << 20, 8, processes_on_host=8) == 1  # 2 cores each
     assert pipeline.resolve_num_workers(-1, 0, 1 << 20, 8, processes_on_host=4) == 3
     # A quarter of 64 GiB shared by 4 processes: 4 GiB each, about 13 workers of 0.3 GiB; cores bind first.
-    monkeypatch.setattr(pipeline, "_available_ram_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(pipeline.workers, "_available_ram_bytes", lambda: 8 << 30)
     assert pipeline.resolve_num_workers(-1, 0, 1 << 20, 8, processes_on_host=4) == 1  # 0.5 GiB each
     # Pinned by the launcher (--cpus-per-task=4): the affinity is already this process's share.
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(pipeline, "_available_ram_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(pipeline.workers, "_available_ram_bytes", lambda: 64 << 30)
     assert pipeline.resolve_num_workers(-1, 0, 1 << 20, 8, processes_on_host=4) == 3
 
 

@@ -10,6 +10,11 @@ examples an uninterrupted run would have seen, and fixed reduction shards hold t
 Worker processes (``num_workers``) take elements round-robin *before* batching, so batches are
 the same for any worker count. The iterator's checkpoint state is just the next global element,
 so a run may also resume with another worker count. Bad files: see :mod:`jaxrat.data.badfiles`.
+
+This module holds the iterators; what they are built from lives by concern: the sources
+(:mod:`~jaxrat.data.example_source`), the augmentations (:mod:`~jaxrat.data.augmentation`), the
+config's options (:mod:`~jaxrat.data.options`) and the worker count (:mod:`~jaxrat.data.workers`).
+Their public names are importable from here as well, the pipeline's one front door.
 """
 
 from __future__ import annotations
@@ -17,159 +22,28 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import logging
 import math
-import os
 from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import numpy as np
 
 from jaxrat.data import transforms as T
-from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data import workers
+from jaxrat.data.augmentation import augment_ops
+from jaxrat.data.example_source import MAX_CONSECUTIVE_BAD, ExampleSource, LoadWithFallback, as_source
 from jaxrat.data.imageio import BadFileError
+from jaxrat.data.options import eval_coarsen, eval_options, loader_options, train_options
 from jaxrat.data.process_rows import ProcessRows
-from jaxrat.data.sources.isic import DecodePair
-from jaxrat.data.workers import finish_shared_memory_unlinks, worker_ignores_job_signals
+from jaxrat.data.workers import finish_shared_memory_unlinks, resolve_num_workers, worker_ignores_job_signals
 from jaxrat.runtime.errors import ConfigError, DataError
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ExampleSource", "StreamIterator", "as_source", "augment_ops",
+           "eval_batches", "eval_coarsen", "eval_options", "loader_options", "resolve_num_workers", "train_iterator",
+           "train_options", "workers"]
 
 IMAGENET_MEAN = np.array(T.IMAGENET_MEAN, np.float32)
 IMAGENET_STD = np.array(T.IMAGENET_STD, np.float32)
-# Consecutive bad elements tolerated under "skip" before giving up: a dataset that is mostly
-# broken should stop the run, not spin.
-MAX_CONSECUTIVE_BAD = 64
-
-
-# -------------------------------------------------------------------------------- sources
-
-@dataclasses.dataclass(frozen=True)
-class ExampleSource:
-    """One split of a dataset as the pipeline reads it: random-access ``records``, a ``loader``
-    turning one record into an example dict (raising BadFileError for a broken file), the bad-file
-    ``policy`` and a ``name`` for messages. Segmentation pairs, COCO images and TFDS records alike."""
-
-    records: Sequence[Any]
-    loader: Any = dataclasses.field(default_factory=DecodePair)
-    policy: BadFilePolicy = dataclasses.field(default_factory=BadFilePolicy)
-    name: str = ""
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-
-def as_source(data: ExampleSource | Sequence[tuple[str, str]]) -> ExampleSource:
-    """Accept a plain list of (image, mask) paths as well."""
-    return data if isinstance(data, ExampleSource) else ExampleSource(list(data))
-
-
-class _LoadWithFallback(grain.MapDataset):
-    """Element ``i`` = loader(parent[i]); under "skip" a bad record is replaced by parent[i+1],
-    parent[i+2], ... (deterministic: depends on the index and the files only)."""
-
-    def __init__(self, parent: grain.MapDataset, loader: Any, policy: BadFilePolicy):
-        super().__init__(parent)
-        self._loader, self._policy = loader, policy
-
-    def __len__(self) -> int:
-        return len(self._parent)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        for k in range(MAX_CONSECUTIVE_BAD):
-            try:
-                return self._loader.map(self._parent[(index + k) % len(self._parent)])
-            except BadFileError as e:
-                self._policy.handle(e)  # raises under "fail"
-        raise DataError(
-            f"{MAX_CONSECUTIVE_BAD} bad files in a row in the training stream (see skipped_files.txt); "
-            f"the dataset looks broken: fix or re-download it."
-        )
-
-
-# ------------------------------------------------------------------------------- options
-
-def augment_ops(
-    image_size: int,
-    *,
-    random_flip: bool = True,
-    keep_aspect_ratio: bool = False,
-    random_crop_scale: Sequence[float] = (1.0, 1.0),
-    scale_jitter: Sequence[float] = (1.0, 1.0),
-    rotation_degrees: float = 0.0,
-    color_jitter: float = 0.0,
-    elastic_prob: float = 0.0,
-    elastic_alpha: float = 34.0,
-    elastic_sigma: float = 4.0,
-    train: bool = True,
-) -> list:
-    """The op list (after decoding) for segmentation; each switch adds exactly its op."""
-    crop_lo, crop_hi = (float(x) for x in random_crop_scale)
-    if not 0 < crop_lo <= crop_hi <= 1:
-        raise ConfigError(f"config.data.random_crop_scale={tuple(random_crop_scale)}; "
-                          "use (min, max) with 0 < min <= max <= 1.")
-    if train and crop_lo < 1:
-        # Letterbox first when asked: the crop alone would train on stretched images while
-        # evaluation (Resize below) sees padded ones. Larger by the crop's zoom, to keep detail.
-        canvas = int(math.ceil(image_size / math.sqrt(crop_lo)))
-        ops: list = [T.Resize(canvas, keep_aspect=True)] if keep_aspect_ratio else []
-        ops.append(T.RandomResizedCrop(image_size, scale=(crop_lo, crop_hi)))
-    else:
-        ops = [T.Resize(image_size, keep_aspect=keep_aspect_ratio)]
-    if train:
-        jit_lo, jit_hi = (float(x) for x in scale_jitter)
-        if not 0 < jit_lo <= jit_hi:
-            raise ConfigError(f"config.data.scale_jitter={tuple(scale_jitter)}; use (min, max) with 0 < min <= max.")
-        if (jit_lo, jit_hi) != (1.0, 1.0):
-            ops.append(T.ScaleJitter(image_size, scale=(jit_lo, jit_hi)))
-        if random_flip:
-            ops.append(T.RandomFlip())
-        if rotation_degrees:
-            ops.append(T.RandomRotation(float(rotation_degrees)))
-        if elastic_prob:
-            ops.append(T.ElasticDeform(alpha=float(elastic_alpha), sigma=float(elastic_sigma),
-                                       prob=float(elastic_prob)))
-        if color_jitter:
-            x = float(color_jitter)
-            ops.append(T.ColorJitter(brightness=x, contrast=x, saturation=x, hue=x / 2))
-    ops.append(T.Normalize())
-    return ops
-
-
-def _cfg(data_cfg: Any, name: str, default: Any) -> Any:
-    return data_cfg.get(name, default) if hasattr(data_cfg, "get") else getattr(data_cfg, name, default)
-
-
-def train_options(data_cfg: Any) -> dict[str, Any]:
-    """Keyword arguments of :func:`train_iterator` from a ``config.data`` section."""
-    keys = ("random_flip", "keep_aspect_ratio", "random_crop_scale", "scale_jitter", "rotation_degrees",
-            "color_jitter", "elastic_prob", "elastic_alpha", "elastic_sigma")
-    kw = {k: _cfg(data_cfg, k, None) for k in keys}
-    ops = augment_ops(data_cfg.image_size, **{k: v for k, v in kw.items() if v is not None}, train=True)
-    return {
-        "ops": ops,
-        "num_workers": _cfg(data_cfg, "num_workers", -1),
-        "worker_ram_budget_gb": _cfg(data_cfg, "worker_ram_budget_gb", 0.0),
-        "num_threads": _cfg(data_cfg, "num_threads", 2),
-        "prefetch": _cfg(data_cfg, "prefetch_buffer", 4),
-    }
-
-
-def eval_options(data_cfg: Any) -> dict[str, Any]:
-    """Keyword arguments of :func:`eval_batches` from a ``config.data`` section."""
-    ops = augment_ops(data_cfg.image_size, keep_aspect_ratio=_cfg(data_cfg, "keep_aspect_ratio", False), train=False)
-    coarsen = eval_coarsen(data_cfg)
-    if coarsen:
-        ops.insert(-1, coarsen)  # after the resize, before Normalize
-    return {"ops": ops, "num_threads": _cfg(data_cfg, "num_threads", 2)}
-
-
-def eval_coarsen(data_cfg: Any) -> T.Coarsen | None:
-    """The :class:`~jaxrat.data.transforms.Coarsen` op for ``data.eval_spacing`` (None at 1)."""
-    spacing = float(_cfg(data_cfg, "eval_spacing", 1.0))
-    if spacing < 1:
-        raise ConfigError(f"config.data.eval_spacing={spacing}; use 1 (the input as it is) or more (coarser detail).")
-    return T.Coarsen(spacing) if spacing != 1 else None
 
 
 def _decode_target(image_size: int, ops: Sequence[Any]) -> tuple[int, int]:
@@ -189,44 +63,6 @@ def _with_decode_target(loader: Any, image_size: int, ops: Sequence[Any]) -> Any
     if dataclasses.is_dataclass(loader) and getattr(loader, "at_least", ()) is None:
         return dataclasses.replace(loader, at_least=_decode_target(image_size, ops))
     return loader
-
-
-def _available_ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8 << 30
-
-
-# A worker is a spawned Python process with numpy, PIL and grain imported (about 0.2 GiB resident
-# seen in a demo run; 0.3 GiB leaves headroom) plus its output buffer.
-WORKER_BASE_BYTES = 300 << 20
-
-
-def resolve_num_workers(num_workers: int, ram_budget_gb: float, example_bytes: int, buffer_elements: int,
-                        processes_on_host: int = 1) -> int:
-    """``num_workers >= 0`` is used as given; ``-1`` picks as many as this process's share of the
-    CPU cores (one left for the train step) and the RAM budget (``ram_budget_gb``, or a quarter of
-    the available RAM shared by the ``processes_on_host`` training processes of this machine) allow.
-
-    A process pinned to some cores (SLURM ``--cpus-per-task`` with task affinity) already sees
-    only its share; an unpinned one divides the machine by ``processes_on_host``.
-    """
-    if num_workers >= 0:
-        return int(num_workers)
-    if num_workers != -1:
-        raise ConfigError(f"config.data.num_workers={num_workers}; use 0 (in-process), N, or -1 (auto).")
-    machine = os.cpu_count() or 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
-    share = max(1, processes_on_host)
-    if cores >= machine:
-        cores = max(1, cores // share)
-    budget = ram_budget_gb * (1 << 30) if ram_budget_gb > 0 else _available_ram_bytes() / 4 / share
-    per_worker = WORKER_BASE_BYTES + buffer_elements * example_bytes
-    n = max(0, min(cores - 1, int(budget // per_worker)))
-    logging.info("data: %d worker processes (%d cores for this process, RAM budget %.1f GiB, ~%.0f MiB each)",
-                 n, cores, budget / (1 << 30), per_worker / (1 << 20))
-    return n
 
 
 def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
@@ -326,7 +162,7 @@ def train_iterator(
 
     def build(start: int) -> Iterator:
         ds = grain.MapDataset.source(data.records).seed(seed).shuffle().repeat(None)
-        ds = _LoadWithFallback(ds, loader, data.policy)
+        ds = LoadWithFallback(ds, loader, data.policy)
         for op in ops:
             ds = ds.random_map(op) if isinstance(op, grain.transforms.RandomMap) else ds.map(op)
         ds = ProcessRows(ds, start, local_batch, process_index, process_count)

@@ -1,4 +1,5 @@
-"""Input worker processes' exit: no shared memory left behind, whatever ends the run.
+"""Input worker processes: how many (:func:`resolve_num_workers`), and their exit: no shared memory
+left behind, whatever ends the run.
 
 Grain's process prefetch passes batches through shared memory. A batch is unlinked by whoever
 drops it last, on a background thread pool; a worker killed mid-batch, or an unlink still queued
@@ -9,8 +10,12 @@ shared_memory objects" at exit.
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing.util  # noqa: F401  (registers its exit handler first, so ours runs before it)
+import os
 import signal
+
+from jaxrat.runtime.errors import ConfigError
 
 
 def worker_ignores_job_signals(worker_index: int, worker_count: int) -> None:
@@ -63,3 +68,41 @@ def _unlink_in_place_from_now_on() -> None:
     SharedMemoryArray._outstanding_del_requests = None
     if pool is not None:
         pool.apply_async(lambda: None).wait(10)
+
+
+def _available_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+# A worker is a spawned Python process with numpy, PIL and grain imported (about 0.2 GiB resident
+# seen in a demo run; 0.3 GiB leaves headroom) plus its output buffer.
+WORKER_BASE_BYTES = 300 << 20
+
+
+def resolve_num_workers(num_workers: int, ram_budget_gb: float, example_bytes: int, buffer_elements: int,
+                        processes_on_host: int = 1) -> int:
+    """``num_workers >= 0`` is used as given; ``-1`` picks as many as this process's share of the
+    CPU cores (one left for the train step) and the RAM budget (``ram_budget_gb``, or a quarter of
+    the available RAM shared by the ``processes_on_host`` training processes of this machine) allow.
+
+    A process pinned to some cores (SLURM ``--cpus-per-task`` with task affinity) already sees
+    only its share; an unpinned one divides the machine by ``processes_on_host``.
+    """
+    if num_workers >= 0:
+        return int(num_workers)
+    if num_workers != -1:
+        raise ConfigError(f"config.data.num_workers={num_workers}; use 0 (in-process), N, or -1 (auto).")
+    machine = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    share = max(1, processes_on_host)
+    if cores >= machine:
+        cores = max(1, cores // share)
+    budget = ram_budget_gb * (1 << 30) if ram_budget_gb > 0 else _available_ram_bytes() / 4 / share
+    per_worker = WORKER_BASE_BYTES + buffer_elements * example_bytes
+    n = max(0, min(cores - 1, int(budget // per_worker)))
+    logging.info("data: %d worker processes (%d cores for this process, RAM budget %.1f GiB, ~%.0f MiB each)",
+                 n, cores, budget / (1 << 30), per_worker / (1 << 20))
+    return n

@@ -119,7 +119,7 @@ class Predictor:
     def _eval_ops(self) -> list:
         d = self.config.data
         if self.kind == "detection":
-            from jaxrat.tasks.detection.task import detection_ops
+            from jaxrat.tasks.detection.data import detection_ops
 
             return detection_ops(self.image_size, int(self.config.task.max_boxes), train=False, data_cfg=d)
         from jaxrat.data import pipeline

@@ -20,127 +20,25 @@ leaving the crop are dropped, cut ones clipped) and a left-right flip.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 from typing import Any, Iterable, Iterator, Mapping
 
-import grain
 import jax
 import jax.numpy as jnp
 import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from jaxrat.data import transforms as T
-from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import SHARD_TOTALS, Batch, EvalAccumulator, Task, host_rows
 from jaxrat.tasks.detection import boxes as box_ops
+from jaxrat.tasks.detection import data
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
 from jaxrat.tasks.detection.drawing import boxes_images
 from jaxrat.tasks.detection.losses import num_target_boxes, set_criterion
 from jaxrat.tasks.detection.matching import current_mesh, hungarian_match
 
 METRICS = (*STAT_NAMES, "num_images")
-
-
-# ------------------------------------------------------------------------------------------ data
-@dataclasses.dataclass(frozen=True)
-class DecodeCocoSized(DecodeCoco):
-    """DecodeCoco plus the stored image's ``orig_size`` (w, h) and a content ``mask``.
-
-    The size comes from the record because JPEG draft decoding may return a smaller image; the all-ones
-    mask moves with the image through every geometric op, so after letterboxing, cropping and
-    flipping its zeros are exactly the padding."""
-
-    def map(self, rec: dict[str, Any]) -> T.Example:
-        ex = super().map(rec)
-        ex["orig_size"] = np.asarray([rec["width"], rec["height"]], np.float32)
-        ex["mask"] = np.ones(ex["image"].shape[:2], np.uint8)
-        return ex
-
-
-@dataclasses.dataclass(frozen=True)
-class FinishDetection(grain.transforms.Map):
-    """Normalised, padded example -> the task's batch fields (see the module docstring)."""
-
-    def map(self, ex: T.Example) -> T.Example:
-        content = ex["mask"][..., 0] > 0.5
-        xyxy = ex["boxes"].astype(np.float32)
-        cxcywh = np.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2,
-                           xyxy[:, 2] - xyxy[:, 0], xyxy[:, 3] - xyxy[:, 1]], -1)
-        out = {
-            "image": ex["image"],
-            "pad_mask": (~content).astype(np.float32),
-            "boxes": cxcywh * ex["box_valid"][:, None],
-            "labels": ex["labels"].astype(np.int32),
-            "box_valid": ex["box_valid"],
-            "image_id": np.int32(ex["image_id"]),
-            "orig_size": ex["orig_size"],
-            # Letterboxing is top-left, so the content is the rows and columns with any content pixel.
-            "content_size": np.asarray([content.any(0).sum(), content.any(1).sum()], np.float32),
-        }
-        if "valid" in ex:
-            out["valid"] = ex["valid"]
-        return out
-
-
-def detection_ops(image_size: int, max_boxes: int, *, train: bool, data_cfg: Any = None) -> list:
-    """Letterbox to the canvas (train: scale jitter + flip), normalise, pad the boxes, finish."""
-    get = (lambda k, d: data_cfg.get(k, d)) if data_cfg is not None else (lambda k, d: d)
-    jitter = tuple(float(s) for s in get("scale_jitter", (1.0, 1.0)))
-    if train and jitter != (1.0, 1.0):
-        ops: list = [T.ScaleJitter(image_size, scale=jitter)]
-    else:
-        ops = [T.Resize(image_size, keep_aspect=True)]
-    if train and get("random_flip", True):
-        ops.append(T.RandomFlip(horizontal=0.5, vertical=0.0))  # scenes have an up: no vertical flip
-    if train and get("color_jitter", 0.0):
-        c = float(get("color_jitter", 0.0))
-        ops.append(T.ColorJitter(c, c, c, c / 2))
-    if not train and data_cfg is not None:
-        from jaxrat.data.pipeline import eval_coarsen
-
-        ops += [op for op in (eval_coarsen(data_cfg),) if op]
-    return ops + [T.Normalize(), PadBoxes(max_boxes), FinishDetection()]
-
-
-def example_batch(config: mlc.ConfigDict) -> dict[str, np.ndarray]:
-    """One all-zero training example (a batch of 1) with every field, shape and dtype of a train batch
-    of ``config``: what lowering or sizing the step from shapes alone needs (no data)."""
-    s, t, f = int(config.data.image_size), int(config.task.max_boxes), np.float32
-    return {"image": np.zeros((1, s, s, 3), f), "pad_mask": np.zeros((1, s, s), f), "boxes": np.zeros((1, t, 4), f),
-            "labels": np.zeros((1, t), np.int32), "box_valid": np.zeros((1, t), f),
-            "image_id": np.zeros((1,), np.int32), "orig_size": np.zeros((1, 2), f), "content_size": np.zeros((1, 2), f)}
-
-
-def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
-    """(train, validation) :class:`CocoDetection` for ``config.data``; writes synthetic COCO if asked."""
-    from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
-    from jaxrat.data.sources.coco import CocoDetection
-
-    if int(data_cfg.get("folds", 0) or 0):
-        raise ConfigError("config.data.folds: cross-validation folds are not implemented for COCO detection; "
-                          "set --config.data.folds=0 (COCO's val2017 is the validation split).")
-    record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
-    policy = BadFilePolicy(data_cfg.get("on_bad_file", "fail"), record)
-    root = os.path.expanduser(data_cfg.data_dir or "")
-    if data_cfg.synthetic and not root:
-        from jaxrat.data.datasets import synthetic_image_size
-        from jaxrat.data.synthetic.coco import write_coco
-
-        # One copy per process on its own disk: correct whether or not the workdir is shared.
-        root = write_coco(os.path.join(workdir, "synthetic_data", f"process_{process_index}"),
-                          num_train=data_cfg.synthetic_train, num_val=data_cfg.synthetic_val,
-                          image_size=synthetic_image_size(data_cfg), seed=seed,
-                          num_classes=data_cfg.get("synthetic_classes", 5))
-    root = root or os.path.expanduser("~/data/coco2017")
-    train = CocoDetection(root, "train", policy=policy, skip_empty=True)
-    val = CocoDetection(root, "validation", policy=policy)
-    for ds in (train, val):
-        ds.loader = DecodeCocoSized()
-    return train, val
 
 
 # ------------------------------------------------------------------------------------------ task
@@ -159,33 +57,21 @@ class DetectionTask(Task):
         self._train = self._val = None
 
     def prepare_data(self, workdir: str) -> str:
-        self._train, self._val = resolve_coco(self.config.data, workdir, seed=self.config.seed,
+        self._train, self._val = data.resolve_coco(self.config.data, workdir, seed=self.config.seed,
                                               process_index=jax.process_index())
         self.num_classes = self._train.num_classes
         return f"{len(self._train)} train and {len(self._val)} validation images ({self.num_classes} classes)"
 
     def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
                        processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
-        from jaxrat.data import pipeline
-
-        d = self.config.data
-        return pipeline.train_iterator(
-            self._train.example_source(), image_size=d.image_size, local_batch=local_batch, seed=self.config.seed,
-            process_index=process_index, process_count=process_count, start_example=start_example,
-            processes_on_host=processes_on_host,
-            ops=detection_ops(d.image_size, int(self.t.max_boxes), train=True, data_cfg=d),
-            num_workers=d.get("num_workers", -1), worker_ram_budget_gb=d.get("worker_ram_budget_gb", 0.0),
-            num_threads=d.get("num_threads", 2), prefetch=d.get("prefetch_buffer", 4))
+        return data.train_iterator(self._train, self.config.data, int(self.t.max_boxes), seed=self.config.seed,
+                                   start_example=start_example, local_batch=local_batch, process_index=process_index,
+                                   process_count=process_count, processes_on_host=processes_on_host)
 
     def eval_batches(self, *, global_batch: int, process_index: int,
                      process_count: int) -> Iterable[dict[str, np.ndarray]]:
-        from jaxrat.data import pipeline
-
-        d = self.config.data
-        return pipeline.eval_batches(self._val.example_source(), image_size=d.image_size, global_batch=global_batch,
-                                     process_index=process_index, process_count=process_count,
-                                     num_threads=d.get("num_threads", 2),
-                                     ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False, data_cfg=d))
+        return data.eval_batches(self._val, self.config.data, int(self.t.max_boxes), global_batch=global_batch,
+                                 process_index=process_index, process_count=process_count)
 
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
         from jaxrat.models import build_model
