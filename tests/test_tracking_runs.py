@@ -154,7 +154,7 @@ def test_mlflow_server_gets_params_and_metrics_and_its_death_costs_only_a_warnin
         assert "train/learning_rate" in run.data.metrics and "train/examples_per_sec" in run.data.metrics
         assert run.data.tags["checkpoint/last"] == os.path.join(w, "checkpoints", "6")
         assert run.data.tags["checkpoint/best"].startswith(os.path.join(w, "checkpoints"))
-        assert {a.path for a in client.list_artifacts(run_id)} == {"summary.json", "summary.md"}
+        assert {a.path for a in client.list_artifacts(run_id)} == {"summary.json", "summary.md", "curves.png"}
 
         # The server dies once the second run has logged its first step; the run still finishes.
         w2 = str(tmp_path / "run2")

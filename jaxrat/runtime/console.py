@@ -116,9 +116,47 @@ def quiet_libraries() -> None:
             sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
 
 
+_LIVE = threading.Event()  # a progress line is on the terminal, not yet ended by a newline
+
+
+class _EndLiveLine(logging.Filter):
+    """Ends the progress line before any other log line is printed below it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _LIVE.is_set():
+            _LIVE.clear()
+            sys.stderr.write("\n")
+        return True
+
+
+def on_terminal() -> bool:
+    """Whether stderr is a terminal (a person watching) rather than a file (a job log)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def progress(line: str) -> None:
+    """A progress line: on a terminal rewritten in place (tqdm-style, the next log line starts
+    below it); in a job log an ordinary INFO line, one per log period."""
+    if not on_terminal():
+        logging.info("%s", line, stacklevel=2)  # the caller's file and line, as for any log line
+        return
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _EndLiveLine) for f in handler.filters):
+            handler.filters.insert(0, _EndLiveLine())
+    sys.stderr.write("\r" + line + "\x1b[K")
+    sys.stderr.flush()
+    _LIVE.set()
+
+
 def fail(message: str) -> None:
     """Print ``jaxrat: error: message`` and exit with the user-error status (never requeued)."""
     _SAID_WHY.set()
+    if _LIVE.is_set():
+        _LIVE.clear()
+        sys.stderr.write("\n")
     print(f"jaxrat: error: {message}", file=sys.stderr, flush=True)
     # Library tasks abandoned by the error (Orbax's async writes after a full disk) are reported by
     # asyncio when they are collected at exit; the sentence above already said what happened.

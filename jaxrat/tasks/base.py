@@ -98,6 +98,11 @@ class Task(abc.ABC):
         """Find (or generate, or stage) the data before any iterator is made; return a short
         description for the log, e.g. "256 train and 64 validation images"."""
 
+    def num_train_examples(self) -> int:
+        """Examples in one epoch of the training set once prepared (0: unknown), for the progress line."""
+        source = getattr(self, "train_source", None)
+        return len(source) if source is not None else 0
+
     @abc.abstractmethod
     def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
                        processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:

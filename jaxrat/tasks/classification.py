@@ -217,6 +217,11 @@ class _ClassificationEval(EvalAccumulator):
         out["loss"] = loss / len(self.heads)
         return out
 
+    def confusions(self) -> dict[str, tuple[np.ndarray, list[str]]]:
+        """Each head's last confusion matrix (true x predicted counts) and its class names."""
+        return {head: (conf, [self._label(self.heads.index(head), c) for c in range(conf.shape[0])])
+                for head, conf in self._confusions.items()}
+
     def images(self) -> dict[str, np.ndarray]:
         """Each head's confusion matrix, rows normalised (true class), as a grey image."""
         if not self.log_images:

@@ -48,6 +48,8 @@ def markdown(s: Mapping[str, Any]) -> str:
             lines += ["", f"## {title}", "", *_table(s[key])]
     if ck:
         lines += ["", "## Checkpoints", "", *_table({k: v for k, v in ck.items() if v})]
+    if s.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in s["plots"]]
     return "\n".join(lines) + "\n"
 
 

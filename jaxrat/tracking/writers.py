@@ -130,15 +130,19 @@ class MetricWriter:
         self.trackers = []
 
 
-def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed: float, done: int) -> str:
-    """``step 120/400 (30%) loss 0.3121 lr 2.9e-03 8.10 steps/s 130 ex/s ETA 00:00:34``.
+def format_progress(step: int, total: int, scalars: Mapping[str, float], elapsed: float, done: int,
+                    epoch: float | None = None, bar: bool = False) -> str:
+    """``epoch 2.40 step 120/400 (30%) loss 0.3121 lr 2.9e-03 8.10 steps/s 130 ex/s ETA 00:00:34``.
 
     Steps/s and examples/s are those of the last logging window (``scalars``); the ETA uses the mean
-    rate since this run started (``done`` steps in ``elapsed`` seconds), compilation included."""
+    rate since this run started (``done`` steps in ``elapsed`` seconds), compilation included.
+    ``epoch``: passes over the training set so far (None: unknown); ``bar``: a ``[####    ]`` bar first."""
     rate = done / elapsed if elapsed > 0 else 0.0
     eta = (total - step) / rate if rate > 0 else float("nan")
     eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if np.isfinite(eta) else "?"
-    parts = [f"step {step}/{total} ({100 * step / max(total, 1):.0f}%)"]
+    parts = [f"[{'#' * int(20 * step / max(total, 1)):<20}]"] if bar else []
+    parts += [f"epoch {epoch:.2f}"] if epoch is not None else []
+    parts += [f"step {step}/{total} ({100 * step / max(total, 1):.0f}%)"]
     if "train/loss" in scalars:
         parts.append(f"loss {scalars['train/loss']:.4f}")
     if "train/learning_rate" in scalars:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule
 from jaxrat.cluster import Preempted, PreemptionWatch
+from jaxrat.runtime import console
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import Task
 from jaxrat.tracking.writers import MetricWriter, format_progress
@@ -121,6 +122,7 @@ class TrainLog:
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
         self.last: dict[str, float] = {}  # the last window's scalars, for the run summary
         self.last_step = 0
+        self.examples_per_epoch = 0  # set once the data is known: the progress line counts epochs
 
     def add(self, step: int, metrics: dict[str, jax.Array]) -> bool:
         """Queue ``step``'s metrics; returns whether ``step`` is a log step (and logs it)."""
@@ -149,8 +151,9 @@ class TrainLog:
         self.writer.write_scalars(step, scalars)
         self.last, self.last_step = scalars, step
         if jax.process_index() == 0:
-            logging.info("%s", format_progress(step, self.total, scalars, self.chrono.elapsed(),
-                                               step - self.chrono.start_step))
+            epoch = step * self.chrono.global_batch / self.examples_per_epoch if self.examples_per_epoch else None
+            console.progress(format_progress(step, self.total, scalars, self.chrono.elapsed(),
+                                             step - self.chrono.start_step, epoch, bar=console.on_terminal()))
         self.pending.clear()
 
 

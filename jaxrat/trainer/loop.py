@@ -140,6 +140,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
     early.load(start.meta)
     saver.extra = early.state
     log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
+    log.examples_per_epoch = task.num_train_examples()
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
     evaluation = hooks.Evaluation(config, task, eval_step, put, writer)
     feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
@@ -192,7 +193,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
                 images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
                 last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory,
                 last_eval_raw=evaluation.last_raw, stopped_early=early.summary(done), kernels=spec.kernels)
-            run_summary.publish(writer, workdir, summary)
+            confusions = getattr(getattr(evaluation, "last_accumulator", None), "confusions", dict)()
+            run_summary.publish(writer, workdir, summary, confusions)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
         writer.close(status)

@@ -96,13 +96,33 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
     }
 
 
-def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any]) -> None:
-    """Write the files (process 0), hand them and the checkpoint paths to the trackers; a write
-    that fails costs a warning."""
+def draw(workdir: str, best_metric: str, confusions: dict[str, tuple[Any, list[str]]] | None) -> list[str]:
+    """The run's pictures (:mod:`jaxrat.tracking.plots`): the curves, and each confusion matrix; a
+    picture that cannot be drawn costs a warning, never the summary."""
+    from jaxrat.tracking import plots
+
+    paths: list[str] = []
+    try:
+        curves = plots.write_curves(workdir, best_metric)
+        paths += [curves] if curves else []
+        for head, (matrix, labels) in (confusions or {}).items():
+            paths.append(plots.write_confusion(workdir, head, matrix, labels))
+    except Exception as e:  # matplotlib missing or failing must not cost the summary
+        logging.warning("run summary: plots not drawn (%s: %s)", type(e).__name__, e)
+    return paths
+
+
+def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any],
+            confusions: dict[str, tuple[Any, list[str]]] | None = None) -> None:
+    """Draw the plots, write the files (process 0), hand them and the checkpoint paths to the
+    trackers; a write that fails costs a warning. ``confusions``: {head: (matrix, class names)}."""
     if jax.process_index() != 0:
         return
+    pictures = draw(workdir, str((summary.get("config") or {}).get("checkpoint", {}).get("best_metric", "")),
+                    confusions)
+    summary = {**summary, "plots": [os.path.basename(p) for p in pictures]}
     try:
-        paths = write_summary(workdir, summary)
+        paths = write_summary(workdir, summary) + pictures
     except OSError as e:
         logging.warning("run summary: cannot write it under %s (%s)", workdir, e.strerror or e)
         paths = []

@@ -62,6 +62,9 @@ class DetectionTask(Task):
         self.num_classes = self._train.num_classes
         return f"{len(self._train)} train and {len(self._val)} validation images ({self.num_classes} classes)"
 
+    def num_train_examples(self) -> int:
+        return len(self._train) if self._train is not None else 0
+
     def train_iterator(self, start_example: int, *, local_batch: int, process_index: int, process_count: int,
                        processes_on_host: int) -> Iterator[dict[str, np.ndarray]]:
         return data.train_iterator(self._train, self.config.data, int(self.t.max_boxes), seed=self.config.seed,
