@@ -27,7 +27,8 @@ from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_json
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
-_STEP = flags.DEFINE_string("step", "latest", "Checkpoint to evaluate: a step number, 'best' or 'latest'.")
+_STEP = flags.DEFINE_string("step", "", "Checkpoint to evaluate: a step number, 'best' or 'latest' (default: the "
+                            "best when the run ranked one, else the latest).")
 _NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step, split, TTA).")
 _SPLIT = flags.DEFINE_enum("split", "validation", ["validation", "test", "train"], "The data to evaluate.")
 _TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
@@ -62,8 +63,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
         import jax
 
         from jaxrat.checkpointing.store import resolve
+        from jaxrat.inference.checkpoint_choice import choose
 
-        step = resolve(f"{workdir}:{_STEP.value}")[1]
+        step = resolve(f"{workdir}:{choose(workdir, _STEP.value)}")[1]
         name = _NAME.value or _default_name(f"step_{step}")
         kind = {"segmentation": "segmentation", "classification": "classification"}.get(config.task.name, "other")
         wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None

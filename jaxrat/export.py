@@ -19,8 +19,10 @@ from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overri
 from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
-_STEP = flags.DEFINE_string("step", "latest", "Checkpoint: a step number, 'best' or 'latest'.")
-_OUT = flags.DEFINE_string("out", None, "Output folder.")
+_STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
+                            "run ranked one, else the latest).")
+_OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an export in an existing non-empty --out.")
 _PLATFORMS = flags.DEFINE_string("platforms", "cpu", "Comma-separated platforms to lower for: cpu, cuda, rocm, tpu.")
 _BATCH = flags.DEFINE_integer("batch", 1, "The exported program's batch size (the loader pads to it); 0: any "
                                "batch size, for models whose code allows a symbolic batch (the U-Net; not RAT).")
@@ -36,13 +38,16 @@ def main(argv: list[str], overrides: list[str]) -> None:
         platforms = tuple(p.strip() for p in _PLATFORMS.value.split(",") if p.strip())
         if not platforms or _BATCH.value < 0:
             raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a number >= 0.")
+        if os.path.isdir(_OUT.value) and os.listdir(_OUT.value) and not _OVERWRITE.value:
+            raise UserError(f"--out {_OUT.value} exists and is not empty; choose a new folder or pass --overwrite.")
         from jaxrat.inference import exported
+        from jaxrat.inference.checkpoint_choice import choose
         from jaxrat.inference.exporting import export_model, portable
         from jaxrat.inference.predictor import Predictor
         from jaxrat.trainer.evaluation import open_trained_run
 
         workdir, config = open_trained_run(_WORKDIR.value, overrides)
-        predictor = Predictor(portable(config), workdir, _STEP.value, batch_size=_BATCH.value or 0)
+        predictor = Predictor(portable(config), workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value or 0)
         check = export_model(predictor, _OUT.value, platforms=platforms, batch=_BATCH.value)
         shutil.copyfile(exported.__file__, os.path.join(_OUT.value, "exported.py"))
         said = (f"verified: max difference {check['max_abs_diff']:.2g}" if check["verified"]

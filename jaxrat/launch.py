@@ -42,7 +42,13 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog=prog("python -m jaxrat.launch"), description=plain(__doc__.split("\n\n")[0]))
+    p = argparse.ArgumentParser(
+        prog=prog("python -m jaxrat.launch"), description=plain(__doc__.split("\n\n")[0]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Config overrides for the run go after --, e.g.\n"
+               "  jaxrat launch --config isic --nodes 2 --gpus-per-node 8 --time 24:00:00 -- "
+               "--config.data.batch_size=64\n"
+               "Without --submit the script is printed; sbatch it from a folder that exists (its log goes there).")
     p.add_argument("--config", required=True, help="config file[:variant], as for jaxrat.main")
     p.add_argument("--workdir", help="run directory on shared storage (default runs/<config>[-variant])")
     add_job_arguments(p)

@@ -21,7 +21,8 @@ from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overri
 from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
-_STEP = flags.DEFINE_string("step", "latest", "Checkpoint: a step number, 'best' or 'latest'.")
+_STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
+                            "run ranked one, else the latest).")
 _INPUT = flags.DEFINE_string("input", None, "A folder (recursive), an image, a glob or a text file of paths.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace jaxrat's outputs in an existing non-empty --out.")
@@ -70,7 +71,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
 
             multihost_utils.sync_global_devices("predict: output folder ready")
             sync = lambda: multihost_utils.sync_global_devices("predict: parts written")  # noqa: E731
-        predictor = Predictor(config, workdir, _STEP.value, batch_size=_BATCH.value, tta=tta)
+        from jaxrat.inference.checkpoint_choice import choose
+
+        predictor = Predictor(config, workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value, tta=tta)
         logging.info("predict: %d images, %s, step %d, tta %s%s", len(inputs), predictor.kind, predictor.step,
                      tta.describe(), f", tiles {options.tile} px" if options.tile else "")
         counts = predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),

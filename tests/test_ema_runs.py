@@ -67,7 +67,7 @@ def test_kill9_and_resume_give_the_same_average_and_evaluate_scores_it(tmp_path,
     assert summary["last_eval"]["eval_raw/loss"] == pytest.approx(last["eval_raw/loss"])
     assert summary["best"]["metric"] == "eval/loss"
 
-    proc = subprocess.run([sys.executable, "-m", "jaxrat.evaluate", f"--workdir={ref}"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.evaluate", f"--workdir={ref}", "--step=latest"], cwd=REPO,
                           env=env_with_devices(1), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scored = json.load(open(os.path.join(ref, "eval", f"step_{STEPS}", "metrics.json")))["metrics"]

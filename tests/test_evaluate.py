@@ -24,7 +24,7 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     last = [r for r in read_metrics(wd) if "eval/dice" in r][-1]
     before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
 
-    proc = _evaluate(wd)
+    proc = _evaluate(wd, "--step=latest")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.load(open(os.path.join(wd, "eval", "step_6", "metrics.json")))
     assert result["step"] == 6

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 def trained(tmp_path_factory):
     """A smoke segmentation run (trained once for the module)."""
     wd = str(tmp_path_factory.mktemp("predict") / "run")
-    run_main(wd, "--config.task.eval_original_resolution=True", devices=1)
+    # Nothing ranked: predict and evaluate default to the latest checkpoint, as the Predictor API does.
+    run_main(wd, "--config.task.eval_original_resolution=True", "--config.checkpoint.best_metric=", devices=1)
     return wd
 
 

@@ -170,7 +170,7 @@ def test_index_ranges():
 def test_slurm_array_element_runs_its_variant_in_its_workdir(tmp_path):
     text = array_script(tmp_path, "slurm", array_indices=(0, 2), array_parallel=2)
     root = tmp_path / "root"
-    assert "#SBATCH --array=0,2%2\n" in text and f"#SBATCH --output={root}/slurm-%A_%a.out\n" in text
+    assert "#SBATCH --array=0,2%2\n" in text and "#SBATCH --output=abl-%A_%a.out\n" in text
     assert "#SBATCH --requeue\n" in text and "#SBATCH --job-name=abl\n" in text
     proc = run_element(tmp_path, text, {"SLURM_JOB_ID": "91", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_NODELIST": "vm"},
                        status=42)
@@ -203,7 +203,7 @@ def test_lsf_array_is_one_based_and_requeues_one_element(tmp_path):
 
 def test_single_job_scripts_have_no_array_lines():
     text = render(JobSpec(config=TOY, workdir="/w"), "slurm")
-    assert "--array" not in text and "VARIANT" not in text and "--output=/w/slurm-%j.out" in text
+    assert "--array" not in text and "VARIANT" not in text and "--output=jaxrat-sweep_config-%j.out" in text
 
 
 def test_cli_dry_run_submits_only_unfinished_variants(tmp_path, capsys):

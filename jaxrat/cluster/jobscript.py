@@ -189,7 +189,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         lines = [f"#SBATCH --{k}={v}\n" for k, v in pairs if v is not None]
         lines += [f"#SBATCH {d}\n" for d in spec.extra_directives]
         time = spec.time
-        log = "slurm-%A_%a.out" if spec.array else "slurm-%j.out"
+        log = slurm_log(spec)
     else:
         pairs = [("-gpu", f'"num={g}:mode=exclusive_process"' if g else None), ("-q", spec.partition),
                  ("-P", spec.account), ("-M", spec.mem)]
@@ -214,7 +214,9 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "total_tasks": str(spec.nodes * t),
         "resource_lines": "".join(lines),
         "time": time,
-        "log": f"{workdir}/{log}",
+        # SLURM opens the log before the script runs, so it must go to a folder that exists: the
+        # one sbatch runs in (a hand-submitted script); --submit creates the workdir and logs there.
+        "log": log if scheduler == "slurm" else f"{workdir}/{log}",
         "array_select": _array_block(spec, scheduler) if spec.array else "",
         "workdir": f'{workdir}/"$VARIANT"' if spec.array else workdir,
         "signal_lead": str(spec.signal_lead),
@@ -271,7 +273,8 @@ def submit(script: str, spec: JobSpec, scheduler: str, *, wait: bool, timeout: f
     path = path or workdir / f"{spec.name}.{'sbatch' if scheduler == 'slurm' else 'bsub'}"
     path.write_text(script)
     if scheduler == "slurm":
-        cmd = ["sbatch", "--parsable"] + (["--wait"] if wait else []) + [str(path)]
+        log = "slurm-%A_%a.out" if spec.array else "slurm-%j.out"  # the command line wins over #SBATCH
+        cmd = ["sbatch", "--parsable", f"--output={workdir}/{log}"] + (["--wait"] if wait else []) + [str(path)]
         stdin = None
     else:
         cmd = ["bsub"] + (["-K"] if wait else [])
@@ -297,6 +300,49 @@ def submit(script: str, spec: JobSpec, scheduler: str, *, wait: bool, timeout: f
 
 
 
+def slurm_log(spec: JobSpec) -> str:
+    """The ``#SBATCH --output`` of a script: in the folder sbatch runs in, named for the job."""
+    return f"{spec.name}-%A_%a.out" if spec.array else f"{spec.name}-%j.out"
+
+
+def node_shape(partition: str | None) -> tuple[int, int, int] | None:
+    """(CPUs, memory in MiB, GPUs) of the smallest node of ``partition`` (the default one when None),
+    from ``sinfo``; None where sinfo is missing or fails (rendering away from the cluster)."""
+    cmd = ["sinfo", "--noheader", "--format=%c %m %G"] + (["--partition", partition] if partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    shapes = []
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        parts = line.split()
+        if len(parts) < 2 or not parts[0].isdigit() or not parts[1].rstrip("+").isdigit():
+            continue
+        gpus = re.search(r"gpu(?::[\w-]+)?:(\d+)", parts[2] if len(parts) > 2 else "")
+        shapes.append((int(parts[0]), int(parts[1].rstrip("+")), int(gpus.group(1)) if gpus else 0))
+    return min(shapes) if shapes else None
+
+
+def node_resources(cpus_per_task: int | None, mem: str | None, gpus_per_node: int, tasks_per_node: int,
+                   partition: str | None) -> tuple[int | None, str | None]:
+    """``--cpus-per-task`` and ``--mem`` as given, else, for a GPU job, from the node
+    (:func:`node_shape`): the share of its CPUs and memory that the requested GPUs are of its GPUs,
+    the CPUs split over the tasks, so each process gets decode workers. A CPU-only job, or an
+    unknown node: as given (SLURM's defaults)."""
+    if (cpus_per_task is not None and mem is not None) or not gpus_per_node:
+        return cpus_per_task, mem
+    shape = node_shape(partition)
+    if shape is None:
+        return cpus_per_task, mem
+    cpus, mem_mib, gpus = shape
+    share = min(1.0, gpus_per_node / gpus) if gpus else 1.0
+    if cpus_per_task is None:
+        cpus_per_task = max(1, int(cpus * share) // max(tasks_per_node, 1))
+    if mem is None:
+        mem = "0" if share >= 1 else f"{int(mem_mib * share * 0.95)}M"  # 0: all of the node's memory
+    return cpus_per_task, mem
+
+
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """The allocation and job-script options shared by ``jaxrat.launch`` and ``jaxrat.sweep``."""
     p.add_argument("--nodes", type=int, default=1)
@@ -307,8 +353,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", help="SLURM partition / LSF queue")
     p.add_argument("--account", help="SLURM account / LSF project")
     p.add_argument("--qos")
-    p.add_argument("--cpus-per-task", type=int)
-    p.add_argument("--mem", help="memory per node, e.g. 200G")
+    p.add_argument("--cpus-per-task", type=int,
+                   help="CPUs per process (default: the node's, by sinfo, shared by the GPUs and tasks requested)")
+    p.add_argument("--mem", help="memory per node, e.g. 200G (default: the node's share, by sinfo; 0: all)")
     p.add_argument("--job-name")
     p.add_argument("--python", default=sys.executable, help="python on the compute nodes (default: this one)")
     p.add_argument("--module", default="jaxrat.main", help="entry module, e.g. jaxrat.evaluate")
@@ -328,6 +375,9 @@ def job_fields(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict:
     """The :class:`JobSpec` fields given by :func:`add_job_arguments`' options."""
     if a.one_process_per_node and a.tasks_per_node not in (None, 1):
         p.error("--one-process-per-node contradicts --tasks-per-node; give only one of them")
+    tasks = 1 if a.one_process_per_node else (a.tasks_per_node or a.gpus_per_node or 1)
+    if getattr(a, "scheduler", "slurm") != "lsf" and not getattr(a, "lsf", False):
+        a.cpus_per_task, a.mem = node_resources(a.cpus_per_task, a.mem, a.gpus_per_node, tasks, a.partition)
     return dict(
         nodes=a.nodes, gpus_per_node=a.gpus_per_node, tasks_per_node=1 if a.one_process_per_node else a.tasks_per_node,
         time=a.time, partition=a.partition, account=a.account, qos=a.qos, cpus_per_task=a.cpus_per_task, mem=a.mem,

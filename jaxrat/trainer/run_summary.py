@@ -67,6 +67,15 @@ def checkpoints(directory: str) -> dict[str, Any]:
     return out
 
 
+def best_of_run(this_part: dict[str, Any] | None, ck: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's best: the checkpoints' own pointer (``best.json``, over every part of a resumed run)
+    when there is one, else the best eval of this part (``this_part``), which a resume forgets."""
+    pointer = ck.get("best_pointer")
+    if pointer and "value" in pointer:
+        return {k: pointer[k] for k in ("metric", "mode", "value", "step") if k in pointer}
+    return this_part
+
+
 def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.sharding.Mesh, first: int, last: int,
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
           last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
@@ -78,6 +87,7 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
     average's; ``stopped_early`` says why early stopping ended the run; ``kernels`` is the run's
     resolved kernel policy."""
     hw = hardware(mesh)
+    ck = checkpoints(checkpoint_dir)
     return {
         "workdir": workdir, "status": status, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "task": config.task.name, "model": config.model.name,
@@ -89,9 +99,9 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
                                                  **dataclasses.asdict(kernels)},
         "last_train": last_train,
         "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},
-        "best": best, "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),
+        "best": best_of_run(best, ck), "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),
         "stopped_early": stopped_early,
-        "checkpoints": checkpoints(checkpoint_dir),
+        "checkpoints": ck,
         "config": json.loads(config.to_json_best_effort()),
     }
 
