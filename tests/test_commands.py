@@ -110,3 +110,13 @@ def test_train_from_outside_the_clone_by_name_refuses_a_bad_range_before_the_wor
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("jaxrat: error: --config.data.random_crop_scale=0.5")
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
+
+
+def test_a_trained_runs_overrides_are_checked_alike(tmp_path):
+    from jaxrat.config import load_run_config
+    from jaxrat.trainer.workdir import config_as_json
+
+    (tmp_path / "config.json").write_text(json.dumps(config_as_json(load_config(SMOKE))))
+    with pytest.raises(ConfigError, match=r"^--config\.data\.scale_jitter=0\.9 is not a range"):
+        load_run_config(str(tmp_path), ["--config.data.scale_jitter=0.9"])
+    assert load_run_config(str(tmp_path), ["--config.data.scale_jitter=(0.9, 1.1)"]).data.scale_jitter == (0.9, 1.1)

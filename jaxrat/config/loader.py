@@ -150,7 +150,7 @@ def _check_sequence(key: str, current: tuple | list, raw: str) -> None:
         raise _wrong(key, raw, f"a tuple of {plural}", current)
 
 
-def _check_value(key: str, current: object, raw: str | None) -> None:
+def check_value(key: str, current: object, raw: str | None) -> None:
     """Refuse ``raw`` unless it parses as the kind (and, for tuples, the shape) of the field's default."""
     if raw is None or current is None:
         return
@@ -210,7 +210,7 @@ def check_override_args(argv: list[str], config: mlc.ConfigDict | None = None, s
             close = difflib.get_close_matches(key, list(flat), n=1)
             hint = f"did you mean --config.{close[0]}?" if close else "see the config file for valid keys."
             raise ConfigError(f"Unknown config key --config.{key}; {hint}")
-        _check_value(key, flat[key], value)
+        check_value(key, flat[key], value)
 
 
 def flatten(config: mlc.ConfigDict, prefix: str = "") -> dict[str, object]:

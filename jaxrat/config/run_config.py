@@ -8,7 +8,7 @@ from typing import Any
 
 import ml_collections as mlc
 
-from jaxrat.config.loader import flatten, read_config_json
+from jaxrat.config.loader import check_value, flatten, read_config_json
 from jaxrat.runtime.errors import ConfigError, UserError
 
 
@@ -33,6 +33,7 @@ def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:
             raise ConfigError(f"{item}: write overrides as --config.KEY=VALUE.")
         if key not in flat:
             raise ConfigError(f"Unknown config key --config.{key} for this run; see {path} for its keys.")
+        check_value(key, flat[key], value)  # the field's kind and shape, as for training's overrides
         node = config
         *parents, leaf = key.split(".")
         for p in parents:
