@@ -88,6 +88,9 @@ def run() -> None:
         sys.exit(0)
     spec, argv = _take_config(argv)
     try:
+        mistake = command_line.flag_mistake(argv[1:], __name__ if __name__ != "__main__" else sys.argv[0])
+        if mistake:
+            raise UserError(mistake)
         if not spec:
             raise ConfigError("Pass --config with a config file or a packaged config's name, e.g. --config isic:demo "
                               "(--list-configs lists them).")

@@ -67,7 +67,7 @@ def test_respelling_leaves_overrides_and_the_tail_alone():
 def test_packaged_config_by_name_equals_the_clone_file():
     assert load_config("isic:smoke").to_dict() == load_config(SMOKE).to_dict()
     assert load_config("isic.py:demo").to_dict() == load_config(f"{REPO}/configs/isic.py:demo").to_dict()
-    with pytest.raises(ConfigError, match=r"isic, isic_multiscale\), e.g. --config isic:demo"):
+    with pytest.raises(ConfigError, match=r"isic, isic_multiscale, segmentation\), e.g. --config isic:demo"):
         load_config("nosuch:demo")
 
 
@@ -120,3 +120,14 @@ def test_a_trained_runs_overrides_are_checked_alike(tmp_path):
     with pytest.raises(ConfigError, match=r"^--config\.data\.scale_jitter=0\.9 is not a range"):
         load_run_config(str(tmp_path), ["--config.data.scale_jitter=0.9"])
     assert load_run_config(str(tmp_path), ["--config.data.scale_jitter=(0.9, 1.1)"]).data.scale_jitter == (0.9, 1.1)
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["predict", "--wokdir=x", "--input=y", "--out=z"], "Unknown flag --wokdir; did you mean --workdir?"),
+    (["predict", "--input=y", "--out=z"], "Pass --workdir: it is required (--help says what it takes)."),
+    (["train", "--config", "isic:smoke", "--workdri=w"], "Unknown flag --workdri; did you mean --workdir?"),
+])
+def test_flag_mistakes_are_one_sentence(args, sentence):
+    proc = _run("-m", "jaxrat", *args)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"jaxrat: error: {sentence}"
+    assert "FATAL" not in proc.stderr

@@ -121,3 +121,26 @@ def run_argparse(main, argv: list[str]) -> int:
             pass
     print_help_and_exit(plain(text.getvalue()))
     return 0
+
+
+def flag_mistake(argv: list[str], module_file: str) -> str | None:
+    """One sentence for an unknown flag or a missing required one in an absl command's ``argv``
+    (absl says it in two lines with FATAL and exits 1), or None."""
+    import difflib
+
+    given = set()
+    for arg in _split(argv)[0]:
+        if not arg.startswith("--") or arg == "--" or arg.startswith("--config."):
+            continue
+        name = arg[2:].partition("=")[0]
+        known = name in flags.FLAGS or (name.startswith("no") and name[2:] in flags.FLAGS)
+        if not known:
+            own = [f.name for f in flags.FLAGS.get_key_flags_for_module(module_file)]
+            close = difflib.get_close_matches(name, own, n=1)
+            hint = f"did you mean --{close[0]}?" if close else "--help lists the flags."
+            return f"Unknown flag --{name}; {hint}"
+        given.add(name)
+    missing = sorted(_required(module_file) - given)
+    if missing:
+        return f"Pass --{missing[0]}: it is required (--help says what it takes)."
+    return None

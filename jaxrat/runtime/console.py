@@ -177,7 +177,11 @@ def help_or_respell(module: str, config_overrides: bool = True) -> list[str]:
         prog = "python -m " + (spec.name if spec else module)
         text = command_line.absl_help(sys.modules[module].__doc__ or "", defining, prog, config_overrides)
         command_line.print_help_and_exit(text)
-    return [sys.argv[0], *command_line.absl_style(sys.argv[1:])]
+    argv = [sys.argv[0], *command_line.absl_style(sys.argv[1:])]
+    mistake = command_line.flag_mistake(argv[1:], defining)
+    if mistake:
+        fail(mistake)
+    return argv
 
 
 def run_with_config_overrides(main: Callable[[list[str], list[str]], None]) -> None:
