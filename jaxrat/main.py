@@ -19,7 +19,7 @@ from jaxrat.runtime import command_line, hugepages, platform_hint
 from jaxrat.runtime.console import fail, quiet_libraries
 from jaxrat.runtime.errors import ConfigError, UserError
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the resolved config go.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the resolved config go (required).")
 _CONFIG_HELP = (("--config CONFIG[:VARIANT]", "a config file, a packaged config's name (e.g. isic:demo) or a run's "
                  "config.json (required)"),
                 ("--list-configs", "list the packaged configs and their variants, then exit"))

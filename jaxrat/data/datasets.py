@@ -42,7 +42,8 @@ def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int, num_classes: int = 1
 ) -> tuple[ExampleSource, ExampleSource]:
     """(train, validation) for ``config.data``; writes the synthetic dataset first when asked.
-    ``num_classes`` (the model's): 1 reads masks as binary, more as class maps (``data.name="folder"``). With
+    ``num_classes`` (the model's): 1 reads masks as binary, more as class maps (``data.name="folder"``; ISIC's
+    binary masks are then the classes 0 and 1). With
     ``data.eval_split`` ("train", "validation" or "test"; set by ``jaxrat.evaluate --split``) the
     second source is that split."""
     if data_cfg.name not in SEGMENTATION_DATASETS:
@@ -56,9 +57,6 @@ def resolve_segmentation(
     eval_split = _get(data_cfg, "eval_split", "validation") or "validation"
     if eval_split not in ("train", "validation", "test"):
         raise ConfigError(f"Evaluation split {eval_split!r}; use train, validation or test.")
-    if data_cfg.name != "folder" and num_classes != 1:
-        raise ConfigError(f"config.model.num_classes={num_classes}: {data_cfg.name} masks are binary; use 1, or "
-                          f"config.data.name='folder' for class maps.")
     if data_cfg.name == "folder":
         return _folder_segmentation(data_cfg, workdir, policy, eval_split, seed=seed, process_index=process_index,
                                     num_classes=num_classes)
