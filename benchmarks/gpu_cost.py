@@ -6,19 +6,21 @@
 
 XLA compiles for a GPU it does not have when given the GPU's description: ``benchmarks/data/h100_sxm.txtpb``
 (NVIDIA's published H100 SXM figures) through ``jax.experimental.topologies`` and the CUDA plugin's compiler
-(``pip install -e '.[gpu-aot]'``: jax-cuda12-plugin, no CUDA libraries). Each step is the trainer's own
-(``make_state_spec`` + ``make_train_step``) with ``model.kernels=gpu`` and bfloat16 compute, as on a GPU,
-lowered from shapes alone and compiled with XLA's GPU pipeline (no autotuning: no GPU to time on; Triton
-GEMMs off, as their tile sizes need autotuning). The optimized module is read by benchmarks/hlo_cost.py:
-kernels, bytes, FLOPs and a roofline time per named scope (sga, mr_blocks, head, loss, optimizer; the rest
-is "other") and per kernel kind, with the compile time. Prints markdown tables and writes ``--out`` (JSON).
+(``bash scripts/setup_gpu_aot.sh``: jax-cuda12-plugin at jax's version, no CUDA libraries, beside the venv).
+Each step is the trainer's own (``make_state_spec`` + ``make_train_step``) with ``model.kernels=gpu`` and
+bfloat16 compute, as on a GPU, lowered from shapes alone and compiled with XLA's GPU pipeline (no
+autotuning: no GPU to time on; Triton GEMMs off, as their tile sizes need autotuning). The optimized
+module is read by benchmarks/hlo_cost.py: kernels, bytes, FLOPs and a roofline time per named scope (sga,
+mr_blocks, head, loss, optimizer; the rest is "other") and per kernel kind, with the compile time (wall and
+CPU). Prints markdown tables and writes ``--out`` (JSON); ``--hlo-dir`` keeps each optimized module's text.
 
 The roofline prices compute at the bf16 matmul rate measured on an H100 (``benchmarks/data/h100_sxm.json``)
 and memory at the HBM bandwidth. Against the GPU it is about 2x optimistic (86.4 ms measured vs 40.6 ms
 estimated on main b3f90b6): no autotuning, slicing fusions priced at whole operands, elementwise FLOPs and
 caches ignored. The bytes and kernel counts are what to compare from change to change.
 
-:func:`cost` prices any function this way, e.g. in a test: ``cost(jax.jit(f), x_shape, w_shape)``.
+:func:`cost` prices any function this way: ``cost(jax.jit(f), x_shape, w_shape)``, in a process that imports
+this module before jax (tests/gpu_cost_probe.py).
 """
 
 from __future__ import annotations
@@ -33,8 +35,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
-# The CUDA plugin, once installed, is tried at JAX's start unless told otherwise, and fails loudly
-# without a driver; the compiler is reached through a topology, not a backend.
+# Where scripts/setup_gpu_aot.sh installs the CUDA plugin (its compiler, no CUDA libraries): beside the
+# venv's site-packages, not in it. Installed there, every JAX process would load it and print its
+# "Could not find cuda drivers" lines on stderr, so that a user mistake no longer ends in one sentence.
+GPU_AOT_DIR = Path(os.environ.get("JAXRAT_GPU_AOT_DIR") or Path(sys.prefix) / "gpu-aot")
+
+
+def _find_plugin() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+# Before jax starts: jax looks for the plugin's kernels (Triton, for Pallas) once, at import.
+if "jax" not in sys.modules and not _find_plugin() and GPU_AOT_DIR.is_dir():
+    sys.path.insert(0, str(GPU_AOT_DIR))
+# The plugin is tried at JAX's start unless told otherwise, and fails loudly without a driver; the
+# compiler is reached through a topology, not a backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -69,12 +86,15 @@ def load_gpu(name: str = "h100_sxm") -> GpuModel:
 
 
 def plugin_missing() -> str | None:
-    """Why deviceless GPU compiles cannot run here (one sentence), or None when they can."""
-    import importlib.util
+    """Why deviceless GPU compiles cannot run in this process (one sentence), or None when they can."""
+    from jax._src import lib
 
-    if importlib.util.find_spec("jax_cuda12_plugin") is None:
-        return (f"the CUDA compiler for jax {jax.__version__} is not installed; run "
-                f"pip install -e '.[gpu-aot]' (jax-cuda12-plugin=={jax.__version__}, no CUDA libraries needed).")
+    if not _find_plugin():
+        return (f"the CUDA compiler for jax {jax.__version__} is not installed; run bash scripts/setup_gpu_aot.sh "
+                f"(jax-cuda12-plugin=={jax.__version__} into {GPU_AOT_DIR}, no CUDA libraries needed).")
+    if lib.cuda_versions is None:
+        return (f"jax started before the CUDA compiler in {GPU_AOT_DIR} was on its path; import gpu_cost first, "
+                "or run python benchmarks/gpu_cost.py in a process of its own.")
     return None
 
 
