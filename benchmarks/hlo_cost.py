@@ -128,7 +128,8 @@ class _Module:
 
     def operands(self, ins: _Instruction) -> list[str]:
         args = ins.rest[len(ins.shape):].split(", metadata=", 1)[0]
-        args = re.split(r"\b(?:calls|to_apply|body|condition|custom_call_target|branch_computations)=", args)[0]
+        args = re.split(r"\b(?:calls|to_apply|body|condition|custom_call_target|branch_computations|"
+                        r"true_computation|control-predecessors)=", args)[0]
         return [a for a in re.findall(r"%([\w.\-]+)", args) if a in self.shape]
 
     def dot_flops(self, ins: _Instruction, out: str, lhs: str) -> float:

@@ -91,3 +91,56 @@ def test_without_the_compiler_the_command_says_how_to_install_it(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"gpu_cost: error: the CUDA compiler for jax {jax_version} is not installed; run bash scripts/setup_gpu_aot.sh "
         f"(jax-cuda12-plugin=={jax_version} into {tmp_path}, no CUDA libraries needed)."]
+
+
+MODULE = """HloModule m
+%body (p: (s32[], bf16[64,64])) -> (s32[], bf16[64,64], f32[4], f32[4], f32[4], /*index=5*/f32[4]) {
+  %p = (s32[], bf16[64,64]{1,0}) parameter(0)
+  %x = bf16[64,64]{1,0} get-tuple-element(%p), index=1
+  %g = (bf16[64,64]{1,0}, s8[4194304]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul", \
+metadata={op_name="jit(f)/while/body/sga/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":\
+{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %y = bf16[64,64]{1,0} get-tuple-element(%g), index=0
+  ROOT %t = (s32[], bf16[64,64]{1,0}) tuple(%i, %y)
+}
+%cond (p: (s32[], bf16[64,64])) -> pred[] {
+  %p = (s32[], bf16[64,64]{1,0}) parameter(0)
+  ROOT %lt = pred[] compare(%p, %p), direction=LT
+}
+%cheap (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%a), metadata={op_name="jit(f)/head/neg"}
+}
+%dear (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %c1 = f32[1024]{0} copy(%a), metadata={op_name="jit(f)/head/copy"}
+  ROOT %c2 = f32[8]{0} copy(%a), metadata={op_name="jit(f)/head/copy"}
+}
+ENTRY %main (x: bf16[64,64], v: f32[8], k: pred[]) -> f32[8] {
+  %x = bf16[64,64]{1,0} parameter(0)
+  %v = f32[8]{0} parameter(1)
+  %k = pred[] parameter(2)
+  %w = (s32[], bf16[64,64]{1,0}) while(%x), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %o = f32[8]{0} conditional(%k, %v, %v), true_computation=%cheap, false_computation=%dear
+  ROOT %z = f32[8]{0} copy(%o), control-predecessors={%w}, metadata={op_name="jit(f)/optimizer/copy"}
+}
+"""
+
+
+def test_the_module_text_is_read_kernel_by_kernel():
+    """benchmarks/hlo_cost.py alone, on a written module: a loop's body counted per trip (its condition not),
+    cuBLAS's scratch left out, a conditional's costlier branch, operands without control dependencies."""
+    from benchmark_scripts import load
+
+    hlo_cost = load("hlo_cost")
+    roofline = hlo_cost.Roofline(flops_per_s=1e12, bytes_per_s=1e9, launch_s=1e-6)
+    kernels = {k.name: k for k in hlo_cost.kernels_of(MODULE, roofline)}
+    assert set(kernels) == {"g", "c1", "c2", "z"}
+    g = kernels["g"]
+    assert (g.kind, g.launches, g.scope) == ("__cublas$lt$matmul", 3, "sga")
+    assert (g.flops, g.bytes) == (2 * 64**3, 3 * 64 * 64 * 2)
+    assert kernels["c1"].bytes == 4 * (1024 + 8) and kernels["z"].bytes == 4 * (8 + 8)
+    summary = hlo_cost.summarize(list(kernels.values()), roofline)
+    assert summary["total"]["kernels"] == 3 + 3
+    assert set(summary["by_scope"]) == {"sga", "head", "optimizer"}
