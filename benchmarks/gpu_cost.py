@@ -12,7 +12,8 @@ bfloat16 compute, as on a GPU, lowered from shapes alone and compiled with XLA's
 autotuning: no GPU to time on; Triton GEMMs off, as their tile sizes need autotuning). The optimized
 module is read by benchmarks/hlo_cost.py: kernels, bytes, FLOPs and a roofline time per named scope (sga,
 mr_blocks, head, loss, optimizer; the rest is "other") and per kernel kind, with the compile time (wall and
-CPU). Prints markdown tables and writes ``--out`` (JSON); ``--hlo-dir`` keeps each optimized module's text.
+CPU) and XLA's account of the device memory. Prints markdown tables and writes ``--out`` (JSON);
+``--hlo-dir`` keeps each optimized module's text.
 
 The roofline prices compute at the bf16 matmul rate measured on an H100 (``benchmarks/data/h100_sxm.json``)
 and memory at the HBM bandwidth. Against the GPU it is about 2x optimistic (86.4 ms measured vs 40.6 ms
@@ -159,7 +160,15 @@ def cost(fn: Callable, *args: Any, gpu: GpuModel | None = None, hlo_path: str = 
     if hlo_path:
         Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
         Path(hlo_path).write_text(text)
-    return {**summarize(kernels_of(text, gpu.roofline), gpu.roofline), **times, "hlo_chars": len(text)}
+    return {**summarize(kernels_of(text, gpu.roofline), gpu.roofline), **times, "hlo_chars": len(text),
+            "memory": device_memory(compiled)}
+
+
+def device_memory(compiled: Any) -> dict[str, int]:
+    """XLA's account of the compiled program's device memory, in bytes (temporaries are the activations)."""
+    m = compiled.memory_analysis()
+    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+    return {f.removesuffix("_size_in_bytes"): int(getattr(m, f, 0) or 0) for f in fields} if m is not None else {}
 
 
 def _train_step(config: Any, device: jax.Device, batch: Callable[[Any, int, Any], dict],
@@ -273,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(step_cost(name, args, gpu))
         r = rows[-1]
         print(f"{name}: compiled in {r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU; lowered in "
-              f"{r['lower_s']:.1f} s; load {r['load_avg_1min']:.1f}): "
+              f"{r['lower_s']:.1f} s; load {r['load_avg_1min']:.1f}; {r['memory'].get('temp', 0) / 2**30:.2f} GiB "
+              "of temporaries): "
               f"{r['total']['kernels']:,} kernels, {r['total']['bytes'] / 1e9:.2f} GB", flush=True)
     print_tables(rows)
     out = {"gpu": gpu.figures, "rows": rows, "args": vars(args), "jax": jax.__version__,

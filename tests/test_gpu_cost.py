@@ -73,6 +73,7 @@ def test_the_quick_step_is_priced_per_scope(tmp_path):
     assert "| quick | 32 | 2 |" in proc.stdout
     row = json.loads(out.read_text())["rows"][0]
     assert row["step"] == "quick" and row["compile_s"] > 0
+    assert row["memory"]["temp"] > 0 and row["memory"]["argument"] > 0
     assert {"sga", "mr_blocks", "head", "loss", "optimizer"} <= set(row["by_scope"])
     assert row["by_scope"]["sga"]["bytes"] > 0 and row["total"]["kernels"] > 50
     assert any(kind.startswith("__cudnn$fmha") for kind in row["by_kind"])  # MR attention is cuDNN's on a GPU
