@@ -24,7 +24,7 @@ from jaxrat.ops.cpu import SCOPE
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
-from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
+from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, resolve_kernels
 from jaxrat.trainer.step import make_train_step
 from model_configs import TINY_IMAGES, TINY_RAT, mean_square_and_grads, rat_model
 from runner import REPO
@@ -55,9 +55,17 @@ def test_every_rat_option_is_settable_and_a_misspelt_one_is_refused(spec):
 
 
 def test_an_unknown_policy_is_one_sentence():
+    config = load_config("configs/isic.py:smoke")
+    config.model.kernels = "cuda"
     with pytest.raises(ConfigError, match="config.model.kernels: model.kernels must be one of"):
-        build_model(rat_model(num_classes=1, feature_dims=8, num_blocks=1, num_heads=2, kernels="cuda"),
-                    rngs=nnx.Rngs(0))
+        resolve_kernels(config, make_mesh(config.mesh.axes))
+
+
+def test_models_take_a_resolved_policy_only():
+    """Resolving reads the devices, which model code must not do: a name is refused in one sentence."""
+    with pytest.raises(TypeError, match=r"resolve a name once with jaxrat.ops.resolve\('auto'\)"):
+        build_model(rat_model(num_classes=1, feature_dims=8, num_blocks=1, num_heads=2), rngs=nnx.Rngs(0),
+                    kernels="auto")
 
 
 # The cpu form of these models is test_window_attention's too: the same programs, compiled once per run.
@@ -68,7 +76,7 @@ def test_cpu_and_portable_policies_compute_the_same_model(fields):
     x = jax.random.normal(jax.random.key(0), TINY_IMAGES)
 
     def loss_and_grads(kernels):
-        return mean_square_and_grads(build_model(cfg, rngs=nnx.Rngs(0), kernels=kernels), x)
+        return mean_square_and_grads(build_model(cfg, rngs=nnx.Rngs(0), kernels=ops.resolve(kernels)), x)
 
     (l_cpu, g_cpu), (l_port, g_port) = loss_and_grads("cpu"), loss_and_grads("portable")
     np.testing.assert_allclose(l_cpu, l_port, rtol=1e-5)
