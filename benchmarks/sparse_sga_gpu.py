@@ -1,13 +1,14 @@
 """The fused Pallas sparse SGA on a real GPU: parity with the portable kernel, then speed.
 
-    python benchmarks/sparse_sga_gpu.py [out.json]
+    python benchmarks/sparse_sga_gpu.py [out.json] [stage ...]    (stages: parity speed tiles; default the first two)
 
 1. float32 parity (matmuls at full float32 precision) at a 64 x 64 grid: the fused kernels against
    the portable ``sparse_grouping``, forward and the gradients in q, k and v, with and without
    column normalisation (max error over the largest entry);
 2. bfloat16 against that float32 result, for the fused and the portable kernel;
 3. the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256 inputs, kernel 7, stride 3, bf16):
-   one call forward and forward + backward, fused and portable, median of timed repeats.
+   one call forward and forward + backward, fused and portable, median of timed repeats;
+4. (``tiles``) the fused call at that shape for other tile sizes and warp counts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.gpu.sparse_sga import sparse_update
+from jaxrat.ops.gpu import sparse_sga_kernels
+from jaxrat.ops.gpu.sparse_sga import _update, sparse_update
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_grouping
 from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
 
@@ -93,10 +95,24 @@ def speed(report):
         print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
 
 
+def tiles(report):
+    geom = Geometry((256, 256), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+    q, k, v, g = (x.reshape(16 * 8, -1) for x in (q, k, v, g))
+    for tw, tx, warps in ((32, 64, 4), (32, 64, 2), (16, 32, 2), (64, 128, 4), (64, 128, 8), (32, 128, 4)):
+        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, tw, tx, warps)
+        f = lambda q, k, v, t=t: _update(q, k, v, t, True, False)
+        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+        name = f"tiles_{tw}_{tx}_{warps}"
+        report[name] = {"fwd": timed(f, q, k, v), "fwd_bwd": timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)}
+        print(name, report[name], flush=True)
+
+
 def main():
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     print(report, flush=True)
-    for stage in (parity, speed):
+    chosen = sys.argv[2:] or ["parity", "speed"]
+    for stage in [s for s in (parity, speed, tiles) if s.__name__ in chosen]:
         try:
             stage(report)
         except Exception as e:  # report what ran, then the failure

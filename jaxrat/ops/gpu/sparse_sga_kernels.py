@@ -1,17 +1,19 @@
 """Pallas (Triton) kernels of sparse spatial grouping attention: the tiles and their passes.
 
 Every pass works on one (image, head) slice and reads q, k, v in place; no logit, probability or
-gradient of a logit ever leaves the chip. Two kinds of tile:
+gradient of a logit ever leaves the chip. Logits are formed tap by tap, each a row-wise dot of
+(tile, d) operands in float32 (the head dims are small: 16 in the RAT), so only the k^2 taps of each
+window are computed and exponentiated, none masked away. Two kinds of tile:
 
-* a **group tile** (:func:`group_pass`): ``TW`` consecutive groups of one output row. Their windows
-  cover ``ky`` input rows of ``CW = (TW-1)*sx + kx`` (padded to a power of two) columns; the pass
-  loops over those rows, loading each row segment of keys/values once for the whole tile (the halo
-  on chip), and masks the taps outside each group's own window.
-* an **input tile** (:func:`input_pass`): ``TX`` consecutive inputs of one input row. The groups
-  whose windows contain them lie on at most ``(ky-1)//sy + 1`` output rows and ``GW`` output
-  columns; the pass loops over those rows and recomputes the covering groups' logits from their
-  queries and log-sum-exps. This is how column sums and key/value gradients are gathered without
-  atomics (each input's sums are owned by one program: deterministic, no float32 scratch in HBM).
+* a **group tile** (:func:`group_pass`): ``tw`` consecutive groups of one output row. The pass
+  loops over the ``ky`` input rows of their windows and, within a row, the ``kx`` taps; tap j of
+  every group of the tile is one strided gather of keys/values from a row segment the neighbouring
+  taps share (the halo is read from memory once and reused from cache).
+* an **input tile** (:func:`input_pass`): ``tx`` consecutive inputs of one input row. Each input
+  lies in the windows of at most ``nt = (ky-1)//sy + 1`` output rows and ``mx = (kx-1)//sx + 1``
+  output columns; the pass loops over those and recomputes each covering group's logit from its
+  query and log-sum-exp. This is how column sums and key/value gradients are gathered without
+  atomics: each input's sums belong to one program (deterministic, no float32 scratch in HBM).
 
 Arrays are passed flat per slice, (B*H, N*d); loads use clipped indices under a mask (out-of-image
 taps read a valid address and are masked), stores send masked lanes out of range, so the same
@@ -34,11 +36,10 @@ from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
-MIN_DOT = 16  # Triton's smallest matmul dimension
 
 
 def _pow2(n: int) -> int:
-    return max(MIN_DOT, int(pl.next_power_of_2(int(n))))
+    return int(pl.next_power_of_2(int(n)))
 
 
 class Tiling(NamedTuple):
@@ -59,17 +60,18 @@ class Tiling(NamedTuple):
     dhp: int
     dvp: int
     tw: int  # groups per group tile
-    cw: int  # input columns a group tile reads per input row
     tx: int  # inputs per input tile
-    gw: int  # group columns an input tile reads per output row
     nt: int  # output rows whose windows contain one input row
+    mx: int  # output columns whose windows contain one input column
+    warps: int = 4  # Triton warps per program
 
     @classmethod
-    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 16, tx: int = 32) -> "Tiling":
+    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4) -> "Tiling":
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
+        tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
         return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, _pow2(dh), _pow2(dv),
-                   tw, _pow2((tw - 1) * sx + kx), tx, _pow2((tx + kx - 2) // sx + 1), (ky - 1) // sy + 1)
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps)
 
 
 def _ceil_div(a, s: int, bound: int):
@@ -82,12 +84,18 @@ def _clip(x, n: int):
     return jnp.minimum(jnp.maximum(x, 0), n - 1)
 
 
-def _load(ref, rows, ok, d: int, dp: int, other=0.0):
-    """(len(rows), dp) from a flat (N*d) ref; masked rows and padded features read ``other``."""
+def _feature_index(d: int, dp: int):
     feat = jnp.arange(dp, dtype=jnp.int32)
-    mask = ok[:, None] & (feat < d)[None, :]
-    idx = rows[:, None] * d + jnp.minimum(feat, d - 1)[None, :]
-    return plgpu.load(ref.at[idx], mask=mask, other=other)
+    return feat if d == dp else jnp.minimum(feat, d - 1)
+
+
+def _load(ref, rows, ok, d: int, dp: int, other=0.0):
+    """(len(rows), dp) float32 from a flat (N*d) ref; masked rows and padded features read ``other``."""
+    mask = ok[:, None]
+    if d != dp:
+        mask = mask & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
+    idx = rows[:, None] * d + _feature_index(d, dp)[None, :]
+    return plgpu.load(ref.at[idx], mask=mask, other=other).astype(jnp.float32)
 
 
 def _load1(ref, rows, ok, other=0.0):
@@ -106,10 +114,8 @@ def _store1(ref, rows, ok, val):
     plgpu.store(ref.at[jnp.where(ok, rows, ref.shape[0])], val.astype(ref.dtype), mask=ok)
 
 
-def _dot(a, b, trans_b=False):
-    # float32 stays float32 (no TF32) so the GPU matches the portable kernel to float32 rounding
-    tf32 = None if a.dtype != jnp.float32 else False
-    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=tf32)
+def _rowdot(a, b):
+    return jnp.sum(a * b, axis=1)
 
 
 def _group_kernel(*refs, names, mode: str, t: Tiling):
@@ -121,42 +127,45 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     gok = ox < t.OX
     grow = oy * t.OX + _clip(ox, t.OX)
     q = _load(R["q"], grow, gok, t.dh, t.dhp)
-    cx = tile * (t.tw * t.sx) - t.px + jnp.arange(t.cw, dtype=jnp.int32)
-    cok = (cx >= 0) & (cx < t.X)
-    cxc = _clip(cx, t.X)
-    rel = cx[None, :] - (ox * t.sx - t.px)[:, None]
-    win = (rel >= 0) & (rel < t.kx) & cok[None, :]
+    x0 = ox * t.sx - t.px  # each group's first window column
 
-    def row(i):
+    def taps(i):
+        """Input row i of the windows: per tap j, (input rows, validity, keys, logits)."""
         y = oy * t.sy - t.py + i
         yok = (y >= 0) & (y < t.Y)
-        prow = _clip(y, t.Y) * t.X + cxc
-        ok = cok & yok
-        k = _load(R["k"], prow, ok, t.dh, t.dhp)
-        return prow, ok, k, win & yok, _dot(q, k, trans_b=True)
+        out = []
+        for j in range(t.kx):
+            x = x0 + j
+            ok = gok & (x >= 0) & (x < t.X) & yok
+            prow = _clip(y, t.Y) * t.X + _clip(x, t.X)
+            k = _load(R["k"], prow, ok, t.dh, t.dhp)
+            out.append((prow, ok, k, _rowdot(q, k)))
+        return out
 
-    def weights_and_values(i):
-        """A_k = exp(l - r) on a row, the row's values and denominators (d = 1 unnormalised)."""
-        prow, ok, k, valid, s = row(i)
-        a = jnp.where(valid, jnp.exp(jnp.where(valid, s, 0.0) - r[:, None]), 0.0)
-        v = _load(R["v"], prow, ok, t.dv, t.dvp)
-        d = _load1(R["d"], prow, ok, 1.0) if "d" in R else None
-        return a, k, v, d, prow, ok
+    def weights(i):
+        """A_k = exp(l - r) per tap of row i, with the tap's rows, validity, keys, values and d."""
+        out = []
+        for prow, ok, k, s in taps(i):
+            a = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0)
+            v = _load(R["v"], prow, ok, t.dv, t.dvp)
+            d = _load1(R["d"], prow, ok, 1.0) if "d" in R else None
+            out.append((prow, ok, k, a, v, d))
+        return out
 
     if mode == "lse":
         flash = "v" in R
 
         def body(i, carry):
             m, total, acc = carry
-            prow, ok, _, valid, s = row(i)
-            s = jnp.where(valid, s, NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            row = [(prow, ok, jnp.where(ok, s, NEG)) for prow, ok, _, s in taps(i)]
+            m_new = functools.reduce(jnp.maximum, [s for _, _, s in row], m)
             corr = jnp.exp(m - m_new)
-            p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
-            total = total * corr + jnp.sum(p, axis=1)
-            if flash:
-                v = _load(R["v"], prow, ok, t.dv, t.dvp)
-                acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+            total, acc = total * corr, acc * corr[:, None]
+            for prow, ok, s in row:
+                p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+                total = total + p
+                if flash:
+                    acc = acc + p[:, None] * _load(R["v"], prow, ok, t.dv, t.dvp)
             return m_new, total, acc
 
         init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
@@ -170,8 +179,9 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     r = _load1(R["r"], grow, gok)
     if mode == "update":
         def body(i, acc):
-            a, _, v, d, _, _ = weights_and_values(i)
-            return acc + _dot((a / d[None, :]).astype(v.dtype), v)
+            for _, _, _, a, v, d in weights(i):
+                acc = acc + (a / d)[:, None] * v
+            return acc
 
         acc = lax.fori_loop(0, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
         _store(R["u"], grow, gok, t.dv, t.dvp, acc)
@@ -180,24 +190,27 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     # mode == "grad": dA[o,p] = g_o.v_p / d_p + gd_p, delta_o = sum_p A dA, dl = A (dA - delta)
     g = _load(R["g"], grow, gok, t.dv, t.dvp)
 
-    def grad_a(i):
-        a, k, v, d, prow, ok = weights_and_values(i)
-        da = _dot(g.astype(v.dtype), v, trans_b=True)
-        if d is not None:
-            da = da / d[None, :] + _load1(R["gd"], prow, ok)[None, :]
-        return a, da, k
+    def grads(i):
+        out = []
+        for prow, ok, k, a, v, d in weights(i):
+            da = _rowdot(g, v)
+            if d is not None:
+                da = da / d + _load1(R["gd"], prow, ok)
+            out.append((a, da, k))
+        return out
 
     def delta_body(i, delta):
-        a, da, _ = grad_a(i)
-        return delta + jnp.sum(a * da, axis=1)
+        for a, da, _ in grads(i):
+            delta = delta + a * da
+        return delta
 
-    # delta first, then dq from A (dA - delta) rounded once (as the portable kernel does), not
-    # from two sums that cancel
+    # delta first, then dq from A (dA - delta), not from two sums that cancel
     delta = lax.fori_loop(0, t.ky, delta_body, jnp.zeros((t.tw,), jnp.float32))
 
     def dq_body(i, dq):
-        a, da, k = grad_a(i)
-        return dq + _dot((a * (da - delta[:, None])).astype(k.dtype), k)
+        for a, da, k in grads(i):
+            dq = dq + (a * (da - delta))[:, None] * k
+        return dq
 
     dq = lax.fori_loop(0, t.ky, dq_body, jnp.zeros((t.tw, t.dhp), jnp.float32))
     _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
@@ -212,33 +225,34 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
     xok = x < t.X
     prow = y * t.X + _clip(x, t.X)
     k = _load(R["k"], prow, xok, t.dh, t.dhp)
-    gx = _ceil_div(tile * t.tx + t.px - t.kx + 1, t.sx, t.kx) + jnp.arange(t.gw, dtype=jnp.int32)
-    gok = (gx >= 0) & (gx < t.OX)
-    gxc = _clip(gx, t.OX)
-    rel = x[:, None] - (gx * t.sx - t.px)[None, :]
-    win = (rel >= 0) & (rel < t.kx) & gok[None, :] & xok[:, None]
+    ox_hi = lax.div(x + t.px, t.sx)  # the last group column whose window holds x (x + px >= 0)
     oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
     v = _load(R["v"], prow, xok, t.dv, t.dvp) if "v" in R else None
     d = _load1(R["d"], prow, xok, 1.0) if "d" in R else None
     gd = _load1(R["gd"], prow, xok) if "gd" in R else None
 
     def groups(i):
-        """The covering groups on output row oy_lo + i: queries, weights A (TX, GW), rows."""
+        """The covering groups on output row oy_lo + i, one per column offset m: their queries,
+        weights A (tx,) and rows."""
         oy = oy_lo + i
         rel_y = y - (oy * t.sy - t.py)
         yok = (oy >= 0) & (oy < t.OY) & (rel_y >= 0) & (rel_y < t.ky)
-        grow = _clip(oy, t.OY) * t.OX + gxc
-        ok = gok & yok
-        q = _load(R["q"], grow, ok, t.dh, t.dhp)
-        r = _load1(R["r"], grow, ok)
-        s = _dot(k, q, trans_b=True)
-        valid = win & yok
-        a = jnp.where(valid, jnp.exp(jnp.where(valid, s, 0.0) - r[None, :]), 0.0)
-        return q, a, grow, ok
+        out = []
+        for m in range(t.mx):
+            ox = ox_hi - m
+            ok = xok & yok & (ox >= 0) & (ox < t.OX) & (x + t.px - ox * t.sx < t.kx)
+            grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
+            q = _load(R["q"], grow, ok, t.dh, t.dhp)
+            s = _rowdot(k, q)
+            r = _load1(R["r"], grow, ok)
+            out.append((q, jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0), grow, ok))
+        return out
 
     if mode == "colsum":
         def body(i, c):
-            return c + jnp.sum(groups(i)[1], axis=1)
+            for _, a, _, _ in groups(i):
+                c = c + a
+            return c
 
         c = lax.fori_loop(0, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
         _store1(R["d"], prow, xok, c + eps)
@@ -248,16 +262,15 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
 
     def body(i, carry):
         gw, dk = carry
-        q, a, grow, ok = groups(i)
-        g = _load(R["g"], grow, ok, t.dv, t.dvp)
-        if want_dv:
-            gw = gw + _dot(a.astype(g.dtype), g)
-        if want_dk:
-            da = _dot(v, g.astype(v.dtype), trans_b=True)
-            if d is not None:
-                da = da / d[:, None] + gd[:, None]
-            dl = a * (da - _load1(R["delta"], grow, ok)[None, :])
-            dk = dk + _dot(dl.astype(q.dtype), q)
+        for q, a, grow, ok in groups(i):
+            g = _load(R["g"], grow, ok, t.dv, t.dvp)
+            if want_dv:
+                gw = gw + a[:, None] * g
+            if want_dk:
+                da = _rowdot(v, g)
+                if d is not None:
+                    da = da / d + gd
+                dk = dk + (a * (da - _load1(R["delta"], grow, ok)))[:, None] * q
         return gw, dk
 
     init = (jnp.zeros((t.tx, t.dvp), jnp.float32), jnp.zeros((t.tx, t.dhp), jnp.float32))
@@ -269,7 +282,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
             _store(R["dv"], prow, xok, t.dv, t.dvp, gw)
         else:  # u = sum A w with w = v / d: dv = gw / d, and d's own gradient gd
             _store(R["dv"], prow, xok, t.dv, t.dvp, gw / d[:, None])
-            _store1(R["gd"], prow, xok, -jnp.sum(gw * v.astype(jnp.float32), axis=1) / (d * d))
+            _store1(R["gd"], prow, xok, -_rowdot(gw, v) / (d * d))
 
 
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
@@ -285,7 +298,7 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
         in_specs=[spec(a) for a in ins.values()],
         out_specs=[spec(a) for a in outs.values()],
         out_shape=list(outs.values()),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=t.warps, num_stages=2),
         interpret=interpret,
         name=name,
     )(*ins.values())
