@@ -1,6 +1,8 @@
 """The fused Pallas sparse SGA on a real GPU: parity with the portable kernel, then speed.
 
-    python benchmarks/sparse_sga_gpu.py [out.json] [stage ...]    (stages: parity speed tiles; default the first two)
+    python benchmarks/sparse_sga_gpu.py [out.json] [stage ...]
+
+stages (default: parity speed):
 
 1. float32 parity (matmuls at full float32 precision) at a 64 x 64 grid: the fused kernels against
    the portable ``sparse_grouping``, forward and the gradients in q, k and v, with and without
@@ -8,7 +10,8 @@
 2. bfloat16 against that float32 result, for the fused and the portable kernel;
 3. the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256 inputs, kernel 7, stride 3, bf16):
    one call forward and forward + backward, fused and portable, median of timed repeats;
-4. (``tiles``) the fused call at that shape for other tile sizes and warp counts.
+4. (``tiles``) the fused call at that shape for other tile sizes and warp counts;
+5. (``passes``) each of its six passes alone, with the row loops rolled and unrolled.
 """
 
 from __future__ import annotations
@@ -108,11 +111,46 @@ def tiles(report):
         print(name, report[name], flush=True)
 
 
+def passes(report):
+    """Each pass alone at the ISIC shape, rolled and unrolled row loops."""
+    geom = Geometry((256, 256), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+    q, k, v, g = (x.reshape(16 * 8, -1) for x in (q, k, v, g))
+    bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
+    K = sparse_sga_kernels
+    for unroll in (False, True):
+        t = K.Tiling.of(geom, 16, 16, unroll=unroll)
+        S = lambda n: K.stats(bh, n)
+        F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
+        r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False)["r"]
+        d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=S(n_in)), 1e-7, False)["d"]
+        gd = K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(dv=F(n_in), gd=S(n_in)), 1e-7, False)["gd"]
+        delta = K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd), dict(dq=F(n_out), delta=S(n_out)),
+                             False)["delta"]
+        calls = {
+            "F1": lambda q, k, v, g, r, d, gd, delta: K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False),
+            "F2": lambda q, k, v, g, r, d, gd, delta: K.input_pass("colsum", t, dict(q=q, k=k, r=r),
+                                                                   dict(d=S(n_in)), 1e-7, False),
+            "F3": lambda q, k, v, g, r, d, gd, delta: K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
+                                                                   dict(u=F(n_out)), False),
+            "B1": lambda q, k, v, g, r, d, gd, delta: K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
+                                                                   dict(dv=F(n_in), gd=S(n_in)), 1e-7, False),
+            "B2": lambda q, k, v, g, r, d, gd, delta: K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd),
+                                                                   dict(dq=F(n_out), delta=S(n_out)), False),
+            "B3": lambda q, k, v, g, r, d, gd, delta: K.input_pass(
+                "dk", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd, delta=delta), dict(dk=F(n_in)), 1e-7, False),
+        }
+        args = (q, k, v, g, r, d, gd, delta)
+        name = f"passes_unroll{int(unroll)}"
+        report[name] = {n: timed(c, *args)["median_ms"] for n, c in calls.items()}
+        print(name, report[name], flush=True)
+
+
 def main():
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     print(report, flush=True)
     chosen = sys.argv[2:] or ["parity", "speed"]
-    for stage in [s for s in (parity, speed, tiles) if s.__name__ in chosen]:
+    for stage in [s for s in (parity, speed, tiles, passes) if s.__name__ in chosen]:
         try:
             stage(report)
         except Exception as e:  # report what ran, then the failure

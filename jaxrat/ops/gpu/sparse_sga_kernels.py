@@ -64,20 +64,30 @@ class Tiling(NamedTuple):
     nt: int  # output rows whose windows contain one input row
     mx: int  # output columns whose windows contain one input column
     warps: int = 4  # Triton warps per program
+    unroll: bool = False  # the row loops as straight-line code
 
     @classmethod
-    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4) -> "Tiling":
+    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4,
+           unroll: bool = False) -> "Tiling":
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
         tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
         return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, _pow2(dh), _pow2(dv),
-                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps)
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll)
 
 
 def _ceil_div(a, s: int, bound: int):
     """ceil(a / s) for a traced int32 a >= -bound (integer division truncates: shift it first)."""
     m = bound // s + 1
     return lax.div(a + s * m + s - 1, s) - m
+
+
+def _loop(t: Tiling, n: int, body, init):
+    if not t.unroll:
+        return lax.fori_loop(0, n, body, init)
+    for i in range(n):
+        init = body(i, init)
+    return init
 
 
 def _clip(x, n: int):
@@ -120,7 +130,7 @@ def _rowdot(a, b):
 
 def _group_kernel(*refs, names, mode: str, t: Tiling):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
-    and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA)."""
+    and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
     R = dict(zip(names, refs))
     tile, oy = pl.program_id(0), pl.program_id(1)
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
@@ -170,7 +180,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
 
         init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
                 jnp.zeros((t.tw, t.dvp), jnp.float32))
-        m, total, acc = lax.fori_loop(0, t.ky, body, init)
+        m, total, acc = _loop(t, t.ky, body, init)
         _store1(R["r"], grow, gok, m + jnp.log(total))
         if flash:
             _store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
@@ -183,7 +193,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
                 acc = acc + (a / d)[:, None] * v
             return acc
 
-        acc = lax.fori_loop(0, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
+        acc = _loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
         _store(R["u"], grow, gok, t.dv, t.dvp, acc)
         return
 
@@ -199,20 +209,21 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
             out.append((a, da, k))
         return out
 
-    def delta_body(i, delta):
-        for a, da, _ in grads(i):
-            delta = delta + a * da
-        return delta
+    # dq = sum_p A (dA - delta) k in one sweep, as sum_p A (dA - c) k - (delta - c) sum_p A k for
+    # c = g.u, the part of dA common to the window (delta = sum_p A dA = g.u + sum_p A gd): the two
+    # sums then do not cancel (float32 throughout), whatever offset the values carry
+    c = _rowdot(g, _load(R["u"], grow, gok, t.dv, t.dvp))
 
-    # delta first, then dq from A (dA - delta), not from two sums that cancel
-    delta = lax.fori_loop(0, t.ky, delta_body, jnp.zeros((t.tw,), jnp.float32))
-
-    def dq_body(i, dq):
+    def body(i, carry):
+        delta_c, dq_a, dq_k = carry
         for a, da, k in grads(i):
-            dq = dq + (a * (da - delta))[:, None] * k
-        return dq
+            w = a * (da - c)
+            delta_c, dq_a, dq_k = delta_c + w, dq_a + w[:, None] * k, dq_k + a[:, None] * k
+        return delta_c, dq_a, dq_k
 
-    dq = lax.fori_loop(0, t.ky, dq_body, jnp.zeros((t.tw, t.dhp), jnp.float32))
+    zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
+    delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
+    dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c
     _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
     _store1(R["delta"], grow, gok, delta)
 
@@ -254,7 +265,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
                 c = c + a
             return c
 
-        c = lax.fori_loop(0, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
+        c = _loop(t, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
         _store1(R["d"], prow, xok, c + eps)
         return
 
@@ -274,7 +285,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
         return gw, dk
 
     init = (jnp.zeros((t.tx, t.dvp), jnp.float32), jnp.zeros((t.tx, t.dhp), jnp.float32))
-    gw, dk = lax.fori_loop(0, t.nt, body, init)
+    gw, dk = _loop(t, t.nt, body, init)
     if want_dk:
         _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
     if want_dv:
