@@ -88,11 +88,13 @@ def test_float32_matches_the_portable_kernel_forward_and_every_gradient(case):
 
 
 def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16():
-    """Tolerance: both kernels round q, k, v and the attention weights to bfloat16 (8 bits of
-    mantissa, 2^-9 = 2e-3 relative) before each product and accumulate in float32, so each result
-    is off the float32 one by a few such roundings of its largest terms. The fused kernel must be
-    within 2x the portable kernel's own bfloat16 error (they round at slightly different points:
-    A / d is rounded as a whole in both, g.v rounded in neither), and within 2% of the largest entry."""
+    """Tolerance: the fused kernel rounds only its operands (q, k, v, the cotangent) and its results
+    to bfloat16 (8 bits of mantissa: 2^-9 = 0.2% relative) and computes in float32; the portable
+    kernel rounds the same and also the attention weights before its matmuls. So the fused results
+    must be at least as close to float32 as the portable kernel's (25% slack for where single
+    roundings happen to fall), and within 1% of the largest entry (five times the results' own
+    rounding, as the inputs' rounding propagates through the logits and the softmax). Measured here:
+    u 0.32%, dq 0.52%, dk 0.64%, dv 0.50% (portable 0.32, 0.63, 0.68, 0.84%)."""
     geom = Geometry(*ISIC[:3])
     (q, k, v), g = _inputs(geom, *ISIC[3:5], jnp.float32)
     exact, ref = _reference(ISIC), _reference(ISIC, jnp.bfloat16)
@@ -100,7 +102,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16():
     for name, a, b, e in zip(("u", "dq", "dk", "dv"), got, ref, exact):
         scale = np.max(np.abs(e))
         err, err_ref = np.max(np.abs(a - e)) / scale, np.max(np.abs(b - e)) / scale
-        assert err < max(2 * err_ref, 4e-3) and err < 2e-2, f"{name}: {err:.2e} (portable bf16: {err_ref:.2e})"
+        assert err < 1.25 * err_ref and err < 1e-2, f"{name}: {err:.2e} (portable bf16: {err_ref:.2e})"
 
 
 def test_supports_says_why_not_in_one_sentence():
