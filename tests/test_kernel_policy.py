@@ -125,14 +125,18 @@ def _big_dots(text: str, elements: int = 1 << 18) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention,mr_attention,backward_calls", [
-    ("dense", "global", 4 * 3 + 4),  # a flash-decomposed dense SGA per layer and iteration, one MR call per block
-    ("sparse", "windowed", 4),  # sparse SGA is plain XLA; each block's MR: the windows, or the small grid whole
+@pytest.mark.parametrize("attention,mr_attention,backward_calls,triton_calls", [
+    # a flash-decomposed dense SGA per layer and iteration, one MR call per block
+    ("dense", "global", 4 * 3 + 4, 0),
+    # sparse SGA: three fused Pallas passes forward and three backward per layer and iteration; each
+    # block's MR: the windows, or the small grid whole
+    ("sparse", "windowed", 4, 4 * 3 * 6),
 ])
-def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attention, mr_attention, backward_calls):
+def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attention, mr_attention, backward_calls,
+                                                           triton_calls):
     """The ISIC RAT train step at 256 px with the gpu policy, lowered for CUDA on this CPU machine: every
-    attention a cuDNN call (backward calls counted against the model's attention layers), no while loop
-    from chunking, the large matmuls in bfloat16."""
+    attention a cuDNN call or a fused Pallas (Triton) kernel (counted against the model's attention
+    layers), no while loop from chunking, the large matmuls in bfloat16."""
     from benchmark_scripts import load
 
     fused_attention_calls = load("hlo_calls").fused_attention_calls
@@ -143,6 +147,7 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
         debug_info=True)
     calls = fused_attention_calls(text)
     assert sum(c.backward for c in calls) == backward_calls
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)) == triton_calls
     assert "stablehlo.while" not in text
     assert _big_dots(text) == {"bf16/bf16"}, _big_dots(text)
 
@@ -185,6 +190,9 @@ def test_the_gpu_program_lowers_for_cuda_here_and_holds_no_cpu_kernel():
     gpu_text = step.trace(spec.abstract_with_shardings(), batch).lower(
         lowering_platforms=("cuda",)).as_text(debug_info=True)
     assert SCOPE not in gpu_text and "cuda" in gpu_text.lower()
+    # XLA cannot split a Triton call: on 2 devices the sparse SGA kernels run per device (shard_map),
+    # not on a batch gathered onto each
+    assert "__gpu$xla.gpu.triton" in gpu_text and re.search(r"sdy\.manual_computation|SPMDFullToShardShape", gpu_text)
     spec, step, batch = _isic_step("cpu", 256)
     cpu_text = step.trace(spec.abstract_with_shardings(), batch).lower().as_text(debug_info=True)
     assert SCOPE in cpu_text  # the strided convolutions, the rotation's backward

@@ -11,7 +11,8 @@
 
 The ``cpu`` and ``portable`` forms are the memory-bounded chunked kernels of
 :mod:`jaxrat.ops.portable.chunked_attention` (the cpu form with the CPU's block and slice batching). The
-``gpu`` form is fused attention (:mod:`jaxrat.ops.gpu`: cuDNN, dense SGA as its flash
+``gpu`` form is fused: sparse SGA as Pallas (Triton) kernels that keep the window's logits on
+chip (:mod:`jaxrat.ops.gpu.sparse_sga`, run per device under a mesh), the rest cuDNN (dense SGA as its flash
 decomposition) wherever cuDNN takes the call (bfloat16/float16, head dims up to 128); a call it
 refuses (float32 compute) takes the portable chunked kernel, which is memory-bounded at any
 resolution, where the fused module's own fallback (materialised logits) would not be.
@@ -83,6 +84,13 @@ def sparse_grouping_attention(q: Array, k: Array, v: Array, window: Window, poli
     # The scale goes on the queries (as many as the keys / stride^2): the same logits, and the
     # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
     q = _scaled(q, key_scale)
+    if policy.gpu:
+        from jaxrat.ops.gpu import per_device
+        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
+
+        if gpu_sparse.supports(window, q.shape, q.dtype) is None:
+            fused = lambda q, k, v: gpu_sparse.sparse_update(q, k, v, window, normalise_columns)
+            return per_device.over_batch(fused, q, k, v)
     # Blocked once per call; the identical blocking of every SGA iteration is one computation after CSE.
     return sparse.sparse_update(q, sparse.sparse_blocks(k, window), sparse.sparse_blocks(v, window), window,
                                 normalise_columns)
