@@ -249,7 +249,7 @@ def sparse_grouping(
     a_k, _, a_q = _maps(_offset_dots(qg, kb, geom), geom, normalise_columns)
     u = _offset_weighted_sum(a_q, vb, geom)
     shape = (b, h, n_out, a_k.shape[-1])
-    return u.astype(q.dtype).reshape(b, h, n_out, dh), a_q.reshape(shape), a_k.reshape(shape)
+    return u.astype(q.dtype).reshape(b, h, n_out, v.shape[-1]), a_q.reshape(shape), a_k.reshape(shape)
 
 
 def sparse_update(q: Array, kb: Array, vb: Array, geom: Geometry, normalise_columns: bool = True) -> Array:
@@ -260,7 +260,7 @@ def sparse_update(q: Array, kb: Array, vb: Array, geom: Geometry, normalise_colu
     """
     b, h, n_out, dh = q.shape
     u = _update(q.reshape(b * h, *geom.out, dh), kb, vb, geom, normalise_columns)
-    return u.reshape(b, h, n_out, dh)
+    return u.reshape(b, h, n_out, vb.shape[-1])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
