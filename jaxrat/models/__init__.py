@@ -28,7 +28,7 @@ ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
 # Modules imported lazily on first lookup so importing jaxrat.models stays cheap.
 _BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat.segmenter", "jaxrat.models.classifier",
-                    "jaxrat.models.detr")
+                    "jaxrat.models.detr", "jaxrat.models.backbone_classifier")
 
 
 def register(name: str) -> Callable[[ModelFactory], ModelFactory]:

@@ -162,3 +162,18 @@ def set_params(model: Any, arrays: Mapping[str, np.ndarray]) -> None:
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
+
+
+def pretrained_arrays(path: str | os.PathLike, abstract_params: Any,
+                      prefix: str = "backbone/") -> dict[str, np.ndarray]:
+    """The file at ``path`` converted for the backbone under ``prefix`` of a model whose parameters
+    are ``abstract_params`` (shapes suffice), as ``{prefix + name: array}`` (the trainer places them
+    with :func:`jaxrat.checkpointing.init_from.place_arrays`)."""
+    from jaxrat.runtime.tree_paths import named_leaves
+
+    expected = {k[len(prefix):]: tuple(v.shape) for k, v in named_leaves(abstract_params).items()
+                if k.startswith(prefix)}
+    if not expected:
+        raise ConfigError(f"config.model.pretrained is set but this model has no {prefix.rstrip('/')}; pretrained "
+                          f"weights load into a ViT/BEiT/Swin backbone (backbone_classifier, transunet, swin_unet).")
+    return {prefix + k: v for k, v in load_backbone_weights(path, expected).items()}
