@@ -124,6 +124,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
                                       backbone_fields={"img_size": size}, pretrained=""))
         c.optimizer.layer_decay = 0.65
         c.optimizer.weight_decay = 0.05
+        # BEiT's fine-tuning decays neither the class token nor the relative position tables
+        c.optimizer.weight_decay_exclude += "|cls_token|relative_position_bias_table"
         if demo:  # a BEiT small enough to learn the 32 px shapes in minutes on a CPU
             c.model.backbone_fields = {"img_size": size, "patch_size": 4, "embed_dim": 64, "depth": 4,
                                        "num_heads": 4}

@@ -3,13 +3,13 @@ start fresh, layer-wise learning-rate decay scales each block, and a run resumes
 
 import numpy as np
 from flax import nnx
-from runner import REPO, env_with_devices, kill_when_ready, losses_by_step, main_cmd, run_main
 from safetensors.numpy import save_file
 
 from jaxrat import ops
 from jaxrat.models.backbones import build_backbone
 from jaxrat.models.backbones.weights import expected_shapes
 from jaxrat.trainer.optimizer import layer_scales
+from runner import REPO, env_with_devices, kill_when_ready, losses_by_step, main_cmd, run_main
 
 CONFIG = f"{REPO}/configs/classification.py:beit_demo"
 FIELDS = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2)
