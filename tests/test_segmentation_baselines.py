@@ -4,12 +4,12 @@ their loss falls, and a run killed with -9 after its first checkpoint resumes to
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from runner import REPO, env_with_devices, kill_when_ready, losses_by_step, main_cmd, run_main
 
 from jaxrat import ops
 from jaxrat.models.swin_unet import SwinUNet
 from jaxrat.models.transunet import TransUNet
 from jaxrat.runtime.errors import ConfigError
+from runner import REPO, env_with_devices, kill_when_ready, losses_by_step, main_cmd, run_main
 
 SMALL = ("--config.data.image_size=32", "--config.model.backbone_fields.img_size=32",
          "--config.data.synthetic_train=32", "--config.data.synthetic_val=8", "--config.data.synthetic_image_size=64",
