@@ -89,3 +89,29 @@ def test_pickle_with_more_than_tensors_is_refused_without_running_it(tmp_path, c
     (tmp_path / "raw.bin").write_bytes(pickle.dumps({"a": Payload()}))
     with pytest.raises(ConfigError, match="weights_only=True|not a readable PyTorch file"):
         load_backbone_weights(tmp_path / "raw.bin", _expected())
+
+
+def test_pretrained_arrays_land_under_backbone_and_honour_include_exclude(tmp_path):
+    import jax
+
+    from jaxrat.checkpointing.init_from import place_arrays
+    from jaxrat.models.backbones.weights import pretrained_arrays
+    from jaxrat.runtime.tree_paths import named_leaves
+
+    save_file(_timm_state(), str(tmp_path / "w.safetensors"))
+    backbone = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), _expected(),
+                            is_leaf=lambda x: isinstance(x, tuple))
+    abstract = {"backbone": {}, "heads": {"kernel": jax.ShapeDtypeStruct((16, 3), np.float32)}}
+    for name, leaf in backbone.items():  # nest "a/b/c" paths as the model's params are nested
+        node = abstract["backbone"]
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    arrays = pretrained_arrays(tmp_path / "w.safetensors", abstract)
+    assert set(arrays) == {f"backbone/{k}" for k in _expected()}
+    placed = named_leaves(place_arrays(arrays, abstract, exclude="blocks/0/mlp"))
+    assert "heads/kernel" not in placed and "backbone/blocks/0/mlp/fc1/kernel" not in placed
+    assert "backbone/blocks/0/attn/qkv/kernel" in placed
+    with pytest.raises(ConfigError, match="has no backbone"):
+        pretrained_arrays(tmp_path / "w.safetensors", {"heads": abstract["heads"]})
