@@ -187,7 +187,7 @@ class DetectionTask(Task):
                                      num_threads=d.get("num_threads", 2),
                                      ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False, data_cfg=d))
 
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model
 
         model_config = mlc.ConfigDict(self.config.model.to_dict())
