@@ -27,7 +27,8 @@ ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
 # Modules imported lazily on first lookup so importing jaxrat.models stays cheap.
 _BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat.segmenter", "jaxrat.models.classifier",
-                    "jaxrat.models.detr")
+                    "jaxrat.models.detr", "jaxrat.models.backbone_classifier", "jaxrat.models.transunet",
+                    "jaxrat.models.swin_unet")
 
 
 def register(name: str) -> Callable[[ModelFactory], ModelFactory]:

@@ -198,6 +198,17 @@ class Restored:
         return int(jax.device_get(self.state["step"]))
 
 
+def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
+    from jaxrat.checkpointing.init_from import place_arrays
+    from jaxrat.models.backbones.weights import pretrained_arrays
+
+    path = str(config.model.pretrained)
+    arrays = pretrained_arrays(path, abstract_params)
+    logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
+    return place_arrays(arrays, abstract_params, include=config.get("init_from_include", ""),
+                        exclude=config.get("init_from_exclude", ""), where=path)
+
+
 def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[int], Iterator]) -> Restored:
     """Resume from the newest readable checkpoint in ``ckpt``, or start fresh (from ``init_from``
     weights when the config names some). ``train_iter(start_example)`` makes the data iterator."""
@@ -221,6 +232,8 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
                            optimizer=config.checkpoint.init_optimizer, include=config.get("init_from_include", ""),
                            exclude=config.get("init_from_exclude", ""), strict=config.get("init_from_strict", True),
                            rename=config.get("init_from_rename", ""))
+    elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
+        loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
     init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values
