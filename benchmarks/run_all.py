@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint_stall": (["--reps", "2"], []),
     "first_step": ([], []),
     "attention_blocks": (["--size", "64", "--blocks", "65536", "524288", "4194304", "--reps", "2"], []),
+    "backbone_bench": (["--quick"], []),
     "step_profile": (["--size", "64", "--steps", "2", "--feed-steps", "2"], ["--size", "128", "--steps", "3"]),
 }
 

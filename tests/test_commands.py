@@ -131,3 +131,11 @@ def test_flag_mistakes_are_one_sentence(args, sentence):
     proc = _run("-m", "jaxrat", *args)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"jaxrat: error: {sentence}"
     assert "FATAL" not in proc.stderr
+
+
+def test_every_listed_variant_loads():
+    from jaxrat.config.loader import load_config_module, packaged_configs
+
+    for name in packaged_configs():
+        for variant in load_config_module(name).VARIANTS:
+            load_config(f"{name}:{variant}" if variant else name)
