@@ -54,7 +54,8 @@ def test_main_fails_with_one_sentence(tmp_path, overrides, needle):
 
 
 @pytest.mark.parametrize("config, needle", [
-    ("configs/isic.py:foo", "Unknown variant 'foo' for configs/isic.py; use demo, smoke, unet or none."),
+    ("configs/isic.py:foo", "Unknown variant 'foo' for configs/isic.py; use demo, smoke, unet, transunet, "
+                            "transunet_demo, swin_unet, swin_unet_demo or none."),
     ("configs/nope.py", "Config file configs/nope.py does not exist"),
 ])
 def test_bad_config_file_or_variant_is_one_sentence(tmp_path, config, needle):
