@@ -71,11 +71,11 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     """Train (resuming from ``workdir`` if it holds checkpoints) and return the last eval metrics."""
     t_created = time.perf_counter()
     workdir = os.path.abspath(workdir)
-    with hold_workdir(config, workdir):  # one run per workdir; a resume keeps the config (docs/workdir.md)
-        return _train_and_evaluate(config, workdir, t_created)
+    with hold_workdir(config, workdir) as save_config:  # one run per workdir; a resume keeps the config
+        return _train_and_evaluate(config, workdir, t_created, save_config)
 
 
-def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) -> dict[str, float]:
+def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, save_config: Any) -> dict[str, float]:
     # ---- world
     mesh = make_mesh(config.mesh.axes)
     check_kernels_run_here(config, mesh)
@@ -105,6 +105,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float) 
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)
+    save_config()  # only now: a resume the checkpoint refused has left config.json as it was
     state, first, total = start.state, start.step, config.num_train_steps
 
     # ---- loop
