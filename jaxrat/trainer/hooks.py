@@ -228,10 +228,11 @@ class Evaluation:
 class Saver:
     """Checkpoints at the steps the policy asks for, and on preemption; logs how long the loop blocked."""
 
-    def __init__(self, ckpt: Checkpointer, policy: Policy, total_steps: int, writer: MetricWriter) -> None:
+    def __init__(self, ckpt: Checkpointer, policy: Policy, total_steps: int, writer: MetricWriter,
+                 watch: PreemptionWatch | None = None) -> None:
         self.ckpt, self.writer = ckpt, writer
         self.schedule = SaveSchedule(policy, total_steps)
-        self.watch = PreemptionWatch()
+        self.watch = watch or PreemptionWatch()
         self.extra: Callable[[], dict[str, Any]] = dict  # metadata saved with every checkpoint (early stopping)
 
     def save(self, step: int, state: Any, data_state: Any, reason: str, metrics: dict[str, float] | None = None,
@@ -274,6 +275,16 @@ class Saver:
         if b:
             logging.info("checkpoints: %d saves; train loop blocked %.3f s on average, %.3f s at most",
                          len(b), float(np.mean(b)), max(b))
+
+
+def stop_if_preempted(watch: PreemptionWatch, step: int) -> None:
+    """Raise :class:`Preempted` when a stop signal came before training reached ``step``'s next
+    step (during data preparation, restore or start-up): there is nothing new to save."""
+    if not watch.requested():
+        return
+    watch.hold_signals()
+    kept = f"the checkpoint of step {step} is kept" if step else "no checkpoint yet"
+    raise Preempted(f"preempted before step {step + 1} (during start-up): nothing to save, {kept}; exit for requeue")
 
 
 def check_best_metric(policy: Policy, task: Task) -> None:

@@ -16,7 +16,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy
-from jaxrat.cluster import Preempted
+from jaxrat.cluster import Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError
@@ -84,11 +84,13 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
     logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())
 
     # ---- task, data, state
+    watch = PreemptionWatch()  # one counter for every check of the run (a collective's agreed call number)
     task = load_task(config)
     policy = Policy.from_config(config.checkpoint)
     hooks.check_best_metric(policy, task)
     early = EarlyStop(config, task)
     logging.info("data: %s", task.prepare_data(workdir))
+    hooks.stop_if_preempted(watch, 0)
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
 
     def train_iter(start_example: int, local_batch: int = 0):
@@ -112,7 +114,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
     writer = MetricWriter(workdir, is_main=jax.process_index() == 0, tracking=config.get("tracking"))
     writer.write_hparams(config.to_dict())
     chrono = hooks.Chrono(config.data.batch_size, first, t_created)
-    saver = hooks.Saver(ckpt, policy, total, writer)
+    saver = hooks.Saver(ckpt, policy, total, writer, watch)
     early.load(start.meta)
     saver.extra = early.state
     log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
@@ -126,6 +128,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
 
     done, status, images_per_sec = first, "failed", None
     try:
+        hooks.stop_if_preempted(watch, first)
         if start.eval_pending:
             evaluated = evaluate(first, state)
             if evaluated is None:
