@@ -330,3 +330,45 @@ def test_local_sweep_goes_on_after_a_failure_and_stops_when_terminated(tmp_path)
     assert (root / "lr_high" / "got").read_text() == "term\n"  # passed on to the run
     assert "sweep [2/3] lr_high: ended with status 42" in out and "sweep: stopped" in out
     assert not (root / "wide").exists()
+
+
+def test_a_killed_sweep_stops_its_training(tmp_path):
+    """kill -9 of the sweep left its training running (no parent-death signal): the rerun found the
+    workdir locked and counted the variant as failed."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_TRAINER)
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    code = ("import sys; from jaxrat.experiments import sweep as s; "
+            f"sys.exit(s.run_local({TOY!r}, {str(root)!r}, s.load_sweep({TOY!r}), python={str(fake)!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "lr_high" / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while not (root / "lr_high" / "got").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+    assert (root / "lr_high" / "got").read_text() == "term\n"  # told to checkpoint and stop
+
+
+def test_a_rerun_waits_for_the_run_still_stopping_in_its_workdir(tmp_path, capsys):
+    import json
+    import socket
+
+    from jaxrat.experiments.sweep import wait_for_stopping_run
+
+    stopping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": stopping.pid}))
+    t0 = time.monotonic()
+    wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)
+    assert stopping.poll() is not None or stopping.wait(5) == 0
+    assert time.monotonic() - t0 < 30
+    assert f"held by process {stopping.pid}, a run still stopping" in capsys.readouterr().out
+    t0 = time.monotonic()
+    wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)  # its holder is gone: the run takes over
+    assert time.monotonic() - t0 < 1

@@ -17,9 +17,11 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -241,10 +243,64 @@ def write_manifest(root: str, config: str, variants: list[Variant], common: Sequ
     write_json(os.path.join(root, MANIFEST), data, indent=2)
 
 
+def die_with_parent() -> None:
+    """In a child: SIGTERM when its parent dies, even by kill -9 (Linux), so no orphan trains on
+    (it checkpoints and exits 42, as when preempted)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+LOCK_WAIT_S = 120.0  # how long a rerun waits for the run of a killed sweep or tuner to finish stopping
+_LOCK = "run.lock"  # jaxrat.trainer.workdir_lock.LOCK_NAME (a layer this one does not import)
+
+
+def _live_local_holder(workdir: str) -> int | None:
+    """The process id in ``WORKDIR/run.lock`` if that process lives on this host, else None."""
+    try:
+        with open(os.path.join(workdir, _LOCK)) as f:
+            holder = json.load(f)
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if holder.get("host") != socket.gethostname() or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited, not yet reaped
+                return None
+    except ProcessLookupError:
+        return None
+    except (PermissionError, OSError, IndexError):
+        pass
+    return pid
+
+
+def wait_for_stopping_run(workdir: str, what: str, wait_s: float | None = None) -> None:
+    """Wait (up to :data:`LOCK_WAIT_S`) while a live run on this host holds ``workdir``.
+
+    A sweep or tuner killed with -9 leaves its training to stop on the parent-death SIGTERM: it
+    saves and releases the workdir within seconds, and a rerun started meanwhile found it locked
+    and counted the variant as failed. A lock whose holder is dead is taken over by the run itself.
+    """
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+    deadline, said = time.monotonic() + wait_s, False
+    while (pid := _live_local_holder(workdir)) is not None and time.monotonic() < deadline:
+        if not said:
+            print(f"{what}: {workdir} is held by process {pid}, a run still stopping; waiting up to "
+                  f"{wait_s:.0f} s for it", flush=True)
+            said = True
+        time.sleep(0.5)
+
+
 def _train(cmd: list[str]) -> int:
     """Run one training to its end. A SIGTERM to the sweep is passed on (the run checkpoints and
     exits 42, as when preempted); on Ctrl-C, which the run receives too, give it time to stop."""
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
     on_main = threading.current_thread() is threading.main_thread()  # only there may handlers change
     previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM)) if on_main else None
     try:
@@ -283,6 +339,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
         print(f"{head}: {what}: {shlex.join(cmd)}", flush=True)
         if dry_run:
             continue
+        wait_for_stopping_run(workdir, head)
         try:
             status = _train(cmd)
         except KeyboardInterrupt:

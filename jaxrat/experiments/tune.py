@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from jaxrat.config import check_override_args, load_config, load_config_module
-from jaxrat.experiments.sweep import _value, train_command
+from jaxrat.experiments.sweep import _value, die_with_parent, train_command, wait_for_stopping_run
 from jaxrat.runtime.errors import ConfigError, UserError
 
 JOURNAL = "optuna_journal.log"
@@ -215,16 +215,6 @@ def recover_stale(study: Any, root: str) -> list[int]:
 
 # ----------------------------------------------------------------------------------- one trial
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the tuner dies, even by kill -9 (Linux), so no orphan trains on."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _eval_rows(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
     """Complete lines of ``metrics.jsonl`` after ``offset``; returns them and the new offset."""
     try:
@@ -260,7 +250,8 @@ def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[s
     path = os.path.join(workdir, "metrics.jsonl")
     offset, last, pruned = 0, None, False
     with open(os.path.join(workdir, "tune.log"), "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        wait_for_stopping_run(workdir, f"tune: trial {trial.number}")  # a killed tuner's trial, still saving
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         try:
             while True:
                 done = proc.poll() is not None
