@@ -278,3 +278,15 @@ def test_a_forced_resume_the_restore_refuses_leaves_the_workdir_byte_equal(tmp_p
     with wdm.hold(forced, wd) as save_config:  # once the restore has succeeded the new config is the run's
         save_config()
     assert json.load(open(os.path.join(wd, "config.json")))["optimizer"]["ema_decay"] == 0.0
+
+
+def test_a_workdir_that_cannot_be_written_is_one_sentence(tmp_path):
+    """A read-only workdir ended in a PermissionError traceback from the lock file."""
+    from jaxrat.runtime.errors import UserError
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for wd in ("/sys/jaxrat_workdir", str(blocker / "wd")):  # a read-only filesystem; a path through a file
+        with pytest.raises(UserError, match=r"^Cannot write to the workdir .* train in a folder you can write to"):
+            with wdm.hold(_smoke(), wd):
+                pass

@@ -20,7 +20,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.runtime.errors import ConfigError, UserError
-from jaxrat.runtime.fileio import move_into_place, write_text
+from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
 from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
@@ -165,7 +165,10 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
     save: Callable[[], None] = lambda: None  # noqa: E731
     if jax.process_index() == 0:
         try:
-            os.makedirs(workdir, exist_ok=True)
+            why = unwritable(workdir)
+            if why:
+                raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
+                                "to (--workdir).")
             if settings.get("lock", True):
                 lock = WorkdirLock(workdir, settings.get("lease_seconds", DEFAULT_LEASE_S))
                 lock.acquire()
