@@ -274,12 +274,12 @@ def test_summary_table_of_fake_runs(tmp_path):
                       "best eval/dice step", "train/loss", "overrides"]
     assert rows == [["b_run", "finished", 4, 4, 0.4, 0.35, 0.5, 2, 0.7, "seed=2"],  # sweep order first
                     ["a_run", "finished", 4, 3, 0.7, 0.5, 0.7, 3, 0.5, ""],
-                    ["c_partial", "at step 2 of 4", 2, 2, 0.2, 0.1, 0.2, 2, None, ""]]
+                    ["c_partial", "stopped at step 2 of 4", 2, 2, 0.2, 0.1, 0.2, 2, None, ""]]
     md = (root / "summary.md").read_text()
     assert md in text and "| b_run | finished | 4 | 4 | 0.4000 | 0.3500 | 0.5000 | 2 | 0.7000 | seed=2 |" in md
     table = list(csv.reader(io.StringIO((root / "summary.csv").read_text())))
-    assert table[0] == header and table[3] == ["c_partial", "at step 2 of 4", "2", "2", "0.2", "0.1", "0.2", "2", "",
-                                               ""]
+    assert table[0] == header and table[3] == ["c_partial", "stopped at step 2 of 4", "2", "2", "0.2", "0.1", "0.2",
+                                               "2", "", ""]
     assert (root / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

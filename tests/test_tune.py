@@ -99,7 +99,7 @@ def test_the_summary_and_the_best_variant_file(tmp_path, monkeypatch):
     assert s["counts"] == {"complete": 3, "pruned": 1} and s["pruned"] == [3]
     assert s["best"]["number"] == 1 and set(s["importances"]) == {"optimizer.learning_rate"}
     md = (tmp_path / "tune_summary.md").read_text()
-    assert "pruned: 3" in md and "| 1 | complete | 0.7 | 2 | 0.6 | optimizer.learning_rate=0.003 |" in md
+    assert "pruned: 3" in md and "| 1 | complete | 0.7 | 2 | 0.6 | not started | optimizer.learning_rate=0.003 |" in md
     variants = load_sweep(str(tmp_path / tune_summary.BEST_SWEEP))
     assert [(v.name, v.overrides) for v in variants] == [
         ("best", ("--config.optimizer.learning_rate=0.003", "--config.num_train_steps=4"))]
@@ -225,3 +225,12 @@ def test_a_trial_whose_worker_died_before_naming_itself_is_retried_once_old(tmp_
     assert tune.recover_stale(study, root) == []  # young: its worker may be naming itself right now
     monkeypatch.setattr(tune, "STALE_S", 0.0)
     assert tune.recover_stale(study, root) == [nameless.number]
+
+
+def test_summarize_on_a_root_that_is_not_a_search_is_one_sentence_and_writes_nothing(tmp_path):
+    for root in (tmp_path, tmp_path / "missing"):
+        proc = subprocess.run([sys.executable, "-m", "jaxrat.tune", "--summarize", "--root", str(root)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "pass the --root of a python -m jaxrat.tune search" in proc.stderr and "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path) == []  # no empty journal left behind

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from jaxrat.experiments import summary as sweep_summary
+from jaxrat.experiments.status import run_status
 from jaxrat.experiments.sweep import MANIFEST
 from jaxrat.runtime.fileio import write_text
 
@@ -90,7 +91,8 @@ def machines(workdirs: dict[str, str]) -> list[dict[str, Any]]:
     for name, wd in workdirs.items():
         s = _read_json(os.path.join(wd, "summary.json"))
         hw, code = s.get("hardware") or {}, s.get("code") or {}
-        rows.append({"run": name, "status": s.get("status", "running or not started"),
+        total = _read_json(os.path.join(wd, "config.json")).get("num_train_steps")
+        rows.append({"run": name, "status": run_status(wd, total if isinstance(total, int) else None),
                      "devices": f"{hw.get('device_count', '')} x {hw.get('device_kind', '')}" if hw else "",
                      "host": hw.get("host", ""), "commit": (code.get("commit") or "")[:12] +
                      (" (uncommitted changes)" if code.get("dirty") else ""),

@@ -12,12 +12,10 @@ checkpoints, because that is what ``jaxrat.main`` does with a workdir.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,9 +23,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.experiments.status import RunState, live_local_holder, run_state  # noqa: F401  (sweep's API)
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 
@@ -170,61 +168,12 @@ def replicate(variants: list[Variant], root: str, *, folds: int = 0, seeds: int 
     return out
 
 
-# ------------------------------------------------------------------------------ finished or not
-
-@dataclasses.dataclass(frozen=True)
-class RunState:
-    """How far a variant's workdir got: its newest committed checkpoint against the steps asked for."""
-
-    step: int | None
-    total: int
-    eval_pending: bool = False
-    stopped_early: bool = False
-
-    @property
-    def finished(self) -> bool:
-        """The final step is checkpointed and its evaluation done (a run preempted in the final
-        evaluation saved the final step with the eval still pending), or early stopping ended it."""
-        if self.step is not None and self.stopped_early:
-            return True
-        return self.step is not None and self.step >= self.total and not self.eval_pending
-
-    def describe(self) -> str:
-        if self.finished:
-            return f"stopped early at step {self.step}" if self.stopped_early else "finished"
-        if self.step is None:
-            return "not started"
-        return f"at step {self.step} of {self.total}"
-
-
 def target_steps(config: str, overrides: Sequence[str]) -> int:
     """``num_train_steps`` of ``config`` after ``overrides`` (the last one naming it wins)."""
     for o in reversed(overrides):
         if o.startswith("--config.num_train_steps="):
             return int(o.partition("=")[2])
     return int(load_config(config).num_train_steps)
-
-
-def run_state(workdir: str, total: int) -> RunState:
-    """The :class:`RunState` of ``workdir`` for a run of ``total`` steps (read-only)."""
-    directory = os.path.join(workdir, "checkpoints")
-    steps = committed_steps(directory)
-    if not steps:
-        return RunState(None, total)
-    meta = step_metadata(directory, steps[-1])
-    return RunState(steps[-1], total, bool(meta.get("eval_pending")),
-                    stopped_early(meta) or _summary_says_stopped(workdir, steps[-1]))
-
-
-def _summary_says_stopped(workdir: str, step: int) -> bool:
-    """Early stopping at a step saved before (a resumed run that redid that step's evaluation and
-    stopped there) is recorded in ``summary.json`` only."""
-    try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            s = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(s, dict) and (s.get("stopped_early") or {}).get("step") == step
 
 
 # ------------------------------------------------------------------------------------ running
@@ -255,29 +204,6 @@ def die_with_parent() -> None:
 
 
 LOCK_WAIT_S = 120.0  # how long a rerun waits for the run of a killed sweep or tuner to finish stopping
-_LOCK = "run.lock"  # jaxrat.trainer.workdir_lock.LOCK_NAME (a layer this one does not import)
-
-
-def _live_local_holder(workdir: str) -> int | None:
-    """The process id in ``WORKDIR/run.lock`` if that process lives on this host, else None."""
-    try:
-        with open(os.path.join(workdir, _LOCK)) as f:
-            holder = json.load(f)
-        pid = int(holder["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if holder.get("host") != socket.gethostname() or pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited, not yet reaped
-                return None
-    except ProcessLookupError:
-        return None
-    except (PermissionError, OSError, IndexError):
-        pass
-    return pid
 
 
 def wait_for_stopping_run(workdir: str, what: str, wait_s: float | None = None) -> None:
@@ -289,7 +215,7 @@ def wait_for_stopping_run(workdir: str, what: str, wait_s: float | None = None) 
     """
     wait_s = LOCK_WAIT_S if wait_s is None else wait_s
     deadline, said = time.monotonic() + wait_s, False
-    while (pid := _live_local_holder(workdir)) is not None and time.monotonic() < deadline:
+    while (pid := live_local_holder(workdir)) is not None and time.monotonic() < deadline:
         if not said:
             print(f"{what}: {workdir} is held by process {pid}, a run still stopping; waiting up to "
                   f"{wait_s:.0f} s for it", flush=True)

@@ -137,11 +137,13 @@ class TrainLog:
         fetched = jax.device_get([m for _, m in self.pending])
         bad = [s for (s, _), m in zip(self.pending, fetched) if m["train/nonfinite"] > 0]
         if bad:
-            raise TrainingDiverged(
-                f"Loss became NaN/Inf at step {bad[0]}; the run stopped without applying that update and the last "
-                f"good checkpoint ({self.last_good()}) is kept; lower --config.optimizer.learning_rate or set "
-                f"--config.optimizer.clip_norm and resume."
-            )
+            good = self.last_good()
+            fix = "lower --config.optimizer.learning_rate or set --config.optimizer.clip_norm"
+            if good:
+                raise TrainingDiverged(f"Loss became NaN/Inf at step {bad[0]}; the run stopped without applying that "
+                                       f"update and the last good checkpoint ({good}) is kept; {fix} and resume.")
+            raise TrainingDiverged(f"Loss became NaN/Inf at step {bad[0]}, before any checkpoint was saved, so there "
+                                   f"is nothing to resume; {fix} and train again.")
         scalars = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "train/nonfinite"}
         scalars["train/learning_rate"] = float(fetched[-1]["train/learning_rate"])
         scalars.update(self.chrono.window())
@@ -264,9 +266,11 @@ class Saver:
         raise Preempted(f"preempted {where}at step {step}: checkpoint saved, exit for requeue")
 
     def last_good(self) -> str:
-        """The newest durable checkpoint, e.g. "step 200 in /w/checkpoints" (waits for saves in flight)."""
+        """The newest durable checkpoint, e.g. "step 200 in /w/checkpoints" (waits for saves in
+        flight); "" when there is none."""
         self.ckpt.wait()
-        return f"step {self.ckpt.latest_step()} in {self.ckpt.directory}"
+        step = self.ckpt.latest_step()
+        return "" if step is None else f"step {step} in {self.ckpt.directory}"
 
     def finish(self) -> None:
         """Wait for the last saves and log the loop's blocking time per save."""

@@ -126,7 +126,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         raw = state["params"] if spec.ema else None  # eval/* is the average's, eval_raw/* the raw weights'
         return evaluation.run(step, spec.eval_params(state), saver.preemption_requested, raw_params=raw)
 
-    done, status, images_per_sec = first, "failed", None
+    done, status, images_per_sec, error = first, "failed", None, None
     try:
         hooks.stop_if_preempted(watch, first)
         if start.eval_pending:
@@ -162,6 +162,9 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
     except Preempted:
         status = "preempted"
         raise
+    except BaseException as e:  # the summary says why, so every table can say "failed: <why>"
+        error = (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
+        raise
     finally:
         feed.close()
         try:  # the summary is not worth hiding why a run failed
@@ -170,7 +173,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
                 wall_time_s=time.perf_counter() - t_created, last_train=log.last,
                 images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
                 last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory,
-                last_eval_raw=evaluation.last_raw, stopped_early=early.summary(done), kernels=spec.kernels)
+                last_eval_raw=evaluation.last_raw, stopped_early=early.summary(done), kernels=spec.kernels,
+                error=error)
             run_summary.publish(writer, workdir, summary)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
