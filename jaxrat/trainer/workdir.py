@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
 from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
@@ -45,16 +46,6 @@ class ConfigChanged(ConfigError):
 
 # ------------------------------------------------------------------------------------ the config
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_as_json(config: mlc.ConfigDict) -> dict[str, Any]:
     """The config as ``config.json`` holds it (tuples become lists), so the two compare equal."""
     return json.loads(config.to_json_best_effort(sort_keys=True))
@@ -71,7 +62,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
     Only fields on both sides count: one present on one side only comes with a changed
     ``model.name``/``task.name`` (which is listed) or with a jaxrat version that added it.
     """
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten(old), flatten(new)
     fixed, free = [], []
     for key in sorted(a.keys() & b.keys()):
         if a[key] != b[key]:
