@@ -27,7 +27,7 @@ def evaluations(config: mlc.ConfigDict) -> int:
 class EarlyStop:
     """Counts evaluations without an improvement of ``min_delta`` in ``metric``; off when patience is 0."""
 
-    def __init__(self, config: mlc.ConfigDict, task: Task) -> None:
+    def __init__(self, config: mlc.ConfigDict, task: Task, warn: bool = True) -> None:
         t, c = config.train, config.checkpoint
         self.patience = int(t.get("early_stop_patience", 0) or 0)
         self.min_delta = float(t.get("early_stop_min_delta", 0.0) or 0.0)
@@ -53,7 +53,7 @@ class EarlyStop:
         if self.mode not in ("max", "min"):
             raise ConfigError(f"config.train.early_stop_mode={self.mode!r}; use 'max' or 'min'.")
         evals = evaluations(config)
-        if evals <= self.patience:  # the first evaluation sets the best; `patience` more can stop the run
+        if warn and evals <= self.patience:  # the first evaluation sets the best; `patience` more can stop the run
             logging.warning("early stopping cannot trigger in this run: it evaluates %d times (num_train_steps=%d, "
                             "train.eval_every=%d) and needs %d evaluations to stop (1 + "
                             "train.early_stop_patience=%d); lower the patience or evaluate more often",
