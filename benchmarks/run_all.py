@@ -50,13 +50,13 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
 # runs in CI, so that no benchmark rots unnoticed (the numbers mean nothing at these sizes).
 SMOKE: dict[str, list[str]] = {
     "rat_bench": ["--sizes", "32", "--reference-sizes", "32", "--reps", "1"],
-    "rat_scaling": ["--variants", "windowed", "--sizes", "64", "--time-up-to", "64", "--reps", "1", "--no-components"],
-    "coco_step": ["--variant", "smoke", "--batch", "2", "--devices", "2", "--reps", "1"],
+    "rat_scaling": ["--variants", "windowed", "--sizes", "64", "--time-up-to", "0", "--no-components"],
+    "coco_step": ["--variant", "smoke", "--batch", "2", "--devices", "2", "--no-time"],
     "rat_detr_step": ["--variants", "rat_demo", "--steps", "1"],
     "zero_memory": ["--config", "configs/isic.py:smoke", "--image-size", "32", "--batch-size", "4", "--devices", "2"],
     "detection_matching": ["--targets", "10", "--fills", "full", "--reps", "1", "--no-step"],
     "data_pipeline": ["--config", "configs/isic.py:demo", "--images", "4", "--width", "96", "--height", "64",
-                      "--seconds", "1", "--workers", "0", "--step-steps", "1"],
+                      "--seconds", "1", "--workers", "0", "--skip-step"],
     "checkpoint_stall": ["--reps", "1", "--set", "model.rat.num_blocks=1"],
     "first_step": ["--config", "configs/isic.py:smoke", "--steps", "1"],
     "attention_blocks": ["--size", "32", "--blocks", "65536", "--matmul", "256", "--reps", "1"],
