@@ -59,9 +59,10 @@ def run_ours(size: int, reps: int, pyramid: bool) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxrat import ops
     from jaxrat.models.rat import ResolutionAwareTransformer
 
-    model = ResolutionAwareTransformer(**DIMS, rngs=nnx.Rngs(0))
+    model = ResolutionAwareTransformer(**DIMS, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     sizes = [size, size // 2, size // 4] if pyramid else [size]
     xs = [jax.random.normal(jax.random.PRNGKey(i), (2, s, s, 3)) for i, s in enumerate(sizes)]

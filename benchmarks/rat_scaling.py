@@ -75,9 +75,11 @@ def run_child(variant: str, size: int, reps: int, timed: bool, components: bool)
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxrat import ops
     from jaxrat.models.rat import RATConfig, RATSegmenter
 
-    model = RATSegmenter(rat=RATConfig(**{**DIMS, **VARIANTS[variant]}), decoder_dim=32, rngs=nnx.Rngs(0))
+    model = RATSegmenter(rat=RATConfig(**{**DIMS, **VARIANTS[variant]}), decoder_dim=32, rngs=nnx.Rngs(0),
+                         kernels=ops.resolve("auto"))
     model.train()
     row: dict = dict(variant=variant, size=size)
     x = jax.ShapeDtypeStruct((2, size, size, 3), jnp.float32)

@@ -41,8 +41,10 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint_stall": (["--reps", "2"], []),
     "first_step": ([], []),
     "attention_blocks": (["--size", "64", "--blocks", "65536", "524288", "4194304", "--reps", "2"], []),
+    "backbone_bench": (["--quick"], []),
     "step_profile": (["--size", "64", "--steps", "2", "--feed-steps", "2"], ["--size", "128", "--steps", "3"]),
     "gpu_bench": (["--quick"], []),  # the full table wants a GPU; --quick runs the portable forms on a CPU
+    "gpu_cost": (["--quick"], []),
 }
 
 
@@ -62,7 +64,11 @@ SMOKE: dict[str, list[str]] = {
     "attention_blocks": ["--size", "32", "--blocks", "65536", "--matmul", "256", "--reps", "1"],
     "step_profile": ["--size", "32", "--variants", "sparse", "--steps", "1", "--feed-steps", "1"],
     "gpu_bench": ["--quick", "--sizes", "32", "--only", "kernels"],
+    "backbone_bench": ["--quick"],
+    "gpu_cost": ["--quick"],
 }
+# Benchmarks that need a CUDA device and cannot run on CI's CPUs (run them on a GPU machine).
+GPU_ONLY = {"sparse_sga_gpu"}
 
 
 def machine() -> dict:

@@ -81,7 +81,9 @@ SCOPES = BUCKETS[:-1]
 # A scope as one op_name path component, possibly wrapped by transforms: "sga", "jvp(sga)",
 # "transpose(jvp(sga))". The first (outermost) one wins.
 _SCOPE_RE = re.compile(r"(?:^|[/(])(" + "|".join(SCOPES) + r")(?=[)/;]|$)")
-_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+# A computation's header: "%name (params) -> result {" at the start of a line (its types may hold "=",
+# as in "/*index=5*/", so the shape of the line is what tells it from an instruction).
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE_RE = re.compile(r"\s([a-z][\w\-]*)\(")
 _CONTROL_FLOW = ("while", "conditional", "call")
@@ -99,7 +101,7 @@ def _instructions(hlo_text: str):
     current = ""
     for line in hlo_text.splitlines():
         m = _COMPUTATION_RE.match(line)
-        if m and "=" not in line.split("{", 1)[0]:
+        if m:
             current = m.group(1)
             continue
         m = _INSTRUCTION_RE.match(line)

@@ -16,6 +16,9 @@ The sweep (``get_sweep``), each variant the base with one change (docs/experimen
   multi-scale          multiscale: the [256, 128, 64] pyramid of configs/isic_multiscale.py
   depth                depth_half, depth_1.5x (num_blocks)
   width                width_half, width_2x (feature_dims)
+  baselines            transunet, swin_unet (and unet on real data): configs/isic.py's variants of the
+                       same name (_demo forms for the demo), trained by the sweep beside the RAT so
+                       the summary and the report hold them in the same table
 """
 
 from __future__ import annotations
@@ -70,7 +73,18 @@ def get_sweep(arg: str | None = None) -> dict[str, list[str]]:
         "depth_1.5x": [f"--config.model.rat.num_blocks={blocks + max(1, blocks // 2)}"],
         "width_half": [f"--config.model.rat.feature_dims={dims // 2}"],
         "width_2x": [f"--config.model.rat.feature_dims={dims * 2}"],
+        **_baselines(arg),
     }
+
+
+def _baselines(arg: str | None) -> dict[str, list[str]]:
+    """The study's other models, each its configs/isic.py variant (a sweep variant may train another
+    config file); the smoke sweep, which the framework's tests run whole, leaves them out."""
+    if arg == "smoke":
+        return {}
+    if arg == "demo":
+        return {name: [f"--config={_ISIC}:{name}_demo"] for name in ("transunet", "swin_unet")}
+    return {name: [f"--config={_ISIC}:{name}"] for name in ("unet", "transunet", "swin_unet")}
 
 
 def get_search_space(arg: str | None = None) -> dict[str, dict]:

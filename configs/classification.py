@@ -10,6 +10,10 @@ Variants (``--config configs/classification.py:VARIANT``):
           one grouping iteration, sparse SGA, windowed MR attention), one program per step.
   smoke   tiny and fast, for tests.
   rat     RAT instead of the CNN baseline, on your data.
+  beit    the FungiTastic fine-tuning: BEiT-base from a timm file or Hugging Face folder
+          (``--config.model.pretrained=PATH``, required), 224 px, class weights, macro-F1 picks the
+          best checkpoint, layer-wise learning-rate decay 0.65, lr 1e-4 at batch 64.
+  beit_demo  the demo's synthetic data with a tiny BEiT (random init unless ``pretrained`` is given).
 
 Expected (demo): top-1 0.97 on both heads after 300 steps, ~1 min on a 2-core CPU
 (docs/tasks.md; the README quotes this line, tests/test_docs.py keeps them equal).
@@ -26,7 +30,7 @@ from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-    """Return the classification config for ``arg`` in {None, "demo", "rat_demo", "smoke", "rat"}."""
+    """Return the classification config for ``arg``: None, demo, rat_demo, smoke, rat, beit or beit_demo."""
     c = base_config()
     c.data.name = "classification"
     c.data.source = "csv"  # "csv" or "folder"
@@ -60,7 +64,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.model = mlc.ConfigDict(dict(name="cnn_classifier", kernels="auto", features=(32, 64, 128, 256)))
 
     variant = arg or ""
-    if variant in ("demo", "rat_demo", "smoke"):
+    if variant in ("demo", "rat_demo", "smoke", "beit_demo"):
         c.data.synthetic = True
         c.data.random_crop_scale = (1.0, 1.0)
         c.data.random_flip = False
@@ -71,7 +75,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         # Bit-identical losses on 1, 2, 4 or 8 devices and on several processes (docs/tasks.md), at
         # some cost in speed on one CPU device, still well inside the demo's budget.
         c.train.reduction_shards = 8
-    if variant in ("demo", "rat_demo"):
+    if variant in ("demo", "rat_demo", "beit_demo"):
         c.data.synthetic_train = 512
         c.data.synthetic_val = 128
         c.data.image_size = 32
@@ -113,11 +117,32 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.train.log_every = 1
         c.train.log_images = False
         c.model.features = (4, 8)
+    elif variant in ("beit", "beit_demo"):
+        demo = variant == "beit_demo"
+        size = c.data.image_size
+        c.model = mlc.ConfigDict(dict(name="backbone_classifier", kernels="auto", backbone="beit_base_patch16_224",
+                                      backbone_fields={"img_size": size}, pretrained=""))
+        c.optimizer.layer_decay = 0.65
+        c.optimizer.weight_decay = 0.05
+        # BEiT's fine-tuning decays neither the class token nor the relative position tables
+        c.optimizer.weight_decay_exclude += "|cls_token|relative_position_bias_table"
+        if demo:  # a BEiT small enough to learn the 32 px shapes in minutes on a CPU
+            c.model.backbone_fields = {"img_size": size, "patch_size": 4, "embed_dim": 64, "depth": 4,
+                                       "num_heads": 4}
+            c.optimizer.learning_rate = 1e-3
+            c.optimizer.layer_decay = 0.9
+            c.num_train_steps = 400
+            c.data.synthetic_train = 2048
+        else:
+            c.task.class_weights = "inverse"
+            c.checkpoint.best_metric = "eval/label/macro_f1"
+            c.optimizer.learning_rate = 1e-4
+            c.optimizer.warmup_steps = 1000
     elif variant == "rat":
         c.model = mlc.ConfigDict(dict(name="rat_classifier", kernels="auto", pool="mean"))
         c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1,
                                  attention="dense", positional_encoding="rose")
     elif variant not in ("", "demo", "rat_demo"):
         raise ValueError(f"Unknown variant {variant!r} for configs/classification.py; "
-                         "use demo, rat_demo, smoke, rat or none.")
+                         "use demo, rat_demo, smoke, rat, beit, beit_demo or none.")
     return c

@@ -5,6 +5,10 @@ Variants (``--config configs/isic.py:VARIANT``):
   demo    synthetic lesions in the official layout; learns visibly in minutes on a laptop CPU.
   smoke   tiny and fast, for tests.
   unet    the U-Net baseline on real ISIC 2018 data (same data, schedule and metrics as the RAT).
+  transunet  TransUNet (ViT-B/16 encoder, CNN decoder with skips) on real data; its paper starts
+          from ImageNet weights: --config.model.pretrained=PATH (a timm file or Hugging Face folder).
+  swin_unet  Swin-UNet (Swin-T encoder, symmetric Swin decoder) on real data, pretrained the same way.
+  transunet_demo, swin_unet_demo  the demo's synthetic lesions with small forms of both, from scratch.
 
 Expected (demo): eval Dice 0.989 after 400 steps, under 10 min on a 2-core CPU
 (docs/rat.md, "Recommended defaults"; the README quotes this line, tests/test_docs.py keeps them equal).
@@ -19,7 +23,7 @@ from jaxrat.models.rat import rat_config
 
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
-    """Return the ISIC config for ``arg`` in {None, "demo", "smoke", "unet"}."""
+    """Return the ISIC config for ``arg``: None, demo, smoke, unet, transunet, swin_unet or their _demo forms."""
     c = base_config()
     c.data.name = "isic2018"
     c.data.image_size = 256
@@ -67,6 +71,30 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     )
 
     variant = arg or ""
+    baseline = variant.removesuffix("_demo")
+    if baseline in ("transunet", "swin_unet"):
+        demo = variant.endswith("_demo")
+        if demo:  # the demo's data and schedule
+            c = get_config("demo")
+        size = c.data.image_size
+        if baseline == "transunet":
+            c.model = mlc.ConfigDict(dict(name="transunet", kernels="auto", num_classes=1, pretrained="",
+                                          backbone="vit_base_patch16_224", backbone_fields={"img_size": size},
+                                          skip_features=(32, 64, 128), decoder_features=(256, 128, 64, 32)))
+            if demo:
+                c.model.backbone_fields = {"img_size": size, "patch_size": 8, "embed_dim": 64, "depth": 4,
+                                           "num_heads": 4}
+                c.model.skip_features, c.model.decoder_features = (16, 32, 32), (64, 32, 16)
+        else:
+            c.model = mlc.ConfigDict(dict(name="swin_unet", kernels="auto", num_classes=1, pretrained="",
+                                          backbone="swin_tiny_patch4_window7_224", backbone_fields={"img_size": size}))
+            if demo:
+                c.model.backbone_fields = {"img_size": size, "embed_dim": 32, "depths": (2, 2, 2),
+                                           "num_heads": (2, 4, 8), "window_size": 3}
+            else:  # the window must tile every stage's grid: 256 px -> 64, 32, 16, 8 tokens
+                c.model.backbone_fields.window_size = 8
+        c.optimizer.weight_decay_exclude += "|cls_token|relative_position_bias_table"
+        return c
     if variant in ("demo", "smoke"):
         c.data.rotation_degrees = 0.0
         c.data.color_jitter = 0.0
@@ -114,5 +142,6 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     elif variant == "unet":
         c.model = mlc.ConfigDict(dict(name="unet", kernels="auto", features=(32, 64, 128, 256), num_classes=1))
     elif variant:
-        raise ValueError(f"Unknown variant {variant!r} for configs/isic.py; use demo, smoke, unet or none.")
+        raise ValueError(f"Unknown variant {variant!r} for configs/isic.py; use demo, smoke, unet, transunet, "
+                         f"transunet_demo, swin_unet, swin_unet_demo or none.")
     return c

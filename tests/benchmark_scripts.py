@@ -16,5 +16,6 @@ def load(name: str) -> ModuleType:
         sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there while the script runs
     spec.loader.exec_module(module)
     return module

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn import metrics as skm
 
+from jaxrat import ops
 from jaxrat.config import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
@@ -144,8 +145,9 @@ def test_rat_classifier_gives_one_logits_array_per_head(pool):
 
     rat = dict(feature_dims=8, num_blocks=2, num_heads=2, iters=1, mlp_dropout=0.0)
     model = build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3, 5), pool=pool, rat=rat)),
-                        rngs=nnx.Rngs(0))
+                        rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     out = model(np.zeros((2, 16, 16, 3), np.float32))
     assert [o.shape for o in out] == [(2, 3), (2, 5)] and all(np.all(np.isfinite(o)) for o in out)
     with pytest.raises(ConfigError, match="model.pool"):
-        build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3,), pool="max")), rngs=nnx.Rngs(0))
+        build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3,), pool="max")), rngs=nnx.Rngs(0),
+                    kernels=ops.resolve("auto"))

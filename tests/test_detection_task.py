@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrat import ops
 from jaxrat.config import load_config
 from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
@@ -144,7 +145,7 @@ def _tiny_detr(backbone="cnn", focal=False, **extra):
     cfg = dict(name="detr", backbone=backbone, cnn_widths=(8, 16), hidden_dim=16, num_queries=10, decoder_layers=3,
                decoder_heads=2, ffn_dim=32, num_classes=4, focal=focal, **extra,
                rat=dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, sga_kernel_size=3, proj_kernel_size=3))
-    return build_model(mlc.ConfigDict(cfg), rngs=nnx.Rngs(0))
+    return build_model(mlc.ConfigDict(cfg), rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
 
 
 @pytest.mark.parametrize("backbone,focal,extra", [("cnn", False, {}), ("cnn", True, {"box_refine": True}),

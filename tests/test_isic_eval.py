@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 from PIL import Image
 
+from jaxrat import ops
 from jaxrat.config import load_config
 from jaxrat.data import pipeline
 from jaxrat.data.pipeline import ExampleSource
@@ -201,7 +202,7 @@ def test_rat_predicts_every_pyramid_level_and_level_0_is_its_output():
     from jaxrat.models import build_model
 
     config = load_config(f"{REPO}/configs/isic_multiscale.py:smoke")
-    model = build_model(config.model, rngs=nnx.Rngs(0))
+    model = build_model(config.model, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     model.eval()
     images = jnp.array(np.random.default_rng(0).normal(size=(1, 16, 16, 3)).astype(np.float32))
     levels, full = nnx.jit(lambda m, x: (m(x, all_levels=True), m(x)))(model, images)  # one compile
@@ -215,7 +216,7 @@ def test_multiscale_loss_needs_a_multiscale_model():
     config = load_config(f"{REPO}/configs/isic.py:smoke")  # a U-Net: one level
     config.task.multiscale_loss = True
     task = segmentation.SegmentationTask(config)
-    model = build_model(config.model, rngs=nnx.Rngs(0))
+    model = build_model(config.model, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     batch = {"image": jnp.zeros((1, 16, 16, 3)), "mask": jnp.zeros((1, 16, 16, 1))}
     with pytest.raises(ConfigError, match="multiscale_loss=True needs a model that predicts several pyramid levels"):
         task.loss(model, batch, jax.random.key(0))

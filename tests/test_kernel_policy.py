@@ -24,7 +24,7 @@ from jaxrat.ops.cpu import SCOPE
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
-from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
+from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, resolve_kernels
 from jaxrat.trainer.step import make_train_step
 from model_configs import TINY_IMAGES, TINY_RAT, mean_square_and_grads, rat_model
 from runner import REPO
@@ -55,9 +55,17 @@ def test_every_rat_option_is_settable_and_a_misspelt_one_is_refused(spec):
 
 
 def test_an_unknown_policy_is_one_sentence():
+    config = load_config("configs/isic.py:smoke")
+    config.model.kernels = "cuda"
     with pytest.raises(ConfigError, match="config.model.kernels: model.kernels must be one of"):
-        build_model(rat_model(num_classes=1, feature_dims=8, num_blocks=1, num_heads=2, kernels="cuda"),
-                    rngs=nnx.Rngs(0))
+        resolve_kernels(config, make_mesh(config.mesh.axes))
+
+
+def test_models_take_a_resolved_policy_only():
+    """Resolving reads the devices, which model code must not do: a name is refused in one sentence."""
+    with pytest.raises(TypeError, match=r"resolve a name once with jaxrat.ops.resolve\('auto'\)"):
+        build_model(rat_model(num_classes=1, feature_dims=8, num_blocks=1, num_heads=2), rngs=nnx.Rngs(0),
+                    kernels="auto")
 
 
 # The cpu form of these models is test_window_attention's too: the same programs, compiled once per run.
@@ -68,7 +76,7 @@ def test_cpu_and_portable_policies_compute_the_same_model(fields):
     x = jax.random.normal(jax.random.key(0), TINY_IMAGES)
 
     def loss_and_grads(kernels):
-        return mean_square_and_grads(build_model(cfg, rngs=nnx.Rngs(0), kernels=kernels), x)
+        return mean_square_and_grads(build_model(cfg, rngs=nnx.Rngs(0), kernels=ops.resolve(kernels)), x)
 
     (l_cpu, g_cpu), (l_port, g_port) = loss_and_grads("cpu"), loss_and_grads("portable")
     np.testing.assert_allclose(l_cpu, l_port, rtol=1e-5)
@@ -117,14 +125,18 @@ def _big_dots(text: str, elements: int = 1 << 18) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention,mr_attention,backward_calls", [
-    ("dense", "global", 4 * 3 + 4),  # a flash-decomposed dense SGA per layer and iteration, one MR call per block
-    ("sparse", "windowed", 4),  # sparse SGA is plain XLA; each block's MR: the windows, or the small grid whole
+@pytest.mark.parametrize("attention,mr_attention,backward_calls,triton_calls", [
+    # a flash-decomposed dense SGA per layer and iteration, one MR call per block
+    ("dense", "global", 4 * 3 + 4, 0),
+    # sparse SGA: three fused Pallas passes forward and three backward per layer and iteration; each
+    # block's MR: the windows, or the small grid whole
+    ("sparse", "windowed", 4, 4 * 3 * 6),
 ])
-def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attention, mr_attention, backward_calls):
+def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attention, mr_attention, backward_calls,
+                                                           triton_calls):
     """The ISIC RAT train step at 256 px with the gpu policy, lowered for CUDA on this CPU machine: every
-    attention a cuDNN call (backward calls counted against the model's attention layers), no while loop
-    from chunking, the large matmuls in bfloat16."""
+    attention a cuDNN call or a fused Pallas (Triton) kernel (counted against the model's attention
+    layers), no while loop from chunking, the large matmuls in bfloat16."""
     from benchmark_scripts import load
 
     fused_attention_calls = load("hlo_calls").fused_attention_calls
@@ -135,6 +147,7 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
         debug_info=True)
     calls = fused_attention_calls(text)
     assert sum(c.backward for c in calls) == backward_calls
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)) == triton_calls
     assert "stablehlo.while" not in text
     assert _big_dots(text) == {"bf16/bf16"}, _big_dots(text)
 
@@ -177,6 +190,9 @@ def test_the_gpu_program_lowers_for_cuda_here_and_holds_no_cpu_kernel():
     gpu_text = step.trace(spec.abstract_with_shardings(), batch).lower(
         lowering_platforms=("cuda",)).as_text(debug_info=True)
     assert SCOPE not in gpu_text and "cuda" in gpu_text.lower()
+    # XLA cannot split a Triton call: on 2 devices the sparse SGA kernels run per device (shard_map),
+    # not on a batch gathered onto each
+    assert "__gpu$xla.gpu.triton" in gpu_text and re.search(r"sdy\.manual_computation|SPMDFullToShardShape", gpu_text)
     spec, step, batch = _isic_step("cpu", 256)
     cpu_text = step.trace(spec.abstract_with_shardings(), batch).lower().as_text(debug_info=True)
     assert SCOPE in cpu_text  # the strided convolutions, the rotation's backward

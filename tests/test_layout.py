@@ -78,3 +78,31 @@ def test_every_room_has_a_layer():
 def test_no_module_is_too_long_to_read():
     long = {name: n for name, path in _modules() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these: {long}"
+
+
+# Inside ops/: the dispatch modules (ops/*.py) choose among the kernel families, which import only down.
+OPS_LAYERS = {"dispatch": 3, "gpu": 2, "cpu": 2, "portable": 1}
+
+
+def _ops_room(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) >= 3 and parts[2] in OPS_LAYERS else "dispatch"
+
+
+def test_ops_kernel_families_import_only_down():
+    bad = []
+    for name, path in _modules():
+        if not name.startswith("jaxrat.ops."):
+            continue
+        for target in _imports(path, name):
+            if target.startswith("jaxrat.ops.") and _ops_room(target) != _ops_room(name):
+                if OPS_LAYERS[_ops_room(target)] >= OPS_LAYERS[_ops_room(name)]:
+                    bad.append(f"{name} imports {target}")
+    assert not bad, "ops imports against its layering:\n" + "\n".join(bad)
+
+
+def test_models_call_only_the_ops_dispatch():
+    """Model code states the math; which kernel computes it is the dispatch's choice."""
+    bad = [f"{name} imports {target}" for name, path in _modules() if name.startswith("jaxrat.models")
+           for target in _imports(path, name) if target.startswith("jaxrat.ops.") and _ops_room(target) != "dispatch"]
+    assert not bad, "\n".join(bad)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models import available_models, build_model
 from jaxrat.models.rat import RATConfig, ResolutionAwareTransformer
 from jaxrat.runtime.errors import ConfigError
@@ -17,7 +18,7 @@ TINY = dict(feature_dims=16, num_blocks=2, num_heads=2, iters=1, decoder_dim=8)
 
 
 def build(**fields):
-    return build_model(rat_model(num_classes=2, **(TINY | fields)), rngs=nnx.Rngs(0))
+    return build_model(rat_model(num_classes=2, **(TINY | fields)), rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
 
 
 _forward = nnx.jit(lambda m, x: m(x))
@@ -63,7 +64,7 @@ def test_dropout_follows_train_and_eval():
 
 def test_bfloat16_compute_keeps_float32_params():
     cfg = rat_model(num_classes=1, **TINY)
-    model = build_model(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = build_model(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
     model.eval()
     y = forward(model, jnp.ones((1, 18, 18, 3)))
@@ -109,7 +110,7 @@ def test_bad_config_is_a_config_error():
     cfg = rat_model(num_classes=1, **TINY)
     cfg.rat.mr_atention = "windowed"
     with pytest.raises(ConfigError, match="did you mean mr_attention"):
-        build_model(cfg, rngs=nnx.Rngs(0))
+        build_model(cfg, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
 
 
 def test_mixed_attention_layout():
@@ -121,7 +122,7 @@ def test_mixed_attention_layout():
 
 def test_backbone_outputs_per_scale_with_maps_and_leading_tokens():
     model = ResolutionAwareTransformer(input_features=1, feature_dims=16, num_blocks=2, num_heads=2, iters=1,
-                                       leading_tokens=3, rngs=nnx.Rngs(0))
+                                       leading_tokens=3, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     xs = [jnp.ones((2, 20, 20, 1)), jnp.ones((2, 10, 10, 1))]
     run = nnx.jit(lambda m, xs, mask: m(xs, input_spacing=[(1.0, 1.0), (2.0, 2.0)], mask=[mask, None],
                                           return_maps=True, return_features=True))
@@ -139,7 +140,7 @@ def test_backbone_outputs_per_scale_with_maps_and_leading_tokens():
 
 def test_masked_pixels_are_replaced():
     model = ResolutionAwareTransformer(input_features=1, feature_dims=16, num_blocks=1, num_heads=2, iters=1,
-                                       rngs=nnx.Rngs(0))
+                                       rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 12, 12, 1))
     mask = jnp.zeros((1, 12, 12)).at[0, 0, 0].set(1.0)
     run = nnx.jit(lambda m, x, mask: m(x, mask=mask)[0].tokens)
@@ -162,7 +163,7 @@ def test_isic_configs_build_rat(path):
     for variant in variants:
         cfg = mod.get_config(variant)
         assert cfg.model.name == "rat"
-        model = nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: build_model(cfg.model, rngs=nnx.Rngs(0), kernels=ops.resolve("auto")))
         assert model.backbone.num_blocks == cfg.model.rat.num_blocks
         if path.endswith("multiscale.py"):
             levels, spacings = model.backbone.pyramid(jnp.zeros((1, 256, 256, 3)))

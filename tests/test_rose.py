@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models.rat.rose import RotarySpatialEmbedding
 from jaxrat.ops.cpu import rotate as cpu_rotate
 
@@ -16,7 +17,7 @@ def make(mode, **kw):
     args = dict(feature_dims=16, num_heads=2, spatial_dims=2, rotary_ratio=1.0, learnable_scale=True,
                 initial_scaling=mode)
     args.update(kw)
-    return RotarySpatialEmbedding(**args, rngs=nnx.Rngs(0))
+    return RotarySpatialEmbedding(**args, rngs=nnx.Rngs(0), kernels=ops.PORTABLE)
 
 
 @pytest.mark.parametrize(

@@ -212,6 +212,22 @@ def test_sparse_update_custom_vjp_matches_autodiff(grid, kernel, stride, normali
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_sparse_values_may_be_wider_than_the_keys():
+    """The update has the values' width, whatever the queries' and keys' head dim."""
+    grid, kernel, stride = (11, 9), (7, 7), (3, 3)
+    geom = Geometry(grid, kernel, stride)
+    n_out, n_in = int(np.prod(strided_grid(grid, kernel, stride))), int(np.prod(grid))
+    q, k, _, _ = _qkv((2, 3, n_out, 4), (2, 3, n_in, 4), seed=5)
+    v = jax.random.normal(jax.random.PRNGKey(6), (2, 3, n_in, 6))
+    plain = sparse_grouping(q, k, v, grid, kernel, stride)[0]
+    custom = sparse_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom)
+    assert plain.shape == custom.shape == (2, 3, n_out, 6)
+    np.testing.assert_allclose(custom, plain, rtol=1e-5, atol=1e-6)
+    # each value channel is its own weighted sum: the first four match values of width four
+    np.testing.assert_allclose(plain[..., :4], sparse_grouping(q, k, v[..., :4], grid, kernel, stride)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_sparse_iterations_do_not_keep_their_maps_for_the_backward():
     # Each grouping iteration's backward recomputes its logit-sized maps; if XLA merged that
     # with the forward (CSE) or hoisted it, every iteration's maps would stay alive at once:

@@ -43,6 +43,28 @@ def test_a_fusion_is_charged_to_its_dot(sp):
     assert sp.module_name(text) == "jit_step"
 
 
+def test_a_computation_whose_types_hold_an_equals_sign_is_still_a_computation(sp):
+    """A header such as "%fused (...) -> (f32[2], ..., /*index=5*/f32[2]) {" (six or more outputs) once
+    read as an instruction, so the fusion found no body and took its own op_name instead of its dot's."""
+    text = "\n".join([
+        "HloModule m",
+        "%before (p: f32[2]) -> f32[2] {",
+        '  ROOT %neg = f32[2]{0} negate(%p), metadata={op_name="jit(step)/optimizer/neg"}',
+        "}",
+        "%fused (a: f32[2,2]) -> (f32[2], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2]) {",
+        '  %d = f32[2]{0} dot(%a, %a), lhs_contracting_dims={1}, metadata={op_name="jit(step)/jvp(sga)/dot_general"}',
+        "  ROOT %t = (f32[2], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2]) tuple(%d, %d, %d, %d, %d, %d)",
+        "}",
+        "ENTRY %main (x: f32[2,2]) -> (f32[2], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2]) {",
+        "  %x = f32[2,2]{1,0} parameter(0)",
+        "  ROOT %f = (f32[2], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2]) fusion(%x), kind=kOutput, "
+        'calls=%fused, metadata={op_name="jit(step)/optimizer/add"}',
+        "}",
+    ])
+    charged, _ = sp.instruction_scopes(text)
+    assert sp.bucket_of(charged["f"]) == "sga"
+
+
 def test_real_step_time_lands_in_every_component(sp, tmp_path):
     """A tiny RAT in the real ISIC train step: if a named scope went missing, its bucket would be empty."""
     config = sp.isic_config("configs/isic.py", 32, jax.device_count(), "dense")

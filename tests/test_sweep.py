@@ -61,10 +61,18 @@ def test_malformed_sweeps_fail_with_a_sentence(raw, needle):
 def test_the_ablation_study_covers_five_axes_with_real_keys(arg):
     variants = sweep.load_sweep(f"configs/ablations.py{arg}")  # checks every key and value type
     keys = {o.partition("=")[0].removeprefix("--config.") for v in variants for o in v.overrides}
-    assert keys == {"model.rat.positional_encoding", "model.rat.attention", "model.rat.mr_attention",
-                    "model.rat.scales", "model.rat.num_blocks", "model.rat.feature_dims"}
+    baselines = {"": ["unet", "transunet", "swin_unet"], ":demo": ["transunet", "swin_unet"], ":smoke": []}[arg]
+    rat_keys = {"model.rat.positional_encoding", "model.rat.attention", "model.rat.mr_attention",
+                "model.rat.scales", "model.rat.num_blocks", "model.rat.feature_dims"}
+    assert keys == rat_keys | ({"--config"} if baselines else set())
     assert variants[0] == sweep.Variant("baseline", ())
-    assert len({v.name for v in variants}) == len(variants) == 12
+    assert len({v.name for v in variants}) == len(variants) == 12 + len(baselines)
+    # the study's other models train their own configs/isic.py variant, with the same data and schedule
+    suffix = "_demo" if arg == ":demo" else ""
+    for v in variants[12:]:
+        config, rest = sweep.own_config(f"configs/ablations.py{arg}", v.overrides)
+        assert config.endswith(f"configs/isic.py:{v.name}{suffix}") and rest == []
+        assert load_config(config).model.name == v.name
 
 
 @pytest.mark.parametrize("arg", ["", ":demo"])
@@ -73,7 +81,7 @@ def test_every_ablation_variant_changes_its_base(arg):
     # silently train the baseline twice under another name.
     base = flatten(load_config(f"configs/ablations.py{arg}"))
     assert base["model.rat.attention"] == "dense"  # the study's base is the reference's SGA
-    for v in sweep.load_sweep(f"configs/ablations.py{arg}")[1:]:
+    for v in sweep.load_sweep(f"configs/ablations.py{arg}")[1:12]:  # the RAT's variants, not the baselines
         pairs = [o.removeprefix("--config.").split("=", 1) for o in v.overrides]
         assert any(str(base[k]).replace(" ", "") != val.replace(" ", "") for k, val in pairs), v
 
@@ -372,3 +380,26 @@ def test_a_rerun_waits_for_the_run_still_stopping_in_its_workdir(tmp_path, capsy
     t0 = time.monotonic()
     wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)  # its holder is gone: the run takes over
     assert time.monotonic() - t0 < 1
+
+
+def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_path, capsys):
+    """The study's baselines (configs/ablations.py's transunet, swin_unet) train their own configs/isic.py
+    variant: the command names that file once, the target step count is its own, and a job array's
+    element runs it."""
+    from jaxrat import sweep as cli
+
+    cmd = sweep.train_command("configs/ablations.py:demo", "/w",
+                              ["--config=configs/isic.py:transunet_demo", "--config.seed=1"], python="py")
+    assert cmd == ["py", "-m", "jaxrat.main", "--config=configs/isic.py:transunet_demo", "--workdir=/w",
+                   "--config.seed=1"]
+    assert sweep.target_steps("configs/ablations.py:smoke", ["--config=configs/isic.py:transunet_demo"]) == 400
+    assert sweep.target_steps("configs/ablations.py:smoke", []) == 6
+    root = tmp_path / "root"
+    argv = ["--config", "configs/ablations.py:demo", "--root", str(root), "--slurm", "--dry-run", "--only",
+            "baseline,swin_unet", "--time", "00:20:00"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    isic = os.path.join(REPO, "configs", "isic.py")
+    assert "  0) VARIANT=baseline; VARIANT_CONFIG=configs/ablations.py:demo; VARIANT_ARGS=() ;;" in out
+    assert f"VARIANT=swin_unet; VARIANT_CONFIG={isic}:swin_unet_demo; VARIANT_ARGS=() ;;" in out
+    assert 'CONFIG="$VARIANT_CONFIG"' in out and '--config="$CONFIG"' in out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models.rat import ResolutionAwareTransformer
 from jaxrat.models.torch_import import convert_state_dict, load_params_npz, main, read_state_dict
 
@@ -32,7 +33,7 @@ def torch_layout(model) -> dict[str, np.ndarray]:
 
 
 def test_state_dict_keys_follow_the_reference_names():
-    keys = set(torch_layout(ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(0))))
+    keys = set(torch_layout(ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))))
     expected = {"init_proj.weight", "init_proj.bias", "sga_layers.0.strider.weight", "sga_layers.0.kv.weight",
                 "sga_layers.0.q.bias", "sga_layers.0.temp", "sga_layers.0.mask_embedding", "sga_layers.0.rose.freqs",
                 "sga_layers.0.rose.scale_a", "sga_layers.0.norm3.weight", "sga_layers.0.mlp.fc1.weight",
@@ -42,8 +43,8 @@ def test_state_dict_keys_follow_the_reference_names():
 
 
 def test_round_trip_through_torch_layout():
-    source = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(1))
-    target = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(2))
+    source = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(1), kernels=ops.resolve("auto"))
+    target = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(2), kernels=ops.resolve("auto"))
     converted = convert_state_dict(torch_layout(source), target)
     want = nnx.to_pure_dict(nnx.state(source, nnx.Param))
     for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(want)):
@@ -52,7 +53,7 @@ def test_round_trip_through_torch_layout():
 
 
 def test_mismatched_state_dicts_are_rejected():
-    model = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(0))
+    model = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     sd = torch_layout(model)
     with pytest.raises(ValueError, match="missing"):
         convert_state_dict({k: v for k, v in sd.items() if k != "init_proj.bias"}, model)
@@ -82,7 +83,7 @@ def test_cli_with_reference_checkpoint(tmp_path):
     assert main(["--state-dict", str(tmp_path / "rat.pt"), "--config", str(tmp_path / "rat.json"),
                  "--out", str(tmp_path / "rat.npz"), "--prefix", "backbone."]) == 0
 
-    flax_model = ResolutionAwareTransformer(**cfg, reference_compat=True, rngs=nnx.Rngs(5))
+    flax_model = ResolutionAwareTransformer(**cfg, reference_compat=True, rngs=nnx.Rngs(5), kernels=ops.resolve("auto"))
     ours = load_params_npz(flax_model, tmp_path / "rat.npz")
     x = np.random.default_rng(0).standard_normal((1, 2, 15, 15)).astype(np.float32)
     with torch.no_grad():

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrat import ops
 from jaxrat.config import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
@@ -114,6 +115,6 @@ def test_unet_variant_builds_the_baseline_on_the_isic_settings():
     rat, unet = load_config("configs/isic.py"), load_config("configs/isic.py:unet")
     assert unet.model.name == "unet" and rat.model.name == "rat"
     assert (unet.data.to_dict(), unet.num_train_steps) == (rat.data.to_dict(), rat.num_train_steps)
-    model = build_model(unet.model, rngs=nnx.Rngs(0))
+    model = build_model(unet.model, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     out = model(np.zeros((1, 32, 32, 3), np.float32))
     assert out.shape == (1, 32, 32, 1)

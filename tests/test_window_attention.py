@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models import build_model
 from jaxrat.ops.portable.chunked_attention import softmax_attention
 from jaxrat.ops.portable.windowed_attention import multires_attention
@@ -16,7 +17,7 @@ from model_configs import TINY_IMAGES, TINY_RAT, mean_square_and_grads, rat_mode
 
 
 def build(**fields):
-    return build_model(rat_model(num_classes=1, **(TINY_RAT | fields)), rngs=nnx.Rngs(0))
+    return build_model(rat_model(num_classes=1, **(TINY_RAT | fields)), rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
 
 
 def _allowed(segments, window):

@@ -220,6 +220,23 @@ def _load_arrays(spec: str, abstract_params: Any, want: dict[str, Any], select: 
     return jax.tree_util.tree_map_with_path(put, sub)
 
 
+def place_arrays(arrays: dict[str, Any], abstract_params: Any, *, include: str = "", exclude: str = "",
+                 where: str = "") -> Any:
+    """Parameters (by path) from outside a jaxrat run, e.g. converted pretrained weights, as the
+    subtree of ``abstract_params`` they fill, on its shardings; ``include``/``exclude`` as in
+    :func:`load_init`. Parameters they do not fill keep their fresh values (:func:`merge_params`)."""
+    want = named_leaves(abstract_params)
+    chosen = _choose(want, {k: tuple(v.shape) for k, v in arrays.items()}, _selector(include, exclude), where,
+                     strict=False)
+    sub = _subtree(abstract_params, chosen)
+
+    def put(path: tuple, leaf: Any) -> Any:
+        value = arrays[path_name(path)].astype(leaf.dtype)
+        return jax.device_put(value, leaf.sharding) if getattr(leaf, "sharding", None) is not None else value
+
+    return jax.tree_util.tree_map_with_path(put, sub)
+
+
 def restart_schedules(opt_state: Any) -> tuple[Any, list[str]]:
     """Set every schedule step count of an optax state to 0; returns (state, names of the counts reset).
 

@@ -159,13 +159,22 @@ def index_ranges(indices: tuple[int, ...], offset: int = 0) -> str:
     return ",".join(out)
 
 
+def _own_configs(spec: JobSpec) -> bool:
+    """Whether an array element trains its own config file (an override ``--config=FILE``)."""
+    return any(a.startswith("--config=") for _, args in spec.array for a in args)
+
+
 def _array_block(spec: JobSpec, scheduler: str) -> str:
     """Shell lines that pick this element's variant name and overrides by the array index."""
     index, offset = ("SLURM_ARRAY_TASK_ID", 0) if scheduler == "slurm" else ("LSB_JOBINDEX", 1)
-    cases = "".join(
-        f"  {i + offset}) VARIANT={name}; VARIANT_ARGS=({' '.join(shlex.quote(a) for a in args)}) ;;\n"
-        for i, (name, args) in enumerate(spec.array)
-    )
+    def case(i: int, name: str, args: tuple[str, ...]) -> str:
+        # A variant may train its own config file (an item --config=FILE[:ARG]; the last one counts).
+        files = [a.partition("=")[2] for a in args if a.startswith("--config=")]
+        rest = [a for a in args if not a.startswith("--config=")]
+        config = f"VARIANT_CONFIG={_q(files[-1] if files else spec.config)}; " if _own_configs(spec) else ""
+        return f"  {i + offset}) VARIANT={name}; {config}VARIANT_ARGS=({' '.join(shlex.quote(a) for a in rest)}) ;;\n"
+
+    cases = "".join(case(i, name, args) for i, (name, args) in enumerate(spec.array))
     return (
         f"# A job array: element ${index} runs one variant, in its own workdir under the sweep's root.\n"
         f'case "${{{index}:-}}" in\n{cases}'
@@ -219,7 +228,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "workdir": f'{workdir}/"$VARIANT"' if spec.array else workdir,
         "signal_lead": str(spec.signal_lead),
         "signal_lead_min": str(max(1, spec.signal_lead // 60)),
-        "config": _q(spec.config),
+        "config": '"$VARIANT_CONFIG"' if spec.array and _own_configs(spec) else _q(spec.config),
         "python": _q(spec.python),
         "cache_dir": _q(spec.cache_dir) if spec.cache_dir else '"$(dirname "$WORKDIR")/jax_cache"',
         "setup": "".join(f"{line}\n" for line in spec.setup),

@@ -108,6 +108,8 @@ def base_config() -> mlc.ConfigDict:
     # sharded like the parameters and checkpointed; evaluation, best checkpoints and early stopping
     # then use it (eval/*), the raw parameters are logged as eval_raw/* (docs/experiments.md).
     c.optimizer.ema_decay = 0.0
+    # Layer-wise learning-rate decay (BEiT fine-tuning), 0 = off: jaxrat.trainer.optimizer.layer_scales.
+    c.optimizer.layer_decay = 0.0
     # Warm the decay up as min(ema_decay, (1 + t) / (10 + t)) at update t, so that the average of a
     # short or young run is not dominated by the random initialisation.
     c.optimizer.ema_warmup = True

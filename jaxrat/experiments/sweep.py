@@ -55,6 +55,8 @@ class Variant:
 def _override(item: Any, where: str) -> str:
     if not isinstance(item, str):
         raise ConfigError(f"{where}: {item!r} is not an override; write '--config.key=value' strings.")
+    if item.startswith("--config=") and len(item) > len("--config="):
+        return item  # the variant trains another config file (a baseline beside the study's model)
     text = item if item.startswith("--") else f"--config.{item}"
     if not _OVERRIDE.match(text):
         raise ConfigError(f"{where}: {item!r} is not an override; write '--config.key=value', e.g. "
@@ -170,6 +172,7 @@ def replicate(variants: list[Variant], root: str, *, folds: int = 0, seeds: int 
 
 def target_steps(config: str, overrides: Sequence[str]) -> int:
     """``num_train_steps`` of ``config`` after ``overrides`` (the last one naming it wins)."""
+    config, overrides = own_config(config, overrides)
     for o in reversed(overrides):
         if o.startswith("--config.num_train_steps="):
             return int(o.partition("=")[2])
@@ -178,8 +181,18 @@ def target_steps(config: str, overrides: Sequence[str]) -> int:
 
 # ------------------------------------------------------------------------------------ running
 
+def own_config(config: str, overrides: Sequence[str]) -> tuple[str, list[str]]:
+    """(the config file a variant trains, its ``--config.key=value`` overrides): a variant whose
+    overrides hold ``--config=FILE[:ARG]`` (e.g. a baseline model of the study) trains that file
+    (the last such item), every other variant ``config``."""
+    rest = [o for o in overrides if not o.startswith("--config=")]
+    chosen = [o.partition("=")[2] for o in overrides if o.startswith("--config=")]
+    return (chosen[-1] if chosen else config), rest
+
+
 def train_command(config: str, workdir: str, overrides: Sequence[str], python: str = sys.executable) -> list[str]:
-    """The ``python -m jaxrat.main`` command line of one variant."""
+    """The ``python -m jaxrat.main`` command line of one variant (see :func:`own_config`)."""
+    config, overrides = own_config(config, overrides)
     return [python, "-m", "jaxrat.main", f"--config={config}", f"--workdir={workdir}", *overrides]
 
 

@@ -16,7 +16,6 @@ others: the one level). Models may switch dropout etc. via ``model.train()``/``m
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -28,7 +27,8 @@ ModelFactory = Callable[..., nnx.Module]
 _REGISTRY: dict[str, ModelFactory] = {}
 # Modules imported lazily on first lookup so importing jaxrat.models stays cheap.
 _BUILTIN_MODULES = ("jaxrat.models.unet", "jaxrat.models.rat.segmenter", "jaxrat.models.classifier",
-                    "jaxrat.models.detr")
+                    "jaxrat.models.detr", "jaxrat.models.backbone_classifier", "jaxrat.models.transunet",
+                    "jaxrat.models.swin_unet")
 
 
 def register(name: str) -> Callable[[ModelFactory], ModelFactory]:
@@ -58,34 +58,29 @@ def available_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_model(model_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+def build_model(model_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
     """Build the model named ``model_config.name`` with the remaining fields as kwargs.
 
-    ``kernels``: the kernel policy (a resolved :class:`jaxrat.ops.KernelPolicy` or its name); None
-    takes ``model_config.kernels`` (default "auto", resolved from ``jax.devices()``).
+    ``kernels``: the run's resolved :class:`jaxrat.ops.KernelPolicy` (``model_config.kernels`` is
+    the name it was resolved from, once, by whoever builds the run). Every registered factory takes it.
     """
     from jaxrat import ops
 
     _load_builtins()
     cfg = dict(model_config)
     name = cfg.pop("name", None)
-    configured = cfg.pop("kernels", "auto")
-    try:
-        policy = ops.resolve(configured if kernels is None else kernels)
-    except ValueError as e:
-        raise ConfigError(f"config.model.kernels: {e}.") from None
+    cfg.pop("kernels", None)
+    policy = ops.policy.require(kernels)
     if name not in _REGISTRY:
         raise ConfigError(
             f"Unknown model {name!r} in config.model.name; choose one of {available_models()}."
         )
     try:
-        factory = _REGISTRY[name]
-        # A factory registered without a kernels argument (a user's own model) builds as it always did.
-        params = inspect.signature(factory).parameters
-        takes = "kernels" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        extra = {"kernels": policy} if takes else {}
-        return factory(**cfg, dtype=dtype, rngs=rngs, **extra)
+        return _REGISTRY[name](**cfg, dtype=dtype, rngs=rngs, kernels=policy)
     except TypeError as e:
+        if "unexpected keyword" in str(e) and "'kernels'" in str(e):
+            raise ConfigError(f"model {name!r} is registered with a factory that takes no kernels argument; "
+                              f"add `kernels: jaxrat.ops.KernelPolicy` to it (it may ignore it).") from None
         if "unexpected keyword" in str(e):
             raise ConfigError(f"config.model has a field model {name!r} does not accept: {e}.") from None
         raise

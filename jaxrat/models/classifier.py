@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models import register
 from jaxrat.models.rat.segmenter import rat_from_config
 from jaxrat.models.unet import ConvBlock
@@ -40,7 +41,7 @@ class CNNClassifier(nnx.Module):
     """
 
     def __init__(self, *, num_classes: Sequence[int], features: Sequence[int] = (32, 64, 128), in_channels: int = 3,
-                 dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: Any = None) -> None:
+                 dtype: Any = jnp.float32, rngs: nnx.Rngs, kernels: ops.KernelPolicy) -> None:
         del kernels  # plain XLA convolutions whatever the kernel policy
         widths = [in_channels, *features]
         self.blocks = nnx.List([ConvBlock(a, b, dtype=dtype, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
@@ -72,7 +73,7 @@ class RATClassifier(nnx.Module):
       kernels: the kernel policy (:mod:`jaxrat.ops.policy`).
     """
 
-    def __init__(self, *, rat: Any = None, num_classes: Sequence[int], pool: str = "mean", kernels: Any = "auto",
+    def __init__(self, *, rat: Any = None, num_classes: Sequence[int], pool: str = "mean", kernels: ops.KernelPolicy,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if pool not in POOLS:
             raise ConfigError(f"model.pool must be one of {POOLS}, got {pool!r}.")

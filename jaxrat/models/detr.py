@@ -91,7 +91,7 @@ class Attention(nnx.Module):
     """Multi-head attention with separate query, key and value inputs and a key padding mask."""
 
     def __init__(self, dim: int, num_heads: int, *, dtype: Any, rngs: nnx.Rngs, init: str = "xavier",
-                 kernels: ops.KernelPolicy = ops.PORTABLE) -> None:
+                 kernels: ops.KernelPolicy) -> None:
         if dim % num_heads:
             raise ConfigError(f"model.hidden_dim={dim} must divide by model.decoder_heads={num_heads}.")
         self.num_heads = num_heads
@@ -113,7 +113,7 @@ class DecoderLayer(nnx.Module):
     """DETR's post-norm layer: query self-attention, cross-attention over the memory, FFN."""
 
     def __init__(self, dim: int, num_heads: int, ffn_dim: int, dropout: float, *, dtype: Any, rngs: nnx.Rngs,
-                 kernels: ops.KernelPolicy = ops.PORTABLE) -> None:
+                 kernels: ops.KernelPolicy) -> None:
         self.self_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs, kernels=kernels)
         self.cross_attn = Attention(dim, num_heads, dtype=dtype, rngs=rngs, kernels=kernels)
         self.fc1 = linear(dim, ffn_dim, dtype=dtype, rngs=rngs, init="xavier")
@@ -183,9 +183,8 @@ class DETR(nnx.Module):
                  cnn_widths: Sequence[int] = (32, 64, 128), hidden_dim: int = 128, num_queries: int = 100,
                  decoder_layers: int = 6, decoder_heads: int = 8, ffn_dim: int = 512, dropout: float = 0.0,
                  feature_levels: Optional[Sequence[int]] = None, focal: bool = False, box_refine: bool = False,
-                 query_level: Optional[int] = None, head: str = "detr", kernels: Any = "auto",
+                 query_level: Optional[int] = None, head: str = "detr", kernels: ops.KernelPolicy,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
-        kernels = ops.resolve(kernels)
         if backbone not in BACKBONES:
             raise ConfigError(f"model.backbone must be one of {BACKBONES}, got {backbone!r}.")
         if head not in HEADS:

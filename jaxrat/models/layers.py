@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,12 +62,12 @@ def conv(
     padding: Any = "SAME",
     dtype: Dtype,
     rngs: nnx.Rngs,
-    kernels: Optional[ops.KernelPolicy] = None,
+    kernels: ops.KernelPolicy,
 ) -> nnx.Conv:
     """Channels-last convolution with PyTorch's default init (the reference's convs keep it).
 
     ``kernels``: the policy whose convolution form to take (:func:`jaxrat.ops.conv.
-    conv_general_dilated`; same parameters, same values up to rounding); None: XLA's.
+    conv_general_dilated`; same parameters, same values up to rounding).
     """
     fan_in = din * int(math.prod(kernel_size))
     form = conv_general_dilated(kernels)
@@ -90,7 +90,7 @@ class Mlp(nnx.Module):
     """
 
     def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype,
-                 rngs: nnx.Rngs, kernels: ops.KernelPolicy = ops.PORTABLE) -> None:
+                 rngs: nnx.Rngs, kernels: ops.KernelPolicy) -> None:
         self.fc1 = linear(dim, hidden, use_bias=bias, dtype=dtype, rngs=rngs)
         self.fc2 = linear(hidden, dim, use_bias=bias, dtype=dtype, rngs=rngs)
         self.drop1 = nnx.Dropout(dropout, rngs=rngs)

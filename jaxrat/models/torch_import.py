@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models.rat.backbone import ResolutionAwareTransformer
 
 # Reference constructor arguments that have no counterpart here or must keep their default.
@@ -155,10 +156,11 @@ def load_reference_backbone(
 
     ``overrides`` are extra fields of the Flax backbone (:class:`jaxrat.models.rat.RATConfig`),
     typically ``reference_compat=True`` to reproduce the reference's outputs exactly. ``kernels``
-    is the kernel policy: "auto" (from this process's devices), "cpu", "gpu" or "portable".
+    is the kernel policy or its name, resolved here (this builds a model for a caller, like a run
+    does): "auto" (from this process's devices), "cpu", "gpu" or "portable".
     """
     kwargs = _backbone_kwargs(config) | overrides
-    model = ResolutionAwareTransformer(**kwargs, kernels=kernels, dtype=dtype, rngs=nnx.Rngs(0))
+    model = ResolutionAwareTransformer(**kwargs, kernels=ops.resolve(kernels), dtype=dtype, rngs=nnx.Rngs(0))
     params = convert_state_dict(read_state_dict(source, prefix), model, strict=strict)
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jnp.asarray, params))

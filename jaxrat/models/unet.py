@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrat import ops
 from jaxrat.models import register
 
 
@@ -88,6 +89,8 @@ def unet(
     *,
     dtype: Any = jnp.float32,
     rngs: nnx.Rngs,
+    kernels: ops.KernelPolicy,
 ) -> UNet:
     """Registry entry for :class:`UNet` (plain XLA convolutions, whatever the kernel policy)."""
+    del kernels
     return UNet(features, in_channels, num_classes, dtype=dtype, rngs=rngs)

@@ -2,6 +2,8 @@
 
 * :func:`grouping_attention`: dense SGA's update ``(P / (colsum(P) + eps)) @ V`` with
   ``P = softmax(q k^T)`` over the keys.
+* :func:`sparse_grouping_attention`: the same with each group's keys limited to the window its
+  strided convolution covers (:class:`Window`); :func:`sparse_grouping_maps` its maps.
 * :func:`softmax_attention`: plain attention ``softmax(q k^T) @ V`` (queries scaled beforehand).
 * :func:`multires_attention`: the multi-resolution block's joint attention over all scales, global
   or windowed (:mod:`jaxrat.ops.portable.windowed_attention`).
@@ -9,7 +11,8 @@
 
 The ``cpu`` and ``portable`` forms are the memory-bounded chunked kernels of
 :mod:`jaxrat.ops.portable.chunked_attention` (the cpu form with the CPU's block and slice batching). The
-``gpu`` form is fused attention (:mod:`jaxrat.ops.gpu`: cuDNN, dense SGA as its flash
+``gpu`` form is fused: sparse SGA as Pallas (Triton) kernels that keep the window's logits on
+chip (:mod:`jaxrat.ops.gpu.sparse_sga`, run per device under a mesh), the rest cuDNN (dense SGA as its flash
 decomposition) wherever cuDNN takes the call (bfloat16/float16, head dims up to 128); a call it
 refuses (float32 compute) takes the portable chunked kernel, which is memory-bounded at any
 resolution, where the fused module's own fallback (materialised logits) would not be.
@@ -24,12 +27,16 @@ import jax.numpy as jnp
 
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable import chunked_attention as chunked
+from jaxrat.ops.portable import sparse_sga as sparse
 from jaxrat.ops.portable.chunked_attention import EPS
+from jaxrat.ops.portable.sparse_sga import Geometry as Window
+from jaxrat.ops.portable.sparse_sga import strided_grid as window_grid
 from jaxrat.ops.portable.windowed_attention import multires_attention as _windowed
 
 Array = jax.Array
-__all__ = ["EPS", "grouping_attention", "softmax_attention", "multires_attention", "masked_attention",
-           "grouping_maps", "grouping_attention_reference"]
+__all__ = ["EPS", "Window", "grouping_attention", "grouping_attention_reference", "grouping_maps",
+           "masked_attention", "multires_attention", "softmax_attention", "sparse_grouping_attention",
+           "sparse_grouping_maps", "window_grid"]
 
 
 def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Array:
@@ -52,14 +59,51 @@ def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array) -> bool:
     return why_not("cudnn", q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.dtype) is None
 
 
-def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
+def _scaled(x: Array, scale: Optional[Array]) -> Array:
+    return x if scale is None else x * scale.astype(x.dtype)
+
+
+def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE, *,
+                       key_scale: Optional[Array] = None) -> Array:
     """Dense SGA update: q (..., N_out, dh) groups, k (..., N_in, dh), v (..., N_in, dv) ->
-    (..., N_out, dv); logits ``q @ k^T`` unscaled."""
+    (..., N_out, dv); logits ``q @ (key_scale k)^T``."""
+    k = _scaled(k, key_scale)
     if _fused(policy, q, k, v):
         from jaxrat.ops.gpu import dense_sga
 
         return dense_sga(q, k, v, implementation="cudnn")
     return _chunked(chunked.grouping_attention, q, k, v, policy)
+
+
+def sparse_grouping_attention(q: Array, k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE, *,
+                              key_scale: Optional[Array] = None, normalise_columns: bool = True) -> Array:
+    """Sparse SGA update: group o of q (B, H, N_out, dh) attends to the keys k (B, H, N_in, dh) and
+    values v (B, H, N_in, dv) of its ``window`` only; logits ``q . (key_scale k)``, probabilities over
+    the window's taps, then divided by each key's total over the windows holding it (unless
+    ``normalise_columns`` is off). Returns (B, H, N_out, dv)."""
+    # The scale goes on the queries (as many as the keys / stride^2): the same logits, and the
+    # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
+    q = _scaled(q, key_scale)
+    if policy.gpu:
+        from jaxrat.ops.gpu import per_device
+        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
+
+        if gpu_sparse.supports(window, q.shape, q.dtype) is None:
+            fused = lambda q, k, v: gpu_sparse.sparse_update(q, k, v, window, normalise_columns)
+            return per_device.over_batch(fused, q, k, v)
+    # Blocked once per call; the identical blocking of every SGA iteration is one computation after CSE.
+    return sparse.sparse_update(q, sparse.sparse_blocks(k, window), sparse.sparse_blocks(v, window), window,
+                                normalise_columns)
+
+
+def sparse_grouping_maps(q: Array, k: Array, window: Window, *,
+                         key_scale: Optional[Array] = None) -> tuple[Array, Array]:
+    """Materialised (A_q, A_k) of :func:`sparse_grouping_attention`, dense (B, H, N_out, N_in), for
+    returning grouping maps only."""
+    q = _scaled(q, key_scale)
+    _, a_q, a_k = sparse.sparse_grouping(q, k, k, window.grid, window.kernel, window.stride)
+    idx, ok = sparse.window_indices(window.grid, window.kernel, window.stride)
+    return tuple(sparse.scatter_window_map(a, idx, ok, k.shape[-2]) for a in (a_q, a_k))
 
 
 def softmax_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
@@ -107,8 +151,9 @@ def masked_attention(q: Array, k: Array, v: Array, key_ok: Optional[Array] = Non
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def grouping_maps(q: Array, k: Array) -> tuple[Array, Array]:
+def grouping_maps(q: Array, k: Array, *, key_scale: Optional[Array] = None) -> tuple[Array, Array]:
     """Materialised (A_q, A_k) of shape (..., N_out, N_in), for returning grouping maps only."""
+    k = _scaled(k, key_scale)
     a_k = jax.nn.softmax(jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32), axis=-1)
     a_q = a_k / (a_k.sum(axis=-2, keepdims=True) + EPS)
     return a_q, a_k

@@ -63,6 +63,15 @@ class KernelPolicy:
 PORTABLE = KernelPolicy("portable")
 
 
+def require(kernels: object) -> KernelPolicy:
+    """``kernels`` if it is a resolved policy; a model is never handed a name to resolve itself,
+    since resolving reads the devices, which model code must not ask about."""
+    if not isinstance(kernels, KernelPolicy):
+        raise TypeError(f"kernels must be a resolved jaxrat.ops.KernelPolicy, got {kernels!r}; "
+                        f"resolve a name once with jaxrat.ops.resolve({kernels!r}).")
+    return kernels
+
+
 def form_for_platform(platform: str) -> str:
     """The form ``auto`` means on devices of ``platform`` (``jax.Device.platform``)."""
     return _PLATFORM_FORMS.get(platform.lower(), "portable")

@@ -115,12 +115,11 @@ class Task(abc.ABC):
         process (padded; the task marks padding itself and leaves it out of its sums)."""
 
     # --------------------------------------------------------------------------------- model
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         """The model to train; by default ``config.model`` through the model registry.
 
         ``kernels`` is the run's kernel policy (:class:`jaxrat.ops.KernelPolicy`, resolved once from
-        the mesh's platform); pass it on to the model. A task whose ``build_model`` does not take it
-        builds its model with ``model.kernels`` resolved from ``jax.devices()``.
+        the mesh's platform by the trainer); pass it on to the model.
         """
         from jaxrat.models import build_model
 

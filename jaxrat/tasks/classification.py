@@ -73,7 +73,7 @@ class ClassificationTask(ImageTask):
         classes = ", ".join(f"{h}: {c} classes" for h, c in zip(self.heads, self.num_classes))
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images ({classes})"
 
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model
 
         model_config = mlc.ConfigDict(self.config.model.to_dict())

@@ -113,15 +113,19 @@ class SegmentationTask(ImageTask):
     def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         kw = dict(bce_weight=self.bce_weight, dice_weight=self.dice_weight)
         mask = batch["mask"]
+        # The "loss" scope names the loss's ops in profiles and cost tables (benchmarks/gpu_cost.py).
         if not self.multiscale_loss:
-            loss, parts = loss_fn(model(batch["image"]), mask, **kw)
+            logits = model(batch["image"])
+            with jax.named_scope("loss"):
+                loss, parts = loss_fn(logits, mask, **kw)
         else:
             levels = model(batch["image"], all_levels=True)
             if len(levels) < 2:
                 raise ConfigError("config.task.multiscale_loss=True needs a model that predicts several pyramid "
                                   "levels (a RAT with config.model.rat.scales, as in configs/isic_multiscale.py); "
                                   "set it False otherwise.")
-            loss, parts = multiscale_loss_fn(levels, mask, **kw)
+            with jax.named_scope("loss"):
+                loss, parts = multiscale_loss_fn(levels, mask, **kw)
         # Exact in float32 (a sum of 0/1 pixels): a fingerprint of which examples a step saw.
         return loss, {**parts, "foreground_fraction": jnp.mean(mask)}
 

@@ -45,8 +45,43 @@ def decay_mask(params: Any, exclude: str) -> Any:
         lambda path, p: p.ndim > 1 and not (rule and rule.search(path_name(path))), params)
 
 
+_BLOCK = re.compile(r"(?:^|/)blocks/(\d+)/")
+_EMBEDDING = re.compile(r"(?:^|/)(?:patch_embed|cls_token|pos_embed)(?:/|$)")
+
+
+def layer_scales(params: Any, decay: float) -> Any:
+    """Per-parameter learning-rate factors of layer-wise decay (BEiT fine-tuning): ``decay ** (L + 1 - i)``
+    for a parameter of transformer block ``i - 1`` (a path holding ``blocks/<i - 1>/``), ``i = 0``
+    for the embeddings, ``i = L + 1`` (factor 1) for everything else (heads, decoders); ``L`` the
+    number of blocks."""
+    names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    depth = 1 + max((int(m.group(1)) for n in names if (m := _BLOCK.search(n))), default=-1)
+
+    def factor(path: tuple, _: Any) -> float:
+        name = path_name(path)
+        if (m := _BLOCK.search(name)) is not None:
+            layer = int(m.group(1)) + 1
+        elif _EMBEDDING.search(name):
+            layer = 0
+        else:
+            layer = depth + 1
+        return float(decay ** (depth + 1 - layer))
+
+    return jax.tree_util.tree_map_with_path(factor, params)
+
+
+def _scale_by_layer(decay: float) -> optax.GradientTransformation:
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        scales = layer_scales(updates, decay)
+        return jax.tree.map(lambda u, f: u * jnp.asarray(f, u.dtype), updates, scales), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: Any, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Return (transformation, schedule); see :func:`decay_mask` for which parameters decay."""
+    """Return (transformation, schedule); see :func:`decay_mask` for which parameters decay.
+    ``layer_decay`` in (0, 1) scales each update by :func:`layer_scales` (the learning rate and the
+    decoupled weight decay of each layer, as BEiT's parameter groups do); 0 or 1: off."""
     schedule = make_schedule(cfg, num_steps)
     exclude = str(cfg.get("weight_decay_exclude", ""))
     _exclude_rule(exclude)  # a bad regex fails now, not inside the first jit
@@ -55,6 +90,12 @@ def make_optimizer(cfg: Any, num_steps: int) -> tuple[optax.GradientTransformati
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                              mask=lambda params: decay_mask(params, exclude)))
+    layer_decay = float(cfg.get("layer_decay", 0.0) or 0.0)
+    if not 0.0 <= layer_decay <= 1.0:
+        raise ConfigError(f"config.optimizer.layer_decay={layer_decay}; use 0 (off) or a factor in (0, 1] such as "
+                          f"0.65.")
+    if 0.0 < layer_decay < 1.0:
+        parts.append(_scale_by_layer(layer_decay))
     return optax.chain(*parts), schedule
 
 

@@ -9,7 +9,7 @@ step from the step's key instead of being carried, so dropout noise depends only
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import logging
 from typing import Any, Callable, Iterator
 
@@ -67,20 +67,32 @@ def check_kernels_run_here(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> N
                           f"machine: docs/rat.md, 'On GPUs').")
 
 
-def build_task_model(task: Task, dtype: Any, rngs: nnx.Rngs, kernels: ops.KernelPolicy) -> nnx.Module:
-    """``task.build_model`` with the run's kernel policy (a task whose method does not take one
-    builds with its own)."""
-    if "kernels" in inspect.signature(task.build_model).parameters:
-        return task.build_model(dtype=dtype, rngs=rngs, kernels=kernels)
-    return task.build_model(dtype=dtype, rngs=rngs)
-
-
 def fresh_rest(abstract_rest: Any, rng: jax.Array) -> Any:
     """Concrete non-parameter model state (dropout RNG streams) derived from ``rng``."""
     leaves, treedef = jax.tree.flatten(abstract_rest)
     out = [jnp.broadcast_to(jax.random.fold_in(rng, i), x.shape) if _is_key(x) else jnp.zeros(x.shape, x.dtype)
            for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
+
+
+def init_state(task: Task, dtype: Any, kernels: ops.KernelPolicy, tx: Any, ema: bool,
+               rng_data: jax.Array) -> dict[str, Any]:
+    """A fresh train state (jit it with ``out_shardings=state_shardings`` to create it sharded)."""
+    key = jax.random.wrap_key_data(rng_data)
+    rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
+    params = nnx.to_pure_dict(nnx.state(task.build_model(dtype=dtype, rngs=rngs, kernels=kernels), nnx.Param))
+    # A parameter made from a Python float is weakly typed; the step's outputs are not, so the
+    # step would be traced and compiled a second time at step 2 (seen: DETR's anchor_size).
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
+    state = {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        "rng": jax.random.key_data(jax.random.fold_in(key, 2)),
+    }
+    if ema:  # the average starts at the initial weights (timm, Ultralytics)
+        state["ema_params"] = jax.tree.map(jnp.copy, params)
+    return state
 
 
 @dataclasses.dataclass
@@ -101,8 +113,8 @@ class StateSpec:
     state_shardings: dict[str, Any]
     grad_shardings: Any
     batch_sharding: NamedSharding
-    kernels: ops.KernelPolicy = ops.PORTABLE
-    ema: bool = False  # the state carries "ema_params"
+    kernels: ops.KernelPolicy
+    ema: bool  # the state carries "ema_params"
 
     def eval_params(self, state: dict[str, Any]) -> Any:
         """The parameters evaluation, best checkpoints and predictions use: the average when on."""
@@ -115,21 +127,7 @@ class StateSpec:
 
     def init_state(self, rng_data: jax.Array) -> dict[str, Any]:
         """A fresh train state (jit it with ``out_shardings=state_shardings`` to create it sharded)."""
-        key = jax.random.wrap_key_data(rng_data)
-        rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
-        params = nnx.to_pure_dict(nnx.state(build_task_model(self.task, self.dtype, rngs, self.kernels), nnx.Param))
-        # A parameter made from a Python float is weakly typed; the step's outputs are not, so the
-        # step would be traced and compiled a second time at step 2 (seen: DETR's anchor_size).
-        params = jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
-        state = {
-            "step": jnp.zeros((), jnp.int32),
-            "params": params,
-            "opt_state": self.tx.init(params),
-            "rng": jax.random.key_data(jax.random.fold_in(key, 2)),
-        }
-        if self.ema:  # the average starts at the initial weights (timm, Ultralytics)
-            state["ema_params"] = jax.tree.map(jnp.copy, params)
-        return state
+        return init_state(self.task, self.dtype, self.kernels, self.tx, self.ema, rng_data)
 
     def abstract_with_shardings(self) -> Any:
         """The state's shapes carrying the current mesh's shardings (restore target)."""
@@ -146,7 +144,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
     logging.info("kernels: %s form (model.kernels=%s), attention block %d", kernels.form,
                  config.model.get("kernels", "auto"), kernels.block_elements)
     tx, schedule = make_optimizer(config.optimizer, config.num_train_steps)
-    model = nnx.eval_shape(lambda: build_task_model(task, dtype, nnx.Rngs(0), kernels))
+    model = nnx.eval_shape(lambda: task.build_model(dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels))
     model.train()
     train_graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     model.eval()
@@ -158,10 +156,9 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
                 f"Model state {jax.tree_util.keystr(path)} is neither a parameter nor an RNG stream; "
                 f"jaxrat models must not keep mutable statistics (use GroupNorm/LayerNorm)."
             )
-    spec = StateSpec(config, mesh, task, dtype, tx, schedule, train_graphdef, eval_graphdef, abstract_rest,
-                     None, {}, None, NamedSharding(mesh, sharding.batch_spec(mesh)), kernels,
-                     ema=ema_enabled(config.optimizer))
-    spec.abstract_state = jax.eval_shape(spec.init_state, jax.random.key_data(jax.random.key(0)))
+    ema = ema_enabled(config.optimizer)
+    abstract_state = jax.eval_shape(functools.partial(init_state, task, dtype, kernels, tx, ema),
+                                    jax.random.key_data(jax.random.key(0)))
 
     zero, sc = config.sharding.zero, config.sharding
     if zero not in (0, 1, 2, 3):
@@ -171,12 +168,16 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
         return sharding.tree_shardings(tree, mesh, shard=on, axis=sc.axis, min_size=sc.min_size, rules=sc.rules)
 
     rep = NamedSharding(mesh, P())
-    params, opt_state = spec.abstract_state["params"], spec.abstract_state["opt_state"]
-    spec.state_shardings = {"step": rep, "rng": rep, "params": shard(params, zero >= 3),
-                            "opt_state": shard(opt_state, zero >= 1)}
-    if spec.ema:  # read by evaluation as the parameters are, so laid out as they are
-        spec.state_shardings["ema_params"] = spec.state_shardings["params"]
-    spec.grad_shardings = shard(params, zero >= 2)
+    params, opt_state = abstract_state["params"], abstract_state["opt_state"]
+    state_shardings = {"step": rep, "rng": rep, "params": shard(params, zero >= 3),
+                       "opt_state": shard(opt_state, zero >= 1)}
+    if ema:  # read by evaluation as the parameters are, so laid out as they are
+        state_shardings["ema_params"] = state_shardings["params"]
+    spec = StateSpec(config=config, mesh=mesh, task=task, dtype=dtype, tx=tx, schedule=schedule,
+                     train_graphdef=train_graphdef, eval_graphdef=eval_graphdef, abstract_rest=abstract_rest,
+                     abstract_state=abstract_state, state_shardings=state_shardings,
+                     grad_shardings=shard(params, zero >= 2),
+                     batch_sharding=NamedSharding(mesh, sharding.batch_spec(mesh)), kernels=kernels, ema=ema)
     sharding.log_shardings(params, spec.state_shardings["params"], "params")
     sharding.log_shardings(opt_state, spec.state_shardings["opt_state"], "opt_state")
     return spec
@@ -195,6 +196,17 @@ class Restored:
     @property
     def step(self) -> int:
         return int(jax.device_get(self.state["step"]))
+
+
+def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
+    from jaxrat.checkpointing.init_from import place_arrays
+    from jaxrat.models.backbones.weights import pretrained_arrays
+
+    path = str(config.model.pretrained)
+    arrays = pretrained_arrays(path, abstract_params)
+    logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
+    return place_arrays(arrays, abstract_params, include=config.get("init_from_include", ""),
+                        exclude=config.get("init_from_exclude", ""), where=path)
 
 
 def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[int], Iterator]) -> Restored:
@@ -220,6 +232,8 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
                            optimizer=config.checkpoint.init_optimizer, include=config.get("init_from_include", ""),
                            exclude=config.get("init_from_exclude", ""), strict=config.get("init_from_strict", True),
                            rename=config.get("init_from_rename", ""))
+    elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
+        loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
     init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values

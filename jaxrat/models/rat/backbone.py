@@ -81,21 +81,20 @@ class ResolutionAwareTransformer(nnx.Module):
       config: the whole RAT (:class:`RATConfig`); or give its fields as keyword arguments (the
         reference constructor's, e.g. ``feature_dims=64, num_heads=8``; ``sga_attention_type`` is
         taken as ``attention``).
-      kernels: the kernel policy, "auto" (from the platform of ``jax.devices()``), "cpu", "gpu",
-        "portable" or a resolved :class:`jaxrat.ops.KernelPolicy` (a training run passes the one it
-        resolved from its mesh).
+      kernels: the resolved kernel policy (:func:`jaxrat.ops.resolve`; a training run resolves it
+        once from its mesh).
       dtype: compute dtype; parameters stay float32.
       rngs: parameter initialisation and dropout randomness.
     """
 
-    def __init__(self, config: Optional[RATConfig] = None, *, kernels: Any = "auto", dtype: Any = jnp.float32,
+    def __init__(self, config: Optional[RATConfig] = None, *, kernels: ops.KernelPolicy, dtype: Any = jnp.float32,
                  rngs: nnx.Rngs, **fields: Any) -> None:
         if config is None:
             config = RATConfig.from_mapping(fields)
         elif fields:
             config = config.replace(**fields)
         c = self.config = config
-        kernels = self.kernels = ops.resolve(kernels)
+        self.kernels = ops.policy.require(kernels)
         sd = c.spatial_dims
         self.remat = c.remat
         self.spatial_dims = sd

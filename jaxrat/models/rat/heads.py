@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +48,8 @@ class ReferenceSegmentationHead(nnx.Module):
 
 
 class _Refine(nnx.Module):
-    def __init__(self, dim: int, spatial_dims: int, *, kernels: Optional[ops.KernelPolicy], dtype: Any,
+    def __init__(self, dim: int, spatial_dims: int, *, kernels: ops.KernelPolicy, dtype: Any,
                  rngs: nnx.Rngs) -> None:
-        # At full resolution its weight gradient is the costly part on CPU (jaxrat.ops.cpu.strip_conv).
         form = conv_general_dilated(kernels)
         self.conv = nnx.Conv(dim, dim, (3,) * spatial_dims, padding="SAME", dtype=dtype, rngs=rngs,
                              **(dict(conv_general_dilated=form) if form is not None else {}))
@@ -69,7 +68,7 @@ class MultiLevelDecoderHead(nnx.Module):
       num_classes: output channels.
       decoder_dim: channels inside the decoder.
       spatial_dims: 1, 2 or 3.
-      kernels: the kernel policy of its convolutions (None: XLA's).
+      kernels: the kernel policy of its convolutions.
     """
 
     def __init__(
@@ -80,7 +79,7 @@ class MultiLevelDecoderHead(nnx.Module):
         decoder_dim: int = 32,
         spatial_dims: int = 2,
         *,
-        kernels: Optional[ops.KernelPolicy] = None,
+        kernels: ops.KernelPolicy,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:

@@ -33,7 +33,7 @@ class MultiResBlock(nnx.Module):
     Both have the same parameters.
     """
 
-    def __init__(self, config: RATConfig, *, kernels: ops.KernelPolicy = ops.PORTABLE, norm_eps: float = 1e-6,
+    def __init__(self, config: RATConfig, *, kernels: ops.KernelPolicy, norm_eps: float = 1e-6,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         c = config
         d = c.feature_dims

@@ -116,7 +116,7 @@ class RotarySpatialEmbedding(nnx.Module):
         learnable_scale: bool = False,
         initial_scaling: Optional[str] = None,
         *,
-        kernels: ops.KernelPolicy = ops.PORTABLE,
+        kernels: ops.KernelPolicy,
         rngs: nnx.Rngs,
     ) -> None:
         if initial_scaling not in _SCALE_INIT:
@@ -158,7 +158,7 @@ class RotarySpatialEmbedding(nnx.Module):
                     setattr(self, name, (float(value),) * spatial_dims)
 
     @classmethod
-    def from_config(cls, config: Any, *, kernels: ops.KernelPolicy = ops.PORTABLE,
+    def from_config(cls, config: Any, *, kernels: ops.KernelPolicy,
                     rngs: nnx.Rngs) -> "RotarySpatialEmbedding":
         """The RoSE of a RAT (:class:`jaxrat.models.rat.config.RATConfig`), as its SGA layers and
         multi-resolution blocks each have one."""

@@ -26,7 +26,7 @@ Array = jax.Array
 HEADS = ("decoder", "reference")
 
 
-def rat_from_config(rat: Any, *, kernels: Any, dtype: Any, rngs: nnx.Rngs,
+def rat_from_config(rat: Any, *, kernels: ops.KernelPolicy, dtype: Any, rngs: nnx.Rngs,
                     **fields: Any) -> ResolutionAwareTransformer:
     """The backbone of ``config.model.rat`` (a mapping or a :class:`RATConfig`; ``fields`` override
     it); an invalid RAT is a ConfigError naming the option."""
@@ -51,10 +51,9 @@ class RATSegmenter(nnx.Module):
     """
 
     def __init__(self, *, rat: Any = None, num_classes: int = 1, head: str = "decoder", decoder_dim: int = 32,
-                 kernels: Any = "auto", dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+                 kernels: ops.KernelPolicy, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if head not in HEADS:
             raise ConfigError(f"model.head must be one of {HEADS}, got {head!r}.")
-        kernels = ops.resolve(kernels)
         self.backbone = rat_from_config(rat, kernels=kernels, dtype=dtype, rngs=rngs)
         self.head_type = head
         d, n, sd = self.backbone.feature_dims, self.backbone.num_blocks, self.backbone.spatial_dims

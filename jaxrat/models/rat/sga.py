@@ -31,15 +31,6 @@ from jaxrat.models.layers import Mlp, conv, layer_norm, linear
 from jaxrat.models.rat.config import RATConfig, as_tuple
 from jaxrat.models.rat.rose import RotarySpatialEmbedding
 from jaxrat.ops import attention as attn
-from jaxrat.ops.portable.sparse_sga import (
-    Geometry,
-    scatter_window_map,
-    sparse_blocks,
-    sparse_grouping,
-    sparse_update,
-    strided_grid,
-    window_indices,
-)
 
 Array = jax.Array
 ATTENTION_TYPES = ("dense", "sparse", "standard")
@@ -66,7 +57,7 @@ class SpatialGroupingAttention(nnx.Module):
       dtype: compute dtype (params are float32).
     """
 
-    def __init__(self, config: RATConfig, attention: str = "dense", *, kernels: ops.KernelPolicy = ops.PORTABLE,
+    def __init__(self, config: RATConfig, attention: str = "dense", *, kernels: ops.KernelPolicy,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         if attention not in ATTENTION_TYPES:
             raise ValueError(f"attention must be one of {ATTENTION_TYPES}, got {attention!r}")
@@ -101,7 +92,7 @@ class SpatialGroupingAttention(nnx.Module):
 
     def out_grid_shape(self, grid_shape: Sequence[int]) -> tuple[int, ...]:
         """Grid after this layer's strided convolution."""
-        return strided_grid(grid_shape, self.kernel_size, self.stride)
+        return attn.window_grid(grid_shape, self.kernel_size, self.stride)
 
     def output_geometry(self, x: Array, grid_shape: Sequence[int], spacing: Sequence[float]) -> SGAOutput:
         """Wrap already computed tokens with this layer's output grid and spacing (no maps)."""
@@ -120,20 +111,19 @@ class SpatialGroupingAttention(nnx.Module):
             return u.reshape(b, n, h * dh)
         return u.transpose(0, 2, 1, 3).reshape(b, n, h * dh)
 
-    def _iteration(self, xo: Array, k: Array, v: Array, geom: Geometry,
+    def _iteration(self, xo: Array, k: Array, v: Array, window: attn.Window,
                    out_spacing: tuple[float, ...]) -> tuple[Array, Array]:
         """One grouping round: (groups (B, N_out, D), keys, values) -> (new groups, queries)."""
         b, n_out, _ = xo.shape
         h, dh = self.num_heads, self.head_dim
-        q = self.rose(self.q(xo).reshape(b, n_out, h, dh), geom.out, out_spacing).transpose(0, 2, 1, 3)
-        if self.attention == "sparse":  # temp moved from the keys (see __call__): same logits
-            q = q * self.temp[...].astype(q.dtype)
+        q = self.rose(self.q(xo).reshape(b, n_out, h, dh), window.out, out_spacing).transpose(0, 2, 1, 3)
+        temp = self.temp[...]
         if self.attention == "dense":
-            u = attn.grouping_attention(q, k, v, self.kernels)
+            u = attn.grouping_attention(q, k, v, self.kernels, key_scale=temp)
         elif self.attention == "standard":
-            u = attn.softmax_attention(q, k, v, self.kernels)
+            u = attn.softmax_attention(q, k * temp.astype(k.dtype), v, self.kernels)
         else:
-            u = sparse_update(q, k, v, geom)  # k, v blocked (sparse_blocks)
+            u = attn.sparse_grouping_attention(q, k, v, window, self.kernels, key_scale=temp)
         xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
         return xo + self.norm3(self.mlp(xo)), q
 
@@ -158,34 +148,24 @@ class SpatialGroupingAttention(nnx.Module):
         h, dh = self.num_heads, self.head_dim
 
         k, v = jnp.split(self.kv(x), 2, axis=-1)
-        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
-        if self.attention != "sparse":
-            k = k * self.temp[...].astype(k.dtype)
-        # sparse scales the (9x fewer) queries instead: q.(t k) = (t q).k, and temp's gradient
-        # then does not keep the full-resolution rotated keys alive until the backward pass
-        k = k.transpose(0, 2, 1, 3)
+        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing).transpose(0, 2, 1, 3)
         v = self._split_heads(v, self.reference_compat)
 
-        geom = Geometry(grid_shape, self.kernel_size, self.stride)
-        # sparse: k and v are blocked once and shared by every iteration (the kernel's backward
-        # keeps only these and recomputes its maps)
-        keys, values = ((sparse_blocks(k, geom), sparse_blocks(v, geom)) if self.attention == "sparse" and self.iters
-                        else (k, v))
+        window = attn.Window(grid_shape, self.kernel_size, self.stride)
         q = None
         for _ in range(self.iters):
-            xo, q = self._iteration(xo, keys, values, geom, out_spacing)
+            xo, q = self._iteration(xo, k, v, window, out_spacing)
 
         attn_q = attn_k = None
         if return_maps:
             if q is None:
                 raise ValueError("grouping maps need iters >= 1 (the reference returns uninitialised memory)")
+            temp = self.temp[...]
             if self.attention == "sparse":
-                _, aq, ak = sparse_grouping(q, k, v, grid_shape, self.kernel_size, self.stride)
-                idx, ok = window_indices(grid_shape, self.kernel_size, self.stride)
-                attn_q, attn_k = (scatter_window_map(a, idx, ok, n_in) for a in (aq, ak))
+                attn_q, attn_k = attn.sparse_grouping_maps(q, k, window, key_scale=temp)
             elif self.attention == "standard":
-                attn_k = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32), -1)
-                attn_q = attn_k
+                logits = jnp.einsum("bhqd,bhkd->bhqk", q, k * temp.astype(k.dtype), preferred_element_type=jnp.float32)
+                attn_k = attn_q = jax.nn.softmax(logits, -1)
             else:
-                attn_q, attn_k = attn.grouping_maps(q, k)
+                attn_q, attn_k = attn.grouping_maps(q, k, key_scale=temp)
         return SGAOutput(xo, out_grid, out_spacing, attn_q, attn_k)

@@ -1,16 +1,9 @@
 """The CPU's attention block, sized from its last-level cache (the ``cpu`` kernel policy).
 
-The chunked attention kernels (:mod:`jaxrat.ops.portable.chunked_attention`) hold one (queries x key-chunk)
-block per slice at a time. On CPU the fastest block is a sixteenth of the last-level cache: a chunk
-step holds about four block-sized intermediates (logits, probabilities, their gradient), and keeping
-them in the cache is what the block is for; beyond that, larger blocks mean fewer loop steps, each
-of which costs a dozen thunk launches. Measured fastest (benchmarks/attention_blocks.py, docs/rat.md):
-512 Ki elements on two machines with a 32 MiB L3, 4-8 Mi on one with 480 MiB (dense SGA, 96-128 px).
-
-Slices of at least :data:`UNBATCHED_SLICE_ELEMENTS` run one per ``lax.map`` step on CPU: vmapping
-several turns each product into a batched dot, which ran 1.4-1.6x slower than one slice at a time
-for the windowed multi-resolution tiles (256 x 256 tokens, 144 and 576 tiles), while slices of
-16 Ki elements and below were fastest batched up to a block (4 Ki: within 15 %).
+The chunked attention kernels (:mod:`jaxrat.ops.portable.chunked_attention`) hold one (queries x
+key-chunk) block per slice at a time; on CPU the block is a sixteenth of the last-level cache, so a
+chunk step's four block-sized intermediates stay in the cache. Large slices run one per ``lax.map``
+step, since vmapping them turns each product into a slower batched dot (docs/benchmarks.md, "CPU kernels").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The RoSE rotation with a hand-written backward for CPUs (the ``cpu`` kernel policy).
 
-XLA:CPU reads the operands of a reduction over a short leading (batch) axis at well under 1 GB/s:
-with plain autodiff, the angle gradients of the rotated full-resolution keys took 0.83 s of a 19 s
-sparse RAT step at 512 px. Here the backward adds the few images one by one instead, 1.2 s less
-per step at 512 px, for more temporaries in XLA's plan (19.3 GiB against 17.8 GiB for the whole
-sparse RAT step at 1024 px, batch 2; the same whichever residual form, measured). The forward is
-the portable one (:func:`jaxrat.ops.portable.rotate.turn_heads`).
+XLA:CPU reads the operands of a reduction over a short leading (batch) axis slowly, so the angle
+gradient adds the images one by one instead (measurements: docs/benchmarks.md, "CPU kernels").
+The forward is the portable one (:func:`jaxrat.ops.portable.rotate.turn_heads`).
 """
 
 from __future__ import annotations

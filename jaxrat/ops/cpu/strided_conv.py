@@ -1,16 +1,11 @@
-"""Strided convolution as stride-block matmuls: a drop-in for ``lax.conv_general_dilated``.
+"""Strided convolution as stride-block matmuls: a drop-in for ``lax.conv_general_dilated`` on CPU.
 
-The SGA layer's strider (a 7x7 convolution with stride 3 on the full-resolution tokens) was half
-of the whole RAT step at 512 px on CPU, and its cost grew ~6x per doubling of the side instead
-of 4x: XLA's CPU weight gradient of a strided convolution took 15 s of the 18 s fwd+bwd at
-512 px, batch 2 (benchmarks/rat_scaling.py, docs/rat.md). Cut the padded input into stride-blocks
-(each output's window is ``ceil(k/s)`` whole blocks per axis); every block offset's share of the
-windows that read it is a plain matmul of the blocks with that offset's kernel slice (offsets that
-cover equally many taps share one matmul), and each output adds its offsets' shares. Its gradients
-are plain matmuls too. Measured fwd+bwd, 128 channels, batch 2, 7x7 stride 3 on this 2-core CPU:
-0.016 vs 0.022 s at 32 px, 0.22 vs 0.26 s at 128 px, 1.7 vs 2.2 s at 256 px, and about half of
-XLA's time at 512 px. Only the ``cpu`` kernel policy takes it (:mod:`jaxrat.ops.conv`):
-accelerators keep the vendor's convolution.
+XLA's CPU weight gradient of a strided convolution (the SGA layer's strider) grows faster than the
+pixels. Cut the padded input into stride-blocks (each output's window is ``ceil(k/s)`` whole blocks
+per axis); every block offset's share of the windows that read it is a plain matmul of the blocks
+with that offset's kernel slice (offsets covering equally many taps share one matmul), and each
+output adds its offsets' shares; the gradients are plain matmuls too. Only the ``cpu`` kernel
+policy takes it (docs/benchmarks.md, "CPU kernels"); accelerators keep the vendor's convolution.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ from jaxrat.ops.cpu import SCOPE, strip_conv
 from jaxrat.ops.portable.sparse_sga import Geometry, _blocked, _take_at_offset
 
 Array = jax.Array
-# Input positions per image from which the blocked form is taken on CPU: it was faster at every
-# size measured (32 to 512 px); below 32x32 unmeasured, and too small to matter.
+# Input positions per image from which the blocked form is taken on CPU (smaller ones do not matter).
 MIN_BLOCKED_POSITIONS = 32 * 32
 
 
@@ -75,7 +69,7 @@ def blocked_strided_conv(x: Array, w: Array, stride: Sequence[int]) -> Array:
     """Channels-last convolution with padding ``(k-1)//2`` on both sides, as block matmuls.
 
     x (N, *spatial, Cin), w (*kernel, Cin, Cout) -> (N, *out, Cout), ``out`` as
-    :func:`jaxrat.models.sparse_sga.strided_grid`. Equal to ``lax.conv_general_dilated`` with
+    :func:`jaxrat.ops.portable.sparse_sga.strided_grid`. Equal to ``lax.conv_general_dilated`` with
     that padding up to float rounding (summation order).
 
     One matmul gives every block's contribution to each window that reads it; each output then

@@ -1,18 +1,10 @@
 """Stride-1 convolution whose weight gradient runs over row strips: a drop-in for large inputs on CPU.
 
-XLA's CPU weight gradient of a stride-1 convolution slows down sharply once the output gradient
-no longer fits in cache: for the RAT's 7x7 input projection (3 -> 128 channels, batch 2) it took
-0.009 s at 128 px and 0.14 s at 256 px alone (16x for 4x the pixels; 0.26 s, 9 % of the whole
-step, inside the 256 px step), and the head's 3x3 convolutions (32 channels) grew 8.6x from 256 to
-512 px. Here the forward pass and the input gradient stay XLA's, and the weight gradient is a sum
-over strips of rows of one matmul each, the strip's patches (``prod(kernel) * Cin`` values per
-position) against its slice of the output gradient, so each strip's working set stays
-cache-sized. Measured alone on this 2-core CPU (benchmarks/rat_scaling.py's shapes, docs/rat.md):
-7x7 3 -> 128: 0.041 vs 0.143 s at 256 px, 0.16 vs 0.64 s at 512, 0.60 vs 2.46 s at 1024; 3x3
-32 -> 32: 0.15 vs 0.28 s at 512 px and 0.52 vs 1.19 s at 1024, but 0.052 vs 0.033 s at 256 px,
-where XLA's output gradient (16 MiB) still fits in cache. Hence the dispatch on the output
-gradient's size (:data:`MIN_STRIP_BYTES`); only the ``cpu`` kernel policy takes it: accelerators
-keep the vendor's kernel.
+XLA's CPU weight gradient of a stride-1 convolution slows down sharply once the output gradient no
+longer fits in cache. Here the forward pass and the input gradient stay XLA's, and the weight
+gradient is a sum over strips of rows of one matmul each, so each strip's working set stays
+cache-sized; taken from :data:`MIN_STRIP_BYTES` of output gradient, on the ``cpu`` policy only
+(docs/benchmarks.md, "CPU kernels").
 """
 
 from __future__ import annotations
@@ -26,11 +18,9 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-# Output-gradient bytes from which the strip form is taken: XLA's form was as fast or faster at
-# 16 MiB (128 px for the projection, 256 px for the head), 2-4x slower from 64 MiB on.
+# Output-gradient bytes from which the strip form is taken (XLA's own is faster below).
 MIN_STRIP_BYTES = 32 << 20
-# Output-gradient bytes per strip: 4 MiB strips were the fastest of 1, 4 and 16 MiB at 256-1024 px
-# but one (16 MiB, 1024 px), where they were 4 % slower.
+# Output-gradient bytes per strip: cache-sized.
 STRIP_BYTES = 4 << 20
 
 

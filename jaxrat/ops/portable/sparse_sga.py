@@ -8,9 +8,9 @@ small query grid is shifted onto the blocked key grid, so every product reads k 
 and only logit-sized maps are stacked.
 
 :func:`sparse_update` (what the SGA layer runs every iteration) has a custom VJP that saves only
-its inputs and recomputes the logit-sized maps in the backward pass, like the dense kernel in
-:mod:`jaxrat.models.attention`. Autodiff of the plain form kept, per iteration, the per-offset
-full-resolution products and their cotangents; at 1024 px that did not fit 24 GiB.
+its inputs and recomputes the logit-sized maps in the backward pass, like the chunked dense kernel
+(:mod:`jaxrat.ops.portable.chunked_attention`): autodiff of the plain form would keep every
+iteration's per-offset full-resolution products and their cotangents.
 :func:`sparse_grouping` is the plain (autodiff) form that also returns the maps.
 """
 
@@ -200,11 +200,8 @@ def _offset_outer(w: Array, a: Array, geom: Geometry) -> Array:
     The transpose of :func:`_offset_dots` in its second argument (and of
     :func:`_offset_weighted_sum` in ``xb``): the key and value gradients.
 
-    One batched contraction over the offsets, not a sum of per-offset outer products: XLA fused
-    that sum (9 offsets x 3 iterations x keys and values) into the transpose back to pixel order,
-    one loop reading 54 inputs in scattered order, 12x slower at 256 px than at 128 px. The dot
-    leaves the blocked gradient in memory: the first SGA layer at 256 px, fwd+bwd, 4.20 -> 3.75 s
-    (the same at 128 px).
+    One batched contraction over the offsets, not a sum of per-offset outer products, which XLA
+    fuses into one scattered-order loop over every offset's inputs (docs/benchmarks.md, "CPU kernels").
     """
     n, sd, ns, c = w.shape[0], len(geom.grid), int(np.prod(geom.stride)), a.shape[-1]
     w_off = w.reshape(n, *geom.out, len(geom.offsets), *geom.stride)
@@ -252,7 +249,7 @@ def sparse_grouping(
     a_k, _, a_q = _maps(_offset_dots(qg, kb, geom), geom, normalise_columns)
     u = _offset_weighted_sum(a_q, vb, geom)
     shape = (b, h, n_out, a_k.shape[-1])
-    return u.astype(q.dtype).reshape(b, h, n_out, dh), a_q.reshape(shape), a_k.reshape(shape)
+    return u.astype(q.dtype).reshape(b, h, n_out, v.shape[-1]), a_q.reshape(shape), a_k.reshape(shape)
 
 
 def sparse_update(q: Array, kb: Array, vb: Array, geom: Geometry, normalise_columns: bool = True) -> Array:
@@ -263,7 +260,7 @@ def sparse_update(q: Array, kb: Array, vb: Array, geom: Geometry, normalise_colu
     """
     b, h, n_out, dh = q.shape
     u = _update(q.reshape(b * h, *geom.out, dh), kb, vb, geom, normalise_columns)
-    return u.reshape(b, h, n_out, dh)
+    return u.reshape(b, h, n_out, vb.shape[-1])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

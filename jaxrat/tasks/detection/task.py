@@ -187,7 +187,7 @@ class DetectionTask(Task):
                                      num_threads=d.get("num_threads", 2),
                                      ops=detection_ops(d.image_size, int(self.t.max_boxes), train=False, data_cfg=d))
 
-    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any = None) -> nnx.Module:
+    def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model
 
         model_config = mlc.ConfigDict(self.config.model.to_dict())
@@ -208,12 +208,13 @@ class DetectionTask(Task):
             num_boxes = num_target_boxes(valid)
         else:  # one fixed shard: the whole batch's count over the number of shards (see Task.batch_totals)
             num_boxes = jnp.where(totals["num_boxes"] > 0, totals["num_boxes"], 1.0)
-        total, parts = set_criterion(
-            layers, batch["labels"], batch["boxes"], valid, num_boxes,
-            cost_class=float(t.cost_class), cost_bbox=float(t.cost_bbox), cost_giou=float(t.cost_giou),
-            ce_weight=float(t.ce_weight), bbox_weight=float(t.bbox_weight), giou_weight=float(t.giou_weight),
-            focal=bool(t.focal), eos_coef=float(t.eos_coef), focal_alpha=float(t.focal_alpha),
-            focal_gamma=float(t.focal_gamma), matcher=functools.partial(hungarian_match, mesh=current_mesh()))
+        with jax.named_scope("loss"):  # names the matching and the criterion in profiles and cost tables
+            total, parts = set_criterion(
+                layers, batch["labels"], batch["boxes"], valid, num_boxes,
+                cost_class=float(t.cost_class), cost_bbox=float(t.cost_bbox), cost_giou=float(t.cost_giou),
+                ce_weight=float(t.ce_weight), bbox_weight=float(t.bbox_weight), giou_weight=float(t.giou_weight),
+                focal=bool(t.focal), eos_coef=float(t.eos_coef), focal_alpha=float(t.focal_alpha),
+                focal_gamma=float(t.focal_gamma), matcher=functools.partial(hungarian_match, mesh=current_mesh()))
         logged = {k: parts[k] for k in ("loss_ce", "loss_bbox", "loss_giou")}
         return total, {**logged, "boxes_per_image": jnp.mean(valid.sum(-1).astype(jnp.float32))}
 

@@ -1,0 +1,164 @@
+"""The fused Pallas sparse SGA on a real GPU: parity with the portable kernel, then speed.
+
+    python benchmarks/sparse_sga_gpu.py [out.json] [stage ...]
+
+stages (default: parity speed):
+
+1. float32 parity (matmuls at full float32 precision) at a 64 x 64 grid: the fused kernels against
+   the portable ``sparse_grouping``, forward and the gradients in q, k and v, with and without
+   column normalisation (max error over the largest entry);
+2. bfloat16 against that float32 result, for the fused and the portable kernel;
+3. the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256 inputs, kernel 7, stride 3, bf16):
+   one call forward and forward + backward, fused and portable, median of timed repeats;
+4. (``tiles``) the fused call at that shape for other tile sizes and warp counts;
+5. (``passes``) each of its six passes alone, with the row loops rolled and unrolled.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrat.ops.gpu import sparse_sga_kernels
+from jaxrat.ops.gpu.sparse_sga import _update, sparse_update
+from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_grouping
+from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
+
+
+def inputs(geom: Geometry, b: int, h: int, dh: int, dtype, seed: int = 0):
+    n_out, n_in = int(np.prod(geom.out)), int(np.prod(geom.grid))
+    kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = 0.7 * jax.random.normal(kq, (b, h, n_out, dh))
+    k = 0.7 * jax.random.normal(kk, (b, h, n_in, dh))
+    v = jax.random.normal(kv, (b, h, n_in, dh))
+    g = jax.random.normal(kg, (b, h, n_out, dh))
+    return [x.astype(dtype) for x in (q, k, v)], g
+
+
+def value_and_vjp(f, q, k, v, g):
+    def run(q, k, v, g):
+        u, vjp = jax.vjp(f, q, k, v)
+        return (u, *vjp(g.astype(u.dtype)))
+    return [np.asarray(x, np.float32) for x in jax.jit(run)(q, k, v, g)]
+
+
+def errors(got, want):
+    return {n: float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for n, a, b in zip(("u", "dq", "dk", "dv"), got, want)}
+
+
+def fused(geom, normalise):
+    return lambda q, k, v: sparse_update(q, k, v, geom, normalise)
+
+
+def portable(geom, normalise):
+    return lambda q, k, v: sparse_grouping(q, k, v, geom.grid, geom.kernel, geom.stride, normalise)[0]
+
+
+def parity(report):
+    geom = Geometry((64, 64), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 2, 8, 16, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        for normalise in (True, False):
+            exact = value_and_vjp(portable(geom, normalise), q, k, v, g)
+            report[f"f32_err_norm{int(normalise)}"] = errors(value_and_vjp(fused(geom, normalise), q, k, v, g), exact)
+            print("float32", normalise, report[f"f32_err_norm{int(normalise)}"], flush=True)
+        low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        exact = value_and_vjp(portable(geom, True), q, k, v, g)
+    report["bf16_err_fused"] = errors(value_and_vjp(fused(geom, True), *low, g), exact)
+    report["bf16_err_portable"] = errors(value_and_vjp(portable(geom, True), *low, g), exact)
+    print("bfloat16 fused", report["bf16_err_fused"], "portable", report["bf16_err_portable"], flush=True)
+
+
+def timed(f, *args, reps: int = 10) -> dict:
+    f = jax.jit(f)
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return {"first_s": round(first, 2), "median_ms": round(1e3 * float(np.median(times)), 3)}
+
+
+def speed(report):
+    geom = Geometry((256, 256), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+    port = lambda q, k, v: portable_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom)
+    for name, f in (("fused", fused(geom, True)), ("portable", port)):
+        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+        report[f"{name}_fwd"] = timed(f, q, k, v)
+        report[f"{name}_fwd_bwd"] = timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+        print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
+
+
+def tiles(report):
+    geom = Geometry((256, 256), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+    q, k, v, g = (x.reshape(16 * 8, -1) for x in (q, k, v, g))
+    for tw, tx, warps in ((32, 64, 4), (32, 64, 2), (16, 32, 2), (64, 128, 4), (64, 128, 8), (32, 128, 4)):
+        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, tw, tx, warps)
+        f = lambda q, k, v, t=t: _update(q, k, v, t, True, False)
+        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+        name = f"tiles_{tw}_{tx}_{warps}"
+        report[name] = {"fwd": timed(f, q, k, v), "fwd_bwd": timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)}
+        print(name, report[name], flush=True)
+
+
+def passes(report):
+    """Each pass alone at the ISIC shape, rolled and unrolled row loops."""
+    geom = Geometry((256, 256), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+    q, k, v, g = (x.reshape(16 * 8, -1) for x in (q, k, v, g))
+    bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
+    K = sparse_sga_kernels
+    for unroll in (False, True):
+        t = K.Tiling.of(geom, 16, 16, unroll=unroll)
+        S = lambda n: K.stats(bh, n)
+        F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
+        r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False)["r"]
+        d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=S(n_in)), 1e-7, False)["d"]
+        gd = K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(dv=F(n_in), gd=S(n_in)), 1e-7, False)["gd"]
+        delta = K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd), dict(dq=F(n_out), delta=S(n_out)),
+                             False)["delta"]
+        calls = {
+            "F1": lambda q, k, v, g, r, d, gd, delta: K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False),
+            "F2": lambda q, k, v, g, r, d, gd, delta: K.input_pass("colsum", t, dict(q=q, k=k, r=r),
+                                                                   dict(d=S(n_in)), 1e-7, False),
+            "F3": lambda q, k, v, g, r, d, gd, delta: K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
+                                                                   dict(u=F(n_out)), False),
+            "B1": lambda q, k, v, g, r, d, gd, delta: K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
+                                                                   dict(dv=F(n_in), gd=S(n_in)), 1e-7, False),
+            "B2": lambda q, k, v, g, r, d, gd, delta: K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd),
+                                                                   dict(dq=F(n_out), delta=S(n_out)), False),
+            "B3": lambda q, k, v, g, r, d, gd, delta: K.input_pass(
+                "dk", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd, delta=delta), dict(dk=F(n_in)), 1e-7, False),
+        }
+        args = (q, k, v, g, r, d, gd, delta)
+        name = f"passes_unroll{int(unroll)}"
+        report[name] = {n: timed(c, *args)["median_ms"] for n, c in calls.items()}
+        print(name, report[name], flush=True)
+
+
+def main():
+    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    print(report, flush=True)
+    chosen = sys.argv[2:] or ["parity", "speed"]
+    for stage in [s for s in (parity, speed, tiles, passes) if s.__name__ in chosen]:
+        try:
+            stage(report)
+        except Exception as e:  # report what ran, then the failure
+            report[f"{stage.__name__}_error"] = f"{type(e).__name__}: {e}"[:2000]
+            print(report[f"{stage.__name__}_error"], flush=True)
+    if len(sys.argv) > 1:
+        json.dump(report, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

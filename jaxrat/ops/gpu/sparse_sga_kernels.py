@@ -1,0 +1,339 @@
+"""Pallas (Triton) kernels of sparse spatial grouping attention: the tiles and their passes.
+
+Every pass works on one (image, head) slice and reads q, k, v in place; no logit, probability or
+gradient of a logit ever leaves the chip. Logits are formed tap by tap, each a row-wise dot of
+(tile, d) operands in float32 (the head dims are small: 16 in the RAT), so only the k^2 taps of each
+window are computed and exponentiated, none masked away. Two kinds of tile:
+
+* a **group tile** (:func:`group_pass`): ``tw`` consecutive groups of one output row. The pass
+  loops over the ``ky`` input rows of their windows and, within a row, the ``kx`` taps; tap j of
+  every group of the tile is one strided gather of keys/values from a row segment the neighbouring
+  taps share (the halo is read from memory once and reused from cache).
+* an **input tile** (:func:`input_pass`): ``tx`` consecutive inputs of one input row. Each input
+  lies in the windows of at most ``nt = (ky-1)//sy + 1`` output rows and ``mx = (kx-1)//sx + 1``
+  output columns; the pass loops over those and recomputes each covering group's logit from its
+  query and log-sum-exp. This is how column sums and key/value gradients are gathered without
+  atomics: each input's sums belong to one program (deterministic, no float32 scratch in HBM).
+
+Arrays are passed flat per slice, (B*H, N*d); loads use clipped indices under a mask (out-of-image
+taps read a valid address and are masked), stores send masked lanes out of range, so the same
+code is right in Triton and in interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrat.ops.portable.sparse_sga import Geometry
+
+Array = jax.Array
+NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
+
+
+def _pow2(n: int) -> int:
+    return int(pl.next_power_of_2(int(n)))
+
+
+class Tiling(NamedTuple):
+    """Static tile sizes of one geometry (2 spatial dims) and head dims."""
+
+    Y: int
+    X: int
+    OY: int
+    OX: int
+    ky: int
+    kx: int
+    sy: int
+    sx: int
+    py: int
+    px: int
+    dh: int
+    dv: int
+    dhp: int
+    dvp: int
+    tw: int  # groups per group tile
+    tx: int  # inputs per input tile
+    nt: int  # output rows whose windows contain one input row
+    mx: int  # output columns whose windows contain one input column
+    warps: int = 4  # Triton warps per program
+    unroll: bool = False  # the row loops as straight-line code
+
+    @classmethod
+    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4,
+           unroll: bool = False) -> "Tiling":
+        (Y, X), (OY, OX) = geom.grid, geom.out
+        (ky, kx), (sy, sx) = geom.kernel, geom.stride
+        tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
+        return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, _pow2(dh), _pow2(dv),
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll)
+
+
+def _ceil_div(a, s: int, bound: int):
+    """ceil(a / s) for a traced int32 a >= -bound (integer division truncates: shift it first)."""
+    m = bound // s + 1
+    return lax.div(a + s * m + s - 1, s) - m
+
+
+def _loop(t: Tiling, n: int, body, init):
+    if not t.unroll:
+        return lax.fori_loop(0, n, body, init)
+    for i in range(n):
+        init = body(i, init)
+    return init
+
+
+def _clip(x, n: int):
+    return jnp.minimum(jnp.maximum(x, 0), n - 1)
+
+
+def _feature_index(d: int, dp: int):
+    feat = jnp.arange(dp, dtype=jnp.int32)
+    return feat if d == dp else jnp.minimum(feat, d - 1)
+
+
+def _load(ref, rows, ok, d: int, dp: int, other=0.0):
+    """(len(rows), dp) float32 from a flat (N*d) ref; masked rows and padded features read ``other``."""
+    mask = ok[:, None]
+    if d != dp:
+        mask = mask & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
+    idx = rows[:, None] * d + _feature_index(d, dp)[None, :]
+    return plgpu.load(ref.at[idx], mask=mask, other=other).astype(jnp.float32)
+
+
+def _load1(ref, rows, ok, other=0.0):
+    return plgpu.load(ref.at[rows], mask=ok, other=other)
+
+
+def _store(ref, rows, ok, d: int, dp: int, val):
+    feat = jnp.arange(dp, dtype=jnp.int32)
+    mask = ok[:, None] & (feat < d)[None, :]
+    # masked lanes point past the end: Triton does not store them, interpret mode drops them
+    idx = jnp.where(mask, rows[:, None] * d + feat[None, :], ref.shape[0])
+    plgpu.store(ref.at[idx], val.astype(ref.dtype), mask=mask)
+
+
+def _store1(ref, rows, ok, val):
+    plgpu.store(ref.at[jnp.where(ok, rows, ref.shape[0])], val.astype(ref.dtype), mask=ok)
+
+
+def _rowdot(a, b):
+    return jnp.sum(a * b, axis=1)
+
+
+def _group_kernel(*refs, names, mode: str, t: Tiling):
+    """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
+    and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
+    R = dict(zip(names, refs))
+    tile, oy = pl.program_id(0), pl.program_id(1)
+    ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
+    gok = ox < t.OX
+    grow = oy * t.OX + _clip(ox, t.OX)
+    q = _load(R["q"], grow, gok, t.dh, t.dhp)
+    x0 = ox * t.sx - t.px  # each group's first window column
+
+    def taps(i):
+        """Input row i of the windows: per tap j, (input rows, validity, keys, logits)."""
+        y = oy * t.sy - t.py + i
+        yok = (y >= 0) & (y < t.Y)
+        out = []
+        for j in range(t.kx):
+            x = x0 + j
+            ok = gok & (x >= 0) & (x < t.X) & yok
+            prow = _clip(y, t.Y) * t.X + _clip(x, t.X)
+            k = _load(R["k"], prow, ok, t.dh, t.dhp)
+            out.append((prow, ok, k, _rowdot(q, k)))
+        return out
+
+    def weights(i):
+        """A_k = exp(l - r) per tap of row i, with the tap's rows, validity, keys, values and d."""
+        out = []
+        for prow, ok, k, s in taps(i):
+            a = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0)
+            v = _load(R["v"], prow, ok, t.dv, t.dvp)
+            d = _load1(R["d"], prow, ok, 1.0) if "d" in R else None
+            out.append((prow, ok, k, a, v, d))
+        return out
+
+    if mode == "lse":
+        flash = "v" in R
+
+        def body(i, carry):
+            m, total, acc = carry
+            row = [(prow, ok, jnp.where(ok, s, NEG)) for prow, ok, _, s in taps(i)]
+            m_new = functools.reduce(jnp.maximum, [s for _, _, s in row], m)
+            corr = jnp.exp(m - m_new)
+            total, acc = total * corr, acc * corr[:, None]
+            for prow, ok, s in row:
+                p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+                total = total + p
+                if flash:
+                    acc = acc + p[:, None] * _load(R["v"], prow, ok, t.dv, t.dvp)
+            return m_new, total, acc
+
+        init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
+                jnp.zeros((t.tw, t.dvp), jnp.float32))
+        m, total, acc = _loop(t, t.ky, body, init)
+        _store1(R["r"], grow, gok, m + jnp.log(total))
+        if flash:
+            _store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
+        return
+
+    r = _load1(R["r"], grow, gok)
+    if mode == "update":
+        def body(i, acc):
+            for _, _, _, a, v, d in weights(i):
+                acc = acc + (a / d)[:, None] * v
+            return acc
+
+        acc = _loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
+        _store(R["u"], grow, gok, t.dv, t.dvp, acc)
+        return
+
+    # mode == "grad": dA[o,p] = g_o.v_p / d_p + gd_p, delta_o = sum_p A dA, dl = A (dA - delta)
+    g = _load(R["g"], grow, gok, t.dv, t.dvp)
+
+    def grads(i):
+        out = []
+        for prow, ok, k, a, v, d in weights(i):
+            da = _rowdot(g, v)
+            if d is not None:
+                da = da / d + _load1(R["gd"], prow, ok)
+            out.append((a, da, k))
+        return out
+
+    # dq = sum_p A (dA - delta) k in one sweep, as sum_p A (dA - c) k - (delta - c) sum_p A k for
+    # c = g.u, the part of dA common to the window (delta = sum_p A dA = g.u + sum_p A gd): the two
+    # sums then do not cancel (float32 throughout), whatever offset the values carry
+    c = _rowdot(g, _load(R["u"], grow, gok, t.dv, t.dvp))
+
+    def body(i, carry):
+        delta_c, dq_a, dq_k = carry
+        for a, da, k in grads(i):
+            w = a * (da - c)
+            delta_c, dq_a, dq_k = delta_c + w, dq_a + w[:, None] * k, dq_k + a[:, None] * k
+        return delta_c, dq_a, dq_k
+
+    zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
+    delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
+    dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c
+    _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
+    _store1(R["delta"], grow, gok, delta)
+
+
+def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
+    """One input tile. Modes: "colsum" (d = c + eps), "dv" (dv and gd = dL/dd), "dk", "dvdk"."""
+    R = dict(zip(names, refs))
+    tile, y = pl.program_id(0), pl.program_id(1)
+    x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
+    xok = x < t.X
+    prow = y * t.X + _clip(x, t.X)
+    k = _load(R["k"], prow, xok, t.dh, t.dhp)
+    ox_hi = lax.div(x + t.px, t.sx)  # the last group column whose window holds x (x + px >= 0)
+    oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
+    v = _load(R["v"], prow, xok, t.dv, t.dvp) if "v" in R else None
+    d = _load1(R["d"], prow, xok, 1.0) if "d" in R else None
+    gd = _load1(R["gd"], prow, xok) if "gd" in R else None
+
+    def groups(i):
+        """The covering groups on output row oy_lo + i, one per column offset m: their queries,
+        weights A (tx,) and rows."""
+        oy = oy_lo + i
+        rel_y = y - (oy * t.sy - t.py)
+        yok = (oy >= 0) & (oy < t.OY) & (rel_y >= 0) & (rel_y < t.ky)
+        out = []
+        for m in range(t.mx):
+            ox = ox_hi - m
+            ok = xok & yok & (ox >= 0) & (ox < t.OX) & (x + t.px - ox * t.sx < t.kx)
+            grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
+            q = _load(R["q"], grow, ok, t.dh, t.dhp)
+            s = _rowdot(k, q)
+            r = _load1(R["r"], grow, ok)
+            out.append((q, jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0), grow, ok))
+        return out
+
+    if mode == "colsum":
+        def body(i, c):
+            for _, a, _, _ in groups(i):
+                c = c + a
+            return c
+
+        c = _loop(t, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
+        _store1(R["d"], prow, xok, c + eps)
+        return
+
+    want_dv, want_dk = mode in ("dv", "dvdk"), mode in ("dk", "dvdk")
+
+    def body(i, carry):
+        gw, dk = carry
+        for q, a, grow, ok in groups(i):
+            g = _load(R["g"], grow, ok, t.dv, t.dvp)
+            if want_dv:
+                gw = gw + a[:, None] * g
+            if want_dk:
+                da = _rowdot(v, g)
+                if d is not None:
+                    da = da / d + gd
+                dk = dk + (a * (da - _load1(R["delta"], grow, ok)))[:, None] * q
+        return gw, dk
+
+    init = (jnp.zeros((t.tx, t.dvp), jnp.float32), jnp.zeros((t.tx, t.dhp), jnp.float32))
+    gw, dk = _loop(t, t.nt, body, init)
+    if want_dk:
+        _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
+    if want_dv:
+        if d is None:
+            _store(R["dv"], prow, xok, t.dv, t.dvp, gw)
+        else:  # u = sum A w with w = v / d: dv = gw / d, and d's own gradient gd
+            _store(R["dv"], prow, xok, t.dv, t.dvp, gw / d[:, None])
+            _store1(R["gd"], prow, xok, -_rowdot(gw, v) / (d * d))
+
+
+def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
+    """pallas_call over grid (tiles, rows, B*H) with each operand's whole (B*H) slice as its block.
+
+    ``ins``/``outs`` map names to (B*H, n) arrays / ShapeDtypeStructs; the kernel sees them by name.
+    """
+    names = list(ins) + list(outs)
+    spec = lambda a: pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b, 0))
+    res = pl.pallas_call(
+        functools.partial(kernel, names=names, t=t, **kw),
+        grid=grid,
+        in_specs=[spec(a) for a in ins.values()],
+        out_specs=[spec(a) for a in outs.values()],
+        out_shape=list(outs.values()),
+        compiler_params=plgpu.CompilerParams(num_warps=t.warps, num_stages=2),
+        interpret=interpret,
+        name=name,
+    )(*ins.values())
+    return dict(zip(outs, res))
+
+
+def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> dict:
+    """Run :func:`_group_kernel` over every group tile of every slice."""
+    bh = next(iter(ins.values())).shape[0]
+    grid = (-(-t.OX // t.tw), t.OY, bh)
+    return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode)
+
+
+def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
+    """Run :func:`_input_kernel` over every input tile of every slice."""
+    bh = next(iter(ins.values())).shape[0]
+    grid = (-(-t.X // t.tx), t.Y, bh)
+    return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps)
+
+
+def stats(bh: int, n: int) -> jax.ShapeDtypeStruct:
+    """A per-token float32 statistic (log-sum-exp, denominator, delta) of every slice."""
+    return jax.ShapeDtypeStruct((bh, n), jnp.float32)
+
+
+def flat_like(bh: int, n: int, d: int, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((bh, n * d), np.dtype(dtype))

@@ -1,0 +1,54 @@
+"""Run by tests/test_gpu_cost.py in a process of its own: small programs compiled for an H100 by
+benchmarks/gpu_cost.py, their kernels printed as one JSON object.
+
+Its own process because jax must start with the CUDA compiler on its path (gpu_cost puts it there when
+imported first), and the test processes' jax must not: there it would print its driver lines on stderr.
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_cost  # noqa: E402  (before jax)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+M, K, N = 256, 512, 1024
+
+
+def matmul_softmax(x, w):
+    with jax.named_scope("head"):
+        return jax.nn.softmax(x @ w, axis=-1)
+
+
+def loop(x, w):
+    return jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ w), x)
+
+
+def main() -> None:
+    why = gpu_cost.plugin_missing()
+    if why:
+        print(json.dumps({"missing": why}))
+        return
+    gpu = gpu_cost.load_gpu("h100_sxm")
+    device = gpu_cost.target_device(gpu)
+    bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    programs = {
+        "matmul_softmax": (matmul_softmax, bf16(M, K), bf16(K, N)),
+        "elementwise": (lambda x: x * 2.0 + 1.0, jax.ShapeDtypeStruct((1024, 1024), jnp.float32)),
+        "loop": (loop, bf16(128, 256), bf16(256, 256)),
+    }
+    out = {"device_kind": device.device_kind, "roofline": dataclasses.asdict(gpu.roofline)}
+    for name, (fn, *args) in programs.items():
+        compiled, _ = gpu_cost.compile_for(fn, *args, device=device)
+        kernels = gpu_cost.kernels_of(compiled.as_text(), gpu.roofline)
+        out[name] = {"kernels": [{**dataclasses.asdict(k), "scope": k.scope} for k in kernels],
+                     "summary": gpu_cost.summarize(kernels, gpu.roofline)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

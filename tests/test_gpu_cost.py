@@ -1,0 +1,147 @@
+"""Compiling for an H100 without one keeps working, and benchmarks/gpu_cost.py counts what it should.
+
+The CUDA compiler is part of the test install (scripts/test.sh runs scripts/setup_gpu_aot.sh): when it
+is missing these tests fail, they do not skip. Each compile runs in a process of its own
+(tests/gpu_cost_probe.py, or the command itself), where jax starts with the compiler on its path.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+M, K, N = 256, 512, 1024  # tests/gpu_cost_probe.py's matmul
+
+
+def _run(*argv: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def probe():
+    proc = _run("tests/gpu_cost_probe.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "missing" not in out, out.get("missing")
+    return out
+
+
+def _gemms(kernels):
+    return [k for k in kernels if "matmul" in k["kind"] or "gemm" in k["kind"]]
+
+
+def test_a_matmul_and_softmax_compile_for_the_h100_and_are_counted(probe):
+    assert "H100" in probe["device_kind"]
+    kernels = probe["matmul_softmax"]["kernels"]
+    gemms = _gemms(kernels)
+    assert len(gemms) == 1 and gemms[0]["flops"] == 2 * M * K * N, kernels
+    assert gemms[0]["bytes"] == 2 * (M * K + K * N + M * N)  # bf16 in and out; cuBLAS's scratch left out
+    assert sum(k["flops"] for k in kernels) == 2 * M * K * N  # the softmax's arithmetic counts nothing
+    assert 2 <= len(kernels) <= 6, kernels  # the gemm, then the softmax's reductions and normalisation
+    summary = probe["matmul_softmax"]["summary"]
+    assert set(summary["by_scope"]) == {"head"} and summary["total"]["kernels"] == len(kernels)
+    # The data file's roofline: the measured bf16 matmul rate, the H100's HBM bandwidth, a launch.
+    assert probe["roofline"] == {"flops_per_s": 662e12, "bytes_per_s": 3.35e12, "launch_s": 2e-6}
+    gemm_s = max(2 * M * K * N / 662e12, 2 * (M * K + K * N + M * N) / 3.35e12) + 2e-6
+    assert summary["top_kernels"][0]["kind"] == gemms[0]["kind"]
+    assert summary["by_kind"][gemms[0]["kind"]]["seconds"] == pytest.approx(gemm_s)
+
+
+def test_an_elementwise_op_moves_its_input_and_output_once(probe):
+    kernels = probe["elementwise"]["kernels"]
+    assert len(kernels) == 1 and kernels[0]["kind"].startswith("fusion:")
+    assert kernels[0]["bytes"] == 2 * 1024 * 1024 * 4 and kernels[0]["flops"] == 0
+
+
+def test_a_loop_body_counts_once_per_iteration(probe):
+    kernels = probe["loop"]["kernels"]
+    assert [g["launches"] for g in _gemms(kernels)] == [5]
+    assert probe["loop"]["summary"]["total"]["flops"] == 5 * 2 * 128 * 256 * 256
+
+
+def test_the_quick_step_is_priced_per_scope(tmp_path):
+    """The --quick path: the trainer's RAT step (gpu kernels, bf16) compiled for the H100, every part of
+    the model's scopes found, and the JSON written."""
+    out = tmp_path / "cost.json"
+    proc = _run("benchmarks/gpu_cost.py", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| quick | 32 | 2 |" in proc.stdout
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["step"] == "quick" and row["compile_s"] > 0
+    assert row["memory"]["temp"] > 0 and row["memory"]["argument"] > 0
+    assert {"sga", "mr_blocks", "head", "loss", "optimizer"} <= set(row["by_scope"])
+    assert row["by_scope"]["sga"]["bytes"] > 0 and row["total"]["kernels"] > 50
+    assert any(kind.startswith("__cudnn$fmha") for kind in row["by_kind"])  # MR attention is cuDNN's on a GPU
+    assert sum(s["kernels"] for s in row["by_scope"].values()) == row["total"]["kernels"]
+    assert sum(s["bytes"] for s in row["by_kind"].values()) == pytest.approx(row["total"]["bytes"])
+
+
+def test_without_the_compiler_the_command_says_how_to_install_it(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin"):
+        pytest.fail("the CUDA plugin is installed in this environment itself: every jax process loads it")
+    proc = _run("benchmarks/gpu_cost.py", "--quick", env={"JAXRAT_GPU_AOT_DIR": str(tmp_path)}, timeout=60)
+    assert proc.returncode == 2
+    jax_version = importlib.metadata.version("jax")
+    assert proc.stderr.strip().splitlines() == [
+        f"gpu_cost: error: the CUDA compiler for jax {jax_version} is not installed; run bash scripts/setup_gpu_aot.sh "
+        f"(jax-cuda12-plugin=={jax_version} into {tmp_path}, no CUDA libraries needed)."]
+
+
+MODULE = """HloModule m
+%body (p: (s32[], bf16[64,64])) -> (s32[], bf16[64,64], f32[4], f32[4], f32[4], /*index=5*/f32[4]) {
+  %p = (s32[], bf16[64,64]{1,0}) parameter(0)
+  %x = bf16[64,64]{1,0} get-tuple-element(%p), index=1
+  %g = (bf16[64,64]{1,0}, s8[4194304]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul", \
+metadata={op_name="jit(f)/while/body/sga/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":\
+{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %y = bf16[64,64]{1,0} get-tuple-element(%g), index=0
+  ROOT %t = (s32[], bf16[64,64]{1,0}) tuple(%i, %y)
+}
+%cond (p: (s32[], bf16[64,64])) -> pred[] {
+  %p = (s32[], bf16[64,64]{1,0}) parameter(0)
+  ROOT %lt = pred[] compare(%p, %p), direction=LT
+}
+%cheap (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%a), metadata={op_name="jit(f)/head/neg"}
+}
+%dear (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %c1 = f32[1024]{0} copy(%a), metadata={op_name="jit(f)/head/copy"}
+  ROOT %c2 = f32[8]{0} copy(%a), metadata={op_name="jit(f)/head/copy"}
+}
+ENTRY %main (x: bf16[64,64], v: f32[8], k: pred[]) -> f32[8] {
+  %x = bf16[64,64]{1,0} parameter(0)
+  %v = f32[8]{0} parameter(1)
+  %k = pred[] parameter(2)
+  %w = (s32[], bf16[64,64]{1,0}) while(%x), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %o = f32[8]{0} conditional(%k, %v, %v), true_computation=%cheap, false_computation=%dear
+  ROOT %z = f32[8]{0} copy(%o), control-predecessors={%w}, metadata={op_name="jit(f)/optimizer/copy"}
+}
+"""
+
+
+def test_the_module_text_is_read_kernel_by_kernel():
+    """benchmarks/hlo_cost.py alone, on a written module: a loop's body counted per trip (its condition not),
+    cuBLAS's scratch left out, a conditional's costlier branch, operands without control dependencies."""
+    from benchmark_scripts import load
+
+    hlo_cost = load("hlo_cost")
+    roofline = hlo_cost.Roofline(flops_per_s=1e12, bytes_per_s=1e9, launch_s=1e-6)
+    kernels = {k.name: k for k in hlo_cost.kernels_of(MODULE, roofline)}
+    assert set(kernels) == {"g", "c1", "c2", "z"}
+    g = kernels["g"]
+    assert (g.kind, g.launches, g.scope) == ("__cublas$lt$matmul", 3, "sga")
+    assert (g.flops, g.bytes) == (2 * 64**3, 3 * 64 * 64 * 2)
+    assert kernels["c1"].bytes == 4 * (1024 + 8) and kernels["z"].bytes == 4 * (8 + 8)
+    summary = hlo_cost.summarize(list(kernels.values()), roofline)
+    assert summary["total"]["kernels"] == 3 + 3
+    assert set(summary["by_scope"]) == {"sga", "head", "optimizer"}
