@@ -12,6 +12,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrat.cluster import preemption
 from jaxrat.config import check_override_args
 from jaxrat.runtime import hugepages, platform_hint
 from jaxrat.runtime.console import fail, quiet_libraries
@@ -24,6 +25,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv: list[str]) -> None:
     """Initialise the distributed runtime, then train and evaluate."""
+    preemption.install_handlers()  # a SIGTERM during start-up asks for a stop, it does not kill the run
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     from jaxrat import cluster
@@ -35,7 +37,7 @@ def main(argv: list[str]) -> None:
     if platform_hint.expects_cpu():  # before JAX's CPU client exists; a GPU run leaves it alone
         pin_cpu_parallelism(int(config.train.get("reduction_shards", 0) or 0))
     try:
-        cluster.initialize(config.distributed)
+        preemption.note_process_count(cluster.initialize(config.distributed).process_count)
         compile_cache.enable(config.train.compilation_cache_dir)
         from jaxrat.trainer.loop import train_and_evaluate
 
@@ -56,6 +58,7 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.main``)."""
     hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/runtime/hugepages.py)
+    preemption.install_handlers()
     try:
         check_override_args(sys.argv[1:])
     except UserError as e:
