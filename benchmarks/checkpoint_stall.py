@@ -125,7 +125,7 @@ def main() -> None:
     b, d, s, h = _stats(blocked[1:]), _stats(durable[1:]), _stats(sync_s[1:]), _stats(host_copy[1:])
     ratio = b["median"] / s["median"]
     result = {
-        "config": args.config, "overrides": args.set, "model": dict(config.model),
+        "config": args.config, "overrides": args.set, "model": config.model.to_dict(),
         "state_bytes": int(nbytes), "bytes_on_disk": int(on_disk), "reps": args.reps,
         "devices": jax.device_count(), "platform": jax.devices()[0].platform, "host": platform.node(),
         "cpu_count": os.cpu_count(), "async_blocked_s": b, "async_to_durable_s": d, "sync_save_s": s,

@@ -2,6 +2,7 @@
 
     python benchmarks/run_all.py            # the full set (hours on a 2-core CPU; minutes on a GPU)
     python benchmarks/run_all.py --quick    # small sizes and few repetitions, ~15-25 min on 2 CPU cores
+    python benchmarks/run_all.py --smoke    # the smallest sizes: does each one still run (CI)
     python benchmarks/run_all.py --only rat_bench first_step
 
 Each benchmark runs as its own subprocess (so one that fails or runs out of memory does not take
@@ -42,7 +43,32 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "attention_blocks": (["--size", "64", "--blocks", "65536", "524288", "4194304", "--reps", "2"], []),
     "backbone_bench": (["--quick"], []),
     "step_profile": (["--size", "64", "--steps", "2", "--feed-steps", "2"], ["--size", "128", "--steps", "3"]),
+    "gpu_bench": (["--quick"], []),  # the full table wants a GPU; --quick runs the portable forms on a CPU
+    "gpu_cost": (["--quick"], []),
 }
+
+
+# name -> the smallest arguments that still run the whole benchmark: what tests/test_benchmarks_smoke.py
+# runs in CI, so that no benchmark rots unnoticed (the numbers mean nothing at these sizes).
+SMOKE: dict[str, list[str]] = {
+    "rat_bench": ["--sizes", "32", "--reference-sizes", "32", "--reps", "1"],
+    "rat_scaling": ["--variants", "windowed", "--sizes", "64", "--time-up-to", "0", "--no-components"],
+    "coco_step": ["--variant", "smoke", "--batch", "2", "--devices", "2", "--no-time"],
+    "rat_detr_step": ["--variants", "rat_demo", "--steps", "1"],
+    "zero_memory": ["--config", "configs/isic.py:smoke", "--image-size", "32", "--batch-size", "4", "--devices", "2"],
+    "detection_matching": ["--targets", "10", "--fills", "full", "--reps", "1", "--no-step"],
+    "data_pipeline": ["--config", "configs/isic.py:demo", "--images", "4", "--width", "96", "--height", "64",
+                      "--seconds", "1", "--workers", "0", "--skip-step"],
+    "checkpoint_stall": ["--reps", "1", "--set", "model.rat.num_blocks=1"],
+    "first_step": ["--config", "configs/isic.py:smoke", "--steps", "1"],
+    "attention_blocks": ["--size", "32", "--blocks", "65536", "--matmul", "256", "--reps", "1"],
+    "step_profile": ["--size", "32", "--variants", "sparse", "--steps", "1", "--feed-steps", "1"],
+    "gpu_bench": ["--quick", "--sizes", "32", "--only", "kernels"],
+    "backbone_bench": ["--quick"],
+    "gpu_cost": ["--quick"],
+}
+# Benchmarks that need a CUDA device and cannot run on CI's CPUs (run them on a GPU machine).
+GPU_ONLY = {"sparse_sga_gpu"}
 
 
 def machine() -> dict:
@@ -101,20 +127,24 @@ def markdown(info: dict, rows: dict[str, dict], quick: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument("--smoke", action="store_true", help="the smallest sizes: proves each benchmark runs "
+                        "(what CI runs), measures nothing")
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     parser.add_argument("--results", default="", help="folder for the JSON files and the summary "
                         "(default benchmarks/results, or benchmarks/results/quick with --quick)")
     parser.add_argument("--timeout", type=float, default=0,
                         help="seconds per benchmark (default 1800 quick, 14400 full)")
     args = parser.parse_args()
-    results = Path(args.results or REPO / "benchmarks" / "results" / ("quick" if args.quick else ""))
+    tier = "smoke" if args.smoke else "quick" if args.quick else ""
+    results = Path(args.results or REPO / "benchmarks" / "results" / tier)
     results.mkdir(parents=True, exist_ok=True)
-    timeout = args.timeout or (1800 if args.quick else 14400)
+    timeout = args.timeout or (600 if args.smoke else 1800 if args.quick else 14400)
     info = machine()
     rows = {}
     for name in args.only:
         print(f"-- {name} ...", flush=True)
-        rows[name] = run_one(name, BENCHMARKS[name][0 if args.quick else 1], results, timeout)
+        wanted = SMOKE[name] if args.smoke else BENCHMARKS[name][0 if args.quick else 1]
+        rows[name] = run_one(name, wanted, results, timeout)
         print(f"   {rows[name]['status']} in {rows[name]['seconds']} s", flush=True)
     (results / "SUMMARY.md").write_text(markdown(info, rows, args.quick))
     (results / "summary.json").write_text(json.dumps({"machine": info, "quick": args.quick, "benchmarks": rows},

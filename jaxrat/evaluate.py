@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
 
 from absl import flags
 
@@ -30,6 +31,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds confi
 _STEP = flags.DEFINE_string("step", "", "Checkpoint to evaluate: a step number, 'best' or 'latest' (default: the "
                             "best when the run ranked one, else the latest).")
 _NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step, split, TTA).")
+_OUT = flags.DEFINE_string("out", "", "Write the results to this folder instead of WORKDIR/eval/NAME.")
 _SPLIT = flags.DEFINE_enum("split", "validation", ["validation", "test", "train"], "The data to evaluate.")
 _TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
 _TILE = flags.DEFINE_integer("tile", 0, "Segmentation: predict each image in TILE x TILE windows at its own size.")
@@ -48,8 +50,8 @@ def _default_name(step: str) -> str:
 
 def main(argv: list[str], overrides: list[str]) -> None:
     """Initialise the runtime from the run's config, then evaluate."""
-    from jaxrat.inference.augment import TTAModel, check_tiling, parse_tta
-    from jaxrat.trainer.evaluation import evaluate_checkpoint, open_trained_run, write_rows
+    from jaxrat.inference.augment import check_tiling, parse_tta
+    from jaxrat.trainer.evaluation import open_trained_run
 
     quiet_libraries()
     try:
@@ -60,47 +62,60 @@ def main(argv: list[str], overrides: list[str]) -> None:
         if _TILE.value:
             check_tiling(_TILE.value, _OVERLAP.value)
         workdir, config = open_trained_run(_WORKDIR.value, overrides)
-        import jax
-
-        from jaxrat.checkpointing.store import resolve
+        from jaxrat.checkpointing.reading import open_checkpoint
         from jaxrat.inference.checkpoint_choice import choose
+        from jaxrat.trainer.evaluation import READ_ITEMS
 
-        step = resolve(f"{workdir}:{choose(workdir, _STEP.value)}")[1]
-        name = _NAME.value or _default_name(f"step_{step}")
-        kind = {"segmentation": "segmentation", "classification": "classification"}.get(config.task.name, "other")
-        wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None
-        if tta.active:
-            TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
-        if _TILE.value and kind != "segmentation":
-            raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
-        from jaxrat.inference.split_eval import swap_to_train, use_split
-
-        per_image = _PER_IMAGE.value and not _TILE.value
-        use_split(config, _SPLIT.value, per_image)
-        context: dict = {}
-        _, metrics = evaluate_checkpoint(config, workdir, str(step), name, wrap_model=wrap, per_image=per_image,
-                                         prepared=lambda task: swap_to_train(task, _SPLIT.value), context=context)
-        if _TILE.value or _SAVE.value:
-            from jaxrat.inference import split_eval
-            from jaxrat.inference.predictor import Predictor
-
-            task, out_dir = context["task"], context["out_dir"]
-            predictor = Predictor(config, workdir, str(step), tta=tta, data_dir=out_dir)
-            if _TILE.value:
-                tiled, rows = split_eval.tiled_segmentation(predictor, task, _TILE.value, _OVERLAP.value)
-                if jax.process_index() == 0:
-                    _add_metrics(out_dir, tiled, _TILE.value, _OVERLAP.value)
-                    if _PER_IMAGE.value:
-                        write_rows(os.path.join(out_dir, "per_image.csv"), rows)
-                logging.info("tiled (%d px, overlap %g): %s", _TILE.value, _OVERLAP.value,
-                             " ".join(f"{k} {v:.4f}" for k, v in tiled.items()))
-            if _SAVE.value:
-                counts = split_eval.save_predictions(predictor, task, os.path.join(out_dir, "predictions"))
-                logging.info("wrote predictions of %d images to %s", counts["images"],
-                             os.path.join(out_dir, "predictions"))
-        del metrics
+        # The step is chosen once and held for both the evaluation and the predictions: "latest"
+        # resolved here and again later named a step the user never asked for once a training
+        # beside it had rotated it away.
+        with open_checkpoint(f"{workdir}:{choose(workdir, _STEP.value)}", READ_ITEMS) as opened:
+            _evaluate(config, workdir, opened, tta)
     except UserError as e:
         fail(str(e))
+
+
+def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
+    """Evaluate the held checkpoint ``opened`` (and tile or save predictions, when asked)."""
+    import jax
+
+    from jaxrat.inference.augment import TTAModel
+    from jaxrat.trainer.evaluation import evaluate_checkpoint, write_rows
+
+    step = opened.step
+    name = _NAME.value or _default_name(f"step_{step}")
+    kind = {"segmentation": "segmentation", "classification": "classification"}.get(config.task.name, "other")
+    wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None
+    if tta.active:
+        TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
+    if _TILE.value and kind != "segmentation":
+        raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
+    from jaxrat.inference.split_eval import swap_to_train, use_split
+
+    per_image = _PER_IMAGE.value and not _TILE.value
+    use_split(config, _SPLIT.value, per_image)
+    context: dict = {}
+    _, metrics = evaluate_checkpoint(config, workdir, str(step), name, wrap_model=wrap, per_image=per_image,
+                                     prepared=lambda task: swap_to_train(task, _SPLIT.value), context=context,
+                                     out_dir=_OUT.value or None, opened=opened)
+    if _TILE.value or _SAVE.value:
+        from jaxrat.inference import split_eval
+        from jaxrat.inference.predictor import Predictor
+
+        task, out_dir = context["task"], context["out_dir"]
+        predictor = Predictor(config, workdir, str(step), tta=tta, data_dir=out_dir, opened=opened)
+        if _TILE.value:
+            tiled, rows = split_eval.tiled_segmentation(predictor, task, _TILE.value, _OVERLAP.value)
+            if jax.process_index() == 0:
+                _add_metrics(out_dir, tiled, _TILE.value, _OVERLAP.value)
+                if _PER_IMAGE.value:
+                    write_rows(os.path.join(out_dir, "per_image.csv"), rows)
+            logging.info("tiled (%d px, overlap %g): %s", _TILE.value, _OVERLAP.value,
+                         " ".join(f"{k} {v:.4f}" for k, v in tiled.items()))
+        if _SAVE.value:
+            counts = split_eval.save_predictions(predictor, task, os.path.join(out_dir, "predictions"))
+            logging.info("wrote predictions of %d images to %s", counts["images"],
+                         os.path.join(out_dir, "predictions"))
 
 
 def _add_metrics(out_dir: str, tiled: dict[str, float], tile: int, overlap: float) -> None:

@@ -17,6 +17,7 @@ from absl import flags
 
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
+from jaxrat.runtime.fileio import unwritable
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
 _STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
@@ -46,6 +47,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
         from jaxrat.inference.predictor import Predictor
         from jaxrat.trainer.evaluation import open_trained_run
 
+        why = unwritable(_OUT.value)  # before the minutes of loading and exporting
+        if why:
+            raise UserError(f"Cannot write the export to {_OUT.value} ({why}); pass --out a folder you can write to.")
         workdir, config = open_trained_run(_WORKDIR.value, overrides)
         predictor = Predictor(portable(config), workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value or 0)
         check = export_model(predictor, _OUT.value, platforms=platforms, batch=_BATCH.value)

@@ -13,6 +13,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrat.cluster import preemption
 from jaxrat.config import check_override_args, load_config
 from jaxrat.config.loader import describe_packaged
 from jaxrat.runtime import command_line, hugepages, platform_hint
@@ -27,6 +28,7 @@ _CONFIG_HELP = (("--config CONFIG[:VARIANT]", "a config file, a packaged config'
 
 def main(argv: list[str]) -> None:
     """Initialise the distributed runtime, then train and evaluate."""
+    preemption.install_handlers()  # a SIGTERM during start-up asks for a stop, it does not kill the run
     from jaxrat import cluster
     from jaxrat.parallel.cpu_client import pin_cpu_parallelism
     from jaxrat.runtime import compile_cache  # before anything that touches JAX devices
@@ -41,7 +43,7 @@ def main(argv: list[str]) -> None:
         config = flags.FLAGS["config"].value
         if platform_hint.expects_cpu():  # before JAX's CPU client exists; a GPU run leaves it alone
             pin_cpu_parallelism(int(config.train.get("reduction_shards", 0) or 0))
-        cluster.initialize(config.distributed)
+        preemption.note_process_count(cluster.initialize(config.distributed).process_count)
         compile_cache.enable(config.train.compilation_cache_dir)
         from jaxrat.trainer.loop import train_and_evaluate
 
@@ -79,6 +81,7 @@ def _take_config(argv: list[str]) -> tuple[str | None, list[str]]:
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.main`` and ``jaxrat train``)."""
     hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/runtime/hugepages.py)
+    preemption.install_handlers()
     argv = [sys.argv[0], *command_line.absl_style(sys.argv[1:])]
     if command_line.wants_help(argv[1:]):
         command_line.print_help_and_exit(command_line.absl_help(

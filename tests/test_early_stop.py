@@ -95,3 +95,30 @@ def test_the_sweep_sees_a_stop_in_the_metadata_or_at_a_step_saved_before(tmp_pat
     assert run_state(str(tmp_path / "pending"), 20).finished
     Path(tmp_path, "pending", "summary.json").write_text(json.dumps({"stopped_early": {"step": 2}}))
     assert not run_state(str(tmp_path / "pending"), 20).finished
+
+
+def test_a_patience_the_run_is_too_short_for_is_warned_about(caplog):
+    """Nothing said so: a run of 6 steps evaluating every 3 (2 evaluations) can never stop with
+    patience 2, and the user believed early stopping guarded it."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        _stopper(early_stop_patience=1)  # the smoke config: 6 steps, an evaluation every 3: it can stop
+    assert "cannot trigger" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        _stopper(early_stop_patience=2)
+    assert "early stopping cannot trigger in this run: it evaluates 2 times" in caplog.text
+
+
+def test_a_nan_before_any_checkpoint_does_not_point_at_one():
+    """It said "the last good checkpoint (step None in ...) is kept"."""
+    import numpy as np
+
+    from jaxrat.trainer.hooks import TrainingDiverged, TrainLog
+
+    log = TrainLog(None, None, total_steps=10, every=1, last_good=lambda: "")
+    with pytest.raises(TrainingDiverged, match="before any checkpoint was saved, so there is nothing to resume"):
+        log.add(1, {"train/nonfinite": np.int32(1), "train/loss": np.float32("nan")})
+    log = TrainLog(None, None, total_steps=10, every=1, last_good=lambda: "step 4 in /w/checkpoints")
+    with pytest.raises(TrainingDiverged, match=r"last good checkpoint \(step 4 in /w/checkpoints\) is kept"):
+        log.add(5, {"train/nonfinite": np.int32(1), "train/loss": np.float32("nan")})

@@ -46,3 +46,9 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     assert proc.returncode == 2 and "no complete checkpoint at step 3000" in proc.stderr
     proc = _evaluate(str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "config.json not found" in proc.stderr
+    proc = _evaluate(wd, "--name=../../escaped")  # wrote outside WORKDIR/eval
+    assert proc.returncode == 2 and "leads out of" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "escaped").exists()
+    proc = _evaluate(wd, "--out=/sys/jaxrat_eval")  # a folder that cannot be written: one sentence
+    assert proc.returncode == 2 and "Cannot write the evaluation to /sys/jaxrat_eval" in proc.stderr
+    assert "Traceback" not in proc.stderr

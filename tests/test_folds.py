@@ -137,4 +137,6 @@ def test_stats_are_the_mean_sd_and_paired_differences_of_the_last_evals(tmp_path
     assert f"| pe_none | 6/7 | {other.mean():.4f} ± {other.std(ddof=1):.4f} |" in text
     assert f"| pe_none | eval/dice | 6 | {diff.mean():.4f} ± {diff.std(ddof=1):.4f} |" in text
     assert "eval/loss | 6" not in text  # the paired table shows the best metric; the JSON has every one
+    # In words, not only in "6/7": the unfinished run is not in the means.
+    assert "1 run is not finished (running, failed, preempted or killed) and left out of these means" in text
     assert "eval/loss" in got["paired"]["pe_none"]

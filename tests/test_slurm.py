@@ -1,22 +1,25 @@
-"""Against a real single-node SLURM cluster (Debian slurmctld/slurmd/munge, 4 fake GPUs).
+"""Against a real single-node SLURM cluster (Debian slurmctld/slurmd/munge, 4 fake GPUs) of the tests' own.
 
-The cluster comes from scripts/slurm_cluster.sh: the fixture brings it up when it is not (root
-with apt-get: ~10 s on a fresh Debian, seconds with the packages present) and the last test
-session using it brings it down again. Only outside CI (CI=true), without root or apt-get, are
-these tests skipped. Every srun/sbatch runs under a timeout and a Slurm time limit, and leftover
-jobs of this session are cancelled by their name.
+The fixture starts a private cluster with scripts/slurm_cluster.sh (``SLURM_CLUSTER_DIR``: its own
+config, state, logs, munged and ports, in a fresh folder; ~10 s, more when the packages must be
+installed) and stops and removes it after the module; every client command reaches it through
+``SLURM_CONF``. It never submits to a cluster it merely finds answering (another one on this
+machine, or a login node's production cluster): a user who wants these tests on an existing
+cluster names its slurm.conf in ``JAXRAT_TEST_SLURM_CONF``. Only outside CI (CI=true), without root
+or apt-get, are these tests skipped. Every srun/sbatch runs under a timeout and a Slurm time limit,
+and leftover jobs of this session are cancelled by their name.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -28,88 +31,78 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 JOB_NAME = f"jaxrat-pytest-{os.getpid()}"  # per session: teardown cancels only ours
+OPT_IN = "JAXRAT_TEST_SLURM_CONF"  # the slurm.conf of an existing cluster to run these tests on, by choice
 
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def cluster_works() -> bool:
-    if not shutil.which("srun"):
-        return False
-    return subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, timeout=60).returncode == 0
-
-
-# Several pytest sessions may share this machine's one cluster. Each registers a lease (its pid)
-# under a lock; the cluster is brought down only by the last session, and only if a test session
-# started it (a cluster someone brought up by hand or in CI stays up).
-LEASES = Path("/run/jaxrat-slurm-tests")
-
-
-@contextlib.contextmanager
-def leases_locked():
-    LEASES.mkdir(exist_ok=True)
-    with open(LEASES / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free (slurmctld's and slurmd's)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
 
 
-def live_leases() -> list[Path]:
-    live = []
-    for lease in LEASES.glob("pid-*"):
-        try:
-            os.kill(int(lease.name[4:]), 0)
-            live.append(lease)
-        except (ProcessLookupError, ValueError):
-            lease.unlink(missing_ok=True)
-    return live
+def _unavailable(why: str) -> None:
+    if in_ci():
+        pytest.fail(f"CI must run the SLURM tests, but {why}.")
+    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
 def slurm():
-    """A working cluster for this module; started here if needed, stopped by the last user."""
-    if os.geteuid() != 0:
-        if cluster_works():
-            yield
-            return
-        if in_ci():
-            pytest.fail("CI must run the SLURM tests, but the runner is not root and no cluster is up; run "
-                        "`scripts/slurm_cluster.sh up` as root before pytest.")
-        pytest.skip("no SLURM cluster and no root to start one (scripts/slurm_cluster.sh up)")
-    lease = LEASES / f"pid-{os.getpid()}"
-    with leases_locked():
-        lease.touch()
-        if not cluster_works():
-            if not shutil.which("apt-get") and not shutil.which("slurmctld"):
-                lease.unlink()
-                if in_ci():
-                    pytest.fail("CI must run the SLURM tests but cannot install Slurm here (no apt-get).")
-                pytest.skip("no SLURM cluster and no apt-get to install one (scripts/slurm_cluster.sh up)")
-            up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=600)
-            if up.returncode != 0:
-                lease.unlink()
-                if in_ci():
-                    pytest.fail(f"scripts/slurm_cluster.sh up failed:\n{up.stderr}")
-                pytest.skip(f"could not start a SLURM cluster here: {up.stderr.strip().splitlines()[-1:]}")
-            (LEASES / "started-by-tests").touch()
+    """A cluster of this module's own, started here and stopped and removed after it; or the
+    cluster a user names in JAXRAT_TEST_SLURM_CONF."""
+    previous = os.environ.get("SLURM_CONF")
+    named = os.environ.get(OPT_IN, "")
+    private, env = "", {}
+    if named:
+        os.environ["SLURM_CONF"] = named
+        works = shutil.which("srun") and subprocess.run(["srun", "-N1", "-n1", "true"], capture_output=True,
+                                                         timeout=60).returncode == 0
+        if not works:
+            pytest.fail(f"{OPT_IN}={named}: srun does not work on that cluster.")
+    else:
+        if os.geteuid() != 0:
+            _unavailable("starting a private SLURM cluster needs root (or name a cluster in "
+                         f"{OPT_IN}=/path/to/slurm.conf)")
+        if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+            _unavailable("Slurm is not installed and there is no apt-get to install it")
+        private = tempfile.mkdtemp(prefix="jaxrat-slurm-", dir="/tmp")  # short: munge's socket path is limited
+        env = {**os.environ, "SLURM_CLUSTER_DIR": private, "SLURM_CLUSTER_PORT": str(_free_port_pair())}
+        up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=600, env=env)
+        if up.returncode != 0:
+            subprocess.run(["bash", str(CLUSTER), "down", "--purge"], capture_output=True, timeout=120, env=env)
+            _unavailable(f"scripts/slurm_cluster.sh up failed: {up.stderr.strip()[-2000:]}")
+        os.environ["SLURM_CONF"] = os.path.join(private, "etc", "slurm.conf")
     try:
         yield
     finally:
         subprocess.run(["scancel", f"--name={JOB_NAME}", f"--user={os.getuid()}"], capture_output=True, timeout=30)
-        with leases_locked():
-            lease.unlink(missing_ok=True)
-            if (LEASES / "started-by-tests").exists() and not live_leases():
-                subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=120)
-                (LEASES / "started-by-tests").unlink()
+        if private:
+            subprocess.run(["bash", str(CLUSTER), "down", "--purge"], capture_output=True, timeout=120, env=env)
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
 
 
 def task_env(**extra: str) -> dict[str, str]:
     """The caller's environment without launcher variables (srun exports it to the tasks)."""
     drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) or k == "SLURM_CONF"}
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
     return env
 

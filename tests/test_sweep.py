@@ -282,12 +282,12 @@ def test_summary_table_of_fake_runs(tmp_path):
                       "best eval/dice step", "train/loss", "overrides"]
     assert rows == [["b_run", "finished", 4, 4, 0.4, 0.35, 0.5, 2, 0.7, "seed=2"],  # sweep order first
                     ["a_run", "finished", 4, 3, 0.7, 0.5, 0.7, 3, 0.5, ""],
-                    ["c_partial", "at step 2 of 4", 2, 2, 0.2, 0.1, 0.2, 2, None, ""]]
+                    ["c_partial", "stopped at step 2 of 4", 2, 2, 0.2, 0.1, 0.2, 2, None, ""]]
     md = (root / "summary.md").read_text()
     assert md in text and "| b_run | finished | 4 | 4 | 0.4000 | 0.3500 | 0.5000 | 2 | 0.7000 | seed=2 |" in md
     table = list(csv.reader(io.StringIO((root / "summary.csv").read_text())))
-    assert table[0] == header and table[3] == ["c_partial", "at step 2 of 4", "2", "2", "0.2", "0.1", "0.2", "2", "",
-                                               ""]
+    assert table[0] == header and table[3] == ["c_partial", "stopped at step 2 of 4", "2", "2", "0.2", "0.1", "0.2",
+                                               "2", "", ""]
     assert (root / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -338,6 +338,48 @@ def test_local_sweep_goes_on_after_a_failure_and_stops_when_terminated(tmp_path)
     assert (root / "lr_high" / "got").read_text() == "term\n"  # passed on to the run
     assert "sweep [2/3] lr_high: ended with status 42" in out and "sweep: stopped" in out
     assert not (root / "wide").exists()
+
+
+def test_a_killed_sweep_stops_its_training(tmp_path):
+    """kill -9 of the sweep left its training running (no parent-death signal): the rerun found the
+    workdir locked and counted the variant as failed."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_TRAINER)
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    code = ("import sys; from jaxrat.experiments import sweep as s; "
+            f"sys.exit(s.run_local({TOY!r}, {str(root)!r}, s.load_sweep({TOY!r}), python={str(fake)!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "lr_high" / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while not (root / "lr_high" / "got").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+    assert (root / "lr_high" / "got").read_text() == "term\n"  # told to checkpoint and stop
+
+
+def test_a_rerun_waits_for_the_run_still_stopping_in_its_workdir(tmp_path, capsys):
+    import json
+    import socket
+
+    from jaxrat.experiments.sweep import wait_for_stopping_run
+
+    stopping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": stopping.pid}))
+    t0 = time.monotonic()
+    wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)
+    assert stopping.poll() is not None or stopping.wait(5) == 0
+    assert time.monotonic() - t0 < 30
+    assert f"held by process {stopping.pid}, a run still stopping" in capsys.readouterr().out
+    t0 = time.monotonic()
+    wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)  # its holder is gone: the run takes over
+    assert time.monotonic() - t0 < 1
 
 
 def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_path, capsys):

@@ -99,7 +99,7 @@ def test_the_summary_and_the_best_variant_file(tmp_path, monkeypatch):
     assert s["counts"] == {"complete": 3, "pruned": 1} and s["pruned"] == [3]
     assert s["best"]["number"] == 1 and set(s["importances"]) == {"optimizer.learning_rate"}
     md = (tmp_path / "tune_summary.md").read_text()
-    assert "pruned: 3" in md and "| 1 | complete | 0.7 | 2 | 0.6 | optimizer.learning_rate=0.003 |" in md
+    assert "pruned: 3" in md and "| 1 | complete | 0.7 | 2 | 0.6 | not started | optimizer.learning_rate=0.003 |" in md
     variants = load_sweep(str(tmp_path / tune_summary.BEST_SWEEP))
     assert [(v.name, v.overrides) for v in variants] == [
         ("best", ("--config.optimizer.learning_rate=0.003", "--config.num_train_steps=4"))]
@@ -147,3 +147,90 @@ def test_a_trial_stopped_from_outside_is_interrupted_and_one_that_fails_is_faile
             run_trial(trial, cmd, str(tmp_path / "t"), "eval/dice")
     else:
         assert run_trial(trial, cmd, str(tmp_path / "t"), "eval/dice") == ("failed", None)
+
+
+def _fake_trials(monkeypatch, calls):
+    """``run_trial`` replaced by one that scores a trial by its learning rate (no training)."""
+    def fake(trial, cmd, workdir, metric, env=None, stop=None):
+        calls.append((trial.number, workdir))
+        return "complete", trial.params["optimizer.learning_rate"]
+    monkeypatch.setattr(tune, "run_trial", fake)
+
+
+def test_a_tuner_killed_in_its_last_trial_runs_the_retry_and_names_the_true_best(tmp_path, monkeypatch):
+    """Kill -9 in the last of 4 trials: the retry queued for it counted towards --trials, so every
+    rerun stopped at once ("2 complete, 1 pruned, 1 waiting") and named a worse trial the best."""
+    root = str(tmp_path)
+    study = tune.open_study(root, "maximize")
+    space = tune.load_search_space(TOY)
+    for lr, state in ((1e-3, "complete"), (1e-5, "pruned"), (2e-3, "complete")):
+        study.enqueue_trial({"optimizer.learning_rate": lr, "model.features": "(4,8)"})
+        t = study.ask()
+        tune.suggest(t, space)
+        if state == "complete":
+            study.tell(t, lr)
+        else:
+            study.tell(t, state=optuna.trial.TrialState.PRUNED)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    study.enqueue_trial({"optimizer.learning_rate": 2e-2, "model.features": "(8,16)"})
+    last = study.ask()
+    tune.suggest(last, space)
+    last.set_user_attr("worker", f"{socket.gethostname()}-{dead.pid}")
+    last.set_user_attr("workdir", str(tmp_path / "trials" / "trial_3"))
+    calls = []
+    _fake_trials(monkeypatch, calls)
+    for _ in range(2):  # the first rerun runs the retry; a second one has nothing left to do
+        assert tune.run_worker(TOY, root, 4) == 0
+    assert calls == [(4, str(tmp_path / "trials" / "trial_3"))]
+    s = tune_summary.write(root)
+    assert s["counts"] == {"complete": 3, "pruned": 1}
+    assert s["best"]["number"] == 4 and s["best"]["value"] == 2e-2
+
+
+def test_several_workers_run_exactly_the_trials_asked_for_and_no_retry_is_left(tmp_path, monkeypatch):
+    import threading
+
+    root = str(tmp_path)
+    study = tune.open_study(root, "maximize")
+    study.tell(study.ask(), 0.1)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for n in range(2):  # two trials left running by a dead worker: both are retried
+        study.enqueue_trial({"optimizer.learning_rate": 1e-3 * (n + 1), "model.features": "(4,8)"})
+        t = study.ask()
+        tune.suggest(t, tune.load_search_space(TOY))
+        t.set_user_attr("worker", f"{socket.gethostname()}-{dead.pid}")
+    calls = []
+    _fake_trials(monkeypatch, calls)
+    statuses = []
+    workers = [threading.Thread(target=lambda i=i: statuses.append(tune.run_worker(TOY, root, 3, worker_index=i)))
+               for i in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert statuses == [0, 0, 0]
+    trials = tune_summary.load_study(root).get_trials(deepcopy=False)
+    assert all(t.state.is_finished() for t in trials)
+    assert len(tune.counted(tune_summary.load_study(root))) == 3
+    retries = sorted(t.user_attrs["retry_of"] for t in trials if t.user_attrs.get("retry_of") is not None)
+    assert retries == [1, 2] and sorted(n for n, _ in calls) == [3, 4]  # both retries, each run once
+
+
+def test_a_trial_whose_worker_died_before_naming_itself_is_retried_once_old(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    study = tune.open_study(root, "maximize")
+    nameless = study.ask()  # the worker was killed between ask() and set_user_attr("worker")
+    assert tune.recover_stale(study, root) == []  # young: its worker may be naming itself right now
+    monkeypatch.setattr(tune, "STALE_S", 0.0)
+    assert tune.recover_stale(study, root) == [nameless.number]
+
+
+def test_summarize_on_a_root_that_is_not_a_search_is_one_sentence_and_writes_nothing(tmp_path):
+    for root in (tmp_path, tmp_path / "missing"):
+        proc = subprocess.run([sys.executable, "-m", "jaxrat.tune", "--summarize", "--root", str(root)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "pass the --root of a python -m jaxrat.tune search" in proc.stderr and "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path) == []  # no empty journal left behind

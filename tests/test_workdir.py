@@ -259,3 +259,34 @@ def test_hold_releases_the_lock_when_the_run_fails(tmp_path):
         with wdm.hold(_smoke("model.num_classes=2"), wd):
             pass
     assert not os.path.exists(os.path.join(wd, LOCK_NAME))
+
+
+def test_a_forced_resume_the_restore_refuses_leaves_the_workdir_byte_equal(tmp_path):
+    """EMA turned off with allow_config_change on an EMA run: the restore refuses, and config.json
+    must still be the run's (it said ema_decay 0 and evaluate then scored the raw weights)."""
+    wd = str(tmp_path / "wd")
+    with wdm.hold(_smoke("optimizer.ema_decay=0.9"), wd) as save_config:
+        save_config()
+    os.makedirs(os.path.join(wd, "checkpoints", "3"))
+    before = sorted(os.listdir(wd)), open(os.path.join(wd, "config.json"), "rb").read()
+    forced = _smoke("optimizer.ema_decay=0.0", "workdir.allow_config_change=true")
+    with pytest.raises(RuntimeError, match="refused"):
+        with wdm.hold(forced, wd):
+            raise RuntimeError("the checkpoint refused the restore")
+    after = sorted(os.listdir(wd)), open(os.path.join(wd, "config.json"), "rb").read()
+    assert after == before
+    with wdm.hold(forced, wd) as save_config:  # once the restore has succeeded the new config is the run's
+        save_config()
+    assert json.load(open(os.path.join(wd, "config.json")))["optimizer"]["ema_decay"] == 0.0
+
+
+def test_a_workdir_that_cannot_be_written_is_one_sentence(tmp_path):
+    """A read-only workdir ended in a PermissionError traceback from the lock file."""
+    from jaxrat.runtime.errors import UserError
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for wd in ("/sys/jaxrat_workdir", str(blocker / "wd")):  # a read-only filesystem; a path through a file
+        with pytest.raises(UserError, match=r"^Cannot write to the workdir .* train in a folder you can write to"):
+            with wdm.hold(_smoke(), wd):
+                pass

@@ -69,3 +69,59 @@ def test_workers_leave_no_shared_memory_behind(tmp_path, compile_cache, how):
     while (left := subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True).stdout.split()):
         assert time.time() < deadline, f"processes of the run still alive: {left}"
         time.sleep(0.2)
+
+
+def _session_ends(session: int, timeout: float = 15) -> None:
+    deadline = time.time() + timeout
+    while (left := subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True).stdout.split()):
+        assert time.time() < deadline, f"processes of the run still alive: {left}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_start_up_exits_for_requeue_with_nothing_to_save(tmp_path, compile_cache, sig):
+    """The handlers were installed at the first step's check: a SIGTERM during data preparation or
+    the first compile ended the run with -15 (not requeued), SIGUSR1 killed it outright, and the
+    run's lock and input workers were left behind."""
+    wd, log = str(tmp_path / "wd"), str(tmp_path / "run.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(main_cmd(wd, *ARGS, "--config.num_train_steps=300"), env=cached_env(1, compile_cache),
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + TIMEOUT
+            while " mesh " not in open(log).read() and proc.poll() is None:  # main is running, no step yet
+                assert time.time() < deadline, "the run did not start in time"
+                time.sleep(0.01)
+            os.kill(proc.pid, sig)
+            code = proc.wait(TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+    text = open(log).read()
+    assert code == PREEMPTED_EXIT_CODE, text[-3000:]
+    assert "nothing to save" in text and "preempted before step 1" in text, text[-3000:]
+    assert not os.path.exists(os.path.join(wd, "run.lock"))
+    _session_ends(proc.pid)
+
+
+def test_input_workers_end_when_the_run_is_killed(tmp_path, compile_cache):
+    """Workers ignore SIGTERM by design; with their parent killed they kept running and held the
+    job's output pipe open."""
+    wd, log = str(tmp_path / "wd"), str(tmp_path / "run.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(main_cmd(wd, *ARGS, "--config.num_train_steps=300"), env=cached_env(1, compile_cache),
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + TIMEOUT
+            while len(train_steps_logged(wd)) < 2 and proc.poll() is None:
+                assert time.time() < deadline, "no train steps in time"
+                time.sleep(0.01)
+            proc.kill()
+            assert proc.wait(30) == -signal.SIGKILL
+            _session_ends(proc.pid)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -11,13 +11,14 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxrat.checkpointing import store
+from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.tree_paths import named_leaves, path_name
 
 
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
-              strict: bool = True, rename: str = "", params_from: str = "params") -> dict[str, Any]:
+              strict: bool = True, rename: str = "", params_from: str = "params", together: bool = True,
+              opened: Opened | None = None) -> dict[str, Any]:
     """Weights of another run for a new one: ``{"params": ...}`` (and ``"opt_state"`` when asked).
     ``params_from`` names the checkpoint item read as ``"params"``: ``"ema_params"`` reads the
     moving average of a run trained with ``optimizer.ema_decay``.
@@ -33,6 +34,9 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     ``"OLD=NEW[,OLD2=NEW2]"`` path prefixes of the source replaced before matching (for a source
     whose model names its parts otherwise).
     The optimizer state comes with its schedule step counts set to 0 (see :func:`restart_schedules`).
+    A run's checkpoint is read as :func:`jaxrat.checkpointing.reading.open_checkpoint` holds it
+    (checked against its digests, ``latest`` falling back past damage, held still against a
+    training's rotation); ``opened``: one the caller holds already. ``together``: see there.
     """
     want = named_leaves(abstract_state["params"])
     select = _selector(include, exclude)
@@ -42,15 +46,25 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
             raise ConfigError(f"init_from={spec}: a .npz or init_from_rename loads parameters only; drop "
                               f"--config.checkpoint.init_optimizer.")
         return {"params": _load_arrays(spec, abstract_state["params"], want, select, strict, renames)}
-    directory, step = store.resolve(spec)
-    where = os.path.join(directory, str(step))
+    keys = [params_from] + (["opt_state"] if optimizer else [])
+    if opened is None:
+        with open_checkpoint(spec, keys, together=together) as held:
+            return _load_opened(held, abstract_state, keys, want, select, strict, optimizer, include, exclude,
+                                params_from)
+    return _load_opened(opened, abstract_state, keys, want, select, strict, optimizer, include, exclude, params_from)
+
+
+def _load_opened(opened: Opened, abstract_state: Any, keys: list[str], want: dict[str, Any],
+                 select: Callable[[str], bool], strict: bool, optimizer: bool, include: str, exclude: str,
+                 params_from: str) -> dict[str, Any]:
+    directory, step, held = opened.directory, opened.step, opened.where
+    where = os.path.join(directory, str(step))  # what messages name (``held`` may be a private copy)
     with ocp.PyTreeCheckpointer() as ckptr:
-        saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where) / "state").tree
+        saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(held) / "state").tree
         if params_from not in saved:
             raise ConfigError(f"init_from: the checkpoint {where} holds no {params_from} (the run kept no moving "
                               f"average); load its params instead.")
         have = {k: tuple(getattr(v, "shape", ())) for k, v in named_leaves(saved[params_from]).items()}
-        keys = [params_from] + (["opt_state"] if optimizer else [])
         if strict and not (include or exclude):
             target = {k: abstract_state["params" if k == params_from else k] for k in keys}
             _check_compatible(target, {k: saved[k] for k in keys if k in saved}, where, optimizer)
@@ -61,7 +75,7 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
                                   f"{len(want) - len(chosen)} are not; drop init_optimizer or the patterns.")
             target = {params_from: _subtree(abstract_state["params"], chosen),
                       **({"opt_state": abstract_state["opt_state"]} if optimizer else {})}
-        restored = dict(ckptr.restore(os.path.join(where, "state"), args=ocp.args.PyTreeRestore(
+        restored = dict(ckptr.restore(os.path.join(held, "state"), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
     logging.info("init_from: loaded %s from %s", " and ".join(keys), where)
     restored["params"] = restored.pop(params_from)
@@ -167,9 +181,8 @@ def _source_arrays(spec: str) -> dict[str, Any]:
     if _is_npz(spec):
         with np.load(os.path.expanduser(spec)) as data:
             return {k: data[k] for k in data.files}
-    directory, step = store.resolve(spec)
-    where = os.path.join(directory, str(step), "state")
-    with ocp.PyTreeCheckpointer() as ckptr:
+    with open_checkpoint(spec, ["params"]) as opened, ocp.PyTreeCheckpointer() as ckptr:
+        where = os.path.join(opened.where, "state")
         meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where)).tree["params"]
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device),

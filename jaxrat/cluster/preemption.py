@@ -28,6 +28,8 @@ class Preempted(Exception):
 
 _sigterm = threading.Event()
 _handler_installed = False
+_processes = 1  # set by note_process_count once the world is known; a signal handler must not ask JAX
+_forwarded = False
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -40,12 +42,42 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _on_sigusr1(signum: int, frame: Any) -> None:
     # SLURM's `--signal=USR1@T` warning. JAX's preemption notifier only listens for SIGTERM, so with
     # several processes pass it on as one; a single process treats it like a first SIGTERM.
-    import jax
-
-    if jax.process_count() > 1:
+    if _processes > 1:
         os.kill(os.getpid(), signal.SIGTERM)
     else:
         _sigterm.set()
+
+
+def install_handlers() -> None:
+    """Handle SIGTERM and SIGUSR1 from here on: call it on the first line of a command's ``main``.
+
+    Installed lazily (at the first step's check) they left data preparation and the first compile
+    (30-120 s) to the default actions: a SIGTERM ended the run with -15, which the job script does
+    not requeue, and SLURM's ``--signal=USR1@T`` warning killed it outright. A signal that arrives
+    now only sets the flag the loop checks before its first step and at every step.
+    """
+    global _handler_installed
+    if _handler_installed or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
+    _handler_installed = True
+
+
+def note_process_count(count: int) -> None:
+    """The run's process count, once ``jax.distributed`` has started (and JAX's preemption notifier
+    has taken SIGTERM over): a SIGTERM that came before is passed on to it, so every process agrees
+    on where to stop."""
+    global _processes, _forwarded
+    _processes = count
+    if count > 1 and _sigterm.is_set() and not _forwarded:
+        _forwarded = True
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def signalled() -> bool:
+    """Whether SIGTERM or SIGUSR1 arrived in this process (one process: the stop flag itself)."""
+    return _sigterm.is_set()
 
 
 def preemption_requested(step: int) -> bool:
@@ -62,6 +94,7 @@ def preemption_requested(step: int) -> bool:
     import jax
 
     if not _handler_installed and threading.current_thread() is threading.main_thread():
+        note_process_count(jax.process_count())
         if jax.process_count() == 1:  # with several, SIGTERM belongs to JAX's notifier
             signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGUSR1, _on_sigusr1)

@@ -12,6 +12,7 @@ from typing import Any
 
 import ml_collections as mlc
 
+from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError
 
 # The config files that ship with the package (a clone's configs/ is a link to this folder).
@@ -213,12 +214,3 @@ def check_override_args(argv: list[str], config: mlc.ConfigDict | None = None, s
         check_value(key, flat[key], value)
 
 
-def flatten(config: mlc.ConfigDict, prefix: str = "") -> dict[str, object]:
-    """``{"data.batch_size": 16, ...}``: every leaf field by its dotted name."""
-    out: dict[str, object] = {}
-    for k, v in config.items():
-        if isinstance(v, mlc.ConfigDict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

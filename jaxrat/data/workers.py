@@ -14,6 +14,8 @@ import logging
 import multiprocessing.util  # noqa: F401  (registers its exit handler first, so ours runs before it)
 import os
 import signal
+import threading
+import time
 
 from jaxrat.runtime.errors import ConfigError
 
@@ -29,6 +31,25 @@ def worker_ignores_job_signals(worker_index: int, worker_count: int) -> None:
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+
+
+def _exit_with_parent(period_s: float = 0.5) -> None:
+    """End this worker once its parent is gone (a kill -9, a second SIGTERM).
+
+    Ignoring SIGTERM, a worker whose parent died kept running and held the job's output pipe open
+    (seen: a preempted demo's worker and resource tracker left behind). The parent-death signal
+    is not used: it follows the parent *thread* that started the worker, which need not live as
+    long as the run.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def finish_shared_memory_unlinks() -> None:

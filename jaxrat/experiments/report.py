@@ -20,7 +20,9 @@ import time
 from typing import Any
 
 from jaxrat.experiments import summary as sweep_summary
+from jaxrat.experiments.status import run_status
 from jaxrat.experiments.sweep import MANIFEST
+from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.fileio import write_text
 
 FILES_DIR = "report_files"
@@ -57,23 +59,13 @@ def _read_json(path: str) -> dict[str, Any]:
         return {}
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 # Fields that differ between runs without being part of the experiment.
 _NOISE = re.compile(r"^(tracking\.run_name|data\.fold_dir|train\.compilation_cache_dir|distributed\.)")
 
 
 def config_differences(workdirs: dict[str, str]) -> dict[str, dict[str, Any]]:
     """Per run, the config fields whose value differs from the first run's (``config.json``)."""
-    configs = {name: _flat(_read_json(os.path.join(wd, "config.json"))) for name, wd in workdirs.items()}
+    configs = {name: flatten(_read_json(os.path.join(wd, "config.json"))) for name, wd in workdirs.items()}
     if not configs:
         return {}
     first = next(iter(configs.values()))
@@ -90,7 +82,8 @@ def machines(workdirs: dict[str, str]) -> list[dict[str, Any]]:
     for name, wd in workdirs.items():
         s = _read_json(os.path.join(wd, "summary.json"))
         hw, code = s.get("hardware") or {}, s.get("code") or {}
-        rows.append({"run": name, "status": s.get("status", "running or not started"),
+        total = _read_json(os.path.join(wd, "config.json")).get("num_train_steps")
+        rows.append({"run": name, "status": run_status(wd, total if isinstance(total, int) else None),
                      "devices": f"{hw.get('device_count', '')} x {hw.get('device_kind', '')}" if hw else "",
                      "host": hw.get("host", ""), "commit": (code.get("commit") or "")[:12] +
                      (" (uncommitted changes)" if code.get("dirty") else ""),

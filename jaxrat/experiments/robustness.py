@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import ml_collections as mlc
 
-from jaxrat.checkpointing.store import resolve
+from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import save_figure, write_csv, write_text
 
@@ -70,8 +70,14 @@ def run_robustness(config: mlc.ConfigDict, workdir: str, *, sizes: Sequence[int]
     ``config`` is the run's config (:func:`jaxrat.config.load_run_config`); the training point
     (its ``data.image_size`` at spacing 1) is always evaluated, as the reference.
     """
-    train_size = int(config.data.image_size)
-    _, step_number = resolve(f"{workdir}:{step}")  # one checkpoint for every point, even if "latest" moves
+    # One checkpoint for every point, held still while a training beside it rotates its checkpoints.
+    with open_checkpoint(f"{workdir}:{step}", ("params", "ema_params")) as opened:
+        return _run_points(config, workdir, opened, sizes, spacings, evaluate, write)
+
+
+def _run_points(config: mlc.ConfigDict, workdir: str, opened: Opened, sizes: Sequence[int],
+                spacings: Sequence[float], evaluate: Evaluate, write: bool) -> dict[str, Any]:
+    train_size, step_number = int(config.data.image_size), opened.step
     grid = [(int(s), float(f)) for s in sizes for f in spacings]
     if (train_size, 1.0) not in grid:
         logging.info("robustness: adding the training resolution %d at spacing 1 (the reference)", train_size)
@@ -85,7 +91,7 @@ def run_robustness(config: mlc.ConfigDict, workdir: str, *, sizes: Sequence[int]
         logging.info("robustness: size %d, spacing %g", size, spacing)
         try:
             _, metrics = evaluate(point, workdir, str(step_number), out_dir=os.path.join(out, "points",
-                                  point_name(size, spacing)), data_dir=out)
+                                  point_name(size, spacing)), data_dir=out, opened=opened)
         except UserError:
             raise
         except Exception as e:  # a shape the model cannot take surfaces deep inside JAX

@@ -132,9 +132,15 @@ def markdown(stats: dict[str, Any], primary: list[str]) -> str:
     metrics = stats["metrics"]
     lines = ["## Variants over folds and seeds (mean ± sd of the last evaluation)", "",
              "| variant | runs | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    left_out = 0
     for v, d in stats["variants"].items():
         cells = [_pm(d["metrics"].get(m)) for m in metrics]
         lines.append(f"| {v} | {len(d['runs'])}/{d['expected']} | " + " | ".join(cells) + " |")
+        left_out += d["expected"] - len(d["runs"])
+    if left_out:
+        lines += ["", f"{left_out} run{'s are' if left_out > 1 else ' is'} not finished (running, failed, "
+                  "preempted or killed) and left out of these means and of the differences below; \"runs\" counts "
+                  "the finished ones of each variant."]
     shown = [m for m in metrics if m in primary] or metrics
     lines += ["", f"## Paired differences against {stats['baseline']} (variant - baseline, pairs of the same "
               "fold and seed)", "",

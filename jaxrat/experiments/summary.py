@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from jaxrat.experiments import stats as repeat_stats
-from jaxrat.experiments.sweep import MANIFEST, run_state
+from jaxrat.experiments.status import run_status
+from jaxrat.experiments.sweep import MANIFEST
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import save_figure, write_text
 
@@ -87,7 +88,7 @@ def summarize_run(workdir: str, name: str, overrides: tuple[str, ...] = ()) -> R
         step, value = (max if best_mode == "max" else min)(points, key=lambda p: p[1])
         best = (step, value)
     total = config.get("num_train_steps")
-    state = run_state(workdir, int(total)).describe() if isinstance(total, int) else "unknown (no config.json)"
+    state = run_status(workdir, total if isinstance(total, int) else None)
     return RunSummary(name, state, last_step, eval_step, last_eval,
                       {k: sorted(v.items()) for k, v in history.items()}, best_metric, best_mode, best,
                       train_loss, overrides)

@@ -12,7 +12,6 @@ checkpoints, because that is what ``jaxrat.main`` does with a workdir.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shlex
@@ -20,12 +19,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.experiments.status import RunState, live_local_holder, run_state  # noqa: F401  (sweep's API)
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 
@@ -170,33 +170,6 @@ def replicate(variants: list[Variant], root: str, *, folds: int = 0, seeds: int 
     return out
 
 
-# ------------------------------------------------------------------------------ finished or not
-
-@dataclasses.dataclass(frozen=True)
-class RunState:
-    """How far a variant's workdir got: its newest committed checkpoint against the steps asked for."""
-
-    step: int | None
-    total: int
-    eval_pending: bool = False
-    stopped_early: bool = False
-
-    @property
-    def finished(self) -> bool:
-        """The final step is checkpointed and its evaluation done (a run preempted in the final
-        evaluation saved the final step with the eval still pending), or early stopping ended it."""
-        if self.step is not None and self.stopped_early:
-            return True
-        return self.step is not None and self.step >= self.total and not self.eval_pending
-
-    def describe(self) -> str:
-        if self.finished:
-            return f"stopped early at step {self.step}" if self.stopped_early else "finished"
-        if self.step is None:
-            return "not started"
-        return f"at step {self.step} of {self.total}"
-
-
 def target_steps(config: str, overrides: Sequence[str]) -> int:
     """``num_train_steps`` of ``config`` after ``overrides`` (the last one naming it wins)."""
     config, overrides = own_config(config, overrides)
@@ -204,28 +177,6 @@ def target_steps(config: str, overrides: Sequence[str]) -> int:
         if o.startswith("--config.num_train_steps="):
             return int(o.partition("=")[2])
     return int(load_config(config).num_train_steps)
-
-
-def run_state(workdir: str, total: int) -> RunState:
-    """The :class:`RunState` of ``workdir`` for a run of ``total`` steps (read-only)."""
-    directory = os.path.join(workdir, "checkpoints")
-    steps = committed_steps(directory)
-    if not steps:
-        return RunState(None, total)
-    meta = step_metadata(directory, steps[-1])
-    return RunState(steps[-1], total, bool(meta.get("eval_pending")),
-                    stopped_early(meta) or _summary_says_stopped(workdir, steps[-1]))
-
-
-def _summary_says_stopped(workdir: str, step: int) -> bool:
-    """Early stopping at a step saved before (a resumed run that redid that step's evaluation and
-    stopped there) is recorded in ``summary.json`` only."""
-    try:
-        with open(os.path.join(workdir, "summary.json")) as f:
-            s = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(s, dict) and (s.get("stopped_early") or {}).get("step") == step
 
 
 # ------------------------------------------------------------------------------------ running
@@ -254,10 +205,41 @@ def write_manifest(root: str, config: str, variants: list[Variant], common: Sequ
     write_json(os.path.join(root, MANIFEST), data, indent=2)
 
 
+def die_with_parent() -> None:
+    """In a child: SIGTERM when its parent dies, even by kill -9 (Linux), so no orphan trains on
+    (it checkpoints and exits 42, as when preempted)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+LOCK_WAIT_S = 120.0  # how long a rerun waits for the run of a killed sweep or tuner to finish stopping
+
+
+def wait_for_stopping_run(workdir: str, what: str, wait_s: float | None = None) -> None:
+    """Wait (up to :data:`LOCK_WAIT_S`) while a live run on this host holds ``workdir``.
+
+    A sweep or tuner killed with -9 leaves its training to stop on the parent-death SIGTERM: it
+    saves and releases the workdir within seconds, and a rerun started meanwhile found it locked
+    and counted the variant as failed. A lock whose holder is dead is taken over by the run itself.
+    """
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+    deadline, said = time.monotonic() + wait_s, False
+    while (pid := live_local_holder(workdir)) is not None and time.monotonic() < deadline:
+        if not said:
+            print(f"{what}: {workdir} is held by process {pid}, a run still stopping; waiting up to "
+                  f"{wait_s:.0f} s for it", flush=True)
+            said = True
+        time.sleep(0.5)
+
+
 def _train(cmd: list[str]) -> int:
     """Run one training to its end. A SIGTERM to the sweep is passed on (the run checkpoints and
     exits 42, as when preempted); on Ctrl-C, which the run receives too, give it time to stop."""
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
     on_main = threading.current_thread() is threading.main_thread()  # only there may handlers change
     previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM)) if on_main else None
     try:
@@ -296,6 +278,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
         print(f"{head}: {what}: {shlex.join(cmd)}", flush=True)
         if dry_run:
             continue
+        wait_for_stopping_run(workdir, head)
         try:
             status = _train(cmd)
         except KeyboardInterrupt:

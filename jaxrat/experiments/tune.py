@@ -10,7 +10,8 @@ elements of a SLURM job array, share it), with a TPE sampler and a median pruner
 A worker (:func:`run_worker`) asks for a trial, trains it in ``ROOT/trials/trial_<n>`` as a
 subprocess, and follows its ``metrics.jsonl``: every evaluation of the objective metric is
 reported to the trial, and when the pruner says so the run gets SIGTERM (it checkpoints and stops,
-as when preempted) and the trial is PRUNED. Workers stop when the study holds ``trials`` trials.
+as when preempted) and the trial is PRUNED. Workers stop when the study holds ``trials`` trials
+and none of them is still queued.
 
 A trial whose worker died (kill -9, a lost node) stays RUNNING in the journal; a worker that
 finds one (its worker's process gone from this host, or its heartbeat file older than
@@ -33,7 +34,7 @@ from typing import Any, Sequence
 
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from jaxrat.config import check_override_args, load_config, load_config_module
-from jaxrat.experiments.sweep import _value, train_command
+from jaxrat.experiments.sweep import _value, die_with_parent, train_command, wait_for_stopping_run
 from jaxrat.runtime.errors import ConfigError, UserError
 
 JOURNAL = "optuna_journal.log"
@@ -153,6 +154,23 @@ def counted(study: Any) -> list[Any]:
     return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(REPLACED)]
 
 
+def queued(study: Any) -> list[Any]:
+    """The WAITING trials: retries of replaced trials (and any a user enqueued). They count towards
+    ``--trials`` but have not run, so a worker runs them before it may stop."""
+    import optuna
+
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+
+
+def budget_left(study: Any, trial: Any, trials: int) -> bool:
+    """Whether the just-asked ``trial`` is within ``trials``: a queued one always is (it replaces a
+    counted trial); a fresh one only if fewer than ``trials`` counted trials are older than it,
+    so of two workers that asked at once for the last place, the later one yields."""
+    if trial.user_attrs.get("retry_of") is not None:
+        return True
+    return len([t for t in counted(study) if t.number < trial.number]) < trials
+
+
 def _worker_alive(worker: str, root: str) -> bool:
     host, _, pid = worker.rpartition("-")
     beat = os.path.join(root, WORKERS_DIR, worker)
@@ -178,7 +196,10 @@ def recover_stale(study: Any, root: str) -> list[int]:
     out = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         worker = t.user_attrs.get("worker")
-        if not worker or _worker_alive(worker, root):
+        if worker and _worker_alive(worker, root):
+            continue
+        # A worker killed between asking and naming itself leaves a trial without one: stale once old.
+        if not worker and (t.datetime_start is None or time.time() - t.datetime_start.timestamp() < STALE_S):
             continue
         try:
             study._storage.set_trial_user_attr(t._trial_id, REPLACED, True)
@@ -193,16 +214,6 @@ def recover_stale(study: Any, root: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------- one trial
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the tuner dies, even by kill -9 (Linux), so no orphan trains on."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
 
 def _eval_rows(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
     """Complete lines of ``metrics.jsonl`` after ``offset``; returns them and the new offset."""
@@ -239,7 +250,8 @@ def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[s
     path = os.path.join(workdir, "metrics.jsonl")
     offset, last, pruned = 0, None, False
     with open(os.path.join(workdir, "tune.log"), "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        wait_for_stopping_run(workdir, f"tune: trial {trial.number}")  # a killed tuner's trial, still saving
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         try:
             while True:
                 done = proc.poll() is not None
@@ -318,11 +330,12 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     try:
         while not stop.is_set():
             recover_stale(study, root)
-            if len(counted(study)) >= trials:
+            # A retry queued by recover_stale counts already (it replaces its trial) but has not
+            # run: stopping on the count alone stranded it and reported the wrong best trial.
+            if not queued(study) and len(counted(study)) >= trials:
                 break
             trial = study.ask()
-            earlier = [t for t in counted(study) if t.number < trial.number]
-            if len(earlier) >= trials:  # another worker asked at the same moment and took the last one
+            if not budget_left(study, trial, trials):  # another worker asked at the same moment and took the last one
                 study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 break

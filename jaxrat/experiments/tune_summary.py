@@ -15,7 +15,9 @@ import logging
 import os
 from typing import Any
 
+from jaxrat.experiments.status import run_status
 from jaxrat.experiments.tune import JOURNAL, REPLACED, STUDY
+from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_text
 
 SUMMARY = "tune_summary"
@@ -24,12 +26,22 @@ SETTINGS = "tune.json"  # the config, objective and common overrides of the sear
 
 
 def load_study(root: str) -> Any:
-    """The study of ``root``, read-only use (no sampler or pruner needed)."""
+    """The study of ``root``, read-only use (no sampler or pruner needed); a root that holds no
+    search is a :class:`UserError` (Optuna's backend would create an empty journal there)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    return optuna.load_study(study_name=STUDY, storage=JournalStorage(JournalFileBackend(os.path.join(root, JOURNAL))))
+    journal = os.path.join(root, JOURNAL)
+    fix = "pass the --root of a python -m jaxrat.tune search"
+    if not os.path.isdir(root):
+        raise UserError(f"{root} does not exist; {fix}.")
+    if not os.path.isfile(journal):
+        raise UserError(f"{root} holds no search (no {JOURNAL}); {fix}.")
+    try:
+        return optuna.load_study(study_name=STUDY, storage=JournalStorage(JournalFileBackend(journal)))
+    except KeyError:
+        raise UserError(f"{journal} holds no study {STUDY!r}; {fix}.") from None
 
 
 def collect(root: str) -> dict[str, Any]:
@@ -51,6 +63,7 @@ def collect(root: str) -> dict[str, Any]:
                      "last_reported": t.intermediate_values[steps[-1]] if steps else None,
                      "params": t.params, "overrides": t.user_attrs.get("overrides", []),
                      "workdir": t.user_attrs.get("workdir"), "replaced": bool(t.user_attrs.get(REPLACED)),
+                     "run": _run_status(t.user_attrs.get("workdir")),
                      "retry_of": t.user_attrs.get("retry_of")})
     complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     best = None
@@ -73,6 +86,20 @@ def collect(root: str) -> dict[str, Any]:
             "best": best, "importances": importances, "trials": rows}
 
 
+def _run_status(workdir: str | None) -> str:
+    """The trial's training in the words every table uses (:func:`jaxrat.experiments.status.run_status`)."""
+    if not workdir:
+        return "not started"
+    config: dict[str, Any] = {}
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        pass
+    total = config.get("num_train_steps") if isinstance(config, dict) else None
+    return run_status(workdir, total if isinstance(total, int) else None)
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return ""
@@ -90,13 +117,14 @@ def markdown(s: dict[str, Any]) -> str:
     if s["importances"]:
         lines += ["## Parameter importances", "", "| parameter | importance |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in s["importances"].items()] + [""]
-    lines += ["## Trials", "", "| trial | state | value | last step | last reported | overrides |",
-              "|---|---|---|---|---|---|"]
+    lines += ["## Trials", "", "| trial | state | value | last step | last reported | run | overrides |",
+              "|---|---|---|---|---|---|---|"]
     for r in s["trials"]:
         state = r["state"] + (" (queued again as a retry)" if r["replaced"] else "")
         state += f" (retry of {r['retry_of']})" if r["retry_of"] is not None else ""
+        overrides = " ".join(o.removeprefix("--config.") for o in r["overrides"])
         lines.append(f"| {r['number']} | {state} | {_fmt(r['value'])} | {_fmt(r['last_step'])} | "
-                     f"{_fmt(r['last_reported'])} | {' '.join(o.removeprefix('--config.') for o in r['overrides'])} |")
+                     f"{_fmt(r['last_reported'])} | {r.get('run', '')} | {overrides} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ classification, boxes in pixels for detection.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,7 +27,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import load_init
-from jaxrat.checkpointing.store import resolve
+from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.config import load_run_config
 from jaxrat.inference import augment
 from jaxrat.parallel.mesh import make_mesh
@@ -64,9 +65,17 @@ class Predictor:
     """
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
-                 tta: augment.TTA = augment.TTA(), data_dir: str = "") -> None:
+                 tta: augment.TTA = augment.TTA(), data_dir: str = "", opened: Opened | None = None) -> None:
         self.config, self.workdir, self.tta = config, workdir, tta
-        directory, self.step = resolve(f"{workdir}:{step}")
+        with contextlib.ExitStack() as stack:  # held from resolving to loading: a training may rotate it away
+            if opened is None:
+                opened = stack.enter_context(open_checkpoint(f"{workdir}:{step}", ("params", "ema_params"),
+                                                             together=False))
+            self._load(batch_size, data_dir, opened)
+
+    def _load(self, batch_size: int, data_dir: str, opened: Opened) -> None:
+        config, tta = self.config, self.tta
+        self.step = opened.step
         self.task = load_task(config)
         self.kind = KINDS.get(type(self.task).__name__)
         if self.kind is None:
@@ -89,7 +98,9 @@ class Predictor:
         batch = int(batch_size or config.data.get("eval_batch_size", n))
         self.batch_size = -(-batch // n) * n
         self.spec = make_state_spec(config, self.mesh, self.task)
-        self.params = load_init(f"{directory}:{self.step}", self.spec.abstract_with_shardings())["params"]
+        # A run trained with an average of its weights predicts with it, as evaluate scores it.
+        self.params = load_init(opened.spec, self.spec.abstract_with_shardings(), opened=opened,
+                                params_from="ema_params" if self.spec.ema else "params")["params"]
         self._forward = jax.jit(self._outputs, in_shardings=(self.spec.state_shardings["params"],
                                                               self.spec.batch_sharding),
                                 out_shardings=self.spec.batch_sharding)

@@ -3,7 +3,8 @@
 * :func:`grouping_attention`: dense SGA's update ``(P / (colsum(P) + eps)) @ V`` with
   ``P = softmax(q k^T)`` over the keys.
 * :func:`sparse_grouping_attention`: the same with each group's keys limited to the window its
-  strided convolution covers (:class:`Window`); :func:`sparse_grouping_maps` its maps.
+  strided convolution covers (:class:`Window`), on keys prepared once per layer (:func:`sparse_keys`);
+  :func:`sparse_grouping_maps` its maps.
 * :func:`softmax_attention`: plain attention ``softmax(q k^T) @ V`` (queries scaled beforehand).
 * :func:`multires_attention`: the multi-resolution block's joint attention over all scales, global
   or windowed (:mod:`jaxrat.ops.portable.windowed_attention`).
@@ -20,10 +21,11 @@ resolution, where the fused module's own fallback (materialised logits) would no
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable import chunked_attention as chunked
@@ -35,8 +37,8 @@ from jaxrat.ops.portable.windowed_attention import multires_attention as _window
 
 Array = jax.Array
 __all__ = ["EPS", "Window", "grouping_attention", "grouping_attention_reference", "grouping_maps",
-           "masked_attention", "multires_attention", "softmax_attention", "sparse_grouping_attention",
-           "sparse_grouping_maps", "window_grid"]
+           "masked_attention", "multires_attention", "softmax_attention", "SparseKeys", "sparse_keys",
+           "sparse_grouping_attention", "sparse_grouping_maps", "window_grid"]
 
 
 def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Array:
@@ -63,11 +65,9 @@ def _scaled(x: Array, scale: Optional[Array]) -> Array:
     return x if scale is None else x * scale.astype(x.dtype)
 
 
-def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE, *,
-                       key_scale: Optional[Array] = None) -> Array:
+def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
     """Dense SGA update: q (..., N_out, dh) groups, k (..., N_in, dh), v (..., N_in, dv) ->
-    (..., N_out, dv); logits ``q @ (key_scale k)^T``."""
-    k = _scaled(k, key_scale)
+    (..., N_out, dv); logits ``q @ k^T`` unscaled."""
     if _fused(policy, q, k, v):
         from jaxrat.ops.gpu import dense_sga
 
@@ -75,25 +75,46 @@ def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORT
     return _chunked(chunked.grouping_attention, q, k, v, policy)
 
 
-def sparse_grouping_attention(q: Array, k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE, *,
+class SparseKeys(NamedTuple):
+    """Keys and values laid out for the policy's sparse SGA kernel (:func:`sparse_keys`): prepared
+    once and shared by every grouping iteration of a layer."""
+
+    k: Array
+    v: Array
+    window: Window
+    fused: bool  # the GPU's fused kernels (raw layout), else the portable kernel (stride-blocked)
+
+
+def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE) -> SparseKeys:
+    """Keys (B, H, N_in, dh) and values (B, H, N_in, dv) on ``window.grid``, ready for
+    :func:`sparse_grouping_attention`."""
+    if policy.gpu:
+        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
+
+        n_out = int(np.prod(window.out))
+        if gpu_sparse.supports(window, (*k.shape[:2], n_out, k.shape[-1]), k.dtype) is None:
+            return SparseKeys(k, v, window, True)
+    # Blocked once: the blocked arrays are then what every iteration's backward keeps, and their
+    # gradients add up in the blocked layout before one transpose back.
+    return SparseKeys(sparse.sparse_blocks(k, window), sparse.sparse_blocks(v, window), window, False)
+
+
+def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *,
                               key_scale: Optional[Array] = None, normalise_columns: bool = True) -> Array:
-    """Sparse SGA update: group o of q (B, H, N_out, dh) attends to the keys k (B, H, N_in, dh) and
-    values v (B, H, N_in, dv) of its ``window`` only; logits ``q . (key_scale k)``, probabilities over
-    the window's taps, then divided by each key's total over the windows holding it (unless
+    """Sparse SGA update: group o of q (B, H, N_out, dh) attends to the keys and values
+    (:func:`sparse_keys`) of its window only; logits ``q . (key_scale k)``, probabilities over the
+    window's taps, then divided by each key's total over the windows holding it (unless
     ``normalise_columns`` is off). Returns (B, H, N_out, dv)."""
     # The scale goes on the queries (as many as the keys / stride^2): the same logits, and the
     # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
     q = _scaled(q, key_scale)
-    if policy.gpu:
+    if keys.fused:
         from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
-        if gpu_sparse.supports(window, q.shape, q.dtype) is None:
-            fused = lambda q, k, v: gpu_sparse.sparse_update(q, k, v, window, normalise_columns)
-            return per_device.over_batch(fused, q, k, v)
-    # Blocked once per call; the identical blocking of every SGA iteration is one computation after CSE.
-    return sparse.sparse_update(q, sparse.sparse_blocks(k, window), sparse.sparse_blocks(v, window), window,
-                                normalise_columns)
+        fused = lambda q, k, v: gpu_sparse.sparse_update(q.astype(k.dtype), k, v, keys.window, normalise_columns)
+        return per_device.over_batch(fused, q, keys.k, keys.v)
+    return sparse.sparse_update(q, keys.k, keys.v, keys.window, normalise_columns)
 
 
 def sparse_grouping_maps(q: Array, k: Array, window: Window, *,
@@ -151,9 +172,8 @@ def masked_attention(q: Array, k: Array, v: Array, key_ok: Optional[Array] = Non
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def grouping_maps(q: Array, k: Array, *, key_scale: Optional[Array] = None) -> tuple[Array, Array]:
+def grouping_maps(q: Array, k: Array) -> tuple[Array, Array]:
     """Materialised (A_q, A_k) of shape (..., N_out, N_in), for returning grouping maps only."""
-    k = _scaled(k, key_scale)
     a_k = jax.nn.softmax(jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32), axis=-1)
     a_q = a_k / (a_k.sum(axis=-2, keepdims=True) + EPS)
     return a_q, a_k

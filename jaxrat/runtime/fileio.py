@@ -178,3 +178,16 @@ def move_into_place(src: str | os.PathLike, dst: str | os.PathLike, *, sync: boo
             os.close(fd)
     os.replace(src, dst)
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def unwritable(folder: str | os.PathLike) -> str | None:
+    """Why files cannot be written in ``folder`` (created if missing), e.g. "Read-only file
+    system"; None when they can. A probe file is made and removed: permissions alone do not tell
+    (root ignores them, a read-only mount does not show in them)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
+from jaxrat.runtime import dotted
+
 
 class Tracker(Protocol):
     """What every tracking backend implements; unneeded calls may do nothing (see :class:`TrackerBase`)."""
@@ -104,13 +106,4 @@ class Guard:
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; values other than numbers, strings and bools become strings."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(flatten(v, key + "."))
-        elif isinstance(v, (bool, int, float, str)) or v is None:
-            out[key] = v
-        else:
-            out[key] = str(v)
-    return out
+    return dotted.flatten(tree, prefix, lambda v: v if isinstance(v, (bool, int, float, str)) or v is None else str(v))

@@ -17,10 +17,17 @@ from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 
 
+def evaluations(config: mlc.ConfigDict) -> int:
+    """How many evaluations a run of ``config`` makes (every ``eval_every`` steps, and at the end)."""
+    t, total = config.train, int(config.num_train_steps)
+    every = max(1, int(t.eval_every))
+    return total // every + (1 if t.get("eval_at_end", True) and total % every else 0)
+
+
 class EarlyStop:
     """Counts evaluations without an improvement of ``min_delta`` in ``metric``; off when patience is 0."""
 
-    def __init__(self, config: mlc.ConfigDict, task: Task) -> None:
+    def __init__(self, config: mlc.ConfigDict, task: Task, warn: bool = True) -> None:
         t, c = config.train, config.checkpoint
         self.patience = int(t.get("early_stop_patience", 0) or 0)
         self.min_delta = float(t.get("early_stop_min_delta", 0.0) or 0.0)
@@ -45,6 +52,12 @@ class EarlyStop:
                               f"use one of {names}.")
         if self.mode not in ("max", "min"):
             raise ConfigError(f"config.train.early_stop_mode={self.mode!r}; use 'max' or 'min'.")
+        evals = evaluations(config)
+        if warn and evals <= self.patience:  # the first evaluation sets the best; `patience` more can stop the run
+            logging.warning("early stopping cannot trigger in this run: it evaluates %d times (num_train_steps=%d, "
+                            "train.eval_every=%d) and needs %d evaluations to stop (1 + "
+                            "train.early_stop_patience=%d); lower the patience or evaluate more often",
+                            evals, config.num_train_steps, t.eval_every, self.patience + 1, self.patience)
 
     @property
     def on(self) -> bool:

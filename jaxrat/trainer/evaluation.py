@@ -13,18 +13,21 @@ import ml_collections as mlc
 
 from jaxrat import cluster
 from jaxrat.checkpointing import load_init
-from jaxrat.checkpointing.store import resolve
+from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config import load_run_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime import compile_cache
-from jaxrat.runtime.fileio import write_csv, write_json
+from jaxrat.runtime.errors import UserError
+from jaxrat.runtime.fileio import unwritable, write_csv, write_json
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
 from jaxrat.trainer.hooks import Evaluation
 from jaxrat.trainer.loop import check_batch_sizes, to_global
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
 from jaxrat.trainer.step import make_eval_step
+
+READ_ITEMS = ("params", "ema_params")  # what an evaluation reads, checked before it is trusted
 
 
 def open_trained_run(workdir: str, overrides: list[str]) -> tuple[str, mlc.ConfigDict]:
@@ -37,37 +40,49 @@ def open_trained_run(workdir: str, overrides: list[str]) -> tuple[str, mlc.Confi
     return workdir, config
 
 
-def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "latest", name: str = "", *,
-                        out_dir: str | None = None, data_dir: str | None = None,
-                        prepared: Callable[[Any], None] | None = None, wrap_model: Callable[[Any], Any] | None = None,
-                        per_image: bool = False, context: dict | None = None) -> tuple[int, dict[str, float]]:
+def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "latest",
+                        name: str | Callable[[int], str] = "", *, out_dir: str | None = None,
+                        data_dir: str | None = None, prepared: Callable[[Any], None] | None = None,
+                        wrap_model: Callable[[Any], Any] | None = None, per_image: bool = False,
+                        context: dict | None = None, opened: Opened | None = None) -> tuple[int, dict[str, float]]:
     """Evaluate checkpoint ``step_spec`` (a step, "best" or "latest") of ``workdir`` under ``config``.
 
     Writes ``metrics.json`` (and ``metrics.jsonl`` + TensorBoard) to ``out_dir`` (default
-    ``workdir/eval/NAME``, NAME defaulting to ``step_<step>``); the task prepares its data under
-    ``data_dir`` (default ``out_dir``: where synthetic data is written). Checkpoints are only read.
-    ``prepared(task)`` runs once the task's data are prepared (e.g. to pick another split);
-    ``wrap_model``: see :func:`jaxrat.trainer.step.make_eval_step` (test-time augmentation);
-    ``per_image``: also ``per_image.csv`` (the accumulator's :meth:`per_image` rows) and its
-    :meth:`per_image_summary` in metrics.json; ``context``: filled with the ``task`` (its data
-    prepared) and the ``out_dir``. Returns ``(step, {"eval/<metric>": value})``.
+    ``workdir/eval/NAME``, NAME defaulting to ``step_<step>``, or ``name(step)`` when callable; it
+    must stay inside ``workdir/eval``); the task prepares its data under ``data_dir`` (default
+    ``out_dir``: where synthetic data is written). Checkpoints are only read, as
+    :func:`jaxrat.checkpointing.reading.open_checkpoint` holds them (``opened``: one held already,
+    e.g. for every point of a robustness grid). ``prepared(task)`` runs once the task's data are
+    prepared (e.g. to pick another split); ``wrap_model``: see
+    :func:`jaxrat.trainer.step.make_eval_step` (test-time augmentation); ``per_image``: also
+    ``per_image.csv`` (the accumulator's :meth:`per_image` rows) and its :meth:`per_image_summary`
+    in metrics.json; ``context``: filled with the ``task`` (its data prepared), the ``out_dir`` and
+    the ``step`` read. Returns ``(step, {"eval/<metric>": value})``.
     """
-    directory, step = resolve(f"{workdir}:{step_spec}")
+    if opened is None:
+        with open_checkpoint(f"{workdir}:{step_spec}", READ_ITEMS) as held:
+            return evaluate_checkpoint(config, workdir, step_spec, name, out_dir=out_dir, data_dir=data_dir,
+                                       prepared=prepared, wrap_model=wrap_model, per_image=per_image,
+                                       context=context, opened=held)
+    step = opened.step
     mesh = make_mesh(config.mesh.axes)
     check_kernels_run_here(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     task = load_task(config)
-    out_dir = out_dir or os.path.join(workdir, "eval", name or f"step_{step}")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = out_dir or eval_dir(workdir, (name(step) if callable(name) else name) or f"step_{step}")
+    why = unwritable(out_dir)
+    if why:
+        raise UserError(f"Cannot write the evaluation to {out_dir} ({why}); pass --out DIR to write it to a folder "
+                        "you can write to.")
     logging.info("data: %s", task.prepare_data(data_dir or out_dir))
     if prepared is not None:
         prepared(task)
     if context is not None:
-        context.update(task=task, out_dir=out_dir)
+        context.update(task=task, out_dir=out_dir, step=step)
     spec = make_state_spec(config, mesh, task)
     # A run trained with an average of its weights is scored with it, as training ranked it.
-    params = load_init(f"{directory}:{step}", spec.abstract_with_shardings(),
-                       params_from="ema_params" if spec.ema else "params")["params"]
+    params = load_init(opened.spec, spec.abstract_with_shardings(), params_from="ema_params" if spec.ema else "params",
+                       opened=opened)["params"]
     writer = MetricWriter(out_dir, is_main=jax.process_index() == 0)
     try:
         eval_step = compiled_together(make_eval_step(spec, wrap_model), "eval step")
@@ -87,6 +102,16 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
         write_json(os.path.join(out_dir, "metrics.json"), result, indent=2, sort_keys=True)
         logging.info("wrote %s", os.path.join(out_dir, "metrics.json"))
     return step, metrics
+
+
+def eval_dir(workdir: str, name: str) -> str:
+    """``WORKDIR/eval/NAME``; a name that leads out of it (``..``, an absolute path) is refused."""
+    root = os.path.join(workdir, "eval")
+    target = os.path.normpath(os.path.join(root, name))
+    if not target.startswith(root + os.sep):
+        raise UserError(f"--name {name!r} leads out of {root}; give a folder name inside it, or --out DIR to write "
+                        "the evaluation elsewhere.")
+    return target
 
 
 def write_rows(path: str, rows: list[dict[str, Any]]) -> None:

@@ -2,12 +2,14 @@
 
 :class:`Chrono` measures throughput and input wait between log points; :class:`TrainLog` fetches
 and writes the step metrics at log steps and stops a diverged run; :class:`Evaluation` runs the
-task's eval at its steps; :class:`Saver` decides and makes the checkpoints. The loop
-(:mod:`jaxrat.trainer.loop`) calls them in order and holds nothing else.
+task's eval at its steps; :class:`Saver` decides and makes the checkpoints; :class:`RunHooks`
+holds them with early stopping and the moving average's evaluation, and calls them in order after
+each step, so the loop (:mod:`jaxrat.trainer.loop`) names no feature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -22,6 +24,7 @@ from jaxrat.runtime import console
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import Task
 from jaxrat.tracking.writers import MetricWriter, format_progress
+from jaxrat.trainer.early_stop import EarlyStop
 
 RAW_PREFIX = "eval_raw/"  # the raw parameters' metrics when eval/* are those of their moving average
 
@@ -139,11 +142,13 @@ class TrainLog:
         fetched = jax.device_get([m for _, m in self.pending])
         bad = [s for (s, _), m in zip(self.pending, fetched) if m["train/nonfinite"] > 0]
         if bad:
-            raise TrainingDiverged(
-                f"Loss became NaN/Inf at step {bad[0]}; the run stopped without applying that update and the last "
-                f"good checkpoint ({self.last_good()}) is kept; lower --config.optimizer.learning_rate or set "
-                f"--config.optimizer.clip_norm and resume."
-            )
+            good = self.last_good()
+            fix = "lower --config.optimizer.learning_rate or set --config.optimizer.clip_norm"
+            if good:
+                raise TrainingDiverged(f"Loss became NaN/Inf at step {bad[0]}; the run stopped without applying that "
+                                       f"update and the last good checkpoint ({good}) is kept; {fix} and resume.")
+            raise TrainingDiverged(f"Loss became NaN/Inf at step {bad[0]}, before any checkpoint was saved, so there "
+                                   f"is nothing to resume; {fix} and train again.")
         scalars = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "train/nonfinite"}
         scalars["train/learning_rate"] = float(fetched[-1]["train/learning_rate"])
         scalars.update(self.chrono.window())
@@ -231,10 +236,11 @@ class Evaluation:
 class Saver:
     """Checkpoints at the steps the policy asks for, and on preemption; logs how long the loop blocked."""
 
-    def __init__(self, ckpt: Checkpointer, policy: Policy, total_steps: int, writer: MetricWriter) -> None:
+    def __init__(self, ckpt: Checkpointer, policy: Policy, total_steps: int, writer: MetricWriter,
+                 watch: PreemptionWatch | None = None) -> None:
         self.ckpt, self.writer = ckpt, writer
         self.schedule = SaveSchedule(policy, total_steps)
-        self.watch = PreemptionWatch()
+        self.watch = watch or PreemptionWatch()
         self.extra: Callable[[], dict[str, Any]] = dict  # metadata saved with every checkpoint (early stopping)
 
     def save(self, step: int, state: Any, data_state: Any, reason: str, metrics: dict[str, float] | None = None,
@@ -266,9 +272,11 @@ class Saver:
         raise Preempted(f"preempted {where}at step {step}: checkpoint saved, exit for requeue")
 
     def last_good(self) -> str:
-        """The newest durable checkpoint, e.g. "step 200 in /w/checkpoints" (waits for saves in flight)."""
+        """The newest durable checkpoint, e.g. "step 200 in /w/checkpoints" (waits for saves in
+        flight); "" when there is none."""
         self.ckpt.wait()
-        return f"step {self.ckpt.latest_step()} in {self.ckpt.directory}"
+        step = self.ckpt.latest_step()
+        return "" if step is None else f"step {step} in {self.ckpt.directory}"
 
     def finish(self) -> None:
         """Wait for the last saves and log the loop's blocking time per save."""
@@ -277,6 +285,106 @@ class Saver:
         if b:
             logging.info("checkpoints: %d saves; train loop blocked %.3f s on average, %.3f s at most",
                          len(b), float(np.mean(b)), max(b))
+
+
+@dataclasses.dataclass
+class RunHooks:
+    """Every periodic action of one run, in the order the loop calls them after each step: the
+    step log, the evaluation (of the parameters' moving average when the run keeps one, with the
+    raw parameters' as ``eval_raw/*``), the preemption checks, early stopping and the checkpoints.
+    The loop (:mod:`jaxrat.trainer.loop`) names none of them."""
+
+    chrono: Chrono
+    log: TrainLog
+    evaluation: Evaluation
+    saver: Saver
+    early: EarlyStop
+    params_of: Callable[[Any], Any]  # the parameters evaluation scores
+    raw_of: Callable[[Any], Any]  # the raw parameters beside them, or None
+    images_per_sec: float | None = None
+
+    @classmethod
+    def create(cls, config: mlc.ConfigDict, task: Task, spec: Any, ckpt: Checkpointer, policy: Policy,
+               writer: MetricWriter, watch: PreemptionWatch, eval_step: Callable, to_global: Callable,
+               start: Any, t_created: float) -> RunHooks:
+        """The hooks of a run that starts at ``start`` (:func:`jaxrat.trainer.state.restore_or_init`)."""
+        total = config.num_train_steps
+        chrono = Chrono(config.data.batch_size, start.step, t_created)
+        saver = Saver(ckpt, policy, total, writer, watch)
+        early = EarlyStop(config, task)
+        early.load(start.meta)
+        saver.extra = early.state  # every checkpoint carries the count: a resume goes on from it
+        log = TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
+        log.examples_per_epoch = task.num_train_examples()
+        return cls(chrono, log, Evaluation(config, task, eval_step, to_global, writer), saver, early,
+                   spec.eval_params, lambda state: state["params"] if spec.ema else None)
+
+    def evaluate(self, step: int, state: Any) -> dict[str, float] | None:
+        return self.evaluation.run(step, self.params_of(state), self.saver.preemption_requested,
+                                   raw_params=self.raw_of(state))
+
+    def resume(self, step: int, state: Any, data: Callable[[], Any], eval_pending: bool) -> bool:
+        """Before the first step: stop if a preemption came during start-up; redo the evaluation a
+        preemption cut short (``eval_pending``); True when the run has ended already (early
+        stopping said so in its last checkpoint)."""
+        stop_if_preempted(self.saver.watch, step)
+        if eval_pending:
+            evaluated = self.evaluate(step, state)
+            if evaluated is None:
+                self.saver.stop_for_preemption(step, state, data(), eval_pending=True)
+            if self.early.update(step, evaluated):
+                self.saver.save(step, state, data(), "early_stop", metrics=evaluated)
+        if self.early.stopped:
+            logging.info("stopped early at step %d (%s); nothing to do", step, self.early.stopped)
+        return bool(self.early.stopped)
+
+    def after_step(self, step: int, state: Any, metrics: dict[str, jax.Array], waited_s: float,
+                   data: Callable[[], Any]) -> bool:
+        """Log, evaluate, check for preemption, stop early, save, after ``step``; True: the run ends."""
+        self.chrono.step_dispatched(metrics["train/loss"], waited_s)
+        log_step = self.log.add(step, metrics)
+        eval_due = self.evaluation.due(step)
+        if self.saver.preemption_requested():
+            self.log.flush(step)
+            self.saver.stop_for_preemption(step, state, data(), eval_pending=eval_due)
+        evaluated = self.evaluate(step, state) if eval_due else None
+        if eval_due and evaluated is None:
+            self.log.flush(step)
+            self.saver.stop_for_preemption(step, state, data(), eval_pending=True)
+        if self.early.update(step, evaluated):  # the last checkpoint says so: resumes and sweeps see it
+            self.log.flush(step)
+            self.saver.save(step, state, data(), "early_stop", metrics=evaluated)
+            return True
+        self.saver.maybe_save(step, state, data(), log_step=log_step, metrics=evaluated)
+        return False
+
+    def finish(self) -> None:
+        """The run's throughput (before the last saves' wait), then wait for those saves."""
+        self.images_per_sec = self.chrono.examples_per_sec()
+        self.saver.finish()
+
+    def summary(self, step: int) -> dict[str, Any]:
+        """What the hooks add to the run summary (:func:`jaxrat.trainer.run_summary.build`)."""
+        ips = self.images_per_sec if self.images_per_sec is not None else self.chrono.examples_per_sec()
+        return {"last_train": self.log.last, "images_per_sec": ips, "last_eval": self.evaluation.last,
+                "best": self.evaluation.best, "last_eval_raw": self.evaluation.last_raw,
+                "stopped_early": self.early.summary(step)}
+
+
+def stop_if_preempted(watch: PreemptionWatch, step: int) -> None:
+    """Raise :class:`Preempted` when a stop signal came before training reached ``step``'s next
+    step (during data preparation, restore or start-up): there is nothing new to save."""
+    if not watch.requested():
+        return
+    watch.hold_signals()
+    kept = f"the checkpoint of step {step} is kept" if step else "no checkpoint yet"
+    raise Preempted(f"preempted before step {step + 1} (during start-up): nothing to save, {kept}; exit for requeue")
+
+
+def check_config(config: mlc.ConfigDict, policy: Policy, task: Task) -> None:
+    """The hooks' settings, checked before the data is prepared: each mistake in one sentence."""
+    check_best_metric(policy, task)
+    EarlyStop(config, task, warn=False)
 
 
 def check_best_metric(policy: Policy, task: Task) -> None:

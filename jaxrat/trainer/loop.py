@@ -6,6 +6,7 @@ logs and files the run shares.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -17,14 +18,13 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy
-from jaxrat.cluster import Preempted
+from jaxrat.cluster import Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
-from jaxrat.trainer.early_stop import EarlyStop
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
@@ -80,8 +80,13 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     fresh = not existed or not os.listdir(workdir)
     started: list[bool] = []
     try:
-        with hold_workdir(config, workdir):  # one run per workdir; a resume keeps the config (docs/workdir.md)
-            return _train_and_evaluate(config, workdir, t_created, started)
+        with hold_workdir(config, workdir) as save_config:  # one run per workdir; a resume keeps the config
+
+            def save_and_mark() -> None:
+                save_config()
+                started.append(True)  # the state exists: from here on a failure keeps what the run wrote
+
+            return _train_and_evaluate(config, workdir, t_created, save_and_mark)
     except UserError:
         if fresh and not started and jax.process_index() == 0:
             _clear(workdir, remove_folder=not existed)
@@ -98,8 +103,21 @@ def _clear(workdir: str, remove_folder: bool) -> None:
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
-def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
-                        started: list[bool]) -> dict[str, float]:
+@dataclasses.dataclass
+class _Started:
+    """A run's world, task, state spec, compiled steps and restored (or fresh) state."""
+
+    mesh: jax.sharding.Mesh
+    task: Any
+    policy: Policy
+    spec: Any
+    train_step: Any
+    eval_step: Any
+    ckpt: Checkpointer
+    start: Any
+
+
+def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_config: Any) -> _Started:
     # ---- world
     mesh = make_mesh(config.mesh.axes)
     check_kernels_run_here(config, mesh)
@@ -110,9 +128,9 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
     # ---- task, data, state
     task = load_task(config)
     policy = Policy.from_config(config.checkpoint)
-    hooks.check_best_metric(policy, task)
-    early = EarlyStop(config, task)
+    hooks.check_config(config, policy, task)
     logging.info("data: %s", task.prepare_data(workdir))
+    hooks.stop_if_preempted(watch, 0)
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
 
     def train_iter(start_example: int, local_batch: int = 0):
@@ -126,74 +144,48 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
     spec = make_state_spec(config, mesh, task)
     train_step = compiled_together(make_train_step(spec), "train step")
     eval_step = compiled_together(make_eval_step(spec), "eval step")
-
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)
-    started.append(True)
+    save_config()  # only now: a resume the checkpoint refused has left config.json as it was
+    return _Started(mesh, task, policy, spec, train_step, eval_step, ckpt, start)
+
+
+def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, save_config: Any) -> dict[str, float]:
+    watch = PreemptionWatch()  # one counter for every check of the run (a collective's agreed call number)
+    w = _start(config, workdir, watch, save_config)
+    spec, ckpt, start = w.spec, w.ckpt, w.start
     state, first, total = start.state, start.step, config.num_train_steps
 
     # ---- loop
     writer = MetricWriter(workdir, is_main=jax.process_index() == 0, tracking=config.get("tracking"))
     writer.write_hparams(config.to_dict())
-    chrono = hooks.Chrono(config.data.batch_size, first, t_created)
-    saver = hooks.Saver(ckpt, policy, total, writer)
-    early.load(start.meta)
-    saver.extra = early.state
-    log = hooks.TrainLog(writer, chrono, total, config.train.log_every, saver.last_good)
-    log.examples_per_epoch = task.num_train_examples()
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
-    evaluation = hooks.Evaluation(config, task, eval_step, put, writer)
+    run = hooks.RunHooks.create(config, w.task, spec, ckpt, w.policy, writer, watch, w.eval_step, put, start, t_created)
     feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
-
-    def evaluate(step: int, state: dict) -> dict[str, float] | None:
-        raw = state["params"] if spec.ema else None  # eval/* is the average's, eval_raw/* the raw weights'
-        return evaluation.run(step, spec.eval_params(state), saver.preemption_requested, raw_params=raw)
-
-    done, status, images_per_sec = first, "failed", None
+    done, status, error = first, "failed", None
     try:
-        if start.eval_pending:
-            evaluated = evaluate(first, state)
-            if evaluated is None:
-                saver.stop_for_preemption(first, state, feed.consumed_state(), eval_pending=True)
-            if early.update(first, evaluated):
-                saver.save(first, state, feed.consumed_state(), "early_stop", metrics=evaluated)
-        if early.stopped:
-            logging.info("stopped early at step %d (%s); nothing to do", first, early.stopped)
-        for step in range(first, total if not early.stopped else first):
-            batch, waited = feed.next_timed(chrono.devices_busy)
-            state, metrics = train_step(state, batch)
-            chrono.step_dispatched(metrics["train/loss"], waited)
+        ended = run.resume(first, state, feed.consumed_state, start.eval_pending)
+        for step in range(first, first if ended else total):
+            batch, waited = feed.next_timed(run.chrono.devices_busy)
+            state, metrics = w.train_step(state, batch)
             done = step + 1
-            log_step = log.add(done, metrics)
-            eval_due = evaluation.due(done)
-            if saver.preemption_requested():
-                log.flush(done)
-                saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=eval_due)
-            evaluated = evaluate(done, state) if eval_due else None
-            if eval_due and evaluated is None:
-                log.flush(done)
-                saver.stop_for_preemption(done, state, feed.consumed_state(), eval_pending=True)
-            if early.update(done, evaluated):  # the last checkpoint says so: resumes and sweeps see it
-                log.flush(done)
-                saver.save(done, state, feed.consumed_state(), "early_stop", metrics=evaluated)
+            if run.after_step(done, state, metrics, waited, feed.consumed_state):
                 break
-            saver.maybe_save(done, state, feed.consumed_state(), log_step=log_step, metrics=evaluated)
-        images_per_sec = chrono.examples_per_sec()
-        saver.finish()
+        run.finish()
         status = "finished"
     except Preempted:
         status = "preempted"
         raise
+    except BaseException as e:  # the summary says why, so every table can say "failed: <why>"
+        error = (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
+        raise
     finally:
         feed.close()
         try:  # the summary is not worth hiding why a run failed
-            summary = run_summary.build(
-                config, workdir, status=status, mesh=mesh, first=first, last=done,
-                wall_time_s=time.perf_counter() - t_created, last_train=log.last,
-                images_per_sec=images_per_sec if images_per_sec is not None else chrono.examples_per_sec(),
-                last_eval=evaluation.last, best=evaluation.best, checkpoint_dir=ckpt.directory,
-                last_eval_raw=evaluation.last_raw, stopped_early=early.summary(done), kernels=spec.kernels)
-            confusions = getattr(getattr(evaluation, "last_accumulator", None), "confusions", dict)()
+            summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
+                                        wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
+                                        kernels=spec.kernels, error=error, **run.summary(done))
+            confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
             run_summary.publish(writer, workdir, summary, confusions)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
@@ -201,4 +193,4 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float,
         ckpt.close()
     if first >= total:
         logging.info("nothing to do: workdir already at step %d of %d", first, total)
-    return evaluation.last
+    return run.evaluation.last

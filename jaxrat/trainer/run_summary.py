@@ -80,16 +80,17 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
           last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
           last_eval_raw: dict[str, float] | None = None, stopped_early: dict[str, Any] | None = None,
-          kernels: Any = None) -> dict[str, Any]:
+          kernels: Any = None, error: str | None = None) -> dict[str, Any]:
     """The summary's content (every process may call it; only process 0 writes it).
 
     ``last_eval_raw`` holds the raw parameters' ``eval_raw/*`` when ``last_eval`` is their moving
     average's; ``stopped_early`` says why early stopping ended the run; ``kernels`` is the run's
-    resolved kernel policy."""
+    resolved kernel policy; ``error`` why a failed run failed (its exception's type and first line)."""
     hw = hardware(mesh)
     ck = checkpoints(checkpoint_dir)
     return {
-        "workdir": workdir, "status": status, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "workdir": workdir, "status": status, **({"error": error} if error else {}),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "task": config.task.name, "model": config.model.name,
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,

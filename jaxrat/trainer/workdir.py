@@ -13,14 +13,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
-from jaxrat.runtime.fileio import move_into_place, write_text
+from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
 from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
@@ -45,16 +46,6 @@ class ConfigChanged(ConfigError):
 
 # ------------------------------------------------------------------------------------ the config
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_as_json(config: mlc.ConfigDict) -> dict[str, Any]:
     """The config as ``config.json`` holds it (tuples become lists), so the two compare equal."""
     return json.loads(config.to_json_best_effort(sort_keys=True))
@@ -71,7 +62,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
     Only fields on both sides count: one present on one side only comes with a changed
     ``model.name``/``task.name`` (which is listed) or with a jaxrat version that added it.
     """
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten(old), flatten(new)
     fixed, free = [], []
     for key in sorted(a.keys() & b.keys()):
         if a[key] != b[key]:
@@ -88,6 +79,13 @@ def has_checkpoint(workdir: str) -> bool:
 def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> None:
     """Stop a resume whose config changes what is trained (:class:`ConfigChanged`), then write
     ``WORKDIR/config.json``; a different previous one is kept as ``config.<its UTC time>.json``."""
+    check_config(config, workdir, allow_change)()
+
+
+def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Callable[[], None]:
+    """Stop a resume whose config changes what is trained (:class:`ConfigChanged`); return the
+    function that writes ``WORKDIR/config.json`` (a different previous one kept aside as
+    ``config.<its UTC time>.json``). Nothing is written before it is called."""
     path = os.path.join(workdir, CONFIG_NAME)
     new = config_as_json(config)
     old = None
@@ -111,13 +109,16 @@ def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bo
                         "previous config is kept aside", workdir, "; ".join(fixed + free))
     elif resuming:
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
-    if os.path.exists(path) and (old is None or old != new):
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.stat(path).st_mtime))
-        aside, n = os.path.join(workdir, f"config.{stamp}.json"), 1
-        while os.path.exists(aside):
-            aside, n = os.path.join(workdir, f"config.{stamp}.{n}.json"), n + 1
-        move_into_place(path, aside)
-    write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
+
+    def save() -> None:
+        if os.path.exists(path) and (old is None or old != new):
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.stat(path).st_mtime))
+            aside, n = os.path.join(workdir, f"config.{stamp}.json"), 1
+            while os.path.exists(aside):
+                aside, n = os.path.join(workdir, f"config.{stamp}.{n}.json"), n + 1
+            move_into_place(path, aside)
+        write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
+    return save
 
 
 # ------------------------------------------------------------------------------------- the run
@@ -139,23 +140,33 @@ def _broadcast(kind: int, message: str) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[None]:
+def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
     """Hold ``workdir`` for one run: lock it and check the config (process 0, for all processes).
 
     Raises :class:`WorkdirInUse` or :class:`ConfigChanged` in every process alike; the lock is
-    released on leaving the block, whether the run ended, was preempted or failed.
+    released on leaving the block, whether the run ended, was preempted or failed. Yields the
+    function that writes ``config.json``: a new run's is written at once, a resume's only when the
+    caller says its restore succeeded, so a resume the checkpoint refuses (EMA turned off, say)
+    leaves the workdir as it was and the original command still runs.
     """
     import jax
 
     settings = config.get("workdir") or mlc.ConfigDict()
     lock, failure, kind = None, None, 0
+    save: Callable[[], None] = lambda: None  # noqa: E731
     if jax.process_index() == 0:
         try:
-            os.makedirs(workdir, exist_ok=True)
+            why = unwritable(workdir)
+            if why:
+                raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
+                                "to (--workdir).")
             if settings.get("lock", True):
                 lock = WorkdirLock(workdir, settings.get("lease_seconds", DEFAULT_LEASE_S))
                 lock.acquire()
-            check_and_save_config(config, workdir, bool(settings.get("allow_config_change", False)))
+            save = check_config(config, workdir, bool(settings.get("allow_config_change", False)))
+            if not has_checkpoint(workdir):
+                save()
+                save = lambda: None  # noqa: E731
         except Exception as e:  # every process must hear of it, or the others wait in the next collective
             failure, kind = e, next((k for k, t in _KINDS.items() if isinstance(e, t)), 4)
     kind, message = _broadcast(kind, str(failure or ""))
@@ -166,7 +177,7 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[None]:
             raise failure
         raise _KINDS[kind](message if kind != 4 else f"process 0 could not take the workdir: {message}")
     try:
-        yield
+        yield save
     finally:
         if lock is not None:
             lock.release()

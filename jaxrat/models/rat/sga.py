@@ -111,19 +111,18 @@ class SpatialGroupingAttention(nnx.Module):
             return u.reshape(b, n, h * dh)
         return u.transpose(0, 2, 1, 3).reshape(b, n, h * dh)
 
-    def _iteration(self, xo: Array, k: Array, v: Array, window: attn.Window,
+    def _iteration(self, xo: Array, k: Array, v: Array, keys: Optional[attn.SparseKeys], window: attn.Window,
                    out_spacing: tuple[float, ...]) -> tuple[Array, Array]:
         """One grouping round: (groups (B, N_out, D), keys, values) -> (new groups, queries)."""
         b, n_out, _ = xo.shape
         h, dh = self.num_heads, self.head_dim
         q = self.rose(self.q(xo).reshape(b, n_out, h, dh), window.out, out_spacing).transpose(0, 2, 1, 3)
-        temp = self.temp[...]
         if self.attention == "dense":
-            u = attn.grouping_attention(q, k, v, self.kernels, key_scale=temp)
+            u = attn.grouping_attention(q, k, v, self.kernels)
         elif self.attention == "standard":
-            u = attn.softmax_attention(q, k * temp.astype(k.dtype), v, self.kernels)
+            u = attn.softmax_attention(q, k, v, self.kernels)
         else:
-            u = attn.sparse_grouping_attention(q, k, v, window, self.kernels, key_scale=temp)
+            u = attn.sparse_grouping_attention(q, keys, self.kernels, key_scale=self.temp[...])
         xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
         return xo + self.norm3(self.mlp(xo)), q
 
@@ -148,24 +147,29 @@ class SpatialGroupingAttention(nnx.Module):
         h, dh = self.num_heads, self.head_dim
 
         k, v = jnp.split(self.kv(x), 2, axis=-1)
-        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing).transpose(0, 2, 1, 3)
+        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
+        temp = self.temp[...]
+        if self.attention != "sparse":  # temp scales the keys (the reference's form)
+            k = k * temp.astype(k.dtype)
+        k = k.transpose(0, 2, 1, 3)
         v = self._split_heads(v, self.reference_compat)
 
         window = attn.Window(grid_shape, self.kernel_size, self.stride)
+        # sparse: the kernel decides where temp multiplies, and lays keys and values out once
+        keys = attn.sparse_keys(k, v, window, self.kernels) if self.attention == "sparse" and self.iters else None
         q = None
         for _ in range(self.iters):
-            xo, q = self._iteration(xo, k, v, window, out_spacing)
+            xo, q = self._iteration(xo, k, v, keys, window, out_spacing)
 
         attn_q = attn_k = None
         if return_maps:
             if q is None:
                 raise ValueError("grouping maps need iters >= 1 (the reference returns uninitialised memory)")
-            temp = self.temp[...]
             if self.attention == "sparse":
                 attn_q, attn_k = attn.sparse_grouping_maps(q, k, window, key_scale=temp)
             elif self.attention == "standard":
-                logits = jnp.einsum("bhqd,bhkd->bhqk", q, k * temp.astype(k.dtype), preferred_element_type=jnp.float32)
+                logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
                 attn_k = attn_q = jax.nn.softmax(logits, -1)
             else:
-                attn_q, attn_k = attn.grouping_maps(q, k, key_scale=temp)
+                attn_q, attn_k = attn.grouping_maps(q, k)
         return SGAOutput(xo, out_grid, out_spacing, attn_q, attn_k)
