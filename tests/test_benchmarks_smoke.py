@@ -34,6 +34,7 @@ def test_every_benchmark_has_a_smoke_and_a_quick_form():
     assert sorted(run_all.SMOKE) == sorted(run_all.BENCHMARKS)
 
 
+@pytest.mark.timeout(3600)  # fourteen scripts, each compiling its own programs: past the suite's 900 s
 def test_every_benchmark_runs_in_its_smoke_form(tmp_path):
     # As a user runs them: the suite's 8 simulated devices (tests/conftest.py) do not divide their batches.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
