@@ -161,7 +161,8 @@ platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 } device_description_
 """  # NVIDIA's published H100 SXM figures, the form XLA reads a GPU target description in
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
+                    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="deviceless GPU compiles need the jax-cuda12-plugin and jax-cuda12-pjrt wheels")
 def test_triton_compiles_the_kernels_for_an_h100_without_one():
     """XLA compiles each Triton kernel to GPU code here (Triton rejects what interpret mode accepts,

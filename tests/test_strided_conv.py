@@ -60,7 +60,8 @@ def test_dispatch_takes_the_blocked_form_only_for_large_strided_inputs(monkeypat
     # stride 1, "SAME" padding or a plain conv() keep XLA's convolution at any size
     same = conv(4, 4, (3, 3), strides=(1, 1), dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=CPU)
     assert _has_conv(lambda x: same(x), small)
-    plain = conv(4, 4, (7, 7), strides=(3, 3), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0))
+    plain = conv(4, 4, (7, 7), strides=(3, 3), padding=[(3, 3), (3, 3)], dtype=jnp.float32, rngs=nnx.Rngs(0),
+                 kernels=ops.PORTABLE)
     assert _has_conv(lambda x: plain(x), small)
 
 

@@ -47,6 +47,12 @@ def import_references():
     import pytest
 
     pytest.importorskip("torch")
+    bare = sys.modules.get("timm")
+    if bare is not None and getattr(bare, "__spec__", None) is None:
+        # jaxrat.models.torch_import's bare timm (Mlp and DropPath only, for the reference RAT):
+        # transformers' find_spec("timm") fails on it, so the real one is imported below
+        for name in [n for n in sys.modules if n == "timm" or n.startswith("timm.")]:
+            del sys.modules[name]
     if "timm" not in sys.modules:
         real = sys.modules.get("torchvision")
         sys.modules["torchvision"] = None  # transformers: "not installed"

@@ -62,7 +62,7 @@ class RegressionTask(Task):
             b = _examples(10**6 + i * global_batch, global_batch, 123)
             yield {k: v[process_index * lb:(process_index + 1) * lb] for k, v in b.items()}
 
-    def build_model(self, *, dtype, rngs):
+    def build_model(self, *, dtype, rngs, kernels):
         return nnx.Linear(DIM, 1, rngs=rngs, dtype=dtype)
 
     def loss(self, model, batch, rng):
