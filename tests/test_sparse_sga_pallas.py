@@ -40,8 +40,13 @@ def _value_and_vjp(f, q, k, v, g):
     return [np.asarray(x, np.float32) for x in jax.jit(run)(q, k, v, g)]
 
 
+def _heads_last(x):
+    """(B, H, N, d) <-> (B, N, H, d): the tests' inputs are head-major, the fused kernels token-major."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def _fused(geom, normalise):
-    return lambda q, k, v: sparse_update(q, k, v, geom, normalise, interpret=True)
+    return lambda q, k, v: _heads_last(sparse_update(*map(_heads_last, (q, k, v)), geom, normalise, interpret=True))
 
 
 def _portable(geom, normalise):
@@ -108,20 +113,20 @@ def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16():
 def test_supports_says_why_not_in_one_sentence():
     geom = Geometry((16, 16), (7, 7), (3, 3))
     n_out = int(np.prod(geom.out))
-    assert supports(geom, (2, 8, n_out, 16), jnp.bfloat16) is None
-    assert "2 spatial dims" in supports(Geometry((8, 8, 8), (3, 3, 3), (2, 2, 2)), (1, 1, 64, 16), jnp.float32)
-    assert "float16" in supports(geom, (2, 8, n_out, 16), jnp.float16)
-    assert "head dim 4" in supports(geom, (2, 8, n_out, 4), jnp.float32)
-    assert "output grid" in supports(geom, (2, 8, n_out + 1, 16), jnp.float32)
+    assert supports(geom, (2, n_out, 8, 16), jnp.bfloat16) is None
+    assert "2 spatial dims" in supports(Geometry((8, 8, 8), (3, 3, 3), (2, 2, 2)), (1, 64, 1, 16), jnp.float32)
+    assert "float16" in supports(geom, (2, n_out, 8, 16), jnp.float16)
+    assert "head dim 4" in supports(geom, (2, n_out, 8, 4), jnp.float32)
+    assert "output grid" in supports(geom, (2, n_out + 1, 8, 16), jnp.float32)
     with pytest.raises(ValueError, match="head dim 256"):
-        sparse_update(*(jnp.zeros((1, 1, n, 256)) for n in (n_out, 256, 256)), geom)
+        sparse_update(*(jnp.zeros((1, n, 1, 256)) for n in (n_out, 256, 256)), geom)
 
 
 def test_memory_traffic_is_a_few_reads_of_the_inputs_and_no_maps():
     """The ISIC first layer: every pass moves whole q, k, v, outputs and per-token statistics, never
     a per-tap map (49 taps x 7,396 groups x 4 bytes would be 1.4 MB a slice, 5.6x the keys)."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
-    q_shape = (16, 8, int(np.prod(geom.out)), 16)
+    q_shape = (16, int(np.prod(geom.out)), 8, 16)
     keys = 16 * 8 * 256 * 256 * 16 * 2
     fused = hbm_bytes(geom, q_shape, 16, jnp.bfloat16)
     assert len(fused) == 6 and sum(fused.values()) < 15 * keys
@@ -135,7 +140,7 @@ def test_memory_traffic_is_a_few_reads_of_the_inputs_and_no_maps():
 def _isic_like(dtype=jnp.bfloat16):
     geom = Geometry((64, 64), (7, 7), (3, 3))
     n_out, n_in = int(np.prod(geom.out)), int(np.prod(geom.grid))
-    spec = lambda n: jax.ShapeDtypeStruct((2, 8, n, 16), dtype)
+    spec = lambda n: jax.ShapeDtypeStruct((2, n, 8, 16), dtype)
     loss = lambda q, k, v: jnp.sum(sparse_update(q, k, v, geom).astype(jnp.float32))
     return geom, (spec(n_out), spec(n_in), spec(n_in)), loss
 
