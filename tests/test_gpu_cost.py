@@ -64,6 +64,16 @@ def test_a_loop_body_counts_once_per_iteration(probe):
     assert probe["loop"]["summary"]["total"]["flops"] == 5 * 2 * 128 * 256 * 256
 
 
+def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
+    """XLA compiles each Triton kernel to GPU code here (Triton rejects what interpret mode accepts,
+    e.g. a tensor dim that is not a power of two or a matmul under 16): three passes forward, three
+    backward, and nothing else of size around them."""
+    kernels = probe["sparse_sga"]["kernels"]
+    triton = [k for k in kernels if k["kind"] == "__gpu$xla.gpu.triton"]
+    assert len(triton) == 6
+    assert not any("cublas" in k["kind"] or "concatenate" in k["kind"] or "transpose" in k["kind"] for k in kernels)
+
+
 def test_the_quick_step_is_priced_per_scope(tmp_path):
     """The --quick path: the trainer's RAT step (gpu kernels, bf16) compiled for the H100, every part of
     the model's scopes found, and the JSON written."""

@@ -48,7 +48,7 @@ from jaxrat.ops.portable.sparse_sga import Geometry
 Array = jax.Array
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 128
-MAX_GRID_AXIS = 65535  # a CUDA grid's y and z extent: the passes put rows on y, batch x heads on z
+MAX_GRID_AXIS = 65535  # a CUDA grid's y and z extent: the passes put tiles on y, rows on z (slices on x)
 
 
 def supports(geom: Geometry, q_shape, dtype) -> str | None:
@@ -66,8 +66,8 @@ def supports(geom: Geometry, q_shape, dtype) -> str | None:
         return f"{q_shape[1]} queries do not match the output grid {geom.out}"
     if min(geom.kernel) < 1 or min(geom.stride) < 1 or min(geom.out) < 1:
         return f"kernel {geom.kernel} and stride {geom.stride} leave no groups on grid {geom.grid}"
-    if q_shape[0] * q_shape[2] > MAX_GRID_AXIS or geom.grid[0] > MAX_GRID_AXIS:
-        return f"{q_shape[0]} x {q_shape[2]} slices or {geom.grid[0]} rows exceed a CUDA grid axis ({MAX_GRID_AXIS})"
+    if max(geom.grid) > MAX_GRID_AXIS:
+        return f"grid {geom.grid} has more rows or columns than a CUDA grid axis holds ({MAX_GRID_AXIS})"
     return None
 
 

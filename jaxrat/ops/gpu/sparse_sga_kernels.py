@@ -111,7 +111,7 @@ class Heads(NamedTuple):
 
 
 def _heads(t: Tiling) -> Heads:
-    return Heads(pl.program_id(2) % t.heads, t.heads)
+    return Heads(pl.program_id(0) % t.heads, t.heads)
 
 
 def _load(ref, rows, ok, d: int, dp: int, at: Heads, other=0.0):
@@ -148,7 +148,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
     R = dict(zip(names, refs))
-    tile, oy, at = pl.program_id(0), pl.program_id(1), _heads(t)
+    tile, oy, at = pl.program_id(1), pl.program_id(2), _heads(t)
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
     grow = oy * t.OX + _clip(ox, t.OX)
@@ -247,7 +247,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
 def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
     """One input tile. Modes: "colsum" (d = c + eps), "dv" (dv and gd = dL/dd), "dk", "dvdk"."""
     R = dict(zip(names, refs))
-    tile, y, at = pl.program_id(0), pl.program_id(1), _heads(t)
+    tile, y, at = pl.program_id(1), pl.program_id(2), _heads(t)
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X
     prow = y * t.X + _clip(x, t.X)
@@ -316,8 +316,10 @@ STATS = frozenset({"r", "d", "gd", "delta"})  # per slice (B*H, N); the rest tok
 
 
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
-    """pallas_call over grid (tiles, rows, B*H): a program's blocks are its slice's statistics and
-    its image's token-major rows (every head's; the kernel takes its own head's features).
+    """pallas_call over grid (B*H, tiles, rows): a program's blocks are its slice's statistics and
+    its image's token-major rows (every head's; the kernel takes its own head's features). Heads
+    vary fastest, so the programs that run together read the same tokens' bytes (one cache line
+    holds 128 bytes, several heads' features).
 
     ``ins``/``outs`` map names to arrays / ShapeDtypeStructs; the kernel sees them by name.
     """
@@ -326,8 +328,8 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
 
     def spec(name, a):
         if name in STATS:
-            return pl.BlockSpec((None, a.shape[1]), lambda i, j, s: (s, 0))
-        return pl.BlockSpec((None, a.shape[1]), lambda i, j, s: (s // heads, 0))
+            return pl.BlockSpec((None, a.shape[1]), lambda s, i, j: (s, 0))
+        return pl.BlockSpec((None, a.shape[1]), lambda s, i, j: (s // heads, 0))
 
     res = pl.pallas_call(
         functools.partial(kernel, names=names, t=t, **kw),
@@ -345,14 +347,14 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
 def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> dict:
     """Run :func:`_group_kernel` over every group tile of every slice."""
     bh = ins["q"].shape[0] * t.heads
-    grid = (-(-t.OX // t.tw), t.OY, bh)
+    grid = (bh, -(-t.OX // t.tw), t.OY)
     return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode)
 
 
 def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
     """Run :func:`_input_kernel` over every input tile of every slice."""
     bh = ins["q"].shape[0] * t.heads
-    grid = (-(-t.X // t.tx), t.Y, bh)
+    grid = (bh, -(-t.X // t.tx), t.Y)
     return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps)
 
 
