@@ -31,6 +31,7 @@ from jaxrat.models.layers import Mlp, conv, layer_norm, linear
 from jaxrat.models.rat.config import RATConfig, as_tuple
 from jaxrat.models.rat.rose import RotarySpatialEmbedding
 from jaxrat.ops import attention as attn
+from jaxrat.ops.dense import split_product
 
 Array = jax.Array
 ATTENTION_TYPES = ("dense", "sparse", "standard")
@@ -100,19 +101,12 @@ class SpatialGroupingAttention(nnx.Module):
         return SGAOutput(x, self.out_grid_shape(grid_shape), out_spacing, None, None)
 
     def _keys_and_values(self, x: Array) -> tuple[Array, Array]:
-        """``split(kv(x))`` as two products: on the full-resolution grid, slicing one (B, N, 2D)
-        product apart costs a copy of both halves, forward and backward, two products one more read of x."""
-        layer, d = self.kv, self.feature_dims
+        """``split(kv(x))``, computed as the kernel policy prefers (:func:`jaxrat.ops.dense.split_product`)."""
+        layer = self.kv
         dtype = layer.dtype or x.dtype
-        w = layer.kernel[...].astype(dtype)
         bias = None if layer.bias is None else layer.bias[...].astype(dtype)
-        x = x.astype(dtype)
-
-        def half(i: int) -> Array:
-            y = jnp.dot(x, w[:, i * d:(i + 1) * d])
-            return y if bias is None else y + bias[i * d:(i + 1) * d]
-
-        return half(0), half(1)
+        k, v = split_product(x.astype(dtype), layer.kernel[...].astype(dtype), bias, 2, self.kernels)
+        return k, v
 
     def _split_heads(self, x: Array, compat: bool) -> Array:
         b, n, _ = x.shape
