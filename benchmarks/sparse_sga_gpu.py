@@ -31,13 +31,19 @@ from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
 
 
 def inputs(geom: Geometry, b: int, h: int, dh: int, dtype, seed: int = 0):
+    """Token-major (B, N, H, d) queries, keys, values and a cotangent, as the fused kernels take them."""
     n_out, n_in = int(np.prod(geom.out)), int(np.prod(geom.grid))
     kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = 0.7 * jax.random.normal(kq, (b, h, n_out, dh))
-    k = 0.7 * jax.random.normal(kk, (b, h, n_in, dh))
-    v = jax.random.normal(kv, (b, h, n_in, dh))
-    g = jax.random.normal(kg, (b, h, n_out, dh))
+    q = 0.7 * jax.random.normal(kq, (b, n_out, h, dh))
+    k = 0.7 * jax.random.normal(kk, (b, n_in, h, dh))
+    v = jax.random.normal(kv, (b, n_in, h, dh))
+    g = jax.random.normal(kg, (b, n_out, h, dh))
     return [x.astype(dtype) for x in (q, k, v)], g
+
+
+def heads_first(x):
+    """(B, N, H, d) <-> (B, H, N, d): the portable kernel's layout."""
+    return x.transpose(0, 2, 1, 3)
 
 
 def value_and_vjp(f, q, k, v, g):
@@ -56,7 +62,11 @@ def fused(geom, normalise):
 
 
 def portable(geom, normalise):
-    return lambda q, k, v: sparse_grouping(q, k, v, geom.grid, geom.kernel, geom.stride, normalise)[0]
+    """The portable kernel on token-major operands (transposed in and out, in the same program)."""
+    def f(q, k, v):
+        u = sparse_grouping(*map(heads_first, (q, k, v)), geom.grid, geom.kernel, geom.stride, normalise)[0]
+        return heads_first(u)
+    return f
 
 
 def parity(report):
@@ -91,19 +101,21 @@ def speed(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     port = lambda q, k, v: portable_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom)
-    for name, f in (("fused", fused(geom, True)), ("portable", port)):
-        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
-        report[f"{name}_fwd"] = timed(f, q, k, v)
-        report[f"{name}_fwd_bwd"] = timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    # each on its own layout, made outside the timed programs
+    for name, f, (q_, k_, v_, g_) in (("fused", fused(geom, True), (q, k, v, g)),
+                                      ("portable", port, map(heads_first, (q, k, v, g)))):
+        loss = lambda q, k, v, f=f, g=g_: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+        report[f"{name}_fwd"] = timed(f, q_, k_, v_)
+        report[f"{name}_fwd_bwd"] = timed(jax.grad(loss, argnums=(0, 1, 2)), q_, k_, v_)
         print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
 
 
 def tiles(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
-    q, k, v, g = (x.reshape(16 * 8, -1) for x in (q, k, v, g))
+    q, k, v, g = (x.reshape(16, -1) for x in (q, k, v, g))
     for tw, tx, warps in ((32, 64, 4), (32, 64, 2), (16, 32, 2), (64, 128, 4), (64, 128, 8), (32, 128, 4)):
-        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, tw, tx, warps)
+        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, heads=8, tw=tw, tx=tx, warps=warps)
         f = lambda q, k, v, t=t: _update(q, k, v, t, True, False)
         loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
         name = f"tiles_{tw}_{tx}_{warps}"
@@ -115,13 +127,13 @@ def passes(report):
     """Each pass alone at the ISIC shape, rolled and unrolled row loops."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
-    q, k, v, g = (x.reshape(16 * 8, -1) for x in (q, k, v, g))
+    q, k, v, g = (x.reshape(16, -1) for x in (q, k, v, g))
     bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
     K = sparse_sga_kernels
     for unroll in (False, True):
-        t = K.Tiling.of(geom, 16, 16, unroll=unroll)
+        t = K.Tiling.of(geom, 16, 16, heads=8, unroll=unroll)
         S = lambda n: K.stats(bh, n)
-        F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
+        F = lambda n, t=t: K.tokens_like(16, n, t, 16, jnp.bfloat16)
         r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False)["r"]
         d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=S(n_in)), 1e-7, False)["d"]
         gd = K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(dv=F(n_in), gd=S(n_in)), 1e-7, False)["gd"]
