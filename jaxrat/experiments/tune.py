@@ -140,8 +140,9 @@ def open_study(root: str, direction: str, seed: int = 0) -> Any:
 
 
 def sampler_for(seed: int, worker_index: int = 0, trials_before: int = 0) -> Any:
-    """TPE seeded from the search's ``seed``, the worker's index and the trials the study already
-    holds: the same for a rerun of the same command on the same study, different between workers."""
+    """TPE seeded from the search's ``seed``, the worker's index and the trial's place in the study
+    (the counted trials older than it): the same for the same trial of a rerun, different between
+    workers and between trials."""
     import numpy as np
     import optuna
 
@@ -150,8 +151,14 @@ def sampler_for(seed: int, worker_index: int = 0, trials_before: int = 0) -> Any
 
 
 def counted(study: Any) -> list[Any]:
-    """The trials that count towards ``--trials`` (all but the replaced ones)."""
-    return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(REPLACED)]
+    """The trials that count towards ``--trials``: all but the replaced ones, except a replaced
+    trial whose retry is not queued yet. Marking a trial replaced and queueing its retry are two
+    writes to the journal; between them, another worker counted one trial too few and started a
+    fresh one (three workers ended with four trials of three). A replaced trial without parameters
+    (one that yielded the last place, see :func:`budget_left`) never gets a retry."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    return [t for t in trials if not t.user_attrs.get(REPLACED) or (t.params and t.number not in retried)]
 
 
 def queued(study: Any) -> list[Any]:
@@ -257,14 +264,19 @@ def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[s
                 done = proc.poll() is not None
                 rows, offset = _eval_rows(path, offset)
                 for row in rows:
-                    if metric in row and isinstance(row.get("step"), int):
+                    # Once pruned, later rows are not the trial's: its value is the one it was pruned
+                    # at. Neither that nor the decision may depend on how far the run got before this
+                    # loop read its rows (a run that had ended was never pruned, and a pruned trial's
+                    # value was whichever row came last), or a rerun's table differs from the first.
+                    if not pruned and metric in row and isinstance(row.get("step"), int):
                         last = float(row[metric])
                         trial.report(last, row["step"])
-                        if not pruned and not done and trial.should_prune():
+                        if trial.should_prune():
                             pruned = True
                             logging.info("tune: trial %d pruned at step %d (%s %.4g)", trial.number, row["step"],
                                          metric, last)
-                            proc.send_signal(signal.SIGTERM)  # checkpoint and stop, as when preempted
+                            if not done:
+                                proc.send_signal(signal.SIGTERM)  # checkpoint and stop, as when preempted
                 if done:
                     break
                 if stop is not None and stop.is_set():
@@ -299,10 +311,10 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
                mode: str = "", seed: int = 0, python: str = sys.executable, worker_index: int = 0) -> int:
     """Run trials until the study of ``root`` holds ``trials`` (replaced ones aside); exit status.
 
-    ``worker_index`` (a job-array element's) and the trials already in the study go into the
-    sampler's seed: workers started together with one ``--seed`` drew the same parameters (two
-    elements of a SLURM array ran trials 0 and 1, and 2 and 3, with identical overrides), and so
-    did a resubmitted worker during the random start-up trials."""
+    ``worker_index`` (a job-array element's) and each trial's place in the study go into the
+    sampler's seed (:func:`sampler_for`): workers started together with one ``--seed`` drew the
+    same parameters (two elements of a SLURM array ran trials 0 and 1, and 2 and 3, with identical
+    overrides), and so did a resubmitted worker during the random start-up trials."""
     import optuna
 
     if trials < 1:
@@ -311,7 +323,6 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     space = load_search_space(config, common)
     metric, direction = objective(config, common, metric, mode)
     study = open_study(root, direction, seed)
-    study.sampler = sampler_for(seed, worker_index, len(study.trials))
     worker = f"{socket.gethostname()}-{os.getpid()}"
     beat = os.path.join(root, WORKERS_DIR, worker)
     os.makedirs(os.path.dirname(beat), exist_ok=True)
@@ -339,6 +350,12 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
                 study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 break
+            if trial.user_attrs.get("retry_of") is None:
+                # Seeded per trial, not per worker start: a worker started after a kill drew other
+                # parameters than the undisturbed search for the trials after the retry, and so
+                # reported another best trial. (The sampler is only asked in suggest(), below.)
+                place = len([t for t in counted(study) if t.number < trial.number])
+                study.sampler = sampler_for(seed, worker_index, place)
             params = suggest(trial, space)
             workdir = trial.user_attrs.get("workdir") or os.path.join(root, TRIALS_DIR, f"trial_{trial.number}")
             trial.set_user_attr("workdir", workdir)
