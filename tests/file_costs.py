@@ -37,8 +37,8 @@ COSTS = {
     "test_colabs.py": 78,
     "test_detection_task.py": 78,
     "test_multiprocess.py": 74,
-    "test_dead_peer.py": 57,
     "test_reading_campaign.py": 70,  # measured alone (69-71 s), not yet in a full run
+    "test_dead_peer.py": 57,
     "test_predict.py": 53,
     "test_gpu_bench.py": 45,
     "test_data_readonly.py": 44,
