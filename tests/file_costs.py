@@ -31,6 +31,7 @@ COSTS = {
     "test_training.py": 107,
     "test_sga.py": 97,
     "test_rat_parity.py": 91,
+    "test_slurm_campaign.py": 90,  # measured alone (79-91 s), not yet in a full run
     "test_checkpoint_kill.py": 90,
     "test_rat_demos.py": 84,
     "test_preempt_multiprocess.py": 82,
