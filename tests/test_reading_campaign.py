@@ -71,7 +71,10 @@ def test_readers_killed_beside_a_rotating_training_report_only_complete_steps(tm
         while not store.committed_steps(directory) and training.poll() is None:
             time.sleep(0.1)
         n = 0
-        while training.poll() is None:  # an evaluate and a predict at once, each perhaps killed
+        # An evaluate and a predict at once, each perhaps killed, while the training runs (and after it,
+        # until each kind has finished once and one was killed, however slow this machine is).
+        while training.poll() is None or (n < 20 and not (killed and {k for k, _, _ in finished} == {
+                "evaluate", "predict"})):
             t0, readers = time.monotonic(), []
             for kind in ("evaluate", "predict"):
                 out = str(tmp_path / f"{kind}_{n}")
