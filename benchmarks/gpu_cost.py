@@ -16,9 +16,10 @@ CPU) and XLA's account of the device memory. Prints markdown tables and writes `
 ``--hlo-dir`` keeps each optimized module's text.
 
 The roofline prices compute at the bf16 matmul rate measured on an H100 (``benchmarks/data/h100_sxm.json``)
-and memory at the HBM bandwidth. Against the GPU it is about 2x optimistic (86.4 ms measured vs 40.6 ms
-estimated on main b3f90b6): no autotuning, slicing fusions priced at whole operands, elementwise FLOPs and
-caches ignored. The bytes and kernel counts are what to compare from change to change.
+and memory at the HBM bandwidth. Against the GPU it is about 2x optimistic (86.4 ms measured vs 35.2 ms
+estimated for main b3f90b6's program, 40.0 vs 18.0 ms with the fused kernels): no autotuning, elementwise
+FLOPs and caches ignored, a Pallas kernel priced by its operands. The bytes and kernel counts are what to
+compare from change to change.
 
 :func:`cost` prices any function this way: ``cost(jax.jit(f), x_shape, w_shape)``, in a process that imports
 this module before jax (tests/gpu_cost_probe.py).

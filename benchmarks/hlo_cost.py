@@ -7,8 +7,11 @@ count would see a while loop's body once, so the module text (``compiled.as_text
   ``while`` (times the loop's ``known_trip_count``; 1 when XLA does not know it), ``call`` or
   ``conditional`` (the costliest branch), that is not bookkeeping (parameters, tuples, bitcasts...);
   a loop's condition computation is not counted;
-- its **bytes** are its operands plus its results, each at full size: an upper bound for slicing fusions,
-  which read part of an operand; the scratch buffer a cuBLAS or cuDNN call returns is left out;
+- its **bytes** are its operands plus its results, at full size except where a fusion touches part of
+  one: an operand the fusion only slices (``slice``/``dynamic-slice``, through bitcasts) counts the
+  slices it takes; a buffer it updates in place (``dynamic-update-slice``, a loop stacking its
+  results) counts the update written, not the whole buffer; the scratch buffer a cuBLAS or
+  cuDNN call returns is left out;
 - its **FLOPs** are those of its matmuls and convolutions (inside a fusion, or cuBLAS/cuDNN calls, and cuDNN
   fused attention from its dot dimensions); elementwise arithmetic counts nothing, convolution padding
   counts as work;
@@ -36,6 +39,10 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _BOOKKEEPING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
                 "replica-id", "opt-barrier", "async-done", "async-update", "copy-done", "add-dependency", ""}
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "negate", "convert", "maximum", "minimum", "select",
+                "compare", "exponential", "log", "tanh", "abs", "sqrt", "rsqrt", "power", "and", "or", "xor", "not",
+                "clamp", "sign", "floor", "ceil", "round-nearest-even", "exponential-minus-one", "log-plus-one",
+                "logistic", "erf", "cosine", "sine", "copy"}
 # A named scope as one op_name path component, possibly wrapped by transforms ("transpose(jvp(sga))").
 SCOPES = ("sga", "mr_blocks", "head", "loss", "optimizer", "ema")
 _SCOPE = re.compile(r"(?:^|[/(])(" + "|".join(SCOPES) + r")(?=[)/;]|$)")
@@ -94,6 +101,12 @@ def _result_type(rhs: str) -> str:
 def array_bytes(type_text: str) -> int:
     """Bytes of every array in a type (``bf16[16,256]{1,0}`` or a tuple of them)."""
     return sum(_BYTES[t] * prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(type_text))
+
+
+def array_elements(type_text: str) -> int:
+    """Elements of the first array in a type (0 for none)."""
+    m = _ARRAY.search(type_text)
+    return prod(int(d) for d in m.group(2).split(",") if d) if m else 0
 
 
 def _dims(type_text: str) -> list[int]:
@@ -159,6 +172,60 @@ class _Module:
             s = k[1]
         return (10 if "Backward" in ins.rest.split("custom_call_target=", 1)[1][:80] else 4) * prod(q) * s
 
+    def fusion_bytes(self, computation: str, args: list[str], out: str) -> float:
+        """Operands and results of a fusion calling ``computation``, each counted for the part of it
+        the fusion touches (module docstring)."""
+        body = self.computations.get(computation, [])
+        users: dict[str, list[_Instruction]] = defaultdict(list)
+        for ins in body:
+            for a in self.operands(ins):
+                users[a].append(ins)
+
+        root = body[-1] if body else None  # XLA prints a computation's ROOT last
+        results = set() if root is None else set(self.operands(root)) if root.opcode == "tuple" else {root.name}
+
+        def touched(name: str, seen: int = 0) -> float:
+            """The fraction of ``name``'s elements the fusion reads: its slices' share, through
+            bitcasts and elementwise ops (computed only where their results are used), 0 for a
+            buffer updated in place, else all of it."""
+            if name in results:  # a result of the fusion is computed whole
+                return 1.0
+            size = max(array_elements(self.shape.get(name, "")), 1)
+            total = 0.0
+            for u in users.get(name, []):
+                if seen > 64:
+                    return 1.0
+                if u.opcode == "bitcast" or (u.opcode in _ELEMENTWISE and array_elements(u.shape) == size):
+                    total += touched(u.name, seen + 1)
+                elif u.opcode in ("slice", "dynamic-slice") and self.operands(u)[:1] == [name]:
+                    total += array_elements(u.shape) / size
+                elif u.opcode == "dynamic-update-slice" and self.operands(u)[:1] == [name]:
+                    continue  # the buffer updated in place: only the update moves (counted as written)
+                else:
+                    return 1.0
+                if total >= 1.0:
+                    return 1.0
+            return total
+
+        params = {int(m.group(1)): ins.name for ins in body if ins.opcode == "parameter"
+                  for m in [re.search(r"parameter\((\d+)\)", ins.rest)] if m}
+        read = sum(array_bytes(self.shape[a]) * (touched(params[i]) if i in params else 1.0)
+                   for i, a in enumerate(args))
+        # A result that is a dynamic-update-slice in place writes its update only.
+        updates = {ins.name: ins for ins in body if ins.opcode == "dynamic-update-slice"}
+        written = float(array_bytes(out))
+        if root is not None:
+            parts = self.operands(root) if root.opcode == "tuple" else [root.name]
+            if any(p in updates for p in parts):
+                written = 0.0
+                for p in parts:
+                    if p in updates:
+                        upd = self.operands(updates[p])
+                        written += array_bytes(self.shape[upd[1]]) if len(upd) > 1 else array_bytes(updates[p].shape)
+                    else:
+                        written += array_bytes(self.shape.get(p, ""))
+        return read + written
+
     def inner_flops(self, computation: str) -> float:
         total = 0.0
         for ins in self.computations.get(computation, []):
@@ -201,7 +268,11 @@ class _Module:
             flops = self.dot_flops(ins, out, args[0])
         elif ins.opcode == "convolution" and len(args) > 1:
             flops = self.conv_flops(ins, out, self.shape[args[1]])
-        nbytes = array_bytes(out) + sum(array_bytes(self.shape[a]) for a in args)
+        called = re.search(r"calls=%([\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
+        if called and called.group(1) in self.computations:
+            nbytes = self.fusion_bytes(called.group(1), args, out)
+        else:
+            nbytes = array_bytes(out) + sum(array_bytes(self.shape[a]) for a in args)
         return Kernel(ins.name, kind, self.charged.get(ins.name, ""), flops, float(nbytes), launches)
 
     def walk(self, computation: str, launches: int, roofline: Roofline, depth: int = 0) -> list[Kernel]:

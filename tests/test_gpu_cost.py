@@ -64,6 +64,16 @@ def test_a_loop_body_counts_once_per_iteration(probe):
     assert probe["loop"]["summary"]["total"]["flops"] == 5 * 2 * 128 * 256 * 256
 
 
+def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
+    """XLA compiles each Triton kernel to GPU code here (Triton rejects what interpret mode accepts,
+    e.g. a tensor dim that is not a power of two or a matmul under 16): three passes forward, three
+    backward, and nothing else of size around them."""
+    kernels = probe["sparse_sga"]["kernels"]
+    triton = [k for k in kernels if k["kind"] == "__gpu$xla.gpu.triton"]
+    assert len(triton) == 6
+    assert not any("cublas" in k["kind"] or "concatenate" in k["kind"] or "transpose" in k["kind"] for k in kernels)
+
+
 def test_the_quick_step_is_priced_per_scope(tmp_path):
     """The --quick path: the trainer's RAT step (gpu kernels, bf16) compiled for the H100, every part of
     the model's scopes found, and the JSON written."""
@@ -145,3 +155,57 @@ def test_the_module_text_is_read_kernel_by_kernel():
     summary = hlo_cost.summarize(list(kernels.values()), roofline)
     assert summary["total"]["kernels"] == 3 + 3
     assert set(summary["by_scope"]) == {"sga", "head", "optimizer"}
+
+
+SLICING = """HloModule s
+%fused_slice (p0: bf16[16,1024], p1: bf16[16,1024]) -> (bf16[16,256], bf16[16,256]) {
+  %p0 = bf16[16,1024]{1,0} parameter(0)
+  %p1 = bf16[16,1024]{1,0} parameter(1)
+  %sum = bf16[16,1024]{1,0} add(%p0, %p1)
+  %b = bf16[16,4,256]{2,1,0} bitcast(%sum)
+  %lo = bf16[16,1,256]{2,1,0} slice(%b), slice={[0:16], [0:1], [0:256]}
+  %hi = bf16[16,1,256]{2,1,0} slice(%b), slice={[0:16], [3:4], [0:256]}
+  %l = bf16[16,256]{1,0} bitcast(%lo)
+  %h = bf16[16,256]{1,0} bitcast(%hi)
+  ROOT %t = (bf16[16,256]{1,0}, bf16[16,256]{1,0}) tuple(%l, %h)
+}
+%fused_stack (q0: f32[8,4096], q1: f32[1,4096], q2: s32[]) -> f32[8,4096] {
+  %q0 = f32[8,4096]{1,0} parameter(0)
+  %q1 = f32[1,4096]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %e = f32[1,4096]{1,0} exponential(%q1)
+  ROOT %u = f32[8,4096]{1,0} dynamic-update-slice(%q0, %e, %q2, %z)
+}
+%fused_all (r0: f32[4096]) -> f32[4096] {
+  %r0 = f32[4096]{0} parameter(0)
+  ROOT %n = f32[4096]{0} negate(%r0)
+}
+ENTRY %main (a: bf16[16,1024], b: bf16[16,1024], c: f32[8,4096], d: f32[1,4096], i: s32[], w: f32[4096]) \
+-> f32[8,4096] {
+  %a = bf16[16,1024]{1,0} parameter(0)
+  %b = bf16[16,1024]{1,0} parameter(1)
+  %c = f32[8,4096]{1,0} parameter(2)
+  %d = f32[1,4096]{1,0} parameter(3)
+  %i = s32[] parameter(4)
+  %w = f32[4096]{0} parameter(5)
+  %s = (bf16[16,256]{1,0}, bf16[16,256]{1,0}) fusion(%a, %b), kind=kLoop, calls=%fused_slice
+  %n = f32[4096]{0} fusion(%w), kind=kLoop, calls=%fused_all
+  ROOT %k = f32[8,4096]{1,0} fusion(%c, %d, %i), kind=kLoop, calls=%fused_stack
+}
+"""
+
+
+def test_a_fusion_counts_the_part_of_an_operand_it_touches():
+    """Slices taken after an elementwise op read only their part of each operand; a buffer updated in
+    place moves only its update; a whole-array fusion moves its operand and result whole."""
+    from benchmark_scripts import load
+
+    hlo_cost = load("hlo_cost")
+    roofline = hlo_cost.Roofline(flops_per_s=1e12, bytes_per_s=1e9, launch_s=1e-6)
+    kernels = {k.name: k for k in hlo_cost.kernels_of(SLICING, roofline)}
+    # two of the four rows of each operand read, both results written
+    assert kernels["s"].bytes == 2 * (2 * 16 * 256 * 2) + 2 * 16 * 256 * 2
+    # the update read and written (and the index), not the 8-row buffer
+    assert kernels["k"].bytes == 4096 * 4 + 4 + 4096 * 4
+    assert kernels["n"].bytes == 2 * 4096 * 4

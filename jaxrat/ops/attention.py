@@ -85,26 +85,31 @@ class SparseKeys(NamedTuple):
     fused: bool  # the GPU's fused kernels (raw layout), else the portable kernel (stride-blocked)
 
 
+def _head_major(x: Array) -> Array:
+    return x.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
+
+
 def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE) -> SparseKeys:
-    """Keys (B, H, N_in, dh) and values (B, H, N_in, dv) on ``window.grid``, ready for
-    :func:`sparse_grouping_attention`."""
+    """Keys (B, N_in, H, dh) and values (B, N_in, H, dv) on ``window.grid``, token-major as the
+    projections make them, ready for :func:`sparse_grouping_attention`."""
     if policy.gpu:
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
         n_out = int(np.prod(window.out))
-        if gpu_sparse.supports(window, (*k.shape[:2], n_out, k.shape[-1]), k.dtype) is None:
-            return SparseKeys(k, v, window, True)
+        if gpu_sparse.supports(window, (k.shape[0], n_out, *k.shape[2:]), k.dtype) is None:
+            return SparseKeys(k, v, window, True)  # the fused kernels read them in place
     # Blocked once: the blocked arrays are then what every iteration's backward keeps, and their
     # gradients add up in the blocked layout before one transpose back.
-    return SparseKeys(sparse.sparse_blocks(k, window), sparse.sparse_blocks(v, window), window, False)
+    return SparseKeys(sparse.sparse_blocks(_head_major(k), window), sparse.sparse_blocks(_head_major(v), window),
+                      window, False)
 
 
 def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *,
                               key_scale: Optional[Array] = None, normalise_columns: bool = True) -> Array:
-    """Sparse SGA update: group o of q (B, H, N_out, dh) attends to the keys and values
+    """Sparse SGA update: group o of q (B, N_out, H, dh) attends to the keys and values
     (:func:`sparse_keys`) of its window only; logits ``q . (key_scale k)``, probabilities over the
     window's taps, then divided by each key's total over the windows holding it (unless
-    ``normalise_columns`` is off). Returns (B, H, N_out, dv)."""
+    ``normalise_columns`` is off). Returns (B, N_out, H, dv)."""
     # The scale goes on the queries (as many as the keys / stride^2): the same logits, and the
     # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
     q = _scaled(q, key_scale)
@@ -114,14 +119,14 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
 
         fused = lambda q, k, v: gpu_sparse.sparse_update(q.astype(k.dtype), k, v, keys.window, normalise_columns)
         return per_device.over_batch(fused, q, keys.k, keys.v)
-    return sparse.sparse_update(q, keys.k, keys.v, keys.window, normalise_columns)
+    return _head_major(sparse.sparse_update(_head_major(q), keys.k, keys.v, keys.window, normalise_columns))
 
 
 def sparse_grouping_maps(q: Array, k: Array, window: Window, *,
                          key_scale: Optional[Array] = None) -> tuple[Array, Array]:
-    """Materialised (A_q, A_k) of :func:`sparse_grouping_attention`, dense (B, H, N_out, N_in), for
-    returning grouping maps only."""
-    q = _scaled(q, key_scale)
+    """Materialised (A_q, A_k) of :func:`sparse_grouping_attention` for token-major q and k, dense
+    (B, H, N_out, N_in), for returning grouping maps only."""
+    q, k = _head_major(_scaled(q, key_scale)), _head_major(k)
     _, a_q, a_k = sparse.sparse_grouping(q, k, k, window.grid, window.kernel, window.stride)
     idx, ok = sparse.window_indices(window.grid, window.kernel, window.stride)
     return tuple(sparse.scatter_window_map(a, idx, ok, k.shape[-2]) for a in (a_q, a_k))

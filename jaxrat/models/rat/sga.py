@@ -99,6 +99,21 @@ class SpatialGroupingAttention(nnx.Module):
         out_spacing = tuple(float(s) * st for s, st in zip(spacing, self.stride))
         return SGAOutput(x, self.out_grid_shape(grid_shape), out_spacing, None, None)
 
+    def _keys_and_values(self, x: Array) -> tuple[Array, Array]:
+        """``split(kv(x))`` as two products: on the full-resolution grid, slicing one (B, N, 2D)
+        product apart costs a copy of both halves, forward and backward, two products one more read of x."""
+        layer, d = self.kv, self.feature_dims
+        dtype = layer.dtype or x.dtype
+        w = layer.kernel[...].astype(dtype)
+        bias = None if layer.bias is None else layer.bias[...].astype(dtype)
+        x = x.astype(dtype)
+
+        def half(i: int) -> Array:
+            y = jnp.dot(x, w[:, i * d:(i + 1) * d])
+            return y if bias is None else y + bias[i * d:(i + 1) * d]
+
+        return half(0), half(1)
+
     def _split_heads(self, x: Array, compat: bool) -> Array:
         b, n, _ = x.shape
         if compat:  # the reference's plain reshape (B, N, D) -> (B, H, N, dh)
@@ -113,17 +128,23 @@ class SpatialGroupingAttention(nnx.Module):
 
     def _iteration(self, xo: Array, k: Array, v: Array, keys: Optional[attn.SparseKeys], window: attn.Window,
                    out_spacing: tuple[float, ...]) -> tuple[Array, Array]:
-        """One grouping round: (groups (B, N_out, D), keys, values) -> (new groups, queries)."""
+        """One grouping round: (groups (B, N_out, D), keys, values) -> (new groups, queries).
+        Sparse attention takes token-major (B, N, H, dh) operands, the others head-major."""
         b, n_out, _ = xo.shape
         h, dh = self.num_heads, self.head_dim
-        q = self.rose(self.q(xo).reshape(b, n_out, h, dh), window.out, out_spacing).transpose(0, 2, 1, 3)
-        if self.attention == "dense":
-            u = attn.grouping_attention(q, k, v, self.kernels)
-        elif self.attention == "standard":
-            u = attn.softmax_attention(q, k, v, self.kernels)
-        else:
+        q = self.rose(self.q(xo).reshape(b, n_out, h, dh), window.out, out_spacing)
+        if self.attention == "sparse":
             u = attn.sparse_grouping_attention(q, keys, self.kernels, key_scale=self.temp[...])
-        xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
+            u = u.transpose(0, 2, 1, 3) if self.reference_compat else u.reshape(b, n_out, -1)
+        else:
+            q = q.transpose(0, 2, 1, 3)
+            if self.attention == "dense":
+                u = attn.grouping_attention(q, k, v, self.kernels)
+            else:
+                u = attn.softmax_attention(q, k, v, self.kernels)
+        if u.ndim == 4:
+            u = self._merge_heads(u, self.reference_compat)
+        xo = xo + self.norm2(u.astype(xo.dtype))
         return xo + self.norm3(self.mlp(xo)), q
 
     def __call__(
@@ -146,13 +167,14 @@ class SpatialGroupingAttention(nnx.Module):
         xo = self.norm1(xo.reshape(b, -1, d))
         h, dh = self.num_heads, self.head_dim
 
-        k, v = jnp.split(self.kv(x), 2, axis=-1)
+        k, v = self._keys_and_values(x)
         k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
         temp = self.temp[...]
-        if self.attention != "sparse":  # temp scales the keys (the reference's form)
-            k = k * temp.astype(k.dtype)
-        k = k.transpose(0, 2, 1, 3)
-        v = self._split_heads(v, self.reference_compat)
+        if self.attention == "sparse":  # token-major, as the projection makes them
+            v = self._split_heads(v, True).transpose(0, 2, 1, 3) if self.reference_compat else v.reshape(b, n_in, h, dh)
+        else:  # head-major; temp scales the keys (the reference's form)
+            k = (k * temp.astype(k.dtype)).transpose(0, 2, 1, 3)
+            v = self._split_heads(v, self.reference_compat)
 
         window = attn.Window(grid_shape, self.kernel_size, self.stride)
         # sparse: the kernel decides where temp multiplies, and lays keys and values out once

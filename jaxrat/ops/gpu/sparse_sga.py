@@ -22,8 +22,9 @@ dl = A (dA - delta_o), delta_o = sum_p A[o, p] dA[o, p]:
 2. group tiles: delta (N_out floats) and dq = sum_p dl k_p;
 3. input tiles: dk = sum_o dl q_o.
 
-Unnormalised, gd = 0: pass 2 comes first and passes 1 and 3 are one. Operands are read in their
-dtype (bfloat16 on the GPU) and all arithmetic is float32; statistics are float32. See
+Unnormalised, gd = 0: pass 2 comes first and passes 1 and 3 are one. Operands are token-major,
+(B, N, H, d) as the projections make them (no head transpose in memory), and read in their dtype
+(bfloat16 on the GPU); all arithmetic is float32; statistics are float32. See
 :mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_bytes` for the traffic.
 
 On an H100 (jax 0.11.2, 2026-11-27), the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256
@@ -47,60 +48,63 @@ from jaxrat.ops.portable.sparse_sga import Geometry
 Array = jax.Array
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 128
-MAX_GRID_AXIS = 65535  # a CUDA grid's y and z extent: the passes put rows on y, batch x heads on z
+MAX_GRID_AXIS = 65535  # a CUDA grid's y and z extent: the passes put tiles on y, rows on z (slices on x)
 
 
 def supports(geom: Geometry, q_shape, dtype) -> str | None:
-    """None when the fused kernels take this call, else why not (one sentence)."""
+    """None when the fused kernels take queries of ``q_shape`` (B, N_out, H, dh), else why not (one
+    sentence)."""
     if len(geom.grid) != 2:
         return f"the fused sparse SGA kernels are written for 2 spatial dims, not {len(geom.grid)}"
     if np.dtype(dtype) not in DTYPES:
         return f"the fused sparse SGA kernels take float32 or bfloat16, not {np.dtype(dtype)}"
     if len(q_shape) != 4:
-        return f"queries must be (batch, heads, groups, head dim), got shape {tuple(q_shape)}"
+        return f"queries must be (batch, groups, heads, head dim), got shape {tuple(q_shape)}"
     if not MIN_HEAD_DIM <= q_shape[-1] <= MAX_HEAD_DIM:
         return f"head dim {q_shape[-1]} is outside the fused kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM}"
-    if q_shape[2] != int(np.prod(geom.out)):
-        return f"{q_shape[2]} queries do not match the output grid {geom.out}"
+    if q_shape[1] != int(np.prod(geom.out)):
+        return f"{q_shape[1]} queries do not match the output grid {geom.out}"
     if min(geom.kernel) < 1 or min(geom.stride) < 1 or min(geom.out) < 1:
         return f"kernel {geom.kernel} and stride {geom.stride} leave no groups on grid {geom.grid}"
-    if q_shape[0] * q_shape[1] > MAX_GRID_AXIS or geom.grid[0] > MAX_GRID_AXIS:
-        return f"{q_shape[0]} x {q_shape[1]} slices or {geom.grid[0]} rows exceed a CUDA grid axis ({MAX_GRID_AXIS})"
+    if max(geom.grid) > MAX_GRID_AXIS:
+        return f"grid {geom.grid} has more rows or columns than a CUDA grid axis holds ({MAX_GRID_AXIS})"
     return None
 
 
 def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_columns: bool = True, *,
                   interpret: bool = False) -> Array:
-    """The sparse SGA update: q (B, H, N_out, dh) scaled queries, k (B, H, N_in, dh), v (B, H, N_in, dv).
+    """The sparse SGA update, token-major: q (B, N_out, H, dh) scaled queries, k (B, N_in, H, dh),
+    v (B, N_in, H, dv).
 
-    Returns (B, H, N_out, dv) in q's dtype; differentiable in q, k and v (fused backward).
+    Returns (B, N_out, H, dv) in q's dtype; differentiable in q, k and v (fused backward).
     ``interpret`` runs the Pallas kernels in interpret mode (any backend, for tests).
     """
     why = supports(geom, q.shape, q.dtype)
     if why is not None:
         raise ValueError(why)
-    b, h, n_out, dh = q.shape
-    n_in, dv = v.shape[2], v.shape[3]
-    if k.shape != (b, h, n_in, dh) or v.shape[:2] != (b, h) or n_in != int(np.prod(geom.grid)):
+    b, n_out, h, dh = q.shape
+    n_in, dv = v.shape[1], v.shape[3]
+    if k.shape != (b, n_in, h, dh) or v.shape[0] != b or v.shape[2] != h or n_in != int(np.prod(geom.grid)):
         raise ValueError(f"keys {k.shape} and values {v.shape} do not match queries {q.shape} on grid "
                          f"{geom.grid}")
     if not MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM:
         raise ValueError(f"value dim {dv} is outside the fused kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    flat = lambda x: x.reshape(b * h, -1)
-    u = _update(flat(q), flat(k), flat(v), K.Tiling.of(geom, dh, dv), normalise_columns, interpret)
-    return u.reshape(b, h, n_out, dv)
+    flat = lambda x: x.reshape(b, -1)  # a bitcast: token-major is the arrays' own layout
+    u = _update(flat(q), flat(k), flat(v), K.Tiling.of(geom, dh, dv, h), normalise_columns, interpret)
+    return u.reshape(b, n_out, h, dv)
 
 
 def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True) -> dict[str, int]:
-    """Bytes each pass reads and writes in device memory, counting every operand it touches once.
+    """Bytes each pass reads and writes in device memory for queries of ``q_shape`` (B, N_out, H, dh),
+    counting every operand it touches once.
 
     That is the traffic when a tile's halo (the key rows its neighbours read too) comes from the
     L2 cache; tiles of neighbouring rows run together, so it does. Without that reuse the group
     passes would read keys and values ``ky/sy`` times over (each input row is in that many output
     rows' windows).
     """
-    b, h, n_out, dh = q_shape
+    b, n_out, h, dh = q_shape
     n_in, bh, e = int(np.prod(geom.grid)), b * h, np.dtype(dtype).itemsize
     size = dict(q=n_out * dh * e, g=n_out * dv * e, u=n_out * dv * e, dq=n_out * dh * e, r=n_out * 4,
                 delta=n_out * 4, k=n_in * dh * e, v=n_in * dv * e, dk=n_in * dh * e, dv=n_in * dv * e,
@@ -116,8 +120,9 @@ def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool =
 
 
 def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
-    bh, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
-    u_shape = K.flat_like(bh, n_out, t.dv, q.dtype)
+    b, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
+    bh = b * t.heads
+    u_shape = K.tokens_like(b, n_out, t, t.dv, q.dtype)
     if not normalise:
         out = K.group_pass("lse", t, dict(q=q, k=k, v=v), dict(r=K.stats(bh, n_out), u=u_shape), interpret)
         return out["u"], out["r"], None
@@ -139,9 +144,10 @@ def _update_fwd(q, k, v, t, normalise, interpret):
 
 def _update_bwd(t: K.Tiling, normalise: bool, interpret: bool, res, g):
     q, k, v, u, r, d = res
-    bh, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
+    b, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
+    bh = b * t.heads
     g = g.astype(q.dtype)
-    dq_s, dk_s, dv_s = (K.flat_like(bh, n, dim, q.dtype) for n, dim in ((n_out, t.dh), (n_in, t.dh), (n_in, t.dv)))
+    dq_s, dk_s, dv_s = (K.tokens_like(b, n, t, dim, q.dtype) for n, dim in ((n_out, t.dh), (n_in, t.dh), (n_in, t.dv)))
     base = dict(q=q, k=k, v=v, r=r, g=g)
     grad_ins = dict(base, u=u)
     if normalise:
