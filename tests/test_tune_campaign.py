@@ -123,13 +123,15 @@ def test_two_workers_killed_at_random_points_score_every_trial_as_undisturbed(un
     logs = [str(tmp_path / f"worker{i}.log") for i in range(2)]
     procs = [_start(root, logs[i]) for i in range(2)]
     try:
-        for _ in range(2):  # kill -9 one of the workers in one of the next trials, and start it again
-            i = rng.randrange(2)
-            _wait_for_trial(root, _newest(root) + 1 + rng.randrange(2), procs[i])
+        for _ in range(2):  # kill -9 one worker, or both at once, in one of the next trials; start them again
+            victims = [0, 1] if rng.random() < 0.4 else [rng.randrange(2)]
+            _wait_for_trial(root, _newest(root) + 1 + rng.randrange(2), procs[victims[0]])
             time.sleep(rng.uniform(0.0, 10.0))
-            procs[i].kill()
-            procs[i].wait(30)
-            procs[i] = _start(root, logs[i])
+            for i in victims:
+                procs[i].kill()
+                procs[i].wait(30)
+            for i in victims:  # both recover the stale trials at once: they must not run one too many
+                procs[i] = _start(root, logs[i])
         for p in procs:
             assert p.wait(900) == 0, "".join(open(x).read()[-2000:] for x in logs)
     finally:
