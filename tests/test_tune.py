@@ -223,9 +223,28 @@ def test_a_trial_whose_worker_died_before_naming_itself_is_retried_once_old(tmp_
     root = str(tmp_path)
     study = tune.open_study(root, "maximize")
     nameless = study.ask()  # the worker was killed between ask() and set_user_attr("worker")
-    assert tune.recover_stale(study, root) == []  # young: its worker may be naming itself right now
+    (tmp_path / tune.WORKERS_DIR).mkdir()
+    (tmp_path / tune.WORKERS_DIR / f"{socket.gethostname()}-{os.getpid()}").touch()  # another live worker
+    assert tune.recover_stale(study, root) == []  # young: that worker may be naming itself right now
     monkeypatch.setattr(tune, "STALE_S", 0.0)
     assert tune.recover_stale(study, root) == [nameless.number]
+
+
+def test_a_nameless_trial_no_live_worker_can_claim_is_retried_at_once(tmp_path):
+    """Waiting two minutes for it, the rerun of a tuner killed between ask() and naming itself
+    counted the orphan, ran one trial too few and ended with it RUNNING."""
+    root = str(tmp_path)
+    study = tune.open_study(root, "maximize")
+    nameless = study.ask()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / tune.WORKERS_DIR).mkdir()
+    (tmp_path / tune.WORKERS_DIR / f"{socket.gethostname()}-{dead.pid}").touch()  # the killed tuner's
+    me = f"{socket.gethostname()}-{os.getpid()}"
+    (tmp_path / tune.WORKERS_DIR / me).touch()
+    assert tune.recover_stale(study, root, me) == [nameless.number]
+    retry = study.ask()
+    assert retry.user_attrs["retry_of"] == nameless.number
 
 
 def test_summarize_on_a_root_that_is_not_a_search_is_one_sentence_and_writes_nothing(tmp_path):

@@ -195,9 +195,26 @@ def _worker_alive(worker: str, root: str) -> bool:
         return False
 
 
-def recover_stale(study: Any, root: str) -> list[int]:
+_asking = [0]  # threads of this process between ask() and naming themselves on the trial
+_asking_lock = threading.Lock()
+
+
+def _someone_may_be_naming(root: str, me: str) -> bool:
+    """Whether a live worker other than ``me`` (or another thread of this process) may have asked
+    for a trial and not yet named itself on it."""
+    with _asking_lock:
+        if _asking[0]:
+            return True
+    try:
+        names = os.listdir(os.path.join(root, WORKERS_DIR))
+    except OSError:
+        return False
+    return any(name != me and _worker_alive(name, root) for name in names)
+
+
+def recover_stale(study: Any, root: str, me: str = "") -> list[int]:
     """Mark RUNNING trials whose worker is gone FAIL (replaced) and queue their parameters again
-    with their workdir; returns their numbers."""
+    with their workdir; returns their numbers. ``me``: the calling worker's name."""
     import optuna
 
     out = []
@@ -205,8 +222,11 @@ def recover_stale(study: Any, root: str) -> list[int]:
         worker = t.user_attrs.get("worker")
         if worker and _worker_alive(worker, root):
             continue
-        # A worker killed between asking and naming itself leaves a trial without one: stale once old.
-        if not worker and (t.datetime_start is None or time.time() - t.datetime_start.timestamp() < STALE_S):
+        # A worker killed between asking and naming itself leaves a trial without one: stale at once
+        # when no live worker could be naming itself on it, else once old. (Waiting for the age
+        # alone, a rerun counted the orphan, ran one trial too few and left it RUNNING.)
+        young = t.datetime_start is None or time.time() - t.datetime_start.timestamp() < STALE_S
+        if not worker and young and _someone_may_be_naming(root, me):
             continue
         try:
             study._storage.set_trial_user_attr(t._trial_id, REPLACED, True)
@@ -340,26 +360,32 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
     try:
         while not stop.is_set():
-            recover_stale(study, root)
+            recover_stale(study, root, worker)
             # A retry queued by recover_stale counts already (it replaces its trial) but has not
             # run: stopping on the count alone stranded it and reported the wrong best trial.
             if not queued(study) and len(counted(study)) >= trials:
                 break
-            trial = study.ask()
+            with _asking_lock:
+                _asking[0] += 1
+            try:
+                trial = study.ask()
+                trial.set_user_attr("worker", worker)
+            finally:
+                with _asking_lock:
+                    _asking[0] -= 1
             if not budget_left(study, trial, trials):  # another worker asked at the same moment and took the last one
                 study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 break
-            if trial.user_attrs.get("retry_of") is None:
-                # Seeded per trial, not per worker start: a worker started after a kill drew other
-                # parameters than the undisturbed search for the trials after the retry, and so
-                # reported another best trial. (The sampler is only asked in suggest(), below.)
-                place = len([t for t in counted(study) if t.number < trial.number])
-                study.sampler = sampler_for(seed, worker_index, place)
+            # Seeded per trial, not per worker start: a worker started after a kill drew other
+            # parameters than the undisturbed search for the trials after the retry, and so reported
+            # another best trial. (The sampler is only asked in suggest(); a retry's parameters are
+            # fixed, unless its trial was lost before it had any.)
+            place = len([t for t in counted(study) if t.number < trial.number])
+            study.sampler = sampler_for(seed, worker_index, place)
             params = suggest(trial, space)
             workdir = trial.user_attrs.get("workdir") or os.path.join(root, TRIALS_DIR, f"trial_{trial.number}")
             trial.set_user_attr("workdir", workdir)
-            trial.set_user_attr("worker", worker)
             trial.set_user_attr("overrides", to_overrides(params))
             cmd = train_command(config, workdir, [*to_overrides(params), *common], python)
             logging.info("tune: trial %d: %s", trial.number, " ".join(to_overrides(params)))
