@@ -66,3 +66,15 @@ def test_summarize_and_report_say_the_same_from_the_runs_record(tmp_path):
     assert states == {"done": "finished", "failed": "failed: ValueError: bad batch", "killed": "killed at step 2"}
     report = {r["run"]: r["status"] for r in machines({n: str(root / n) for n in states})}
     assert report == states
+
+
+def test_a_run_preempted_in_its_final_eval_and_resumed_is_finished(tmp_path):
+    """The resumed run redoes the final eval and ends without a newer checkpoint; its last one still
+    says the eval is pending. The table said "stopped at step 4 of 4", and a sweep trained it again."""
+    run = tmp_path / "run"
+    fake_checkpoint(run, 4, eval_pending=True)
+    _summary(run, status="preempted", steps={"first": 1, "last": 4})
+    assert run_status(str(run), 4) == "preempted at step 4"
+    _summary(run, status="finished", steps={"first": 4, "last": 4})
+    assert run_status(str(run), 4) == "finished"
+

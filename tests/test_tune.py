@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -222,9 +223,28 @@ def test_a_trial_whose_worker_died_before_naming_itself_is_retried_once_old(tmp_
     root = str(tmp_path)
     study = tune.open_study(root, "maximize")
     nameless = study.ask()  # the worker was killed between ask() and set_user_attr("worker")
-    assert tune.recover_stale(study, root) == []  # young: its worker may be naming itself right now
+    (tmp_path / tune.WORKERS_DIR).mkdir()
+    (tmp_path / tune.WORKERS_DIR / f"{socket.gethostname()}-{os.getpid()}").touch()  # another live worker
+    assert tune.recover_stale(study, root) == []  # young: that worker may be naming itself right now
     monkeypatch.setattr(tune, "STALE_S", 0.0)
     assert tune.recover_stale(study, root) == [nameless.number]
+
+
+def test_a_nameless_trial_no_live_worker_can_claim_is_retried_at_once(tmp_path):
+    """Waiting two minutes for it, the rerun of a tuner killed between ask() and naming itself
+    counted the orphan, ran one trial too few and ended with it RUNNING."""
+    root = str(tmp_path)
+    study = tune.open_study(root, "maximize")
+    nameless = study.ask()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / tune.WORKERS_DIR).mkdir()
+    (tmp_path / tune.WORKERS_DIR / f"{socket.gethostname()}-{dead.pid}").touch()  # the killed tuner's
+    me = f"{socket.gethostname()}-{os.getpid()}"
+    (tmp_path / tune.WORKERS_DIR / me).touch()
+    assert tune.recover_stale(study, root, me) == [nameless.number]
+    retry = study.ask()
+    assert retry.user_attrs["retry_of"] == nameless.number
 
 
 def test_summarize_on_a_root_that_is_not_a_search_is_one_sentence_and_writes_nothing(tmp_path):
@@ -234,3 +254,71 @@ def test_summarize_on_a_root_that_is_not_a_search_is_one_sentence_and_writes_not
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "pass the --root of a python -m jaxrat.tune search" in proc.stderr and "Traceback" not in proc.stderr
     assert os.listdir(tmp_path) == []  # no empty journal left behind
+
+
+def test_a_tuner_stopped_and_rerun_draws_the_parameters_of_the_undisturbed_search(tmp_path, monkeypatch):
+    """The sampler was seeded once per worker start, from the trials the study held: after a kill,
+    the trials after the retry drew other parameters than an undisturbed search, and the rerun
+    named another best trial."""
+    def params(root):
+        trials = tune_summary.load_study(root).get_trials(deepcopy=False)
+        return [t.params for t in trials if not t.user_attrs.get(tune.REPLACED)]
+
+    _fake_trials(monkeypatch, [])
+    assert tune.run_worker(TOY, str(tmp_path / "a"), 5) == 0
+    real = tune.run_trial
+    stopped = []
+
+    def stop_once(trial, cmd, workdir, metric, env=None, stop=None):
+        if trial.number == 2 and not stopped:  # as if the tuner died in the third trial
+            stopped.append(trial.number)
+            raise tune.Interrupted()
+        return real(trial, cmd, workdir, metric, env, stop)
+
+    monkeypatch.setattr(tune, "run_trial", stop_once)
+    assert tune.run_worker(TOY, str(tmp_path / "b"), 5) == 0  # Interrupted: the worker stops there
+    assert tune.run_worker(TOY, str(tmp_path / "b"), 5) == 0
+    assert stopped == [2] and params(str(tmp_path / "b")) == params(str(tmp_path / "a"))
+    assert tune_summary.write(str(tmp_path / "b"))["best"]["params"] == \
+        tune_summary.write(str(tmp_path / "a"))["best"]["params"]
+
+
+def test_a_trial_is_pruned_at_its_first_bad_evaluation_however_fast_it_ran(tmp_path):
+    """A run that had ended before the tuner read its metrics was never pruned, and a pruned
+    trial's value was whichever row was read last: the table depended on the tuner's timing."""
+    import optuna
+
+    from jaxrat.experiments.tune import run_trial
+
+    study = optuna.create_study(direction="minimize",
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0))
+    good = study.ask()
+    for step in (1, 2, 3):
+        good.report(0.1, step)
+    study.tell(good, 0.1)
+    trial = study.ask()
+    workdir = tmp_path / "t"
+    rows = "".join(json.dumps({"step": s, "eval/loss": v}) + "\n" for s, v in ((1, 0.9), (2, 0.8), (3, 0.05)))
+    cmd = [sys.executable, "-c", f"open({str(workdir / 'metrics.jsonl')!r}, 'w').write({rows!r})"]
+    assert run_trial(trial, cmd, str(workdir), "eval/loss") == ("pruned", 0.9)
+    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    assert study.trials[1].intermediate_values == {1: 0.9} and study.trials[1].value == 0.9
+
+
+def test_a_replaced_trial_counts_until_its_retry_is_queued(tmp_path):
+    """Between marking a trial replaced and queueing its retry (two journal writes), another worker
+    counted one trial too few and started a fresh one: three workers ended with four trials of three."""
+    study = tune.open_study(str(tmp_path), "maximize")
+    study.tell(study.ask(), 0.1)
+    lost = study.ask()
+    tune.suggest(lost, tune.load_search_space(TOY))
+    study._storage.set_trial_user_attr(lost._trial_id, tune.REPLACED, True)
+    study.tell(lost, state=optuna.trial.TrialState.FAIL)
+    assert [t.number for t in tune.counted(study)] == [0, 1]  # its retry is not queued yet
+    study.enqueue_trial(lost.params, user_attrs={"workdir": "", "retry_of": lost.number})
+    assert [t.number for t in tune.counted(study)] == [0, 2]
+    late = study.ask()  # the retry
+    yielded = study.ask()  # asked for a place the others had filled: it yields, with no parameters
+    study._storage.set_trial_user_attr(yielded._trial_id, tune.REPLACED, True)
+    study.tell(yielded, state=optuna.trial.TrialState.FAIL)
+    assert [t.number for t in tune.counted(study)] == [0, late.number]

@@ -53,8 +53,10 @@ def run_state(workdir: str, total: int) -> RunState:
     if not steps:
         return RunState(None, total)
     meta = step_metadata(directory, steps[-1])
-    return RunState(steps[-1], total, bool(meta.get("eval_pending")),
-                    stopped_early(meta) or _summary_says_stopped(workdir, steps[-1]))
+    # A run preempted in its final evaluation saves that step with the eval pending; the resumed
+    # run does the eval and ends without a newer checkpoint, so only its summary says it is done.
+    pending = bool(meta.get("eval_pending")) and not _summary_says_finished(workdir, steps[-1])
+    return RunState(steps[-1], total, pending, stopped_early(meta) or _summary_says_stopped(workdir, steps[-1]))
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -64,6 +66,11 @@ def _read_json(path: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _summary_says_finished(workdir: str, step: int) -> bool:
+    summary = _read_json(os.path.join(workdir, "summary.json"))
+    return summary.get("status") == "finished" and (summary.get("steps") or {}).get("last") == step
 
 
 def _summary_says_stopped(workdir: str, step: int) -> bool:

@@ -140,8 +140,9 @@ def open_study(root: str, direction: str, seed: int = 0) -> Any:
 
 
 def sampler_for(seed: int, worker_index: int = 0, trials_before: int = 0) -> Any:
-    """TPE seeded from the search's ``seed``, the worker's index and the trials the study already
-    holds: the same for a rerun of the same command on the same study, different between workers."""
+    """TPE seeded from the search's ``seed``, the worker's index and the trial's place in the study
+    (the counted trials older than it): the same for the same trial of a rerun, different between
+    workers and between trials."""
     import numpy as np
     import optuna
 
@@ -150,8 +151,14 @@ def sampler_for(seed: int, worker_index: int = 0, trials_before: int = 0) -> Any
 
 
 def counted(study: Any) -> list[Any]:
-    """The trials that count towards ``--trials`` (all but the replaced ones)."""
-    return [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(REPLACED)]
+    """The trials that count towards ``--trials``: all but the replaced ones, except a replaced
+    trial whose retry is not queued yet. Marking a trial replaced and queueing its retry are two
+    writes to the journal; between them, another worker counted one trial too few and started a
+    fresh one (three workers ended with four trials of three). A replaced trial without parameters
+    (one that yielded the last place, see :func:`budget_left`) never gets a retry."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    return [t for t in trials if not t.user_attrs.get(REPLACED) or (t.params and t.number not in retried)]
 
 
 def queued(study: Any) -> list[Any]:
@@ -188,9 +195,26 @@ def _worker_alive(worker: str, root: str) -> bool:
         return False
 
 
-def recover_stale(study: Any, root: str) -> list[int]:
+_asking = [0]  # threads of this process between ask() and naming themselves on the trial
+_asking_lock = threading.Lock()
+
+
+def _someone_may_be_naming(root: str, me: str) -> bool:
+    """Whether a live worker other than ``me`` (or another thread of this process) may have asked
+    for a trial and not yet named itself on it."""
+    with _asking_lock:
+        if _asking[0]:
+            return True
+    try:
+        names = os.listdir(os.path.join(root, WORKERS_DIR))
+    except OSError:
+        return False
+    return any(name != me and _worker_alive(name, root) for name in names)
+
+
+def recover_stale(study: Any, root: str, me: str = "") -> list[int]:
     """Mark RUNNING trials whose worker is gone FAIL (replaced) and queue their parameters again
-    with their workdir; returns their numbers."""
+    with their workdir; returns their numbers. ``me``: the calling worker's name."""
     import optuna
 
     out = []
@@ -198,8 +222,11 @@ def recover_stale(study: Any, root: str) -> list[int]:
         worker = t.user_attrs.get("worker")
         if worker and _worker_alive(worker, root):
             continue
-        # A worker killed between asking and naming itself leaves a trial without one: stale once old.
-        if not worker and (t.datetime_start is None or time.time() - t.datetime_start.timestamp() < STALE_S):
+        # A worker killed between asking and naming itself leaves a trial without one: stale at once
+        # when no live worker could be naming itself on it, else once old. (Waiting for the age
+        # alone, a rerun counted the orphan, ran one trial too few and left it RUNNING.)
+        young = t.datetime_start is None or time.time() - t.datetime_start.timestamp() < STALE_S
+        if not worker and young and _someone_may_be_naming(root, me):
             continue
         try:
             study._storage.set_trial_user_attr(t._trial_id, REPLACED, True)
@@ -257,14 +284,19 @@ def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[s
                 done = proc.poll() is not None
                 rows, offset = _eval_rows(path, offset)
                 for row in rows:
-                    if metric in row and isinstance(row.get("step"), int):
+                    # Once pruned, later rows are not the trial's: its value is the one it was pruned
+                    # at. Neither that nor the decision may depend on how far the run got before this
+                    # loop read its rows (a run that had ended was never pruned, and a pruned trial's
+                    # value was whichever row came last), or a rerun's table differs from the first.
+                    if not pruned and metric in row and isinstance(row.get("step"), int):
                         last = float(row[metric])
                         trial.report(last, row["step"])
-                        if not pruned and not done and trial.should_prune():
+                        if trial.should_prune():
                             pruned = True
                             logging.info("tune: trial %d pruned at step %d (%s %.4g)", trial.number, row["step"],
                                          metric, last)
-                            proc.send_signal(signal.SIGTERM)  # checkpoint and stop, as when preempted
+                            if not done:
+                                proc.send_signal(signal.SIGTERM)  # checkpoint and stop, as when preempted
                 if done:
                     break
                 if stop is not None and stop.is_set():
@@ -299,10 +331,10 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
                mode: str = "", seed: int = 0, python: str = sys.executable, worker_index: int = 0) -> int:
     """Run trials until the study of ``root`` holds ``trials`` (replaced ones aside); exit status.
 
-    ``worker_index`` (a job-array element's) and the trials already in the study go into the
-    sampler's seed: workers started together with one ``--seed`` drew the same parameters (two
-    elements of a SLURM array ran trials 0 and 1, and 2 and 3, with identical overrides), and so
-    did a resubmitted worker during the random start-up trials."""
+    ``worker_index`` (a job-array element's) and each trial's place in the study go into the
+    sampler's seed (:func:`sampler_for`): workers started together with one ``--seed`` drew the
+    same parameters (two elements of a SLURM array ran trials 0 and 1, and 2 and 3, with identical
+    overrides), and so did a resubmitted worker during the random start-up trials."""
     import optuna
 
     if trials < 1:
@@ -311,7 +343,6 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     space = load_search_space(config, common)
     metric, direction = objective(config, common, metric, mode)
     study = open_study(root, direction, seed)
-    study.sampler = sampler_for(seed, worker_index, len(study.trials))
     worker = f"{socket.gethostname()}-{os.getpid()}"
     beat = os.path.join(root, WORKERS_DIR, worker)
     os.makedirs(os.path.dirname(beat), exist_ok=True)
@@ -329,20 +360,32 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
     try:
         while not stop.is_set():
-            recover_stale(study, root)
+            recover_stale(study, root, worker)
             # A retry queued by recover_stale counts already (it replaces its trial) but has not
             # run: stopping on the count alone stranded it and reported the wrong best trial.
             if not queued(study) and len(counted(study)) >= trials:
                 break
-            trial = study.ask()
+            with _asking_lock:
+                _asking[0] += 1
+            try:
+                trial = study.ask()
+                trial.set_user_attr("worker", worker)
+            finally:
+                with _asking_lock:
+                    _asking[0] -= 1
             if not budget_left(study, trial, trials):  # another worker asked at the same moment and took the last one
                 study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 break
+            # Seeded per trial, not per worker start: a worker started after a kill drew other
+            # parameters than the undisturbed search for the trials after the retry, and so reported
+            # another best trial. (The sampler is only asked in suggest(); a retry's parameters are
+            # fixed, unless its trial was lost before it had any.)
+            place = len([t for t in counted(study) if t.number < trial.number])
+            study.sampler = sampler_for(seed, worker_index, place)
             params = suggest(trial, space)
             workdir = trial.user_attrs.get("workdir") or os.path.join(root, TRIALS_DIR, f"trial_{trial.number}")
             trial.set_user_attr("workdir", workdir)
-            trial.set_user_attr("worker", worker)
             trial.set_user_attr("overrides", to_overrides(params))
             cmd = train_command(config, workdir, [*to_overrides(params), *common], python)
             logging.info("tune: trial %d: %s", trial.number, " ".join(to_overrides(params)))
