@@ -25,11 +25,17 @@ ARGS = ["--config.train.eval_every=100000", "--config.train.eval_at_end=false", 
         "--config.checkpoint.every_steps=1000", "--config.train.log_every=1"]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(workdir: str, log: str, cache: str, steps: int, signal_after: int | None, sig: int = signal.SIGTERM):
     with open(log, "w") as out:
+        # SIGINT at its default, as in a terminal: a suite started in the background (`cmd &` in a
+        # script, nohup) ignores it, every child inherits that, and Python then keeps ignoring Ctrl-C.
         proc = subprocess.Popen(main_cmd(workdir, *ARGS, f"--config.num_train_steps={steps}"),
                                 env=cached_env(1, cache), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
         try:
             if signal_after is not None:
                 deadline = time.time() + TIMEOUT
