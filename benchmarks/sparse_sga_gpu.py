@@ -168,8 +168,8 @@ def main():
         except Exception as e:  # report what ran, then the failure
             report[f"{stage.__name__}_error"] = f"{type(e).__name__}: {e}"[:2000]
             print(report[f"{stage.__name__}_error"], flush=True)
-    if len(sys.argv) > 1:
-        json.dump(report, open(sys.argv[1], "w"), indent=1)
+        if len(sys.argv) > 1:  # after every stage, so a run stopped at a deadline keeps what it measured
+            json.dump(report, open(sys.argv[1], "w"), indent=1)
 
 
 if __name__ == "__main__":
