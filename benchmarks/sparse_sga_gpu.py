@@ -9,8 +9,9 @@ stages (default: parity speed):
    column normalisation (max error over the largest entry);
 2. bfloat16 against that float32 result, for the fused and the portable kernel;
 3. the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256 inputs, kernel 7, stride 3, bf16):
-   one call forward and forward + backward, fused and portable, median of timed repeats;
-4. (``tiles``) the fused call at that shape for other tile sizes and warp counts;
+   one call forward and forward + backward, fused and portable, median of timed repeats (the fused
+   call through its token-major API, so its head transposes are timed with it, as a layer pays them);
+4. (``tiles``) the fused kernels at that shape (head-major) for other tile sizes and warp counts;
 5. (``passes``) each of its six passes alone, with the row loops rolled and unrolled.
 """
 
@@ -31,7 +32,7 @@ from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
 
 
 def inputs(geom: Geometry, b: int, h: int, dh: int, dtype, seed: int = 0):
-    """Token-major (B, N, H, d) queries, keys, values and a cotangent, as the fused kernels take them."""
+    """Token-major (B, N, H, d) queries, keys, values and a cotangent, as the layer hands them over."""
     n_out, n_in = int(np.prod(geom.out)), int(np.prod(geom.grid))
     kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = 0.7 * jax.random.normal(kq, (b, n_out, h, dh))
@@ -101,8 +102,12 @@ def speed(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     port = lambda q, k, v: portable_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom)
-    # each on its own layout, made outside the timed programs
+    tiling = sparse_sga_kernels.Tiling.of(geom, 16, 16)
+    kernels = lambda q, k, v: _update(q, k, v, tiling, True, False)
+    sliced = [heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g)]
+    # "fused": the API, transposes included; "kernels" and "portable": their own layouts, made outside
     for name, f, (q_, k_, v_, g_) in (("fused", fused(geom, True), (q, k, v, g)),
+                                      ("kernels", kernels, sliced),
                                       ("portable", port, map(heads_first, (q, k, v, g)))):
         loss = lambda q, k, v, f=f, g=g_: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
         report[f"{name}_fwd"] = timed(f, q_, k_, v_)
@@ -113,9 +118,9 @@ def speed(report):
 def tiles(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
-    q, k, v, g = (x.reshape(16, -1) for x in (q, k, v, g))
+    q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     for tw, tx, warps in ((32, 64, 4), (32, 64, 2), (16, 32, 2), (64, 128, 4), (64, 128, 8), (32, 128, 4)):
-        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, heads=8, tw=tw, tx=tx, warps=warps)
+        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, tw, tx, warps)
         f = lambda q, k, v, t=t: _update(q, k, v, t, True, False)
         loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
         name = f"tiles_{tw}_{tx}_{warps}"
@@ -127,13 +132,13 @@ def passes(report):
     """Each pass alone at the ISIC shape, rolled and unrolled row loops."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
-    q, k, v, g = (x.reshape(16, -1) for x in (q, k, v, g))
+    q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
     K = sparse_sga_kernels
     for unroll in (False, True):
-        t = K.Tiling.of(geom, 16, 16, heads=8, unroll=unroll)
+        t = K.Tiling.of(geom, 16, 16, unroll=unroll)
         S = lambda n: K.stats(bh, n)
-        F = lambda n, t=t: K.tokens_like(16, n, t, 16, jnp.bfloat16)
+        F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
         r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False)["r"]
         d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=S(n_in)), 1e-7, False)["d"]
         gd = K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(dv=F(n_in), gd=S(n_in)), 1e-7, False)["gd"]

@@ -82,7 +82,7 @@ class SparseKeys(NamedTuple):
     k: Array
     v: Array
     window: Window
-    fused: bool  # the GPU's fused kernels (raw layout), else the portable kernel (stride-blocked)
+    fused: bool  # the GPU's fused kernels (head-major), else the portable kernel (stride-blocked)
 
 
 def _head_major(x: Array) -> Array:
@@ -97,9 +97,9 @@ def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTA
 
         n_out = int(np.prod(window.out))
         if gpu_sparse.supports(window, (k.shape[0], n_out, *k.shape[2:]), k.dtype) is None:
-            return SparseKeys(k, v, window, True)  # the fused kernels read them in place
-    # Blocked once: the blocked arrays are then what every iteration's backward keeps, and their
-    # gradients add up in the blocked layout before one transpose back.
+            return SparseKeys(gpu_sparse.lay_out(k), gpu_sparse.lay_out(v), window, True)
+    # Laid out once (here and above): those arrays are then what every iteration's backward keeps,
+    # and their gradients add up in that layout before one transpose back.
     return SparseKeys(sparse.sparse_blocks(_head_major(k), window), sparse.sparse_blocks(_head_major(v), window),
                       window, False)
 
@@ -117,7 +117,7 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
         from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
-        fused = lambda q, k, v: gpu_sparse.sparse_update(q.astype(k.dtype), k, v, keys.window, normalise_columns)
+        fused = lambda q, k, v: gpu_sparse.laid_out_update(q.astype(k.dtype), k, v, keys.window, normalise_columns)
         return per_device.over_batch(fused, q, keys.k, keys.v)
     return _head_major(sparse.sparse_update(_head_major(q), keys.k, keys.v, keys.window, normalise_columns))
 

@@ -31,7 +31,6 @@ from jaxrat.models.layers import Mlp, conv, layer_norm, linear
 from jaxrat.models.rat.config import RATConfig, as_tuple
 from jaxrat.models.rat.rose import RotarySpatialEmbedding
 from jaxrat.ops import attention as attn
-from jaxrat.ops.dense import split_product
 
 Array = jax.Array
 ATTENTION_TYPES = ("dense", "sparse", "standard")
@@ -100,14 +99,6 @@ class SpatialGroupingAttention(nnx.Module):
         out_spacing = tuple(float(s) * st for s, st in zip(spacing, self.stride))
         return SGAOutput(x, self.out_grid_shape(grid_shape), out_spacing, None, None)
 
-    def _keys_and_values(self, x: Array) -> tuple[Array, Array]:
-        """``split(kv(x))``, computed as the kernel policy prefers (:func:`jaxrat.ops.dense.split_product`)."""
-        layer = self.kv
-        dtype = layer.dtype or x.dtype
-        bias = None if layer.bias is None else layer.bias[...].astype(dtype)
-        k, v = split_product(x.astype(dtype), layer.kernel[...].astype(dtype), bias, 2, self.kernels)
-        return k, v
-
     def _split_heads(self, x: Array, compat: bool) -> Array:
         b, n, _ = x.shape
         if compat:  # the reference's plain reshape (B, N, D) -> (B, H, N, dh)
@@ -127,18 +118,15 @@ class SpatialGroupingAttention(nnx.Module):
         b, n_out, _ = xo.shape
         h, dh = self.num_heads, self.head_dim
         q = self.rose(self.q(xo).reshape(b, n_out, h, dh), window.out, out_spacing)
-        if self.attention == "sparse":
-            u = attn.sparse_grouping_attention(q, keys, self.kernels, key_scale=self.temp[...])
-            u = u.transpose(0, 2, 1, 3) if self.reference_compat else u.reshape(b, n_out, -1)
+        if self.attention == "sparse":  # XLA folds this transpose into _merge_heads' own
+            u = attn.sparse_grouping_attention(q, keys, self.kernels, key_scale=self.temp[...]).transpose(0, 2, 1, 3)
         else:
             q = q.transpose(0, 2, 1, 3)
             if self.attention == "dense":
                 u = attn.grouping_attention(q, k, v, self.kernels)
             else:
                 u = attn.softmax_attention(q, k, v, self.kernels)
-        if u.ndim == 4:
-            u = self._merge_heads(u, self.reference_compat)
-        xo = xo + self.norm2(u.astype(xo.dtype))
+        xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
         return xo + self.norm3(self.mlp(xo)), q
 
     def __call__(
@@ -161,7 +149,7 @@ class SpatialGroupingAttention(nnx.Module):
         xo = self.norm1(xo.reshape(b, -1, d))
         h, dh = self.num_heads, self.head_dim
 
-        k, v = self._keys_and_values(x)
+        k, v = jnp.split(self.kv(x), 2, axis=-1)
         k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
         temp = self.temp[...]
         if self.attention == "sparse":  # token-major, as the projection makes them

@@ -15,12 +15,9 @@ window are computed and exponentiated, none masked away. Two kinds of tile:
   query and log-sum-exp. This is how column sums and key/value gradients are gathered without
   atomics: each input's sums belong to one program (deterministic, no float32 scratch in HBM).
 
-Queries, keys, values and their gradients are token-major, as the projections make them: (B, N*H*d)
-per image, head h of token n at ``(n*H + h)*d``, so no head transpose is ever made in memory (a
-head's d features are contiguous: 32 bytes at d = 16 in bfloat16, one memory sector). The per-token
-statistics are per slice, (B*H, N). Loads use clipped indices under a mask (out-of-image taps read a
-valid address and are masked), stores send masked lanes out of range, so the same code is right in
-Triton and in interpret mode.
+Arrays are passed flat per slice, (B*H, N*d); loads use clipped indices under a mask (out-of-image
+taps read a valid address and are masked), stores send masked lanes out of range, so the same
+code is right in Triton and in interpret mode.
 """
 
 from __future__ import annotations
@@ -66,18 +63,17 @@ class Tiling(NamedTuple):
     tx: int  # inputs per input tile
     nt: int  # output rows whose windows contain one input row
     mx: int  # output columns whose windows contain one input column
-    heads: int = 1  # H of the token-major operands
     warps: int = 4  # Triton warps per program
     unroll: bool = False  # the row loops as straight-line code
 
     @classmethod
-    def of(cls, geom: Geometry, dh: int, dv: int, heads: int = 1, tw: int = 32, tx: int = 64, warps: int = 4,
+    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4,
            unroll: bool = False) -> "Tiling":
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
         tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
         return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, _pow2(dh), _pow2(dv),
-                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, heads, warps, unroll)
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll)
 
 
 def _ceil_div(a, s: int, bound: int):
@@ -103,24 +99,12 @@ def _feature_index(d: int, dp: int):
     return feat if d == dp else jnp.minimum(feat, d - 1)
 
 
-class Heads(NamedTuple):
-    """Where this program's head lies in a token-major (N*H*d) ref: token n at ``(n*H + h)*d``."""
-
-    h: Array
-    H: int
-
-
-def _heads(t: Tiling) -> Heads:
-    return Heads(pl.program_id(0) % t.heads, t.heads)
-
-
-def _load(ref, rows, ok, d: int, dp: int, at: Heads, other=0.0):
-    """(len(rows), dp) float32 of head ``at`` from a token-major ref; masked rows and padded
-    features read ``other``."""
+def _load(ref, rows, ok, d: int, dp: int, other=0.0):
+    """(len(rows), dp) float32 from a flat (N*d) ref; masked rows and padded features read ``other``."""
     mask = ok[:, None]
     if d != dp:
         mask = mask & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
-    idx = (rows[:, None] * at.H + at.h) * d + _feature_index(d, dp)[None, :]
+    idx = rows[:, None] * d + _feature_index(d, dp)[None, :]
     return plgpu.load(ref.at[idx], mask=mask, other=other).astype(jnp.float32)
 
 
@@ -128,11 +112,11 @@ def _load1(ref, rows, ok, other=0.0):
     return plgpu.load(ref.at[rows], mask=ok, other=other)
 
 
-def _store(ref, rows, ok, d: int, dp: int, at: Heads, val):
+def _store(ref, rows, ok, d: int, dp: int, val):
     feat = jnp.arange(dp, dtype=jnp.int32)
     mask = ok[:, None] & (feat < d)[None, :]
     # masked lanes point past the end: Triton does not store them, interpret mode drops them
-    idx = jnp.where(mask, (rows[:, None] * at.H + at.h) * d + feat[None, :], ref.shape[0])
+    idx = jnp.where(mask, rows[:, None] * d + feat[None, :], ref.shape[0])
     plgpu.store(ref.at[idx], val.astype(ref.dtype), mask=mask)
 
 
@@ -148,11 +132,11 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
     R = dict(zip(names, refs))
-    tile, oy, at = pl.program_id(1), pl.program_id(2), _heads(t)
+    tile, oy = pl.program_id(0), pl.program_id(1)
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
     grow = oy * t.OX + _clip(ox, t.OX)
-    q = _load(R["q"], grow, gok, t.dh, t.dhp, at)
+    q = _load(R["q"], grow, gok, t.dh, t.dhp)
     x0 = ox * t.sx - t.px  # each group's first window column
 
     def taps(i):
@@ -164,7 +148,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
             x = x0 + j
             ok = gok & (x >= 0) & (x < t.X) & yok
             prow = _clip(y, t.Y) * t.X + _clip(x, t.X)
-            k = _load(R["k"], prow, ok, t.dh, t.dhp, at)
+            k = _load(R["k"], prow, ok, t.dh, t.dhp)
             out.append((prow, ok, k, _rowdot(q, k)))
         return out
 
@@ -173,7 +157,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
         out = []
         for prow, ok, k, s in taps(i):
             a = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0)
-            v = _load(R["v"], prow, ok, t.dv, t.dvp, at)
+            v = _load(R["v"], prow, ok, t.dv, t.dvp)
             d = _load1(R["d"], prow, ok, 1.0) if "d" in R else None
             out.append((prow, ok, k, a, v, d))
         return out
@@ -191,7 +175,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
                 p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
                 total = total + p
                 if flash:
-                    acc = acc + p[:, None] * _load(R["v"], prow, ok, t.dv, t.dvp, at)
+                    acc = acc + p[:, None] * _load(R["v"], prow, ok, t.dv, t.dvp)
             return m_new, total, acc
 
         init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
@@ -199,7 +183,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
         m, total, acc = _loop(t, t.ky, body, init)
         _store1(R["r"], grow, gok, m + jnp.log(total))
         if flash:
-            _store(R["u"], grow, gok, t.dv, t.dvp, at, acc / total[:, None])
+            _store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
         return
 
     r = _load1(R["r"], grow, gok)
@@ -210,11 +194,11 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
             return acc
 
         acc = _loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
-        _store(R["u"], grow, gok, t.dv, t.dvp, at, acc)
+        _store(R["u"], grow, gok, t.dv, t.dvp, acc)
         return
 
     # mode == "grad": dA[o,p] = g_o.v_p / d_p + gd_p, delta_o = sum_p A dA, dl = A (dA - delta)
-    g = _load(R["g"], grow, gok, t.dv, t.dvp, at)
+    g = _load(R["g"], grow, gok, t.dv, t.dvp)
 
     def grads(i):
         out = []
@@ -228,7 +212,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     # dq = sum_p A (dA - delta) k in one sweep, as sum_p A (dA - c) k - (delta - c) sum_p A k for
     # c = g.u, the part of dA common to the window (delta = sum_p A dA = g.u + sum_p A gd): the two
     # sums then do not cancel (float32 throughout), whatever offset the values carry
-    c = _rowdot(g, _load(R["u"], grow, gok, t.dv, t.dvp, at))
+    c = _rowdot(g, _load(R["u"], grow, gok, t.dv, t.dvp))
 
     def body(i, carry):
         delta_c, dq_a, dq_k = carry
@@ -240,21 +224,21 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
     delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
     dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c
-    _store(R["dq"], grow, gok, t.dh, t.dhp, at, dq)
+    _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
     _store1(R["delta"], grow, gok, delta)
 
 
 def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
     """One input tile. Modes: "colsum" (d = c + eps), "dv" (dv and gd = dL/dd), "dk", "dvdk"."""
     R = dict(zip(names, refs))
-    tile, y, at = pl.program_id(1), pl.program_id(2), _heads(t)
+    tile, y = pl.program_id(0), pl.program_id(1)
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X
     prow = y * t.X + _clip(x, t.X)
-    k = _load(R["k"], prow, xok, t.dh, t.dhp, at)
+    k = _load(R["k"], prow, xok, t.dh, t.dhp)
     ox_hi = lax.div(x + t.px, t.sx)  # the last group column whose window holds x (x + px >= 0)
     oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
-    v = _load(R["v"], prow, xok, t.dv, t.dvp, at) if "v" in R else None
+    v = _load(R["v"], prow, xok, t.dv, t.dvp) if "v" in R else None
     d = _load1(R["d"], prow, xok, 1.0) if "d" in R else None
     gd = _load1(R["gd"], prow, xok) if "gd" in R else None
 
@@ -269,7 +253,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
             ox = ox_hi - m
             ok = xok & yok & (ox >= 0) & (ox < t.OX) & (x + t.px - ox * t.sx < t.kx)
             grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
-            q = _load(R["q"], grow, ok, t.dh, t.dhp, at)
+            q = _load(R["q"], grow, ok, t.dh, t.dhp)
             s = _rowdot(k, q)
             r = _load1(R["r"], grow, ok)
             out.append((q, jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0), grow, ok))
@@ -290,7 +274,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
     def body(i, carry):
         gw, dk = carry
         for q, a, grow, ok in groups(i):
-            g = _load(R["g"], grow, ok, t.dv, t.dvp, at)
+            g = _load(R["g"], grow, ok, t.dv, t.dvp)
             if want_dv:
                 gw = gw + a[:, None] * g
             if want_dk:
@@ -303,39 +287,27 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
     init = (jnp.zeros((t.tx, t.dvp), jnp.float32), jnp.zeros((t.tx, t.dhp), jnp.float32))
     gw, dk = _loop(t, t.nt, body, init)
     if want_dk:
-        _store(R["dk"], prow, xok, t.dh, t.dhp, at, dk)
+        _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
     if want_dv:
         if d is None:
-            _store(R["dv"], prow, xok, t.dv, t.dvp, at, gw)
+            _store(R["dv"], prow, xok, t.dv, t.dvp, gw)
         else:  # u = sum A w with w = v / d: dv = gw / d, and d's own gradient gd
-            _store(R["dv"], prow, xok, t.dv, t.dvp, at, gw / d[:, None])
+            _store(R["dv"], prow, xok, t.dv, t.dvp, gw / d[:, None])
             _store1(R["gd"], prow, xok, -_rowdot(gw, v) / (d * d))
 
 
-STATS = frozenset({"r", "d", "gd", "delta"})  # per slice (B*H, N); the rest token-major (B, N*H*d)
-
-
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
-    """pallas_call over grid (B*H, tiles, rows): a program's blocks are its slice's statistics and
-    its image's token-major rows (every head's; the kernel takes its own head's features). Heads
-    vary fastest, so the programs that run together read the same tokens' bytes (one cache line
-    holds 128 bytes, several heads' features).
+    """pallas_call over grid (tiles, rows, B*H) with each operand's whole (B*H) slice as its block.
 
-    ``ins``/``outs`` map names to arrays / ShapeDtypeStructs; the kernel sees them by name.
+    ``ins``/``outs`` map names to (B*H, n) arrays / ShapeDtypeStructs; the kernel sees them by name.
     """
     names = list(ins) + list(outs)
-    heads = t.heads
-
-    def spec(name, a):
-        if name in STATS:
-            return pl.BlockSpec((None, a.shape[1]), lambda s, i, j: (s, 0))
-        return pl.BlockSpec((None, a.shape[1]), lambda s, i, j: (s // heads, 0))
-
+    spec = lambda a: pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b, 0))
     res = pl.pallas_call(
         functools.partial(kernel, names=names, t=t, **kw),
         grid=grid,
-        in_specs=[spec(n, a) for n, a in ins.items()],
-        out_specs=[spec(n, a) for n, a in outs.items()],
+        in_specs=[spec(a) for a in ins.values()],
+        out_specs=[spec(a) for a in outs.values()],
         out_shape=list(outs.values()),
         compiler_params=plgpu.CompilerParams(num_warps=t.warps, num_stages=2),
         interpret=interpret,
@@ -346,15 +318,15 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
 
 def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> dict:
     """Run :func:`_group_kernel` over every group tile of every slice."""
-    bh = ins["q"].shape[0] * t.heads
-    grid = (bh, -(-t.OX // t.tw), t.OY)
+    bh = next(iter(ins.values())).shape[0]
+    grid = (-(-t.OX // t.tw), t.OY, bh)
     return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode)
 
 
 def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
     """Run :func:`_input_kernel` over every input tile of every slice."""
-    bh = ins["q"].shape[0] * t.heads
-    grid = (bh, -(-t.X // t.tx), t.Y)
+    bh = next(iter(ins.values())).shape[0]
+    grid = (-(-t.X // t.tx), t.Y, bh)
     return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps)
 
 
@@ -363,6 +335,5 @@ def stats(bh: int, n: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((bh, n), jnp.float32)
 
 
-def tokens_like(b: int, n: int, t: Tiling, d: int, dtype) -> jax.ShapeDtypeStruct:
-    """A token-major (B, N*H*d) operand."""
-    return jax.ShapeDtypeStruct((b, n * t.heads * d), np.dtype(dtype))
+def flat_like(bh: int, n: int, d: int, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((bh, n * d), np.dtype(dtype))
