@@ -168,3 +168,27 @@ def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
     assert text.count("custom_call @__gpu$xla.gpu.triton(") == iters * 6
     moved = [t for t in re.findall(r"stablehlo\.transpose .*?: \((tensor<[^>]*>)\)", text) if "576x" in t]
     assert sorted(moved) == ["tensor<2x2x576x16xbf16>"] * 2 + ["tensor<2x576x2x16xbf16>"] * 2, moved
+
+
+def test_on_a_mesh_the_sparse_kernels_run_per_device_on_laid_out_keys():
+    """Over 8 devices the fused sparse SGA passes run under shard_map on each device's images: every
+    Triton call takes one image's 8 head slices, keys laid out head-major by sparse_keys."""
+    from jaxrat import ops
+    from jaxrat.ops import attention as attn
+
+    gpu = ops.resolve("gpu")
+    window = attn.Window((64, 64), (7, 7), (3, 3))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    q, k, v = (jax.ShapeDtypeStruct((8, n, 8, 16), jnp.bfloat16, sharding=on) for n in (22 * 22, 4096, 4096))
+
+    def update(q, k, v):
+        return attn.sparse_grouping_attention(q, attn.sparse_keys(k, v, window, gpu), gpu)
+
+    with jax.set_mesh(mesh):
+        text = lower_for_cuda(value_and_grads(update), q, k, v)
+    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton(" in line]
+    assert len(calls) == 6 and "sdy.manual_computation" in text
+    # one image a device: its 8 head slices of 64 x 64 keys x 16 features, never the 8 images' 64 slices
+    operands = [t for line in calls for t in re.findall(r"tensor<\d+x\d+x[a-z0-9]+>", line.split(" : ")[-1])]
+    assert {t for t in operands if "x65536x" in t} == {"tensor<8x65536xbf16>"}, operands
