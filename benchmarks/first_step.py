@@ -99,9 +99,12 @@ def run(config: str, steps: int, workdir: str, cache: str, timeout: float = 1800
     return {"time_to_first_step_s": round(first[0], 2), "process_s": round(wall, 2), "exit": code}
 
 
-def _check_requeueable(workdir: str, code: int, steps: int) -> None:
+def _check_requeueable(workdir: str, code: int) -> None:
     """Stop with one sentence when the cold run left nothing for a requeued run to do."""
-    with open(os.path.join(workdir, "summary.json")) as f:
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"the cold run exited {code} without writing {path}; see its log beside the workdir.")
+    with open(path) as f:
         done = json.load(f)["steps"]
     if code != PREEMPTED_EXIT_CODE or done["last"] >= done["total"]:
         raise SystemExit(f"the cold run ended at step {done['last']} of {done['total']} (exit {code}), so a requeued "
@@ -121,7 +124,7 @@ def main() -> None:
         for name, wd, folder in runs:
             rows[name] = run(args.config, args.steps, os.path.join(tmp, wd), folder)
             if name == "cold":
-                _check_requeueable(os.path.join(tmp, wd), rows[name]["exit"], args.steps)
+                _check_requeueable(os.path.join(tmp, wd), rows[name]["exit"])
     ratio = rows["requeued"]["time_to_first_step_s"] / rows["cold"]["time_to_first_step_s"]
     print(f"time to first step, {args.config}")
     print(f"{'run':<18} {'first step s':>12} {'process s':>10}")

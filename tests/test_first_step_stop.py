@@ -46,7 +46,7 @@ def test_cold_run_stops_at_its_step_and_leaves_the_requeued_run_a_step(tmp_path,
     cold = first_step.run(SMOKE, 1, wd, cache, timeout=600)
     assert cold["exit"] == PREEMPTED_EXIT_CODE, cold
     assert _train_steps(wd) == [1] and store.committed_steps(checkpoints) == [1]
-    first_step._check_requeueable(wd, cold["exit"], 1)
+    first_step._check_requeueable(wd, cold["exit"])
 
     requeued = first_step.run(SMOKE, 1, wd, cache, timeout=600)
     assert requeued["exit"] == PREEMPTED_EXIT_CODE, requeued
@@ -57,4 +57,7 @@ def test_a_cold_run_that_reached_its_last_step_is_one_sentence(tmp_path):
     first_step = load("first_step")
     (tmp_path / "summary.json").write_text('{"steps": {"first": 0, "last": 6, "total": 6}}')
     with pytest.raises(SystemExit, match=r"^the cold run ended at step 6 of 6 \(exit 0\), .* below 6\.$"):
-        first_step._check_requeueable(str(tmp_path), 0, 6)
+        first_step._check_requeueable(str(tmp_path), 0)
+    (tmp_path / "summary.json").unlink()
+    with pytest.raises(SystemExit, match=r"^the cold run exited 1 without writing .*summary\.json; see its log"):
+        first_step._check_requeueable(str(tmp_path), 1)
