@@ -10,9 +10,10 @@ stages (default: parity speed):
 2. bfloat16 against that float32 result, for the fused and the portable kernel;
 3. the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256 inputs, kernel 7, stride 3, bf16):
    one call forward and forward + backward, fused and portable, median of timed repeats (the fused
-   call through its token-major API, so its head transposes are timed with it, as a layer pays them);
+   call through its token-major API, so its head transposes are timed with it, as a layer pays them),
+   and a layer's three iterations on keys laid out once (``fused_x3``);
 4. (``tiles``) the fused kernels at that shape (head-major) for other tile sizes and warp counts;
-5. (``passes``) each of its six passes alone, with the row loops rolled and unrolled.
+5. (``passes``) each of its six passes alone (B3 once per layer), with the row loops rolled and unrolled.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrat.ops.gpu import sparse_sga_kernels
-from jaxrat.ops.gpu.sparse_sga import _update, sparse_update
+from jaxrat.ops.gpu.sparse_sga import _keys, _update, laid_out_update, lay_out_keys, sparse_update
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_grouping
 from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
 
@@ -98,16 +99,37 @@ def timed(f, *args, reps: int = 10) -> dict:
     return {"first_s": round(first, 2), "median_ms": round(1e3 * float(np.median(times)), 3)}
 
 
+def on_slices(t):
+    """The kernels alone on head-major slices (B*H, N*d), keys laid out for one use."""
+    def f(q, k, v):
+        kf, vf, tapes = _keys(k, v, t, 1, True, False)
+        return _update(q, kf, vf, tapes[0], t, True, False)
+    return f
+
+
+def three_iterations(geom):
+    """A layer's three grouping iterations through the API: keys laid out once, each call's queries
+    moved by the last update, the keys' and values' gradients summed in one pass."""
+    def f(q, k, v):
+        keys, out = lay_out_keys(k, v, geom, 3), 0.0
+        for use in range(3):
+            u = laid_out_update(q, keys, use, geom)
+            out, q = out + u, q + u
+        return out
+    return f
+
+
 def speed(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     port = lambda q, k, v: portable_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom)
     tiling = sparse_sga_kernels.Tiling.of(geom, 16, 16)
-    kernels = lambda q, k, v: _update(q, k, v, tiling, True, False)
     sliced = [heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g)]
-    # "fused": the API, transposes included; "kernels" and "portable": their own layouts, made outside
+    # "fused": the API, transposes included; "kernels" and "portable": their own layouts, made outside;
+    # "fused_x3": one layer's three iterations (compare with three "fused" calls)
     for name, f, (q_, k_, v_, g_) in (("fused", fused(geom, True), (q, k, v, g)),
-                                      ("kernels", kernels, sliced),
+                                      ("fused_x3", three_iterations(geom), (q, k, v, g)),
+                                      ("kernels", on_slices(tiling), sliced),
                                       ("portable", port, map(heads_first, (q, k, v, g)))):
         loss = lambda q, k, v, f=f, g=g_: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
         report[f"{name}_fwd"] = timed(f, q_, k_, v_)
@@ -121,7 +143,7 @@ def tiles(report):
     q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     for tw, tx, warps in ((32, 64, 4), (32, 64, 2), (16, 32, 2), (64, 128, 4), (64, 128, 8), (32, 128, 4)):
         t = sparse_sga_kernels.Tiling.of(geom, 16, 16, tw, tx, warps)
-        f = lambda q, k, v, t=t: _update(q, k, v, t, True, False)
+        f = on_slices(t)
         loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
         name = f"tiles_{tw}_{tx}_{warps}"
         report[name] = {"fwd": timed(f, q, k, v), "fwd_bwd": timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)}
@@ -141,7 +163,7 @@ def passes(report):
         F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
         r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False)["r"]
         d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=S(n_in)), 1e-7, False)["d"]
-        gd = K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(dv=F(n_in), gd=S(n_in)), 1e-7, False)["gd"]
+        gd = K.input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(gd=S(n_in)), 1e-7, False)["gd"]
         delta = K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd), dict(dq=F(n_out), delta=S(n_out)),
                              False)["delta"]
         calls = {
@@ -150,12 +172,13 @@ def passes(report):
                                                                    dict(d=S(n_in)), 1e-7, False),
             "F3": lambda q, k, v, g, r, d, gd, delta: K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
                                                                    dict(u=F(n_out)), False),
-            "B1": lambda q, k, v, g, r, d, gd, delta: K.input_pass("dv", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
-                                                                   dict(dv=F(n_in), gd=S(n_in)), 1e-7, False),
+            "B1": lambda q, k, v, g, r, d, gd, delta: K.input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
+                                                                   dict(gd=S(n_in)), 1e-7, False),
             "B2": lambda q, k, v, g, r, d, gd, delta: K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd),
                                                                    dict(dq=F(n_out), delta=S(n_out)), False),
-            "B3": lambda q, k, v, g, r, d, gd, delta: K.input_pass(
-                "dk", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd, delta=delta), dict(dk=F(n_in)), 1e-7, False),
+            "B3": lambda q, k, v, g, r, d, gd, delta: K.input_pass(  # once per layer: keys' and values' grads
+                "keys", t, dict(k=k, v=v, q0=q, g0=g, r0=r, delta0=delta, d0=d, gd0=gd),
+                dict(dk=F(n_in), dv=F(n_in)), 1e-7, False),
         }
         args = (q, k, v, g, r, d, gd, delta)
         name = f"passes_unroll{int(unroll)}"

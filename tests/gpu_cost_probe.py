@@ -29,12 +29,18 @@ def loop(x, w):
 
 
 def sparse_sga(q, k, v):
-    """The fused sparse SGA kernels forward and backward as one grouping iteration calls them (ISIC's
-    kernel and stride): token-major queries, keys and values laid out once by the layer."""
-    from jaxrat.ops.gpu.sparse_sga import laid_out_update
+    """The fused sparse SGA kernels forward and backward as a layer of two grouping iterations calls
+    them (ISIC's kernel and stride): token-major queries, keys and values laid out once."""
+    from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
 
-    loss = lambda q, k, v: jnp.sum(laid_out_update(q, k, v, Geometry((64, 64), (7, 7), (3, 3))).astype(jnp.float32))
+    geom = Geometry((64, 64), (7, 7), (3, 3))
+
+    def loss(q, k, v):
+        keys = lay_out_keys(k, v, geom, 2)
+        u = laid_out_update(q, keys, 0, geom)
+        return jnp.sum(laid_out_update(q + u, keys, 1, geom).astype(jnp.float32))
+
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
@@ -50,7 +56,7 @@ def main() -> None:
         "matmul_softmax": (matmul_softmax, bf16(M, K), bf16(K, N)),
         "elementwise": (lambda x: x * 2.0 + 1.0, jax.ShapeDtypeStruct((1024, 1024), jnp.float32)),
         "loop": (loop, bf16(128, 256), bf16(256, 256)),
-        "sparse_sga": (sparse_sga, bf16(2, 22 * 22, 8, 16), bf16(2, 8, 64 * 64, 16), bf16(2, 8, 64 * 64, 16)),
+        "sparse_sga": (sparse_sga, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16), bf16(2, 64 * 64, 8, 16)),
     }
     out = {"device_kind": device.device_kind, "roofline": dataclasses.asdict(gpu.roofline)}
     for name, (fn, *args) in programs.items():

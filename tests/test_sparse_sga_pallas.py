@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrat.ops.gpu.sparse_sga import hbm_bytes, sparse_update, supports
+from jaxrat.ops.gpu.sparse_sga import hbm_bytes, laid_out_update, lay_out_keys, sparse_update, supports
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_grouping
 
 TRITON = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton\(")
@@ -91,6 +91,69 @@ def test_float32_matches_the_portable_kernel_forward_and_every_gradient(case):
         assert err < 1e-5, f"{name}: max error {err:.2e} of the largest entry"
 
 
+def _iterations(update, q, k, v, w, uses):
+    """A layer's grouping iterations in miniature: each call's queries move with the last update."""
+    out = 0.0
+    for use in range(uses):
+        u = update(q, k, v, use)
+        out = out + (use + 1) * u
+        q = q + jnp.tanh(u @ w)
+    return out
+
+
+@pytest.mark.parametrize("case", [ISIC, CASES[2]], ids=["norm", "plain"])
+def test_keys_laid_out_once_sum_the_gradients_of_every_use(case):
+    """Three calls on keys laid out once: the keys' and values' gradients, summed in one pass over
+    the inputs, equal the portable kernel's summed over three separate calls (float32)."""
+    grid, kernel, stride, dh, dv, normalise = case
+    geom = Geometry(grid, kernel, stride)
+    (q, k, v), g = _inputs(geom, dh, dv, jnp.float32)
+    w = 0.3 * jax.random.normal(jax.random.PRNGKey(1), (dv, dh))
+
+    def fused(q, k, v):  # token-major, as the layer calls it
+        q, k, v = map(_heads_last, (q, k, v))
+        keys = lay_out_keys(k, v, geom, 3, normalise, interpret=True)
+        update = lambda q, k, v, use: laid_out_update(q, keys, use, geom, normalise, interpret=True)
+        return _heads_last(_iterations(update, q, k, v, w, 3))
+
+    portable = lambda q, k, v: _iterations(lambda q, k, v, use: _portable(geom, normalise)(q, k, v), q, k, v, w, 3)
+    got, want = _value_and_vjp(fused, q, k, v, g), _value_and_vjp(portable, q, k, v, g)
+    for name, a, b in zip(("u", "dq", "dk", "dv"), got, want):
+        err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert err < 1e-5, f"{name}: max error {err:.2e} of the largest entry"
+
+
+def test_a_use_that_gets_no_gradient_adds_nothing():
+    """Keys laid out for two uses of which only the first reaches the loss: the second's tape
+    comes back as zeros (d = 0 among them), and the gradients are the one use's, finite."""
+    geom = Geometry(*ISIC[:3])
+    (q, k, v), g = _inputs(geom, *ISIC[3:5], jnp.float32)
+    q, k, v = map(_heads_last, (q, k, v))
+
+    def two(q, k, v):
+        keys = lay_out_keys(k, v, geom, 2, interpret=True)
+        u = laid_out_update(q, keys, 0, geom, interpret=True)
+        unused = laid_out_update(q, keys, 1, geom, interpret=True)
+        return u + 0.0 * jax.lax.stop_gradient(unused)
+
+    one = lambda q, k, v: sparse_update(q, k, v, geom, interpret=True)
+    got, want = _value_and_vjp(two, q, k, v, _heads_last(g)), _value_and_vjp(one, q, k, v, _heads_last(g))
+    for name, a, b in zip(("u", "dq", "dk", "dv"), got, want):
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_laid_out_keys_refuse_a_use_they_were_not_laid_out_for():
+    geom = Geometry(*ISIC[:3])
+    (q, k, v), _ = _inputs(geom, *ISIC[3:5], jnp.float32)
+    q, k, v = map(_heads_last, (q, k, v))
+    keys = lay_out_keys(k, v, geom, 2, interpret=True)
+    with pytest.raises(ValueError, match="use 2 of keys laid out for 2"):
+        laid_out_update(q, keys, 2, geom, interpret=True)
+    with pytest.raises(ValueError, match="normalise_columns"):
+        laid_out_update(q, keys, 0, geom, False, interpret=True)
+
+
 def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16():
     """Tolerance: the fused kernel rounds only its operands (q, k, v, the cotangent) and its results
     to bfloat16 (8 bits of mantissa: 2^-9 = 0.2% relative) and computes in float32; the portable
@@ -147,8 +210,8 @@ def _isic_like(dtype=jnp.bfloat16):
 
 
 def test_the_gpu_form_lowers_to_triton_calls_only():
-    """Lowered for CUDA (no GPU needed): three Triton kernels forward, three backward, and no
-    XLA loop or matmul outside them."""
+    """Lowered for CUDA (no GPU needed): three Triton kernels forward; backward two for the call
+    and one for the keys' and values' gradients; no XLA loop or matmul outside them."""
     _, args, loss = _isic_like()
     lower = lambda f: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     fwd = lower(loss)

@@ -83,33 +83,42 @@ class SparseKeys(NamedTuple):
     v: Array
     window: Window
     fused: bool  # the GPU's fused kernels (head-major), else the portable kernel (stride-blocked)
+    normalise_columns: bool = True
+    tapes: tuple = ()  # fused: one per use (:func:`jaxrat.ops.gpu.sparse_sga.lay_out_keys`)
 
 
 def _head_major(x: Array) -> Array:
     return x.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
 
 
-def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE) -> SparseKeys:
+def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE, *, uses: int = 1,
+                normalise_columns: bool = True) -> SparseKeys:
     """Keys (B, N_in, H, dh) and values (B, N_in, H, dv) on ``window.grid``, token-major as the
-    projections make them, ready for :func:`sparse_grouping_attention`."""
+    projections make them, ready for ``uses`` calls of :func:`sparse_grouping_attention`, each with
+    its own ``use`` index (on the gpu policy the calls' key and value gradients are summed in one
+    pass over the keys, :func:`jaxrat.ops.gpu.sparse_sga.lay_out_keys`)."""
     if policy.gpu:
+        from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
         n_out = int(np.prod(window.out))
         if gpu_sparse.supports(window, (k.shape[0], n_out, *k.shape[2:]), k.dtype) is None:
-            return SparseKeys(gpu_sparse.lay_out(k), gpu_sparse.lay_out(v), window, True)
+            lay = lambda k, v: tuple(gpu_sparse.lay_out_keys(k, v, window, uses, normalise_columns))
+            k, v, tapes = per_device.over_batch(lay, k, v)
+            return SparseKeys(k, v, window, True, normalise_columns, tapes)
     # Laid out once (here and above): those arrays are then what every iteration's backward keeps,
     # and their gradients add up in that layout before one transpose back.
     return SparseKeys(sparse.sparse_blocks(_head_major(k), window), sparse.sparse_blocks(_head_major(v), window),
-                      window, False)
+                      window, False, normalise_columns)
 
 
-def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *,
-                              key_scale: Optional[Array] = None, normalise_columns: bool = True) -> Array:
+def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *, use: int = 0,
+                              key_scale: Optional[Array] = None) -> Array:
     """Sparse SGA update: group o of q (B, N_out, H, dh) attends to the keys and values
     (:func:`sparse_keys`) of its window only; logits ``q . (key_scale k)``, probabilities over the
-    window's taps, then divided by each key's total over the windows holding it (unless
-    ``normalise_columns`` is off). Returns (B, N_out, H, dv)."""
+    window's taps, then divided by each key's total over the windows holding it (unless the keys
+    were prepared with ``normalise_columns`` off). ``use``: which of the keys' uses this call is.
+    Returns (B, N_out, H, dv)."""
     # The scale goes on the queries (as many as the keys / stride^2): the same logits, and the
     # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
     q = _scaled(q, key_scale)
@@ -117,9 +126,15 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
         from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
-        fused = lambda q, k, v: gpu_sparse.laid_out_update(q.astype(k.dtype), k, v, keys.window, normalise_columns)
-        return per_device.over_batch(fused, q, keys.k, keys.v)
-    return _head_major(sparse.sparse_update(_head_major(q), keys.k, keys.v, keys.window, normalise_columns))
+        if not 0 <= use < len(keys.tapes):
+            raise ValueError(f"use {use} of sparse keys prepared for {len(keys.tapes)} uses")
+
+        def fused(q, k, v, tape):  # only this use's tape goes in: the others get no cotangent from it
+            laid = gpu_sparse.LaidOutKeys(k, v, (tape,))
+            return gpu_sparse.laid_out_update(q.astype(k.dtype), laid, 0, keys.window, keys.normalise_columns)
+
+        return per_device.over_batch(fused, q, keys.k, keys.v, keys.tapes[use])
+    return _head_major(sparse.sparse_update(_head_major(q), keys.k, keys.v, keys.window, keys.normalise_columns))
 
 
 def sparse_grouping_maps(q: Array, k: Array, window: Window, *,

@@ -111,15 +111,16 @@ class SpatialGroupingAttention(nnx.Module):
             return u.reshape(b, n, h * dh)
         return u.transpose(0, 2, 1, 3).reshape(b, n, h * dh)
 
-    def _iteration(self, xo: Array, k: Array, v: Array, keys: Optional[attn.SparseKeys], window: attn.Window,
-                   out_spacing: tuple[float, ...]) -> tuple[Array, Array]:
-        """One grouping round: (groups (B, N_out, D), keys, values) -> (new groups, queries).
+    def _iteration(self, xo: Array, k: Array, v: Array, keys: Optional[attn.SparseKeys], i: int,
+                   window: attn.Window, out_spacing: tuple[float, ...]) -> tuple[Array, Array]:
+        """Grouping round ``i``: (groups (B, N_out, D), keys, values) -> (new groups, queries).
         Sparse attention takes token-major (B, N, H, dh) operands, the others head-major."""
         b, n_out, _ = xo.shape
         h, dh = self.num_heads, self.head_dim
         q = self.rose(self.q(xo).reshape(b, n_out, h, dh), window.out, out_spacing)
         if self.attention == "sparse":  # XLA folds this transpose into _merge_heads' own
-            u = attn.sparse_grouping_attention(q, keys, self.kernels, key_scale=self.temp[...]).transpose(0, 2, 1, 3)
+            u = attn.sparse_grouping_attention(q, keys, self.kernels, use=i, key_scale=self.temp[...])
+            u = u.transpose(0, 2, 1, 3)
         else:
             q = q.transpose(0, 2, 1, 3)
             if self.attention == "dense":
@@ -160,10 +161,11 @@ class SpatialGroupingAttention(nnx.Module):
 
         window = attn.Window(grid_shape, self.kernel_size, self.stride)
         # sparse: the kernel decides where temp multiplies, and lays keys and values out once
-        keys = attn.sparse_keys(k, v, window, self.kernels) if self.attention == "sparse" and self.iters else None
+        keys = (attn.sparse_keys(k, v, window, self.kernels, uses=self.iters)
+                if self.attention == "sparse" and self.iters else None)
         q = None
-        for _ in range(self.iters):
-            xo, q = self._iteration(xo, k, v, keys, window, out_spacing)
+        for i in range(self.iters):
+            xo, q = self._iteration(xo, k, v, keys, i, window, out_spacing)
 
         attn_q = attn_k = None
         if return_maps:

@@ -8,7 +8,7 @@ each device's rows instead, with no communication.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -16,12 +16,12 @@ from jax.sharding import PartitionSpec as P
 Array = jax.Array
 
 
-def over_batch(fn: Callable[..., Array], *operands: Array) -> Array:
-    """``fn(*operands)``, per device over the leading (batch) axis when a mesh of several devices
-    is set and that axis divides evenly; as it is otherwise (one device, no mesh, inside a
+def over_batch(fn: Callable[..., Any], *operands: Any) -> Any:
+    """``fn(*operands)`` (operands and results arrays or pytrees of arrays), per device over the
+    leading (batch) axis when a mesh of several devices is set and that axis divides evenly; as it is otherwise (one device, no mesh, inside a
     ``shard_map`` already, or a batch the mesh does not divide)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or mesh.manual_axes or operands[0].shape[0] % mesh.size:
+    if mesh.empty or mesh.size == 1 or mesh.manual_axes or jax.tree.leaves(operands)[0].shape[0] % mesh.size:
         return fn(*operands)
     spec = P(tuple(mesh.axis_names))
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(operands), out_specs=spec,

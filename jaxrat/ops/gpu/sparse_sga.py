@@ -16,15 +16,19 @@ normalised: a flash-attention pass gives u and r together):
 
 Backward (custom VJP; residuals q, k, v, u, r, d: no map is kept). With w = v / d,
 dA[o, p] = g_o . w_p + gd_p, where gd_p = -(sum_o A[o, p] g_o) . w_p / d_p is d's gradient, and
-dl = A (dA - delta_o), delta_o = sum_p A[o, p] dA[o, p]:
+dl = A (dA - delta_o), delta_o = sum_p A[o, p] dA[o, p]. Per call:
 
-1. input tiles: gw_p = sum_o A g_o, so dv = gw / d and gd (N_in floats);
+1. input tiles: gd (N_in floats);
 2. group tiles: delta (N_out floats) and dq = sum_p dl k_p;
-3. input tiles: dk = sum_o dl q_o.
 
-Unnormalised, gd = 0: pass 2 comes first and passes 1 and 3 are one. Operands are read in their
-dtype (bfloat16 on the GPU) and all arithmetic is float32; statistics are float32. See
-:mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_bytes` for the traffic.
+and once for all the calls on one layer's keys (its grouping iterations, :func:`lay_out_keys`):
+
+3. input tiles: dv = sum_o A g_o / d and dk = sum_o dl q_o, summed over the calls on chip.
+
+Unnormalised, gd = 0 and pass 1 goes. A layer of three iterations thus reads its keys and values
+for the backward three times, not nine, and writes their gradients once, already summed. Operands
+are read in their dtype (bfloat16 on the GPU) and all arithmetic is float32; statistics are
+float32. See :mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_bytes` for the traffic.
 
 The API is token-major, (B, N, H, d) as the projections make them; the kernels read head-major
 slices, so the operands are transposed on the way in and the update on the way out. Kernels that
@@ -41,6 +45,7 @@ forward and gradients; bfloat16 closer to float32 than the portable kernel in bf
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +62,17 @@ MAX_GRID_AXIS = 65535  # a CUDA grid's y and z extent: the passes put rows on y,
 
 
 def lay_out(x: Array) -> Array:
-    """Token-major keys or values (B, N, H, d) -> the kernels' head-major (B, H, N, d): done once per
-    layer, for every grouping iteration (:func:`laid_out_update`)."""
+    """Token-major (B, N, H, d) <-> the kernels' head-major (B, H, N, d)."""
     return x.transpose(0, 2, 1, 3)
+
+
+class LaidOutKeys(NamedTuple):
+    """Keys and values laid out for the kernels, once per layer, with one tape per use
+    (:func:`lay_out_keys`)."""
+
+    k: Array  # (B, H, N_in, dh)
+    v: Array  # (B, H, N_in, dv)
+    tapes: tuple  # per use, zeros whose cotangents carry that use's backward statistics
 
 
 def supports(geom: Geometry, q_shape, dtype) -> str | None:
@@ -82,6 +95,30 @@ def supports(geom: Geometry, q_shape, dtype) -> str | None:
     return None
 
 
+def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_columns: bool = True, *,
+                 interpret: bool = False) -> LaidOutKeys:
+    """Lay token-major keys k (B, N_in, H, dh) and values v (B, N_in, H, dv) out for ``uses``
+    :func:`laid_out_update` calls (a layer's grouping iterations), which must each pass their own
+    ``use`` index.
+
+    The calls' backward passes compute only their queries' gradients; the keys' and values'
+    gradients of all of them are summed in one pass over the inputs, here, when the last call's
+    backward has run. Each call hands over what that pass needs (queries, cotangent, log-sum-exps,
+    denominators and their gradients: none as large as the keys) as the cotangent of its tape.
+    """
+    b, n_in, h, dh = k.shape
+    dv = v.shape[-1]
+    if v.shape[:3] != (b, n_in, h) or n_in != int(np.prod(geom.grid)) or len(geom.grid) != 2:
+        raise ValueError(f"keys {k.shape} and values {v.shape} do not match the grid {geom.grid}")
+    if uses < 1:
+        raise ValueError(f"keys are laid out for at least one use, not {uses}")
+    t = K.Tiling.of(geom, dh, dv)
+    flat = lambda x: lay_out(x).reshape(b * h, -1)
+    kf, vf, tapes = _keys(flat(k), flat(v.astype(k.dtype)), t, uses, normalise_columns, interpret)
+    return LaidOutKeys(kf.reshape(b, h, n_in, dh), vf.reshape(b, h, n_in, dv),
+                       tuple(tuple(x.reshape(b, h, -1) for x in tape) for tape in tapes))
+
+
 def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_columns: bool = True, *,
                   interpret: bool = False) -> Array:
     """The sparse SGA update, token-major: q (B, N_out, H, dh) scaled queries, k (B, N_in, H, dh),
@@ -90,31 +127,42 @@ def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_column
     Returns (B, N_out, H, dv) in q's dtype; differentiable in q, k and v (fused backward).
     ``interpret`` runs the Pallas kernels in interpret mode (any backend, for tests).
     """
-    return laid_out_update(q, lay_out(k), lay_out(v), geom, normalise_columns, interpret=interpret)
+    why = supports(geom, q.shape, q.dtype)
+    if why is not None:
+        raise ValueError(why)
+    keys = lay_out_keys(k.astype(q.dtype), v.astype(q.dtype), geom, 1, normalise_columns, interpret=interpret)
+    return laid_out_update(q, keys, 0, geom, normalise_columns, interpret=interpret)
 
 
-def laid_out_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_columns: bool = True, *,
+def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, normalise_columns: bool = True, *,
                     interpret: bool = False) -> Array:
-    """:func:`sparse_update` of token-major queries with keys and values already :func:`lay_out`:
-    k (B, H, N_in, dh), v (B, H, N_in, dv)."""
+    """:func:`sparse_update` of token-major queries with keys and values already :func:`lay_out_keys`
+    (with the same ``normalise_columns``), as their ``use``-th call."""
     why = supports(geom, q.shape, q.dtype)
     if why is not None:
         raise ValueError(why)
     b, n_out, h, dh = q.shape
-    n_in, dv = v.shape[2], v.shape[3]
-    if k.shape != (b, h, n_in, dh) or v.shape[:2] != (b, h) or n_in != int(np.prod(geom.grid)):
-        raise ValueError(f"keys {k.shape} and values {v.shape} (laid out) do not match queries {q.shape} on "
-                         f"grid {geom.grid}")
+    _, _, n_in, dv = keys.v.shape
+    if keys.k.shape != (b, h, n_in, dh) or keys.v.shape[:2] != (b, h) or n_in != int(np.prod(geom.grid)):
+        raise ValueError(f"keys {keys.k.shape} and values {keys.v.shape} (laid out) do not match queries "
+                         f"{q.shape} on grid {geom.grid}")
     if not MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM:
         raise ValueError(f"value dim {dv} is outside the fused kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
-    flat = lambda x: x.astype(q.dtype).reshape(b * h, -1)
-    u = _update(flat(lay_out(q)), flat(k), flat(v), K.Tiling.of(geom, dh, dv), normalise_columns, interpret)
+    if not 0 <= use < len(keys.tapes):
+        raise ValueError(f"use {use} of keys laid out for {len(keys.tapes)}")
+    if len(keys.tapes[use]) != len(_TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN):
+        raise ValueError("normalise_columns differs from the one the keys were laid out for")
+    flat = lambda x: x.astype(keys.k.dtype).reshape(b * h, -1)
+    tape = tuple(x.reshape(b * h, -1) for x in keys.tapes[use])
+    u = _update(flat(lay_out(q)), flat(keys.k), flat(keys.v), tape, K.Tiling.of(geom, dh, dv), normalise_columns,
+                interpret)
     return lay_out(u.reshape(b, h, n_out, dv))  # the same swap of axes 1 and 2, back to token-major
 
 
-def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True) -> dict[str, int]:
-    """Bytes each pass reads and writes in device memory for queries of ``q_shape`` (B, N_out, H, dh),
-    counting every operand it touches once (the transposes around the passes not included).
+def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True, uses: int = 1) -> dict[str, int]:
+    """Bytes each pass reads and writes in device memory for ``uses`` calls with queries of
+    ``q_shape`` (B, N_out, H, dh) on one layer's keys, counting every operand it touches once (the
+    transposes around the passes not included). Per-call passes are summed over the calls.
 
     That is the traffic when a tile's halo (the key rows its neighbours read too) comes from the
     L2 cache; tiles of neighbouring rows run together, so it does. Without that reuse the group
@@ -128,12 +176,53 @@ def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool =
                 d=n_in * 4, gd=n_in * 4)
     if normalise_columns:
         passes = {"fwd groups lse": "q k | r", "fwd inputs colsum": "q k r | d", "fwd groups update": "q k v r d | u",
-                  "bwd inputs dv": "q k v r g d | dv gd", "bwd groups dq": "q k v u r g d gd | dq delta",
-                  "bwd inputs dk": "q k v r g d gd delta | dk"}
+                  "bwd inputs gd": "q k v r g d | gd", "bwd groups dq": "q k v u r g d gd | dq delta"}
+        per_use = "q g r delta d gd"
     else:
-        passes = {"fwd groups flash": "q k v | r u", "bwd groups dq": "q k v u r g | dq delta",
-                  "bwd inputs dv dk": "q k v r g delta | dv dk"}
-    return {name: bh * sum(size[x] for x in names.replace("|", " ").split()) for name, names in passes.items()}
+        passes = {"fwd groups flash": "q k v | r u", "bwd groups dq": "q k v u r g | dq delta"}
+        per_use = "q g r delta"
+    count = lambda names: bh * sum(size[x] for x in names.replace("|", " ").split())
+    out = {name: uses * count(names) for name, names in passes.items()}
+    out["bwd inputs dk dv"] = count("k v dk dv") + uses * count(per_use)
+    return out
+
+
+_TAPE_PLAIN = ("q", "g", "r", "delta")  # what a use's backward hands the keys' pass
+_TAPE_NORMALISED = _TAPE_PLAIN + ("d", "gd")
+
+
+def _tape_shapes(t: K.Tiling, bh: int, dtype, normalise: bool) -> dict:
+    n_out, n_in = t.OY * t.OX, t.Y * t.X
+    shapes = dict(q=K.flat_like(bh, n_out, t.dh, dtype), g=K.flat_like(bh, n_out, t.dv, dtype),
+                  r=K.stats(bh, n_out), delta=K.stats(bh, n_out), d=K.stats(bh, n_in), gd=K.stats(bh, n_in))
+    return {name: shapes[name] for name in (_TAPE_NORMALISED if normalise else _TAPE_PLAIN)}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _keys(k, v, t: K.Tiling, uses: int, normalise: bool, interpret: bool):
+    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, normalise).values())
+    return k, v, tuple(blank() for _ in range(uses))
+
+
+def _keys_fwd(k, v, t, uses, normalise, interpret):
+    return _keys(k, v, t, uses, normalise, interpret), (k, v)
+
+
+def _keys_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts):
+    k, v = res
+    ck, cv, tapes = cts
+    bh, n_in = k.shape[0], t.Y * t.X
+    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
+    ins = dict(k=k, v=v)
+    for use, tape in enumerate(tapes):
+        ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
+    outs = dict(dk=K.flat_like(bh, n_in, t.dh, k.dtype), dv=K.flat_like(bh, n_in, t.dv, k.dtype))
+    out = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
+    # the calls' own cotangents of k and v are zeros (XLA drops the sums); anything else is added
+    return out["dk"] + ck, out["dv"] + cv
+
+
+_keys.defvjp(_keys_fwd, _keys_bwd)
 
 
 def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
@@ -148,35 +237,32 @@ def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
     return u, r, d
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _update(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _update(q, k, v, tape, t: K.Tiling, normalise: bool, interpret: bool):
     return _forward(q, k, v, t, normalise, interpret)[0]
 
 
-def _update_fwd(q, k, v, t, normalise, interpret):
+def _update_fwd(q, k, v, tape, t, normalise, interpret):
     u, r, d = _forward(q, k, v, t, normalise, interpret)
     return u, (q, k, v, u, r, d)
 
 
 def _update_bwd(t: K.Tiling, normalise: bool, interpret: bool, res, g):
+    """dq, and for k and v zeros: their gradients come from :func:`_keys_bwd`, given this call's
+    statistics as the tape's cotangent."""
     q, k, v, u, r, d = res
     bh, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
     g = g.astype(q.dtype)
-    dq_s, dk_s, dv_s = (K.flat_like(bh, n, dim, q.dtype) for n, dim in ((n_out, t.dh), (n_in, t.dh), (n_in, t.dv)))
+    outs = dict(dq=K.flat_like(bh, n_out, t.dh, q.dtype), delta=K.stats(bh, n_out))
     base = dict(q=q, k=k, v=v, r=r, g=g)
-    grad_ins = dict(base, u=u)
     if normalise:
-        out = K.input_pass("dv", t, dict(base, d=d), dict(dv=dv_s, gd=K.stats(bh, n_in)), EPS, interpret)
-        dv, gd = out["dv"], out["gd"]
-        out = K.group_pass("grad", t, dict(grad_ins, d=d, gd=gd), dict(dq=dq_s, delta=K.stats(bh, n_out)), interpret)
-        dq, delta = out["dq"], out["delta"]
-        dk = K.input_pass("dk", t, dict(base, d=d, gd=gd, delta=delta), dict(dk=dk_s), EPS, interpret)["dk"]
+        gd = K.input_pass("gd", t, dict(base, d=d), dict(gd=K.stats(bh, n_in)), EPS, interpret)["gd"]
+        out = K.group_pass("grad", t, dict(base, u=u, d=d, gd=gd), outs, interpret)
+        tape = (q, g, r, out["delta"], d, gd)
     else:
-        out = K.group_pass("grad", t, grad_ins, dict(dq=dq_s, delta=K.stats(bh, n_out)), interpret)
-        dq, delta = out["dq"], out["delta"]
-        out = K.input_pass("dvdk", t, dict(base, delta=delta), dict(dv=dv_s, dk=dk_s), EPS, interpret)
-        dv, dk = out["dv"], out["dk"]
-    return dq, dk, dv
+        out = K.group_pass("grad", t, dict(base, u=u), outs, interpret)
+        tape = (q, g, r, out["delta"])
+    return out["dq"], jnp.zeros_like(k), jnp.zeros_like(v), tape
 
 
 _update.defvjp(_update_fwd, _update_bwd)

@@ -36,6 +36,7 @@ from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
+TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
 
 
 def _pow2(n: int) -> int:
@@ -228,8 +229,9 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     _store1(R["delta"], grow, gok, delta)
 
 
-def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
-    """One input tile. Modes: "colsum" (d = c + eps), "dv" (dv and gd = dL/dd), "dk", "dvdk"."""
+def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1):
+    """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
+    over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
     R = dict(zip(names, refs))
     tile, y = pl.program_id(0), pl.program_id(1)
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
@@ -238,13 +240,10 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
     k = _load(R["k"], prow, xok, t.dh, t.dhp)
     ox_hi = lax.div(x + t.px, t.sx)  # the last group column whose window holds x (x + px >= 0)
     oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
-    v = _load(R["v"], prow, xok, t.dv, t.dvp) if "v" in R else None
-    d = _load1(R["d"], prow, xok, 1.0) if "d" in R else None
-    gd = _load1(R["gd"], prow, xok) if "gd" in R else None
 
-    def groups(i):
+    def groups(i, use=""):
         """The covering groups on output row oy_lo + i, one per column offset m: their queries,
-        weights A (tx,) and rows."""
+        weights A (tx,), rows and validity, from the queries and log-sum-exps of ``use``."""
         oy = oy_lo + i
         rel_y = y - (oy * t.sy - t.py)
         yok = (oy >= 0) & (oy < t.OY) & (rel_y >= 0) & (rel_y < t.ky)
@@ -253,9 +252,9 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
             ox = ox_hi - m
             ok = xok & yok & (ox >= 0) & (ox < t.OX) & (x + t.px - ox * t.sx < t.kx)
             grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
-            q = _load(R["q"], grow, ok, t.dh, t.dhp)
+            q = _load(R["q" + use], grow, ok, t.dh, t.dhp)
             s = _rowdot(k, q)
-            r = _load1(R["r"], grow, ok)
+            r = _load1(R["r" + use], grow, ok)
             out.append((q, jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0), grow, ok))
         return out
 
@@ -269,31 +268,44 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float):
         _store1(R["d"], prow, xok, c + eps)
         return
 
-    want_dv, want_dk = mode in ("dv", "dvdk"), mode in ("dk", "dvdk")
+    v = _load(R["v"], prow, xok, t.dv, t.dvp)
+    zeros_v = jnp.zeros((t.tx, t.dvp), jnp.float32)
+    if mode == "gd":  # u = sum A w with w = v / d: d's gradient is -(sum_o A g_o) . v / d^2
+        def body(i, gw):
+            for _, a, grow, ok in groups(i):
+                gw = gw + a[:, None] * _load(R["g"], grow, ok, t.dv, t.dvp)
+            return gw
 
-    def body(i, carry):
-        gw, dk = carry
-        for q, a, grow, ok in groups(i):
-            g = _load(R["g"], grow, ok, t.dv, t.dvp)
-            if want_dv:
+        gw = _loop(t, t.nt, body, zeros_v)
+        d = _load1(R["d"], prow, xok, 1.0)
+        _store1(R["gd"], prow, xok, -_rowdot(gw, v) / (d * d))
+        return
+
+    # mode == "keys": dv = sum_o A g_o / d and dk = sum_o A (dA - delta_o) q_o, dA = g_o . v / d + gd,
+    # added up over the uses in float32 on chip
+    dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
+    for use in map(str, range(uses)):
+        normalised = "d" + use in R
+        if normalised:
+            # a use whose backward never ran leaves zeros: d = 0 must then add nothing, not 0 / 0
+            inv_d = 1.0 / jnp.maximum(_load1(R["d" + use], prow, xok, 1.0), TINY)
+            gd = _load1(R["gd" + use], prow, xok)
+
+        def body(i, carry, use=use, normalised=normalised):
+            gw, dk = carry
+            for q, a, grow, ok in groups(i, use):
+                g = _load(R["g" + use], grow, ok, t.dv, t.dvp)
                 gw = gw + a[:, None] * g
-            if want_dk:
                 da = _rowdot(v, g)
-                if d is not None:
-                    da = da / d + gd
-                dk = dk + (a * (da - _load1(R["delta"], grow, ok)))[:, None] * q
-        return gw, dk
+                if normalised:
+                    da = da * inv_d + gd
+                dk = dk + (a * (da - _load1(R["delta" + use], grow, ok)))[:, None] * q
+            return gw, dk
 
-    init = (jnp.zeros((t.tx, t.dvp), jnp.float32), jnp.zeros((t.tx, t.dhp), jnp.float32))
-    gw, dk = _loop(t, t.nt, body, init)
-    if want_dk:
-        _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
-    if want_dv:
-        if d is None:
-            _store(R["dv"], prow, xok, t.dv, t.dvp, gw)
-        else:  # u = sum A w with w = v / d: dv = gw / d, and d's own gradient gd
-            _store(R["dv"], prow, xok, t.dv, t.dvp, gw / d[:, None])
-            _store1(R["gd"], prow, xok, -_rowdot(gw, v) / (d * d))
+        gw, dk = _loop(t, t.nt, body, (zeros_v, dk))
+        dv = dv + (gw * inv_d[:, None] if normalised else gw)
+    _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
+    _store(R["dv"], prow, xok, t.dv, t.dvp, dv)
 
 
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
@@ -323,11 +335,12 @@ def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> 
     return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode)
 
 
-def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
+def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool, uses: int = 1) -> dict:
     """Run :func:`_input_kernel` over every input tile of every slice."""
     bh = next(iter(ins.values())).shape[0]
     grid = (-(-t.X // t.tx), t.Y, bh)
-    return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps)
+    return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps,
+                 uses=uses)
 
 
 def stats(bh: int, n: int) -> jax.ShapeDtypeStruct:
