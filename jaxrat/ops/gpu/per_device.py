@@ -16,13 +16,15 @@ from jax.sharding import PartitionSpec as P
 Array = jax.Array
 
 
-def over_batch(fn: Callable[..., Any], *operands: Any) -> Any:
-    """``fn(*operands)`` (operands and results arrays or pytrees of arrays), per device over the
-    leading (batch) axis when a mesh of several devices is set and that axis divides evenly; as it is otherwise (one device, no mesh, inside a
-    ``shard_map`` already, or a batch the mesh does not divide)."""
+def over_batch(fn: Callable[..., Any], *operands: Any, replicated: tuple = ()) -> Any:
+    """``fn(*operands, *replicated)`` (operands and results arrays or pytrees of arrays), per device
+    over the operands' leading (batch) axis when a mesh of several devices is set and that axis
+    divides evenly, each device given the ``replicated`` arrays whole (weights; their gradients are
+    summed over the devices); as it is otherwise (one device, no mesh, inside a ``shard_map``
+    already, or a batch the mesh does not divide)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or mesh.manual_axes or jax.tree.leaves(operands)[0].shape[0] % mesh.size:
-        return fn(*operands)
+        return fn(*operands, *replicated)
     spec = P(tuple(mesh.axis_names))
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(operands), out_specs=spec,
-                         check_vma=False)(*operands)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(operands) + (P(),) * len(replicated), out_specs=spec,
+                         check_vma=False)(*operands, *replicated)
