@@ -44,6 +44,15 @@ def sparse_sga(q, k, v):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
+def fused_mlp(x, w1, b1, w2, b2):
+    """The gpu policy's fused MLP forward and backward with dropout, at an SGA layer's width (128, 512)."""
+    from jaxrat.ops.gpu.mlp import fused_mlp as mlp
+
+    keep = jax.random.bernoulli(jax.random.key(0), 0.9, (*x.shape[:-1], w1.shape[1]))
+    loss = lambda *a: jnp.sum(mlp(*a, keep, 0.1).astype(jnp.float32) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w1, b1, w2, b2)
+
+
 def main() -> None:
     why = gpu_cost.plugin_missing()
     if why:
@@ -56,6 +65,7 @@ def main() -> None:
         "matmul_softmax": (matmul_softmax, bf16(M, K), bf16(K, N)),
         "elementwise": (lambda x: x * 2.0 + 1.0, jax.ShapeDtypeStruct((1024, 1024), jnp.float32)),
         "loop": (loop, bf16(128, 256), bf16(256, 256)),
+        "fused_mlp": (fused_mlp, bf16(2, 4096, 128), bf16(128, 512), bf16(512), bf16(512, 128), bf16(128)),
         "sparse_sga": (sparse_sga, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16), bf16(2, 64 * 64, 8, 16)),
     }
     out = {"device_kind": device.device_kind, "roofline": dataclasses.asdict(gpu.roofline)}

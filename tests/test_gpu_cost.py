@@ -79,6 +79,18 @@ def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
     assert len(large) == 4 and all("transpose" in k["kind"] and k["bytes"] == 2 * keys for k in large), large
 
 
+def test_the_fused_mlp_kernels_compile_for_the_h100(probe):
+    """Its three Triton kernels (forward, and the inputs' and weights' gradients) compile, and no
+    product or kernel of the hidden activation's size runs outside them."""
+    kernels = probe["fused_mlp"]["kernels"]
+    names = sorted(k["op_name"].split("(")[-1].split(")")[0] for k in kernels if k["kind"] == "__gpu$xla.gpu.triton")
+    assert names == ["fused_mlp_forward", "fused_mlp_inputs", "fused_mlp_weights"], names
+    assert not any("cublas" in k["kind"] for k in kernels)
+    hidden = 2 * 4096 * 512 * 2  # bytes of the hidden activation (bf16)
+    # outside them at most the dropout mask's draw: a bool read and an int8 written, one byte each
+    assert all(k["bytes"] <= hidden for k in kernels if k["kind"] != "__gpu$xla.gpu.triton"), kernels
+
+
 def test_the_quick_step_is_priced_per_scope(tmp_path):
     """The --quick path: the trainer's RAT step (gpu kernels, bf16) compiled for the H100, every part of
     the model's scopes found, and the JSON written."""

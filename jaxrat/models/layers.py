@@ -85,8 +85,9 @@ def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.Lay
 class Mlp(nnx.Module):
     """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout.
 
-    Large calls run over token chunks (:mod:`jaxrat.ops.mlp`: same values; in training, other
-    dropout draws), as the memory and the kernel policy ask.
+    On the gpu policy, one fused kernel where it takes the call; elsewhere large calls run over token
+    chunks (:mod:`jaxrat.ops.mlp`: same values; in training, other dropout draws), as the memory and
+    the kernel policy ask.
     """
 
     def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype,
@@ -98,13 +99,21 @@ class Mlp(nnx.Module):
         self.kernels = kernels
 
     def __call__(self, x: Array) -> Array:
-        itemsize = jnp.dtype(self.fc1.dtype or x.dtype).itemsize
+        dtype = self.fc1.dtype or x.dtype
+        rate = self.drop1.rate
+        if mlp_ops.fused(self.kernels, x.shape, self.fc1.out_features, dtype, rate):
+            key = self.drop1.rngs() if not self.drop1.deterministic and rate > 0.0 else None
+            w = [p[...] if p is not None else jnp.zeros(n, jnp.float32)
+                 for p, n in ((self.fc1.kernel, None), (self.fc1.bias, self.fc1.out_features),
+                              (self.fc2.kernel, None), (self.fc2.bias, self.fc2.out_features))]
+            y = mlp_ops.fused_mlp(x.astype(dtype), *(a.astype(dtype) for a in w), dropout_rate=rate, dropout_key=key)
+            return self.drop2(y)
+        itemsize = jnp.dtype(dtype).itemsize
         hidden_bytes = math.prod(x.shape[:-1]) * self.fc1.out_features * itemsize
         chunks = mlp_ops.chunking(hidden_bytes, self.kernels) if x.ndim >= 2 else None
         if chunks is None:
             x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
             return self.drop2(self.fc2(x))
-        rate = self.drop1.rate
         key = self.drop1.rngs() if not self.drop1.deterministic and rate > 0.0 else None
         y = mlp_ops.chunked_mlp(x, self.fc1, self.fc2, hidden_bytes=hidden_bytes, chunks=chunks, dropout_rate=rate,
                                 dropout_key=key)

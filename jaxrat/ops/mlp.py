@@ -1,4 +1,8 @@
-"""The transformer MLP over token chunks, when the kernel policy or the memory asks for it.
+"""The transformer MLP: fused on the gpu policy, else over token chunks when the memory or the CPU
+asks for it.
+
+On the ``gpu`` policy, calls the fused kernels take (:func:`fused`) run as one Pallas (Triton)
+kernel forward and two backward, the hidden activation never in memory (:mod:`jaxrat.ops.gpu.mlp`).
 
 Above :data:`CHUNK_HIDDEN_BYTES` of hidden activation in one call (every form), the MLP runs as a
 scan over token chunks, each rematerialised in the backward pass: at 1024 px the first SGA layer's
@@ -9,6 +13,7 @@ three MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout mask
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -22,6 +27,7 @@ from jaxrat.ops.policy import KernelPolicy
 Array = jax.Array
 CHUNK_HIDDEN_BYTES = 256 * 2**20
 CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one rematerialised chunk
+FUSED_HIDDEN_BYTES = 8 * 2**20  # the gpu policy fuses calls with at least this much hidden activation
 
 
 class Chunks(NamedTuple):
@@ -40,6 +46,35 @@ def chunking(hidden_bytes: int, policy: KernelPolicy) -> Optional[Chunks]:
     if policy.cpu and hidden_bytes > cpu_mlp.CHUNK_HIDDEN_BYTES:
         return Chunks(cpu_mlp.CHUNK_BYTES, False, cpu=True)
     return None
+
+
+def fused(policy: KernelPolicy, x_shape: tuple, hidden: int, dtype, dropout_rate: float) -> bool:
+    """Whether the gpu policy's fused MLP takes this call: bfloat16 ones, as with the fused attention (a
+    float32 model on the gpu policy is a parity run, and runs anywhere: XLA's products), with at least
+    :data:`FUSED_HIDDEN_BYTES` of hidden activation (below, the bytes saved are not worth the seconds
+    Triton takes to compile the kernels for one more shape)."""
+    if not policy.gpu or len(x_shape) < 2 or dropout_rate >= 1.0 or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    if math.prod(x_shape[:-1]) * hidden * jnp.dtype(dtype).itemsize < FUSED_HIDDEN_BYTES:
+        return False
+    from jaxrat.ops.gpu import mlp as gpu_mlp
+
+    return gpu_mlp.supports(math.prod(x_shape[:-1]), x_shape[-1], hidden, dtype) is None
+
+
+def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, *, dropout_rate: float,
+              dropout_key: Optional[Array]) -> Array:
+    """``fc2(dropout(gelu(fc1(x))))`` (exact GELU) with the kernels :func:`fused` chose, per device under
+    a mesh; dropout's mask is ``nnx.Dropout``'s draw for ``dropout_key`` (None: no dropout)."""
+    from jaxrat.ops.gpu import per_device
+    from jaxrat.ops.gpu.mlp import fused_mlp as gpu_fused
+
+    hidden = w1.shape[1]
+    if dropout_key is None:
+        return per_device.over_batch(lambda x, *w: gpu_fused(x, *w), x, replicated=(w1, b1, w2, b2))
+    keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, (*x.shape[:-1], hidden))
+    return per_device.over_batch(lambda x, keep, *w: gpu_fused(x, *w, keep, dropout_rate), x, keep,
+                                 replicated=(w1, b1, w2, b2))
 
 
 def chunked_mlp(x: Array, fc1: Callable[[Array], Array], fc2: Callable[[Array], Array], *, hidden_bytes: int,
