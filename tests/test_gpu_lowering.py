@@ -211,3 +211,12 @@ def test_the_gpu_benchmarks_sparse_sga_forms_lower_for_cuda():
     calls = lambda text: text.count("custom_call @__gpu$xla.gpu.triton(")
     assert calls(lower_for_cuda(value_and_grads(bench.on_slices(Tiling.of(geom, 16, 16))), *sliced)) == 6
     assert calls(lower_for_cuda(value_and_grads(bench.three_iterations(geom)), q, k, v)) == 3 * 5 + 1
+
+
+def test_the_gpu_mlp_benchmark_s_forms_lower_for_cuda():
+    """benchmarks/mlp_gpu.py runs only on a lent GPU: its fused and XLA forms must trace and lower here."""
+    bench = load("mlp_gpu")
+    args, keep, _ = bench.inputs(256, dtype=jnp.bfloat16)
+    grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+    assert lower_for_cuda(grads(bench.fused(keep)), *args).count("custom_call @__gpu$xla.gpu.triton(") == 3
+    assert "custom_call @__gpu$xla.gpu.triton(" not in lower_for_cuda(grads(bench.xla(keep)), *args)
