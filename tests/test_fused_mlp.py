@@ -136,8 +136,9 @@ def test_the_layer_on_the_gpu_policy_is_three_triton_kernels_and_draws_nnx_s_mas
     finally:
         m.fused_mlp = real
     want = _mlp_module("portable", 0.2)(x)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.05, atol=0.02)
-    assert float(jnp.mean((got == 0) == (want == 0))) > 0.97  # dropout's zeros at the same places
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    # bfloat16 both: 0.4% apart; with another dropout mask (a folded key, tried) 69% apart
+    assert np.mean(np.abs(got - want)) / np.mean(np.abs(want)) < 0.02
 
 
 def test_on_a_mesh_each_device_runs_its_share_and_the_weight_gradients_add_up():
