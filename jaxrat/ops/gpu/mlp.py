@@ -213,7 +213,8 @@ def _mlp_bwd(scale: float, interpret: bool, res, g):
         out_specs=[pl.BlockSpec((None, d, CHUNK), lambda j, s: (s, 0, j)),
                    pl.BlockSpec((None, CHUNK), lambda j, s: (s, j)),
                    pl.BlockSpec((None, CHUNK, d), lambda j, s: (s, j, 0))],
-        out_shape=[f32(d, hidden), f32(hidden), f32(hidden, d)], compiler_params=_params(),
+        # eight warps: the two float32 (D x 128) accumulators alone are 256 values a thread at four
+        out_shape=[f32(d, hidden), f32(hidden), f32(hidden, d)], compiler_params=_params(8),
         interpret=interpret, name="fused_mlp_weights")(jnp.array([tiles, per_split], jnp.int32), x, w1, b1, w2,
                                                        *masks, g)
     db2 = jnp.sum(g.astype(jnp.float32), axis=0)
