@@ -102,11 +102,10 @@ class Mlp(nnx.Module):
         dtype = self.fc1.dtype or x.dtype
         rate = self.drop1.rate
         if mlp_ops.fused(self.kernels, x.shape, self.fc1.out_features, dtype, rate):
-            key = self.drop1.rngs() if not self.drop1.deterministic and rate > 0.0 else None
-            w = [p[...] if p is not None else jnp.zeros(n, jnp.float32)
-                 for p, n in ((self.fc1.kernel, None), (self.fc1.bias, self.fc1.out_features),
-                              (self.fc2.kernel, None), (self.fc2.bias, self.fc2.out_features))]
-            y = mlp_ops.fused_mlp(x.astype(dtype), *(a.astype(dtype) for a in w), dropout_rate=rate, dropout_key=key)
+            bias = lambda fc: fc.bias[...] if fc.bias is not None else jnp.zeros((fc.out_features,), jnp.float32)
+            w = (self.fc1.kernel[...], bias(self.fc1), self.fc2.kernel[...], bias(self.fc2))
+            y = mlp_ops.fused_mlp(x.astype(dtype), *(a.astype(dtype) for a in w), dropout_rate=rate,
+                                  dropout_key=self._dropout_key())
             return self.drop2(y)
         itemsize = jnp.dtype(dtype).itemsize
         hidden_bytes = math.prod(x.shape[:-1]) * self.fc1.out_features * itemsize
@@ -114,7 +113,11 @@ class Mlp(nnx.Module):
         if chunks is None:
             x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
             return self.drop2(self.fc2(x))
-        key = self.drop1.rngs() if not self.drop1.deterministic and rate > 0.0 else None
         y = mlp_ops.chunked_mlp(x, self.fc1, self.fc2, hidden_bytes=hidden_bytes, chunks=chunks, dropout_rate=rate,
-                                dropout_key=key)
+                                dropout_key=self._dropout_key())
         return self.drop2(y)
+
+    def _dropout_key(self) -> Array | None:
+        """The key ``drop1`` would draw its mask with (advancing its stream as it does), None when it
+        would not draw: for the forms that apply the dropout themselves."""
+        return self.drop1.rngs() if not self.drop1.deterministic and self.drop1.rate > 0.0 else None

@@ -127,9 +127,6 @@ def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_column
     Returns (B, N_out, H, dv) in q's dtype; differentiable in q, k and v (fused backward).
     ``interpret`` runs the Pallas kernels in interpret mode (any backend, for tests).
     """
-    why = supports(geom, q.shape, q.dtype)
-    if why is not None:
-        raise ValueError(why)
     keys = lay_out_keys(k.astype(q.dtype), v.astype(q.dtype), geom, 1, normalise_columns, interpret=interpret)
     return laid_out_update(q, keys, 0, geom, normalise_columns, interpret=interpret)
 
