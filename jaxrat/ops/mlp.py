@@ -4,8 +4,9 @@ asks for it.
 On the ``gpu`` policy, calls the fused kernels take (:func:`fused`) run as one Pallas (Triton)
 kernel forward and two backward, the hidden activation never in memory (:mod:`jaxrat.ops.gpu.mlp`).
 
-Above :data:`CHUNK_HIDDEN_BYTES` of hidden activation in one call (every form), the MLP runs as a
-scan over token chunks, each rematerialised in the backward pass: at 1024 px the first SGA layer's
+Above :data:`CHUNK_HIDDEN_BYTES` of hidden activation in one call (every form but the fused one, which
+keeps only its int8 dropout mask for the backward), the MLP runs as a scan over token chunks, each
+rematerialised in the backward pass: at 1024 px the first SGA layer's
 three MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive. The
 ``cpu`` policy also chunks smaller calls, keeping fc1's output (:mod:`jaxrat.ops.cpu.mlp`).
 """
