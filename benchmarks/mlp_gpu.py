@@ -8,7 +8,10 @@ stages (default: parity speed):
    0.1: the fused kernels against XLA's MLP, output and the gradients of x and every weight (max error
    over the largest entry); then bfloat16 against that float32 result, fused and XLA's;
 2. ``speed``: the ISIC first SGA layer's MLP (16 x 7,396 groups, 128 -> 512 -> 128, dropout 0.1,
-   bfloat16), forward and forward + backward, fused and XLA's, median of timed repeats.
+   bfloat16), forward and forward + backward, fused and XLA's, median of timed repeats;
+3. ``cuts``: that forward + backward for each way of cutting the weight-gradient pass
+   (:class:`jaxrat.ops.gpu.mlp.WeightsPass`), each with its weight gradients' error against XLA's
+   bfloat16 ones, and the fastest; the default is what such a run chose.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from sparse_sga_gpu import timed
 
-from jaxrat.ops.gpu.mlp import fused_mlp
+from jaxrat.ops.gpu import mlp as gpu_mlp
+from jaxrat.ops.gpu.mlp import WeightsPass, fused_mlp
 
 RATE = 0.1
 
@@ -63,10 +67,11 @@ def parity(report):
     args, keep, g = inputs(2048)
     with jax.default_matmul_precision("highest"):
         exact = value_and_vjp(xla(keep), args, g)
-        report["f32_err_fused"] = errors(value_and_vjp(fused(keep), args, g), exact)
     low = [a.astype(jnp.bfloat16) for a in args]
     report["bf16_err_fused"] = errors(value_and_vjp(fused(keep), low, g), exact)
     report["bf16_err_xla"] = errors(value_and_vjp(xla(keep), low, g), exact)
+    with jax.default_matmul_precision("highest"):
+        report["f32_err_fused"] = errors(value_and_vjp(fused(keep), args, g), exact)
     print("float32", report["f32_err_fused"], "bfloat16 fused", report["bf16_err_fused"], "xla",
           report["bf16_err_xla"], flush=True)
 
@@ -81,11 +86,41 @@ def speed(report):
         print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
 
 
+CUTS = [WeightsPass(128, 16, 8, 1), WeightsPass(64, 16, 4, 1), WeightsPass(64, 64, 4, 1), WeightsPass(64, 64, 8, 1),
+        WeightsPass(64, 64, 4, 2), WeightsPass(64, 64, 4, 3), WeightsPass(32, 64, 4, 2), WeightsPass(32, 128, 4, 1),
+        WeightsPass(64, 128, 4, 2), WeightsPass(128, 64, 8, 2)]
+
+
+def cuts(report):
+    args, keep, g = inputs(16 * 7396, dtype=jnp.bfloat16)
+    want = value_and_vjp(xla(keep), args, g)
+    default, results = gpu_mlp.WEIGHTS, {}
+    try:
+        for cut in CUTS:
+            gpu_mlp.WEIGHTS = cut
+            name = f"chunk{cut.chunk}_splits{cut.max_splits}_warps{cut.warps}_stages{cut.stages}"
+            try:
+                f = fused(keep)  # a new function: traced again under this cut
+                loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * g)
+                err = errors(value_and_vjp(f, args, g), want)
+                results[name] = {**timed(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args),
+                                 "err_vs_xla_bf16": max(err[k] for k in ("dw1", "db1", "dw2"))}
+            except Exception as e:  # a cut Triton cannot compile (shared memory, registers) is reported
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(name, results[name], flush=True)
+    finally:
+        gpu_mlp.WEIGHTS = default
+    ok = {k: v for k, v in results.items() if "median_ms" in v and v["err_vs_xla_bf16"] < 0.05}
+    report["cuts"] = results
+    report["fastest_cut"] = min(ok, key=lambda k: ok[k]["median_ms"]) if ok else None
+    print("fastest", report["fastest_cut"], flush=True)
+
+
 def main():
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     print(report, flush=True)
     chosen = sys.argv[2:] or ["parity", "speed"]
-    for stage in [s for s in (parity, speed) if s.__name__ in chosen]:
+    for stage in [s for s in (parity, speed, cuts) if s.__name__ in chosen]:
         try:
             stage(report)
         except Exception as e:  # report what ran, then the failure

@@ -150,37 +150,42 @@ def tiles(report):
         print(name, report[name], flush=True)
 
 
+def pass_calls(t, bh: int, n_out: int, n_in: int) -> dict:
+    """Each Triton pass alone, as a function of (q, k, v, g, r, d, gd, delta, u)."""
+    K = sparse_sga_kernels
+    S = lambda n: K.stats(bh, n)
+    F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
+    return {
+        "F1": lambda q, k, v, g, r, d, gd, delta, u: K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False),
+        "F2": lambda q, k, v, g, r, d, gd, delta, u: K.input_pass("colsum", t, dict(q=q, k=k, r=r),
+                                                                  dict(d=S(n_in)), 1e-7, False),
+        "F3": lambda q, k, v, g, r, d, gd, delta, u: K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
+                                                                  dict(u=F(n_out)), False),
+        "B1": lambda q, k, v, g, r, d, gd, delta, u: K.input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
+                                                                  dict(gd=S(n_in)), 1e-7, False),
+        "B2": lambda q, k, v, g, r, d, gd, delta, u: K.group_pass(
+            "grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd, u=u), dict(dq=F(n_out), delta=S(n_out)), False),
+        "B3": lambda q, k, v, g, r, d, gd, delta, u: K.input_pass(  # once per layer: keys' and values' grads
+            "keys", t, dict(k=k, v=v, q0=q, g0=g, r0=r, delta0=delta, d0=d, gd0=gd),
+            dict(dk=F(n_in), dv=F(n_in)), 1e-7, False),
+    }
+
+
 def passes(report):
     """Each pass alone at the ISIC shape, rolled and unrolled row loops."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
-    K = sparse_sga_kernels
     for unroll in (False, True):
-        t = K.Tiling.of(geom, 16, 16, unroll=unroll)
-        S = lambda n: K.stats(bh, n)
-        F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
-        r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False)["r"]
-        d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=S(n_in)), 1e-7, False)["d"]
-        gd = K.input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d), dict(gd=S(n_in)), 1e-7, False)["gd"]
-        delta = K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd), dict(dq=F(n_out), delta=S(n_out)),
-                             False)["delta"]
-        calls = {
-            "F1": lambda q, k, v, g, r, d, gd, delta: K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False),
-            "F2": lambda q, k, v, g, r, d, gd, delta: K.input_pass("colsum", t, dict(q=q, k=k, r=r),
-                                                                   dict(d=S(n_in)), 1e-7, False),
-            "F3": lambda q, k, v, g, r, d, gd, delta: K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
-                                                                   dict(u=F(n_out)), False),
-            "B1": lambda q, k, v, g, r, d, gd, delta: K.input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
-                                                                   dict(gd=S(n_in)), 1e-7, False),
-            "B2": lambda q, k, v, g, r, d, gd, delta: K.group_pass("grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd),
-                                                                   dict(dq=F(n_out), delta=S(n_out)), False),
-            "B3": lambda q, k, v, g, r, d, gd, delta: K.input_pass(  # once per layer: keys' and values' grads
-                "keys", t, dict(k=k, v=v, q0=q, g0=g, r0=r, delta0=delta, d0=d, gd0=gd),
-                dict(dk=F(n_in), dv=F(n_in)), 1e-7, False),
-        }
-        args = (q, k, v, g, r, d, gd, delta)
+        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, unroll=unroll)
+        calls = pass_calls(t, bh, n_out, n_in)
+        r = calls["F1"](q, k, v, g, *[None] * 5)["r"]
+        d = calls["F2"](q, k, v, g, r, *[None] * 4)["d"]
+        u = calls["F3"](q, k, v, g, r, d, *[None] * 3)["u"]
+        gd = calls["B1"](q, k, v, g, r, d, *[None] * 3)["gd"]
+        delta = calls["B2"](q, k, v, g, r, d, gd, None, u)["delta"]
+        args = (q, k, v, g, r, d, gd, delta, u)
         name = f"passes_unroll{int(unroll)}"
         report[name] = {n: timed(c, *args)["median_ms"] for n, c in calls.items()}
         print(name, report[name], flush=True)

@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmark_scripts import load
@@ -211,6 +212,13 @@ def test_the_gpu_benchmarks_sparse_sga_forms_lower_for_cuda():
     calls = lambda text: text.count("custom_call @__gpu$xla.gpu.triton(")
     assert calls(lower_for_cuda(value_and_grads(bench.on_slices(Tiling.of(geom, 16, 16))), *sliced)) == 6
     assert calls(lower_for_cuda(value_and_grads(bench.three_iterations(geom)), q, k, v)) == 3 * 5 + 1
+    # its passes-alone stage: each pass with the operands the model's backward gives it
+    n_out, n_in = int(np.prod(geom.out)), int(np.prod(geom.grid))
+    stat = lambda n: jnp.zeros((16, n), jnp.float32)
+    flat = jnp.zeros((16, n_out * 16), jnp.bfloat16)
+    args = (*sliced, flat, stat(n_out), stat(n_in), stat(n_in), stat(n_out), flat)
+    for name, call in bench.pass_calls(Tiling.of(geom, 16, 16), 16, n_out, n_in).items():
+        assert calls(lower_for_cuda(call, *args)) == 1, name
 
 
 def test_the_gpu_mlp_benchmark_s_forms_lower_for_cuda():

@@ -18,6 +18,7 @@ mask is drawn by the caller (the same draw as ``nnx.Dropout``) and passed as int
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from functools import partial
@@ -33,7 +34,23 @@ Array = jax.Array
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 CHUNK = 128  # hidden units per chunk
 MAX_TILE, MIN_TILE = 64, 16  # tokens per tile: a power of two dividing the (padded) tokens
-SPLITS = 16  # shares of the tokens in the weight-gradient pass (its parallelism: hidden chunks x this)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsPass:
+    """How the weight-gradient pass is cut. Each program holds two float32 (D x chunk) accumulators
+    over a long loop of token tiles, so the chunk sets its register use (at 128 they spilled and the
+    pass took 2.9 ms on an H100 for 118k tokens, 20x its FLOPs) and ``max_splits`` its parallelism
+    (hidden / chunk x splits programs against the GPU's 132 SMs; the float32 partials cost
+    splits x 2 x D x Hd x 4 bytes)."""
+
+    chunk: int = 64
+    max_splits: int = 64
+    warps: int = 4
+    stages: int = 1
+
+
+WEIGHTS = WeightsPass()
 
 # erf(x) = x P(x^2) / Q(x^2) on [-4, 4] (+-1 beyond, to float32 rounding): Eigen's and XLA's float32 form.
 _ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
@@ -128,13 +145,13 @@ def _inputs_kernel(*refs, hidden: int, scale: float, dropout: bool):
     dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
-def _weights_kernel(bounds_ref, *refs, tile: int, scale: float, dropout: bool):
+def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, scale: float, dropout: bool):
     """Tiles and tiles per share come as operands, not constants: one compiled kernel for every
     token count (Triton compiles each distinct kernel anew, seconds each)."""
     (x_ref, w1_ref, b1_ref, w2_ref), m_ref, (g_ref, dw1_ref, db1_ref, dw2_ref) = _unpack(refs, dropout, 4)
     tiles, per_split = bounds_ref[0], bounds_ref[1]
     j, s = pl.program_id(0), pl.program_id(1)
-    cols = pl.ds(j * CHUNK, CHUNK)
+    cols = pl.ds(j * chunk, chunk)
     w1, b1, w2 = w1_ref[:, cols], b1_ref[cols].astype(jnp.float32), w2_ref[cols, :]
     d = w1.shape[0]
 
@@ -153,7 +170,7 @@ def _weights_kernel(bounds_ref, *refs, tile: int, scale: float, dropout: bool):
         return dw1, db1 + jnp.sum(dpre, axis=0), dw2
 
     lo = s * per_split
-    init = (jnp.zeros((d, CHUNK), jnp.float32), jnp.zeros((CHUNK,), jnp.float32), jnp.zeros((CHUNK, d), jnp.float32))
+    init = (jnp.zeros((d, chunk), jnp.float32), jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk, d), jnp.float32))
     dw1, db1, dw2 = lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, init)
     dw1_ref[...], db1_ref[...], dw2_ref[...] = dw1, db1, dw2
 
@@ -162,8 +179,8 @@ def _whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _params(warps: int = 4):
-    return plgpu.CompilerParams(num_warps=warps, num_stages=1)
+def _params(warps: int = 4, stages: int = 1):
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def _forward(x, w1, b1, w2, b2, mask, scale: float, interpret: bool):
@@ -201,20 +218,20 @@ def _mlp_bwd(scale: float, interpret: bool, res, g):
         in_specs=[rows(d), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape)] + [rows(hidden)] * dropout + [rows(d)],
         out_specs=rows(d), out_shape=jax.ShapeDtypeStruct((n, d), x.dtype), compiler_params=_params(),
         interpret=interpret, name="fused_mlp_inputs")(x, w1, b1, w2, *masks, g)
-    tiles = n // t
-    splits = max(1, min(SPLITS, tiles // 4))  # a share of four tiles at least: partials stay small
+    tiles, cut = n // t, WEIGHTS
+    splits = max(1, min(cut.max_splits, tiles // 4))  # a share of four tiles at least
     per_split = -(-tiles // splits)
     f32 = lambda *shape: jax.ShapeDtypeStruct((splits, *shape), jnp.float32)
+    c = cut.chunk
     dw1, db1, dw2 = pl.pallas_call(
-        partial(_weights_kernel, tile=t, scale=scale, dropout=dropout),
-        grid=(hidden // CHUNK, splits),
+        partial(_weights_kernel, tile=t, chunk=c, scale=scale, dropout=dropout),
+        grid=(hidden // c, splits),
         in_specs=[_whole((2,)), _whole(x.shape), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape)]
         + [_whole((n, hidden))] * dropout + [_whole(g.shape)],
-        out_specs=[pl.BlockSpec((None, d, CHUNK), lambda j, s: (s, 0, j)),
-                   pl.BlockSpec((None, CHUNK), lambda j, s: (s, j)),
-                   pl.BlockSpec((None, CHUNK, d), lambda j, s: (s, j, 0))],
-        # eight warps: the two float32 (D x 128) accumulators alone are 256 values a thread at four
-        out_shape=[f32(d, hidden), f32(hidden), f32(hidden, d)], compiler_params=_params(8),
+        out_specs=[pl.BlockSpec((None, d, c), lambda j, s: (s, 0, j)),
+                   pl.BlockSpec((None, c), lambda j, s: (s, j)),
+                   pl.BlockSpec((None, c, d), lambda j, s: (s, j, 0))],
+        out_shape=[f32(d, hidden), f32(hidden), f32(hidden, d)], compiler_params=_params(cut.warps, cut.stages),
         interpret=interpret, name="fused_mlp_weights")(jnp.array([tiles, per_split], jnp.int32), x, w1, b1, w2,
                                                        *masks, g)
     db2 = jnp.sum(g.astype(jnp.float32), axis=0)
