@@ -45,11 +45,19 @@ def test_erf_is_xla_s_to_float32_rounding():
     assert float(jnp.max(jnp.abs(gpu_mlp.erf(x) - jax.lax.erf(x)))) < 1e-6
 
 
-@pytest.mark.parametrize("n,rate", [(96, 0.25), (64, 0.0), (48, 0.1), (2 * 21, 0.1), (288, 0.1)],
-                         ids=["3-tiles-dropout", "one-tile", "odd-tiles", "ragged", "uneven-shares"])
-def test_float32_matches_xla_forward_and_every_gradient(n, rate):
+SHARES_5_4 = gpu_mlp.WeightsPass(chunk=128, min_share=4)
+SHARES_3_3_3_0 = gpu_mlp.WeightsPass(chunk=64, min_share=2)
+
+
+@pytest.mark.parametrize("n,rate,cut", [(96, 0.25, None), (64, 0.0, None), (48, 0.1, None), (2 * 21, 0.1, None),
+                                        (288, 0.1, SHARES_5_4), (288, 0.1, SHARES_3_3_3_0)],
+                         ids=["3-tiles-dropout", "one-tile", "odd-tiles", "ragged", "uneven-shares", "empty-share"])
+def test_float32_matches_xla_forward_and_every_gradient(n, rate, cut, monkeypatch):
     """Tokens in 3 tiles of 32, one tile of 64, 3 of 16, 42 (padded to 48), and 9 tiles of 32 that the
-    weights' pass splits into shares of 5 and 4; two hidden chunks."""
+    weights' pass splits into shares of 5 and 4 (two hidden chunks of 128), or of 3, 3, 3 and none
+    (four chunks of 64)."""
+    if cut is not None:
+        monkeypatch.setattr(gpu_mlp, "WEIGHTS", cut)
     d, hidden = 32, 256
     x = jax.random.normal(jax.random.PRNGKey(1), (2, n // 2, d))
     g = jax.random.normal(jax.random.PRNGKey(2), (2, n // 2, d))

@@ -42,12 +42,14 @@ class WeightsPass:
     over a long loop of token tiles, so the chunk sets its register use (at 128 they spilled and the
     pass took 2.9 ms on an H100 for 118k tokens, 20x its FLOPs) and ``max_splits`` its parallelism
     (hidden / chunk x splits programs against the GPU's 132 SMs; the float32 partials cost
-    splits x 2 x D x Hd x 4 bytes)."""
+    splits x 2 x D x Hd x 4 bytes, so a share has ``min_share`` token tiles at least: small beside
+    its tokens)."""
 
     chunk: int = 64
     max_splits: int = 64
     warps: int = 4
     stages: int = 1
+    min_share: int = 16
 
 
 WEIGHTS = WeightsPass()
@@ -219,7 +221,7 @@ def _mlp_bwd(scale: float, interpret: bool, res, g):
         out_specs=rows(d), out_shape=jax.ShapeDtypeStruct((n, d), x.dtype), compiler_params=_params(),
         interpret=interpret, name="fused_mlp_inputs")(x, w1, b1, w2, *masks, g)
     tiles, cut = n // t, WEIGHTS
-    splits = max(1, min(cut.max_splits, tiles // 4))  # a share of four tiles at least
+    splits = max(1, min(cut.max_splits, tiles // cut.min_share))
     per_split = -(-tiles // splits)
     f32 = lambda *shape: jax.ShapeDtypeStruct((splits, *shape), jnp.float32)
     c = cut.chunk
