@@ -53,6 +53,17 @@ def fused_mlp(x, w1, b1, w2, b2):
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w1, b1, w2, b2)
 
 
+LEAVES = [(128, 128), (128,), (512, 128)] * 20  # parameter leaves of the global-norm probe
+
+
+def clipped(*grads):
+    """The step's gradient norm and the optimizer's global-norm clip, each over all leaves concatenated."""
+    from jaxrat.trainer.optimizer import clip_by_global_norm, global_norm
+
+    updates, _ = clip_by_global_norm(1.0, concatenate=True).update(list(grads), None)
+    return global_norm(list(grads), concatenate=True), updates
+
+
 def main() -> None:
     why = gpu_cost.plugin_missing()
     if why:
@@ -66,6 +77,7 @@ def main() -> None:
         "elementwise": (lambda x: x * 2.0 + 1.0, jax.ShapeDtypeStruct((1024, 1024), jnp.float32)),
         "loop": (loop, bf16(128, 256), bf16(256, 256)),
         "fused_mlp": (fused_mlp, bf16(2, 4096, 128), bf16(128, 512), bf16(512), bf16(512, 128), bf16(128)),
+        "clipped": (clipped, *[jax.ShapeDtypeStruct(s, jnp.float32) for s in LEAVES]),
         "sparse_sga": (sparse_sga, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16), bf16(2, 64 * 64, 8, 16)),
     }
     out = {"device_kind": device.device_kind, "roofline": dataclasses.asdict(gpu.roofline)}

@@ -91,6 +91,16 @@ def test_the_fused_mlp_kernels_compile_for_the_h100(probe):
     assert all(k["bytes"] <= hidden for k in kernels if k["kind"] != "__gpu$xla.gpu.triton"), kernels
 
 
+def test_the_gradient_norm_and_its_clip_are_one_reduction_not_one_per_leaf(probe):
+    """Per leaf, each norm ran one reduction kernel (the ISIC step's ~190 leaves: ~280 of its 1,600
+    kernels); concatenated, the norm is one reduction (and the clip's, if XLA keeps it apart, one more),
+    and the clip one scaling kernel per leaf."""
+    kernels = probe["clipped"]["kernels"]
+    reductions = [k for k in kernels if "reduce" in k["kind"]]
+    assert len(reductions) <= 2, [k["kind"] for k in kernels]
+    assert len(kernels) <= 60 + 6, [k["kind"] for k in kernels]
+
+
 def test_the_quick_step_is_priced_per_scope(tmp_path):
     """The --quick path: the trainer's RAT step (gpu kernels, bf16) compiled for the H100, every part of
     the model's scopes found, and the JSON written."""

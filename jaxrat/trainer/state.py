@@ -135,6 +135,12 @@ class StateSpec:
                             self.abstract_state, self.state_shardings)
 
 
+def concatenates_norm(config: mlc.ConfigDict) -> bool:
+    """Whether the step takes the gradients' global norm over one concatenated vector: below ZeRO-2 and
+    with no sharding rules, where gradients are replicated (:func:`jaxrat.trainer.optimizer.global_norm`)."""
+    return config.sharding.zero < 2 and not config.sharding.get("rules")
+
+
 def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task) -> StateSpec:
     """Split the task's model abstractly and decide every sharding; nothing is allocated."""
     compute_dtype = resolve_compute_dtype(config.train.compute_dtype, mesh)
@@ -143,7 +149,12 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
     kernels = resolve_kernels(config, mesh)
     logging.info("kernels: %s form (model.kernels=%s), attention block %d", kernels.form,
                  config.model.get("kernels", "auto"), kernels.block_elements)
-    tx, schedule = make_optimizer(config.optimizer, config.num_train_steps)
+    zero = config.sharding.zero
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
+    # Decided by the config, not the mesh, so that a run's numbers do not depend on its device count.
+    tx, schedule = make_optimizer(config.optimizer, config.num_train_steps,
+                                  concatenate_norm=concatenates_norm(config))
     model = nnx.eval_shape(lambda: task.build_model(dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels))
     model.train()
     train_graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -160,9 +171,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task)
     abstract_state = jax.eval_shape(functools.partial(init_state, task, dtype, kernels, tx, ema),
                                     jax.random.key_data(jax.random.key(0)))
 
-    zero, sc = config.sharding.zero, config.sharding
-    if zero not in (0, 1, 2, 3):
-        raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
+    sc = config.sharding
 
     def shard(tree: Any, on: bool) -> Any:
         return sharding.tree_shardings(tree, mesh, shard=on, axis=sc.axis, min_size=sc.min_size, rules=sc.rules)

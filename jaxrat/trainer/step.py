@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
 from jaxrat.trainer.fixed_shards import FixedShardStep
-from jaxrat.trainer.optimizer import ema_decay_at, update_ema
-from jaxrat.trainer.state import StateSpec
+from jaxrat.trainer.optimizer import ema_decay_at, global_norm, update_ema
+from jaxrat.trainer.state import StateSpec, concatenates_norm
 
 TASK_STREAM = 0x7A5C  # folded into a micro-batch's key for the task's own randomness
 
@@ -54,7 +54,7 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
     def apply(state: dict, grads: Any, loss: jax.Array, parts: dict) -> tuple[dict, dict]:
         grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
         params = state["params"]
-        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        gnorm = global_norm(grads, concatenate=concatenates_norm(spec.config))
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
 
         def keep(new: Any, old: Any) -> Any:
