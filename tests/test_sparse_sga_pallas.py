@@ -221,3 +221,40 @@ def test_the_gpu_form_lowers_to_triton_calls_only():
 
 
 # Compiled by Triton for an H100 (no GPU needed): tests/test_gpu_cost.py, in a process of its own.
+
+
+def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeypatch):
+    """The SGA layer's three rounds on the gpu policy, each with its own tape of the keys laid out once,
+    the layout's backward summing the rounds' key and value gradients. In interpret mode, float32: the
+    portable layer's output and every gradient (parameters and input), to 1e-5 of the largest entry."""
+    from flax import nnx
+
+    from jaxrat import ops
+    from jaxrat.models.rat import RATConfig
+    from jaxrat.models.rat.sga import SpatialGroupingAttention
+    from jaxrat.ops.gpu import sparse_sga as gs
+
+    for name in ("lay_out_keys", "laid_out_update"):
+        real = getattr(gs, name)
+        monkeypatch.setattr(gs, name, lambda *a, real=real, **k: real(*a, **{**k, "interpret": True}))
+    config = RATConfig(feature_dims=16, num_heads=2, iters=3, sga_kernel_size=7, stride=3, mlp_dropout=0.0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 20 * 17, 16))
+
+    def value_and_grads(policy):
+        layer = SpatialGroupingAttention(config, "sparse", kernels=ops.resolve(policy), rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def loss(params, x):
+            out = nnx.merge(graphdef, params, rest)(x, (20, 17), (1.0, 1.0)).x
+            return jnp.sum(out * jnp.cos(out))
+
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+        return [np.asarray(value)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+    got, want = value_and_grads("gpu"), value_and_grads("portable")
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want):
+        # a one-element leaf (the loss; temp's gradient: a sum over every logit, with cancellation) is
+        # held to 5e-5 of itself, the rest to 1e-5 of their largest entry
+        tol = 5e-5 if b.size == 1 else 1e-5
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.max(np.abs(b))))
