@@ -22,7 +22,7 @@ info = initialize(dict(coordinator_address=sys.argv[1], num_processes=int(sys.ar
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 total = multihost_utils.process_allgather(jnp.arange(2.0) + 2 * info.process_index).sum()
-print("TOTAL", float(total), flush=True)
+print(f"TOTAL {float(total)}", flush=True)  # one write: other threads log to the same pipe
 """
 
 

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     step = compiled_together(total, "sum")
     if pid == 1:
         time.sleep(35)  # a compile that took 35 s longer than process 0's
-    print("sum", float(step(x)), flush=True)
+    print(f"sum {float(step(x))}", flush=True)  # one write: other threads log to the same pipe
 """)
 
 
