@@ -381,6 +381,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "backend": jax.default_backend(), "jax": jax.__version__,
                               "platform": platform.platform(), "args": vars(args), "dtype": jnp.dtype(dtype).name,
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    def save(md: list[str]) -> None:  # after every section: a run stopped at a deadline keeps what it measured
+        result["elapsed_s"] = round(time.perf_counter() - started, 1)
+        out.write_text(json.dumps(result, indent=1, default=str))
+        out.with_suffix(".md").write_text("\n\n".join(md) + "\n")
+
     peak = bf16_peak_flops(8192 if gpu else 1024)
     result["bf16_matmul_tflops"] = peak / 1e12
     print(f"device {result['device_kind']}: bfloat16 matmul {peak / 1e12:.1f} TFLOP/s", flush=True)
@@ -390,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = kernel_rows(load_config(args.config), args.sizes, forms, dtype, args.reps, args.portable_max_px)
         result["kernels"] = rows
         md.append(kernel_table(rows))
+        save(md)
     steps = []
     runs = [("isic", lambda a=a: isic_step(args.config, args.isic_size, args.isic_batch, args.kernels, args.reps, a))
             for a in args.isic_attention]
@@ -402,17 +412,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps.append(finish_step(run(), peak))
         except Exception as e:
             steps.append({"step": name, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"})
-        print(step_table(steps[-1:]).splitlines()[-1], flush=True)
-    if steps:
+        print(step_table(steps[-1:]).splitlines()[-1], f"({time.perf_counter() - started:.0f} s in)", flush=True)
         result["steps"] = steps
+        save(md + [step_table(steps)])
+    if steps:
         md.append(step_table(steps))
-    text = "\n\n".join(md) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    out.with_suffix(".md").write_text(text)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    save(md)
+    print("\n\n".join(md))
+    print(f"wrote {out} and {out.with_suffix('.md')} ({result['elapsed_s']:.0f} s)")
     return result
 
 
