@@ -18,14 +18,20 @@ on a GPU the device's peak so far (``memory_stats()``). The forms:
 * ``portable``: the memory-efficient XLA kernels of jaxrat.ops (chunked attention, the sparse
   SGA kernel), as every machine runs them today.
 
-A form whose compiled program needs more than the device's memory is reported as such, not run.
+A form whose compiled program needs more than the device's memory is reported as such, not run;
+an XLA form whose attention matrix alone exceeds it is not even compiled (XLA's autotuner would
+try to allocate it). Sparse SGA's ``fused`` form is the Pallas kernels of
+:mod:`jaxrat.ops.gpu.sparse_sga` through their token-major API.
 
 **Steps**: the trainer's own train step (``make_state_spec`` + ``make_train_step``, as
 benchmarks/step_profile.py builds it) of the ISIC RAT at ``--isic-size`` px (the config's global
 batch) in images/s and model FLOP utilisation: FLOPs from the compiled step's ``cost_analysis``
 plus the fused attention calls counted analytically from their operand shapes (XLA counts custom
 calls as zero: 4 B N T S H per forward call, 10 B N T S H per backward), divided by the step time
-and the device's bfloat16 peak, measured in this run with a large bfloat16 matmul. The COCO
+and the device's bfloat16 peak, measured in this run with a large bfloat16 matmul. The step time
+("step s") is ``--reps`` steps dispatched back to back, as the trainer runs them (it waits for a
+step's metrics only at log steps, so the host's dispatch overlaps the device's work); "one step s"
+is the median of steps each waited for (latency: dispatch + device). The COCO
 RAT-DETR step at ``--coco-size`` px likewise. ``model.kernels`` is set to ``--kernels`` where the
 config has that key.
 
@@ -96,6 +102,7 @@ def kernel_cases(geom: dict[str, Any], dtype: Any, forms: tuple[str, ...]) -> di
     from jaxrat.ops import PORTABLE
     from jaxrat.ops.attention import grouping_attention
     from jaxrat.ops.attention import multires_attention as policy_mr
+    from jaxrat.ops.gpu.sparse_sga import sparse_update as fused_sparse_update
     from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_update
 
     portable_mr = lambda q, k, v, segments, window: policy_mr(q, k, v, segments, window, PORTABLE)
@@ -112,7 +119,9 @@ def kernel_cases(geom: dict[str, Any], dtype: Any, forms: tuple[str, ...]) -> di
         "portable": (grouping_attention, (q, kv, kv)),
     }
     sparse = Geometry((geom["size"],) * 2, (geom["kernel"],) * 2, (geom["stride"],) * 2)
-    cases["sparse_sga"] = {
+    cases["sparse_sga"] = {  # the fused kernels' API is token-major: (batch, tokens, heads, head dim)
+        "fused": (lambda q, k, v: fused_sparse_update(q, k, v, sparse), ((1, g, h, dh), (1, n, h, dh), (1, n, h, dh)),
+                  "pallas"),
         "portable": (lambda q, k, v: sparse_update(q, sparse_blocks(k, sparse), sparse_blocks(v, sparse), sparse),
                      (q, kv, kv)),
     }
@@ -131,6 +140,21 @@ def kernel_cases(geom: dict[str, Any], dtype: Any, forms: tuple[str, ...]) -> di
             "portable": (lambda q, k, v, w=window: portable_mr(q, k, v, segments, w), (tokens,) * 3),
         }
     return {k: {f: c for f, c in forms_.items() if f in forms} for k, forms_ in cases.items()}
+
+
+def materialised_logits(kernel: str, geom: dict[str, Any]) -> int:
+    """Elements of the largest attention matrix the ``kernel``'s materialised XLA form (the "xla"
+    fallback) holds in float32: more than the device has means XLA's autotuner and allocator fail
+    at compile time, so such a form is not compiled at all."""
+    h, n, g, win = geom["heads"], geom["pixels"], geom["groups"], geom["window"]
+    if kernel == "dense_sga":
+        return h * g * n
+    if kernel == "mr_windowed" and any(side > win for side in geom["grid"]):
+        windows = int(np.prod([-(-side // win) for side in geom["grid"]]))
+        return h * windows * (win * win) ** 2
+    if kernel in ("mr_global", "mr_windowed"):
+        return h * g * g
+    return 0
 
 
 # --------------------------------------------------------------------------- measuring
@@ -190,8 +214,12 @@ def kernel_rows(config: Any, sizes: list[int], forms: tuple[str, ...], dtype: An
                 impl = case[2] if len(case) > 2 else ("auto" if form == "fused" else "jaxrat.ops")
                 row = {"kernel": kernel, "px": size, "form": form, "implementation": impl, "groups": geom["groups"],
                        "pixels": geom["pixels"]}
+                logits_gib = 4 * materialised_logits(kernel, geom) / 2**30 if impl == "xla" else 0.0
+                limit = _device_limit()
                 if form == "portable" and size > portable_max_px and kernel != "sparse_sga":
                     row["status"] = f"skipped (> --portable-max-px {portable_max_px})"
+                elif limit and logits_gib * 2**30 > limit:
+                    row["status"] = f"not compiled: its logits alone take {logits_gib:.0f} GiB > {limit / 2**30:.1f}"
                 else:
                     row.update(measure(case[0], case[1], dtype, reps))
                 rows.append(row)
@@ -235,12 +263,18 @@ def _time_step(spec: Any, state: Any, batch: Any, reps: int) -> dict[str, Any]:
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
     times = []
-    for _ in range(reps):
+    for _ in range(reps):  # each step waited for: its latency, the host's dispatch included
         t = time.perf_counter()
         state, m = compiled(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
-    out.update(step_s=statistics.median(times), all_s=times)
+    # The trainer dispatches the next step before the last one is done (it fetches metrics only at log
+    # steps), so the host's dispatch overlaps the device's work: its throughput is steps back to back.
+    t = time.perf_counter()
+    for _ in range(reps):
+        state, m = compiled(state, batch)
+    jax.block_until_ready((state, m))
+    out.update(step_s=(time.perf_counter() - t) / reps, latency_s=statistics.median(times), all_latency_s=times)
     return out
 
 
@@ -319,15 +353,17 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
 
 
 def step_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| step | px | global batch | devices | dtype | step s | images/s | TFLOP/s | MFU | fused calls |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| step | px | global batch | devices | dtype | step s | one step s | images/s | TFLOP/s | MFU "
+             "| fused calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     name = lambda r: r["step"] + (f" ({r['attention']})" if r.get("attention") else "")  # noqa: E731
     for r in rows:
         if "step_s" not in r:
-            lines.append(f"| {r['step']} | {r.get('px', '-')} | | | | | | | | {r.get('status', '')} |")
+            lines.append(f"| {r['step']} | {r.get('px', '-')} | | | | | | | | | {r.get('status', '')} |")
             continue
         lines.append(f"| {name(r)} | {r['px']} | {r['global_batch']} | {r['devices']} | {r['dtype']} | "
-                     f"{r['step_s']:.3f} | {r['images_per_s']:.1f} | {r['tflops_per_s']:.1f} | {r['mfu']:.1%} | "
+                     f"{r['step_s']:.4f} | {r['latency_s']:.4f} | "
+                     f"{r['images_per_s']:.1f} | {r['tflops_per_s']:.1f} | {r['mfu']:.1%} | "
                      f"{r['fused_attention_calls']} |")
     return "\n".join(lines)
 

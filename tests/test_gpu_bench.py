@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -70,4 +71,40 @@ def test_the_isic_step_is_built_by_the_trainer_and_scored(bench, monkeypatch):
     assert row["step"] == "isic_rat" and row["global_batch"] == 8 and row["dtype"] == "float32"
     assert row["xla_flops"] > 0 and row["fused_attention_calls"] == 0  # the CPU step has no cuDNN calls
     assert row["images_per_s"] == pytest.approx(8 / row["step_s"])
+    # back to back (the trainer's throughput) and each step waited for (latency) are both kept
+    assert row["step_s"] > 0 and row["latency_s"] > 0 and len(row["all_latency_s"]) == 1
+    assert f"| {row['step_s']:.4f} | {row['latency_s']:.4f} |" in bench.step_table([row])
     assert row["mfu"] == pytest.approx(row["xla_flops"] / row["step_s"] / (1e12 * row["devices"]))
+
+
+def test_an_xla_form_whose_logits_exceed_the_device_is_not_compiled(bench, monkeypatch):
+    """On the H100 the materialised dense SGA at 512 and 1024 px failed inside XLA's autotuner (it
+    tried to allocate 200-400 GiB, a page of errors each); such a form is reported up front."""
+    config = load_config(os.path.join(REPO, "configs/isic.py"))
+    g = bench.rat_geometry(config, 512)
+    assert bench.materialised_logits("dense_sga", g) == 8 * g["groups"] * g["pixels"]
+    assert bench.materialised_logits("mr_global", g) == 8 * g["groups"] ** 2
+    assert bench.materialised_logits("mr_windowed", g) == 8 * (-(-171 // 16)) ** 2 * 256 ** 2
+    assert bench.materialised_logits("sparse_sga", g) == 0
+    compiled = []
+    monkeypatch.setattr(bench, "measure", lambda fn, *a: compiled.append(fn) or {"status": "ok", "ms": 1.0})
+    monkeypatch.setattr(bench, "_device_limit", lambda: 59.4 * 2**30)  # the H100's, as XLA reports it
+    rows = bench.kernel_rows(config, [512, 1024], ("fallback",), jnp.float32, 1, 512)
+    status = {(r["kernel"], r["px"]): r["status"] for r in rows}
+    assert status[("dense_sga", 512)] == "not compiled: its logits alone take 228 GiB > 59.4", status
+    assert status[("mr_global", 1024)] == "not compiled: its logits alone take 408 GiB > 59.4", status
+    # 25 GiB of logits at 512 px: compiled, and then measured against what XLA says it needs
+    assert status[("mr_global", 512)] == status[("mr_windowed", 1024)] == "ok"
+    assert len(compiled) == 3
+
+
+def test_the_fused_sparse_sga_form_lowers_for_cuda(bench):
+    """The kernel table times the Pallas sparse SGA on a GPU; here it must build and lower."""
+    from test_gpu_lowering import lower_for_cuda
+
+    geom = bench.rat_geometry(load_config(os.path.join(REPO, "configs/isic.py")), 64)
+    fn, shapes, impl = bench.kernel_cases(geom, jnp.bfloat16, ("fused",))["sparse_sga"]["fused"]
+    assert impl == "pallas" and shapes[0] == (1, geom["groups"], 8, 16)
+    args = [jnp.zeros(s, jnp.bfloat16) for s in shapes]
+    f = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    assert lower_for_cuda(f, *args).count("custom_call @__gpu$xla.gpu.triton(") == 6
