@@ -280,6 +280,13 @@ def _time_step(spec: Any, state: Any, batch: Any, reps: int) -> dict[str, Any]:
 
 def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int, attention: str = "") -> dict[str, Any]:
     """The trainer's ISIC RAT train step on synthetic lesions (``attention``: the SGA form, "" = the config's)."""
+    spec, state, batch_, row = isic_setup(config_path, size, batch, kernels, attention)
+    row.update(_time_step(spec, state, batch_, reps))
+    return row
+
+
+def isic_setup(config_path: str, size: int, batch: int, kernels: str, attention: str = "") -> tuple:
+    """(state spec, initial state, one global batch, the row's description) of :func:`isic_step`."""
     from step_profile import isic_config
 
     from jaxrat.parallel.mesh import make_mesh
@@ -302,8 +309,7 @@ def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int, 
     state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
     row = {"step": "isic_rat", "config": config_path, "px": size, "global_batch": config.data.batch_size,
            "devices": mesh.size, "attention": config.model.rat.attention, "dtype": str(jnp.dtype(spec.dtype))}
-    row.update(_time_step(spec, state, batch_, reps))
-    return row
+    return spec, state, batch_, row
 
 
 def coco_step(config_spec: str, size: int, batch: int, kernels: str, reps: int) -> dict[str, Any]:
