@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernels", default="gpu", help="model.kernels (portable where no GPU is)")
     parser.add_argument("--steps", type=int, default=3, help="steps traced, back to back")
     parser.add_argument("--top", type=int, default=30, help="rows of the kind and op tables")
+    parser.add_argument("--sparse-products", action="store_true",
+                        help="sparse SGA's group passes as matrix products (sparse_sga_kernels.PRODUCTS)")
     parser.add_argument("--keep-command-buffers", action="store_true",
                         help="profile the program as it trains (its CUDA graphs' kernels stay unattributed)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_profile"))
@@ -137,6 +139,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     os.chdir(REPO)
+    if args.sparse_products:
+        from jaxrat.ops.gpu import sparse_sga_kernels
+
+        sparse_sga_kernels.PRODUCTS = True
     kernels = args.kernels if gpu_bench.on_gpu() else "portable"
     spec, state, batch, row = gpu_bench.isic_setup(args.config, args.size, args.batch, kernels, args.attention)
     t = time.perf_counter()
@@ -164,8 +170,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             jax.block_until_ready((state, metrics))
         trace = json.load(gzip.open(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz")[0]))
     result = attribute(device_events(trace), hlo_cost.kernels_of(text, H100), args.steps)
-    result.update(row, command_buffers=args.keep_command_buffers, device=jax.devices()[0].device_kind,
-                  jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    result.update(row, command_buffers=args.keep_command_buffers, sparse_products=args.sparse_products,
+                  device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(f"{row['step']} ({row['attention']}) {row['px']} px, batch {row['global_batch']}, {result['device']}: "
           f"compiled in {row['compile_s']:.1f} s, one step {row['latency_s'] * 1e3:.2f} ms waited for")
     if not result["launches"]:

@@ -13,7 +13,9 @@ stages (default: parity speed):
    call through its token-major API, so its head transposes are timed with it, as a layer pays them),
    and a layer's three iterations on keys laid out once (``fused_x3``);
 4. (``tiles``) the fused kernels at that shape (head-major) for other tile sizes and warp counts;
-5. (``passes``) each of its six passes alone (B3 once per layer), with the row loops rolled and unrolled.
+5. (``passes``) each of its six passes alone (B3 once per layer), with the row loops rolled and unrolled,
+   and the group passes as matrix products (``Tiling.products``);
+6. (``products``) stages 1 and 3 (parity, the fused rows) with the group passes as matrix products.
 """
 
 from __future__ import annotations
@@ -71,19 +73,21 @@ def portable(geom, normalise):
     return f
 
 
-def parity(report):
+def parity(report, prefix: str = ""):
     geom = Geometry((64, 64), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 2, 8, 16, jnp.float32)
     with jax.default_matmul_precision("highest"):
         for normalise in (True, False):
             exact = value_and_vjp(portable(geom, normalise), q, k, v, g)
-            report[f"f32_err_norm{int(normalise)}"] = errors(value_and_vjp(fused(geom, normalise), q, k, v, g), exact)
-            print("float32", normalise, report[f"f32_err_norm{int(normalise)}"], flush=True)
+            key = f"{prefix}f32_err_norm{int(normalise)}"
+            report[key] = errors(value_and_vjp(fused(geom, normalise), q, k, v, g), exact)
+            print(prefix, "float32", normalise, report[key], flush=True)
         low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
         exact = value_and_vjp(portable(geom, True), q, k, v, g)
-    report["bf16_err_fused"] = errors(value_and_vjp(fused(geom, True), *low, g), exact)
+    report[f"{prefix}bf16_err_fused"] = errors(value_and_vjp(fused(geom, True), *low, g), exact)
     report["bf16_err_portable"] = errors(value_and_vjp(portable(geom, True), *low, g), exact)
-    print("bfloat16 fused", report["bf16_err_fused"], "portable", report["bf16_err_portable"], flush=True)
+    print(prefix, "bfloat16 fused", report[f"{prefix}bf16_err_fused"], "portable", report["bf16_err_portable"],
+          flush=True)
 
 
 def timed(f, *args, reps: int = 10) -> dict:
@@ -137,6 +141,22 @@ def speed(report):
         print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
 
 
+def products(report):
+    """Stage 1's parity and stage 3's one call and a layer's three, with the group passes as matrix products."""
+    sparse_sga_kernels.PRODUCTS, default = True, sparse_sga_kernels.PRODUCTS
+    try:
+        parity(report, "products_")
+        geom = Geometry((256, 256), (7, 7), (3, 3))
+        (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+        for name, f in (("products", fused(geom, True)), ("products_x3", three_iterations(geom))):
+            loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+            report[f"{name}_fwd"] = timed(f, q, k, v)
+            report[f"{name}_fwd_bwd"] = timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+            print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
+    finally:
+        sparse_sga_kernels.PRODUCTS = default
+
+
 def tiles(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
@@ -172,13 +192,17 @@ def pass_calls(t, bh: int, n_out: int, n_in: int) -> dict:
 
 
 def passes(report):
-    """Each pass alone at the ISIC shape, rolled and unrolled row loops."""
+    """Each pass alone at the ISIC shape: the group passes tap by tap with rolled and unrolled row
+    loops, and as matrix products over row segments (32 and 16 groups a tile); the input passes are
+    the same in every form."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
-    for unroll in (False, True):
-        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, unroll=unroll)
+    forms = {"passes_unroll0": dict(unroll=False, products=False), "passes_unroll1": dict(unroll=True, products=False),
+             "passes_products": dict(products=True), "passes_products_tw16": dict(products=True, tw=16)}
+    for name, form in forms.items():
+        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, **form)
         calls = pass_calls(t, bh, n_out, n_in)
         r = calls["F1"](q, k, v, g, *[None] * 5)["r"]
         d = calls["F2"](q, k, v, g, r, *[None] * 4)["d"]
@@ -186,7 +210,6 @@ def passes(report):
         gd = calls["B1"](q, k, v, g, r, d, *[None] * 3)["gd"]
         delta = calls["B2"](q, k, v, g, r, d, gd, None, u)["delta"]
         args = (q, k, v, g, r, d, gd, delta, u)
-        name = f"passes_unroll{int(unroll)}"
         report[name] = {n: timed(c, *args)["median_ms"] for n, c in calls.items()}
         print(name, report[name], flush=True)
 
@@ -195,7 +218,7 @@ def main():
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
     print(report, flush=True)
     chosen = sys.argv[2:] or ["parity", "speed"]
-    for stage in [s for s in (parity, speed, tiles, passes) if s.__name__ in chosen]:
+    for stage in [s for s in (parity, speed, products, tiles, passes) if s.__name__ in chosen]:
         try:
             stage(report)
         except Exception as e:  # report what ran, then the failure

@@ -44,6 +44,17 @@ def sparse_sga(q, k, v):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
+def sparse_sga_products(q, k, v):
+    """:func:`sparse_sga` with the group passes as matrix products (sparse_sga_kernels.PRODUCTS)."""
+    from jaxrat.ops.gpu import sparse_sga_kernels
+
+    sparse_sga_kernels.PRODUCTS, default = True, sparse_sga_kernels.PRODUCTS
+    try:
+        return sparse_sga(q, k, v)
+    finally:
+        sparse_sga_kernels.PRODUCTS = default
+
+
 def fused_mlp(x, w1, b1, w2, b2):
     """The gpu policy's fused MLP forward and backward with dropout, at an SGA layer's width (128, 512)."""
     from jaxrat.ops.gpu.mlp import fused_mlp as mlp
@@ -79,13 +90,16 @@ def main() -> None:
         "fused_mlp": (fused_mlp, bf16(2, 4096, 128), bf16(128, 512), bf16(512), bf16(512, 128), bf16(128)),
         "clipped": (clipped, *[jax.ShapeDtypeStruct(s, jnp.float32) for s in LEAVES]),
         "sparse_sga": (sparse_sga, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16), bf16(2, 64 * 64, 8, 16)),
+        "sparse_sga_products": (sparse_sga_products, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16),
+                                bf16(2, 64 * 64, 8, 16)),
     }
     out = {"device_kind": device.device_kind, "roofline": dataclasses.asdict(gpu.roofline)}
     for name, (fn, *args) in programs.items():
         compiled, _ = gpu_cost.compile_for(fn, *args, device=device)
         kernels = gpu_cost.kernels_of(compiled.as_text(), gpu.roofline)
         out[name] = {"kernels": [{**dataclasses.asdict(k), "scope": k.scope} for k in kernels],
-                     "summary": gpu_cost.summarize(kernels, gpu.roofline)}
+                     "summary": gpu_cost.summarize(kernels, gpu.roofline),
+                     "dot_generals": str(jax.make_jaxpr(fn)(*args)).count("dot_general")}  # kernels' too
     print(json.dumps(out))
 
 

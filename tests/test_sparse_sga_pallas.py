@@ -78,8 +78,17 @@ CASES = [  # grid, kernel, stride, dh, dv, normalise_columns
 ]
 
 
+@pytest.fixture(params=[False, True], ids=["taps", "products"])
+def group_form(request, monkeypatch):
+    """The group passes tap by tap (the default) and as matrix products over row segments."""
+    from jaxrat.ops.gpu import sparse_sga_kernels
+
+    monkeypatch.setattr(sparse_sga_kernels, "PRODUCTS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "k{}s{}_{}".format(*c[1:3], "norm" if c[5] else "plain"))
-def test_float32_matches_the_portable_kernel_forward_and_every_gradient(case):
+def test_float32_matches_the_portable_kernel_forward_and_every_gradient(case, group_form):
     grid, kernel, stride, dh, dv, normalise = case
     geom = Geometry(grid, kernel, stride)
     (q, k, v), g = _inputs(geom, dh, dv, jnp.float32)
@@ -154,14 +163,16 @@ def test_laid_out_keys_refuse_a_use_they_were_not_laid_out_for():
         laid_out_update(q, keys, 0, geom, False, interpret=True)
 
 
-def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16():
+def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16(group_form):
     """Tolerance: the fused kernel rounds only its operands (q, k, v, the cotangent) and its results
     to bfloat16 (8 bits of mantissa: 2^-9 = 0.2% relative) and computes in float32; the portable
     kernel rounds the same and also the attention weights before its matmuls. So the fused results
     must be at least as close to float32 as the portable kernel's (25% slack for where single
     roundings happen to fall), and within 1% of the largest entry (five times the results' own
     rounding, as the inputs' rounding propagates through the logits and the softmax). Measured here:
-    u 0.32%, dq 0.52%, dk 0.64%, dv 0.50% (portable 0.32, 0.63, 0.68, 0.84%)."""
+    u 0.32%, dq 0.52%, dk 0.64%, dv 0.50% (portable 0.32, 0.63, 0.68, 0.84%). The product form's
+    logits multiply the bfloat16 operands on the tensor cores with float32 sums (the same products);
+    its weights meet the values and keys as float32 (three TF32 products on a GPU, exact here)."""
     geom = Geometry(*ISIC[:3])
     (q, k, v), g = _inputs(geom, *ISIC[3:5], jnp.float32)
     exact, ref = _reference(ISIC), _reference(ISIC, jnp.bfloat16)

@@ -36,6 +36,9 @@ from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
+# The group passes' default form: False, tap by tap (measured on an H100); True, matrix products
+# over row segments (_group_products), not yet measured on a GPU.
+PRODUCTS = False
 TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
 
 
@@ -66,15 +69,26 @@ class Tiling(NamedTuple):
     mx: int  # output columns whose windows contain one input column
     warps: int = 4  # Triton warps per program
     unroll: bool = False  # the row loops as straight-line code
+    products: bool = False  # group tiles as matrix products over row segments (see _group_products)
+
+    @property
+    def segment(self) -> int:
+        """Input columns a group tile's windows span on one row, to a power of two (>= 16)."""
+        return max(16, _pow2((self.tw - 1) * self.sx + self.kx))
 
     @classmethod
     def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4,
-           unroll: bool = False) -> "Tiling":
+           unroll: bool = False, products: bool | None = None) -> "Tiling":
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
+        products = PRODUCTS if products is None else products
         tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
-        return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, _pow2(dh), _pow2(dv),
-                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll)
+        if products:  # a matrix product's sides are 16 at least
+            tw, dhp, dvp = max(tw, 16), max(16, _pow2(dh)), max(16, _pow2(dv))
+        else:
+            dhp, dvp = _pow2(dh), _pow2(dv)
+        return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, dhp, dvp,
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll, products)
 
 
 def _ceil_div(a, s: int, bound: int):
@@ -129,10 +143,12 @@ def _rowdot(a, b):
     return jnp.sum(a * b, axis=1)
 
 
-def _group_kernel(*refs, names, mode: str, t: Tiling):
+def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
     R = dict(zip(names, refs))
+    if t.products:
+        return _group_products(R, mode, t, exact)
     tile, oy = pl.program_id(0), pl.program_id(1)
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
@@ -225,6 +241,112 @@ def _group_kernel(*refs, names, mode: str, t: Tiling):
     zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
     delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
     dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c
+    _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
+    _store1(R["delta"], grow, gok, delta)
+
+
+def _dot(a, b, exact: bool, transpose_b: bool = False):
+    """a @ b (or a @ b.T) accumulated in float32. bfloat16 operands go to the tensor cores as they
+    are; float32 ones (weights, gradients of logits) as three TF32 products (about float32's
+    accuracy), or exactly where ``exact`` (interpret mode: a CPU has no TF32)."""
+    precision = None
+    if a.dtype == jnp.float32 or b.dtype == jnp.float32:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        precision = None if exact else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _load_as(ref, rows, ok, d: int, dp: int):
+    """Like :func:`_load`, in the ref's own dtype (a matrix product's operand)."""
+    mask = ok[:, None] & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
+    idx = rows[:, None] * d + _feature_index(d, dp)[None, :]
+    return plgpu.load(ref.at[idx], mask=mask, other=0)
+
+
+def _group_products(R, mode: str, t: Tiling, exact: bool):
+    """:func:`_group_kernel` as matrix products. The windows of a tile's ``tw`` groups cover, on
+    each of their ``ky`` input rows, one contiguous segment of ``t.segment`` inputs; the tile's
+    logits against a segment are one (tw, dh) x (dh, segment) product, of which a band (each
+    group's ``kx`` taps) is kept by a mask. The products compute segment / kx times the logits
+    the taps need, on the tensor cores, from contiguous loads; the tap form's gathers and row-wise
+    reductions were what bounded it (about 30% of the H100's bandwidth)."""
+    tile, oy = pl.program_id(0), pl.program_id(1)
+    ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
+    gok = ox < t.OX
+    grow = oy * t.OX + _clip(ox, t.OX)
+    q = _load_as(R["q"], grow, gok, t.dh, t.dhp)
+    col = tile * t.tw * t.sx - t.px + jnp.arange(t.segment, dtype=jnp.int32)
+    cok = (col >= 0) & (col < t.X)
+    rel = col[None, :] - (ox * t.sx - t.px)[:, None]
+    band = (rel >= 0) & (rel < t.kx) & gok[:, None] & cok[None, :]
+
+    def segment(i):
+        """Input row i of the windows: the segment's rows and validity, keys, logits and mask."""
+        y = oy * t.sy - t.py + i
+        yok = (y >= 0) & (y < t.Y)
+        prow = _clip(y, t.Y) * t.X + _clip(col, t.X)
+        k = _load_as(R["k"], prow, cok & yok, t.dh, t.dhp)
+        return prow, cok & yok, k, _dot(q, k, exact, transpose_b=True), band & yok
+
+    if mode == "lse":
+        flash = "v" in R
+
+        def body(i, carry):
+            m, total, acc = carry
+            prow, ok, _, s, keep = segment(i)
+            s = jnp.where(keep, s, NEG)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            corr = jnp.exp(m - m_new)
+            p = jnp.where(keep, jnp.exp(s - m_new[:, None]), 0.0)
+            total = total * corr + jnp.sum(p, axis=1)
+            if flash:
+                acc = acc * corr[:, None] + _dot(p, _load_as(R["v"], prow, ok, t.dv, t.dvp), exact)
+            return m_new, total, acc
+
+        init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
+                jnp.zeros((t.tw, t.dvp), jnp.float32))
+        m, total, acc = _loop(t, t.ky, body, init)
+        _store1(R["r"], grow, gok, m + jnp.log(total))
+        if flash:
+            _store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
+        return
+
+    r = _load1(R["r"], grow, gok)[:, None]
+
+    def weights(i):
+        """A = exp(l - r) on row i's band, values, and 1 / d of the segment (none unnormalised)."""
+        prow, ok, k, s, keep = segment(i)
+        a = jnp.where(keep, jnp.exp(jnp.where(keep, s, 0.0) - r), 0.0)
+        v = _load_as(R["v"], prow, ok, t.dv, t.dvp)
+        inv_d = 1.0 / _load1(R["d"], prow, ok, 1.0) if "d" in R else None
+        return prow, ok, k, a, v, inv_d
+
+    if mode == "update":
+        def body(i, acc):
+            _, _, _, a, v, inv_d = weights(i)
+            return acc + _dot(a * inv_d[None, :] if inv_d is not None else a, v, exact)
+
+        acc = _loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
+        _store(R["u"], grow, gok, t.dv, t.dvp, acc)
+        return
+
+    # mode == "grad", as the tap form: dq = sum_p A (dA - c) k - (delta - c) sum_p A k, c = g.u
+    g = _load_as(R["g"], grow, gok, t.dv, t.dvp)
+    c = _rowdot(g.astype(jnp.float32), _load(R["u"], grow, gok, t.dv, t.dvp))[:, None]
+
+    def body(i, carry):
+        delta_c, dq_a, dq_k = carry
+        prow, ok, k, a, v, inv_d = weights(i)
+        da = _dot(g, v, exact, transpose_b=True)
+        if inv_d is not None:
+            da = da * inv_d[None, :] + _load1(R["gd"], prow, ok)[None, :]
+        w = a * (da - c)
+        return delta_c + jnp.sum(w, axis=1), dq_a + _dot(w, k, exact), dq_k + _dot(a, k, exact)
+
+    zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
+    delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
+    dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c[:, 0]
     _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
     _store1(R["delta"], grow, gok, delta)
 
@@ -332,7 +454,8 @@ def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> 
     """Run :func:`_group_kernel` over every group tile of every slice."""
     bh = next(iter(ins.values())).shape[0]
     grid = (-(-t.OX // t.tw), t.OY, bh)
-    return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode)
+    return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode,
+                 exact=interpret)
 
 
 def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool, uses: int = 1) -> dict:
