@@ -14,8 +14,8 @@ stages (default: parity speed):
    and a layer's three iterations on keys laid out once (``fused_x3``);
 4. (``tiles``) the fused kernels at that shape (head-major) for other tile sizes and warp counts;
 5. (``passes``) each of its six passes alone (B3 once per layer), with the row loops rolled and unrolled,
-   and the group passes as matrix products (``Tiling.products``);
-6. (``products``) stages 1 and 3 (parity, the fused rows) with the group passes as matrix products.
+   and the passes as matrix products (``Tiling.products``);
+6. (``products``) stages 1 and 3 (parity, the fused rows) with the passes as matrix products.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def speed(report):
 
 
 def products(report):
-    """Stage 1's parity and stage 3's one call and a layer's three, with the group passes as matrix products."""
+    """Stage 1's parity and stage 3's one call and a layer's three, with the passes as matrix products."""
     sparse_sga_kernels.PRODUCTS, default = True, sparse_sga_kernels.PRODUCTS
     try:
         parity(report, "products_")
@@ -192,9 +192,8 @@ def pass_calls(t, bh: int, n_out: int, n_in: int) -> dict:
 
 
 def passes(report):
-    """Each pass alone at the ISIC shape: the group passes tap by tap with rolled and unrolled row
-    loops, and as matrix products over row segments (32 and 16 groups a tile); the input passes are
-    the same in every form."""
+    """Each pass alone at the ISIC shape: tap by tap with rolled and unrolled row loops, and as
+    matrix products over row segments (32 and 16 groups a group tile, 64 inputs an input tile)."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))

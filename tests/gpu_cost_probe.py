@@ -45,7 +45,7 @@ def sparse_sga(q, k, v):
 
 
 def sparse_sga_products(q, k, v):
-    """:func:`sparse_sga` with the group passes as matrix products (sparse_sga_kernels.PRODUCTS)."""
+    """:func:`sparse_sga` with the passes as matrix products (sparse_sga_kernels.PRODUCTS)."""
     from jaxrat.ops.gpu import sparse_sga_kernels
 
     sparse_sga_kernels.PRODUCTS, default = True, sparse_sga_kernels.PRODUCTS

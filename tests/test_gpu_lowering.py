@@ -217,7 +217,7 @@ def test_the_gpu_benchmarks_sparse_sga_forms_lower_for_cuda():
     stat = lambda n: jnp.zeros((16, n), jnp.float32)
     flat = jnp.zeros((16, n_out * 16), jnp.bfloat16)
     args = (*sliced, flat, stat(n_out), stat(n_in), stat(n_in), stat(n_out), flat)
-    for products in (False, True):  # the group passes tap by tap and as matrix products
+    for products in (False, True):  # the passes tap by tap and as matrix products
         for name, call in bench.pass_calls(Tiling.of(geom, 16, 16, products=products), 16, n_out, n_in).items():
             assert calls(lower_for_cuda(call, *args)) == 1, (name, products)
 

@@ -18,6 +18,10 @@ window are computed and exponentiated, none masked away. Two kinds of tile:
 Arrays are passed flat per slice, (B*H, N*d); loads use clipped indices under a mask (out-of-image
 taps read a valid address and are masked), stores send masked lanes out of range, so the same
 code is right in Triton and in interpret mode.
+
+With ``Tiling.products`` (the module's ``PRODUCTS``) both kinds of tile compute their logits as
+matrix products instead: a tile against one contiguous run of keys (group tiles) or of covering
+groups (input tiles) per row, on the tensor cores, a band mask keeping each window's taps.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
-# The group passes' default form: False, tap by tap (measured on an H100); True, matrix products
-# over row segments (_group_products), not yet measured on a GPU.
+# The passes' default form: False, tap by tap (measured on an H100); True, matrix products over row
+# segments (_group_products, _input_products), not yet measured on a GPU.
 PRODUCTS = False
 TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
 
@@ -75,6 +79,11 @@ class Tiling(NamedTuple):
     def segment(self) -> int:
         """Input columns a group tile's windows span on one row, to a power of two (>= 16)."""
         return max(16, _pow2((self.tw - 1) * self.sx + self.kx))
+
+    @property
+    def covering(self) -> int:
+        """Group columns whose windows hold some input of an input tile, to a power of two (>= 16)."""
+        return max(16, _pow2((self.tx + self.kx - 2) // self.sx + 2))
 
     @classmethod
     def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4,
@@ -269,8 +278,9 @@ def _group_products(R, mode: str, t: Tiling, exact: bool):
     each of their ``ky`` input rows, one contiguous segment of ``t.segment`` inputs; the tile's
     logits against a segment are one (tw, dh) x (dh, segment) product, of which a band (each
     group's ``kx`` taps) is kept by a mask. The products compute segment / kx times the logits
-    the taps need, on the tensor cores, from contiguous loads; the tap form's gathers and row-wise
-    reductions were what bounded it (about 30% of the H100's bandwidth)."""
+    the taps need, but on the tensor cores and from contiguous loads, where the tap form gathers
+    each tap's keys and reduces each logit across threads (it ran at about 30% of the H100's
+    bandwidth, far from its arithmetic)."""
     tile, oy = pl.program_id(0), pl.program_id(1)
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
@@ -351,10 +361,12 @@ def _group_products(R, mode: str, t: Tiling, exact: bool):
     _store1(R["delta"], grow, gok, delta)
 
 
-def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1):
+def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1, exact: bool = False):
     """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
     R = dict(zip(names, refs))
+    if t.products:
+        return _input_products(R, mode, t, eps, uses, exact)
     tile, y = pl.program_id(0), pl.program_id(1)
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X
@@ -430,6 +442,80 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1)
     _store(R["dv"], prow, xok, t.dv, t.dvp, dv)
 
 
+def _input_products(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool):
+    """:func:`_input_kernel` as matrix products: the groups whose windows hold some input of the
+    tile lie, on each of their ``nt`` output rows, in one run of ``t.covering`` columns; the tile's
+    logits against them are one (tx, dh) x (dh, covering) product, of which each input's (at most
+    ``mx``) covering groups are kept by a band mask."""
+    tile, y = pl.program_id(0), pl.program_id(1)
+    x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
+    xok = x < t.X
+    prow = y * t.X + _clip(x, t.X)
+    k = _load_as(R["k"], prow, xok, t.dh, t.dhp)
+    first = _ceil_div(tile * t.tx + t.px - t.kx + 1, t.sx, t.kx)  # the first group column over the tile
+    ox = first + jnp.arange(t.covering, dtype=jnp.int32)
+    rel = x[:, None] + t.px - ox[None, :] * t.sx
+    band = (rel >= 0) & (rel < t.kx) & xok[:, None] & ((ox >= 0) & (ox < t.OX))[None, :]
+    oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
+
+    def groups(i, use=""):
+        """Output row oy_lo + i: its run of groups' rows and validity, queries, and the weights A
+        (tx, covering) of ``use``'s logits, zero off the band."""
+        oy = oy_lo + i
+        rel_y = y - (oy * t.sy - t.py)
+        yok = (oy >= 0) & (oy < t.OY) & (rel_y >= 0) & (rel_y < t.ky)
+        gok = yok & (ox >= 0) & (ox < t.OX)
+        grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
+        q = _load_as(R["q" + use], grow, gok, t.dh, t.dhp)
+        r = _load1(R["r" + use], grow, gok)
+        keep = band & yok
+        s = _dot(k, q, exact, transpose_b=True)
+        return grow, gok, q, jnp.where(keep, jnp.exp(jnp.where(keep, s, 0.0) - r[None, :]), 0.0)
+
+    if mode == "colsum":
+        def body(i, c):
+            return c + jnp.sum(groups(i)[3], axis=1)
+
+        c = _loop(t, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
+        _store1(R["d"], prow, xok, c + eps)
+        return
+
+    v = _load_as(R["v"], prow, xok, t.dv, t.dvp)
+    zeros_v = jnp.zeros((t.tx, t.dvp), jnp.float32)
+    if mode == "gd":
+        def body(i, gw):
+            grow, gok, _, a = groups(i)
+            return gw + _dot(a, _load_as(R["g"], grow, gok, t.dv, t.dvp), exact)
+
+        gw = _loop(t, t.nt, body, zeros_v)
+        d = _load1(R["d"], prow, xok, 1.0)
+        _store1(R["gd"], prow, xok, -_rowdot(gw, v.astype(jnp.float32)) / (d * d))
+        return
+
+    # mode == "keys", as the tap form: dv = sum_o A g_o / d, dk = sum_o A (dA - delta_o) q_o
+    dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
+    for use in map(str, range(uses)):
+        normalised = "d" + use in R
+        if normalised:
+            inv_d = 1.0 / jnp.maximum(_load1(R["d" + use], prow, xok, 1.0), TINY)
+            gd = _load1(R["gd" + use], prow, xok)
+
+        def body(i, carry, use=use, normalised=normalised):
+            gw, dk = carry
+            grow, gok, q, a = groups(i, use)
+            g = _load_as(R["g" + use], grow, gok, t.dv, t.dvp)
+            da = _dot(v, g, exact, transpose_b=True)
+            if normalised:
+                da = da * inv_d[:, None] + gd[:, None]
+            w = a * (da - _load1(R["delta" + use], grow, gok)[None, :])
+            return gw + _dot(a, g, exact), dk + _dot(w, q, exact)
+
+        gw, dk = _loop(t, t.nt, body, (zeros_v, dk))
+        dv = dv + (gw * inv_d[:, None] if normalised else gw)
+    _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
+    _store(R["dv"], prow, xok, t.dv, t.dvp, dv)
+
+
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
     """pallas_call over grid (tiles, rows, B*H) with each operand's whole (B*H) slice as its block.
 
@@ -463,7 +549,7 @@ def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpre
     bh = next(iter(ins.values())).shape[0]
     grid = (-(-t.X // t.tx), t.Y, bh)
     return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps,
-                 uses=uses)
+                 uses=uses, exact=interpret)
 
 
 def stats(bh: int, n: int) -> jax.ShapeDtypeStruct:
