@@ -75,6 +75,7 @@ CASES = [  # grid, kernel, stride, dh, dv, normalise_columns
     ((4, 70), (3, 3), (1, 1), 8, 24, True),  # "same" grid; 2 input tiles and 3 group tiles a row
     ((10, 13), (5, 5), (2, 2), 32, 16, False),
     ((9, 20), (5, 3), (2, 1), 16, 8, False),  # the axes differ in kernel and stride
+    ((4, 200), (7, 7), (3, 3), 16, 16, True),  # ISIC's kernel and stride over 4 input and 3 group tiles a row
 ]
 
 
