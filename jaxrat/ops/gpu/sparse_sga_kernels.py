@@ -73,7 +73,7 @@ class Tiling(NamedTuple):
     mx: int  # output columns whose windows contain one input column
     warps: int = 4  # Triton warps per program
     unroll: bool = False  # the row loops as straight-line code
-    products: bool = False  # group tiles as matrix products over row segments (see _group_products)
+    products: bool = False  # logits as matrix products over row segments (_group_products, _input_products)
 
     @property
     def segment(self) -> int:
