@@ -36,14 +36,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrat.ops.gpu.sparse_sga_products import group_products, input_products
+from jaxrat.ops.gpu.sparse_sga_tiles import (
+    NEG,
+    TINY,
+    ceil_div,
+    clip,
+    load,
+    load1,
+    loop,
+    rowdot,
+    store,
+    store1,
+)
 from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
-NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
 # The passes' default form: False, tap by tap (measured on an H100); True, matrix products over row
-# segments (_group_products, _input_products), not yet measured on a GPU.
+# segments (sparse_sga_products), not yet measured on a GPU.
 PRODUCTS = False
-TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
 
 
 def _pow2(n: int) -> int:
@@ -73,7 +84,7 @@ class Tiling(NamedTuple):
     mx: int  # output columns whose windows contain one input column
     warps: int = 4  # Triton warps per program
     unroll: bool = False  # the row loops as straight-line code
-    products: bool = False  # logits as matrix products over row segments (_group_products, _input_products)
+    products: bool = False  # logits as matrix products over row segments (sparse_sga_products)
 
     @property
     def segment(self) -> int:
@@ -100,69 +111,17 @@ class Tiling(NamedTuple):
                    tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll, products)
 
 
-def _ceil_div(a, s: int, bound: int):
-    """ceil(a / s) for a traced int32 a >= -bound (integer division truncates: shift it first)."""
-    m = bound // s + 1
-    return lax.div(a + s * m + s - 1, s) - m
-
-
-def _loop(t: Tiling, n: int, body, init):
-    if not t.unroll:
-        return lax.fori_loop(0, n, body, init)
-    for i in range(n):
-        init = body(i, init)
-    return init
-
-
-def _clip(x, n: int):
-    return jnp.minimum(jnp.maximum(x, 0), n - 1)
-
-
-def _feature_index(d: int, dp: int):
-    feat = jnp.arange(dp, dtype=jnp.int32)
-    return feat if d == dp else jnp.minimum(feat, d - 1)
-
-
-def _load(ref, rows, ok, d: int, dp: int, other=0.0):
-    """(len(rows), dp) float32 from a flat (N*d) ref; masked rows and padded features read ``other``."""
-    mask = ok[:, None]
-    if d != dp:
-        mask = mask & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
-    idx = rows[:, None] * d + _feature_index(d, dp)[None, :]
-    return plgpu.load(ref.at[idx], mask=mask, other=other).astype(jnp.float32)
-
-
-def _load1(ref, rows, ok, other=0.0):
-    return plgpu.load(ref.at[rows], mask=ok, other=other)
-
-
-def _store(ref, rows, ok, d: int, dp: int, val):
-    feat = jnp.arange(dp, dtype=jnp.int32)
-    mask = ok[:, None] & (feat < d)[None, :]
-    # masked lanes point past the end: Triton does not store them, interpret mode drops them
-    idx = jnp.where(mask, rows[:, None] * d + feat[None, :], ref.shape[0])
-    plgpu.store(ref.at[idx], val.astype(ref.dtype), mask=mask)
-
-
-def _store1(ref, rows, ok, val):
-    plgpu.store(ref.at[jnp.where(ok, rows, ref.shape[0])], val.astype(ref.dtype), mask=ok)
-
-
-def _rowdot(a, b):
-    return jnp.sum(a * b, axis=1)
-
-
 def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
     R = dict(zip(names, refs))
     if t.products:
-        return _group_products(R, mode, t, exact)
+        return group_products(R, mode, t, exact)
     tile, oy = pl.program_id(0), pl.program_id(1)
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
-    grow = oy * t.OX + _clip(ox, t.OX)
-    q = _load(R["q"], grow, gok, t.dh, t.dhp)
+    grow = oy * t.OX + clip(ox, t.OX)
+    q = load(R["q"], grow, gok, t.dh, t.dhp)
     x0 = ox * t.sx - t.px  # each group's first window column
 
     def taps(i):
@@ -173,9 +132,9 @@ def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
         for j in range(t.kx):
             x = x0 + j
             ok = gok & (x >= 0) & (x < t.X) & yok
-            prow = _clip(y, t.Y) * t.X + _clip(x, t.X)
-            k = _load(R["k"], prow, ok, t.dh, t.dhp)
-            out.append((prow, ok, k, _rowdot(q, k)))
+            prow = clip(y, t.Y) * t.X + clip(x, t.X)
+            k = load(R["k"], prow, ok, t.dh, t.dhp)
+            out.append((prow, ok, k, rowdot(q, k)))
         return out
 
     def weights(i):
@@ -183,8 +142,8 @@ def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
         out = []
         for prow, ok, k, s in taps(i):
             a = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0)
-            v = _load(R["v"], prow, ok, t.dv, t.dvp)
-            d = _load1(R["d"], prow, ok, 1.0) if "d" in R else None
+            v = load(R["v"], prow, ok, t.dv, t.dvp)
+            d = load1(R["d"], prow, ok, 1.0) if "d" in R else None
             out.append((prow, ok, k, a, v, d))
         return out
 
@@ -201,44 +160,44 @@ def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
                 p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
                 total = total + p
                 if flash:
-                    acc = acc + p[:, None] * _load(R["v"], prow, ok, t.dv, t.dvp)
+                    acc = acc + p[:, None] * load(R["v"], prow, ok, t.dv, t.dvp)
             return m_new, total, acc
 
         init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
                 jnp.zeros((t.tw, t.dvp), jnp.float32))
-        m, total, acc = _loop(t, t.ky, body, init)
-        _store1(R["r"], grow, gok, m + jnp.log(total))
+        m, total, acc = loop(t, t.ky, body, init)
+        store1(R["r"], grow, gok, m + jnp.log(total))
         if flash:
-            _store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
+            store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
         return
 
-    r = _load1(R["r"], grow, gok)
+    r = load1(R["r"], grow, gok)
     if mode == "update":
         def body(i, acc):
             for _, _, _, a, v, d in weights(i):
                 acc = acc + (a / d)[:, None] * v
             return acc
 
-        acc = _loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
-        _store(R["u"], grow, gok, t.dv, t.dvp, acc)
+        acc = loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
+        store(R["u"], grow, gok, t.dv, t.dvp, acc)
         return
 
     # mode == "grad": dA[o,p] = g_o.v_p / d_p + gd_p, delta_o = sum_p A dA, dl = A (dA - delta)
-    g = _load(R["g"], grow, gok, t.dv, t.dvp)
+    g = load(R["g"], grow, gok, t.dv, t.dvp)
 
     def grads(i):
         out = []
         for prow, ok, k, a, v, d in weights(i):
-            da = _rowdot(g, v)
+            da = rowdot(g, v)
             if d is not None:
-                da = da / d + _load1(R["gd"], prow, ok)
+                da = da / d + load1(R["gd"], prow, ok)
             out.append((a, da, k))
         return out
 
     # dq = sum_p A (dA - delta) k in one sweep, as sum_p A (dA - c) k - (delta - c) sum_p A k for
     # c = g.u, the part of dA common to the window (delta = sum_p A dA = g.u + sum_p A gd): the two
     # sums then do not cancel (float32 throughout), whatever offset the values carry
-    c = _rowdot(g, _load(R["u"], grow, gok, t.dv, t.dvp))
+    c = rowdot(g, load(R["u"], grow, gok, t.dv, t.dvp))
 
     def body(i, carry):
         delta_c, dq_a, dq_k = carry
@@ -248,117 +207,10 @@ def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
         return delta_c, dq_a, dq_k
 
     zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
-    delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
+    delta_c, dq_a, dq_k = loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
     dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c
-    _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
-    _store1(R["delta"], grow, gok, delta)
-
-
-def _dot(a, b, exact: bool, transpose_b: bool = False):
-    """a @ b (or a @ b.T) accumulated in float32. bfloat16 operands go to the tensor cores as they
-    are; float32 ones (weights, gradients of logits) as three TF32 products (about float32's
-    accuracy), or exactly where ``exact`` (interpret mode: a CPU has no TF32)."""
-    precision = None
-    if a.dtype == jnp.float32 or b.dtype == jnp.float32:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        precision = None if exact else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _load_as(ref, rows, ok, d: int, dp: int):
-    """Like :func:`_load`, in the ref's own dtype (a matrix product's operand)."""
-    mask = ok[:, None] & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
-    idx = rows[:, None] * d + _feature_index(d, dp)[None, :]
-    return plgpu.load(ref.at[idx], mask=mask, other=0)
-
-
-def _group_products(R, mode: str, t: Tiling, exact: bool):
-    """:func:`_group_kernel` as matrix products. The windows of a tile's ``tw`` groups cover, on
-    each of their ``ky`` input rows, one contiguous segment of ``t.segment`` inputs; the tile's
-    logits against a segment are one (tw, dh) x (dh, segment) product, of which a band (each
-    group's ``kx`` taps) is kept by a mask. The products compute segment / kx times the logits
-    the taps need, but on the tensor cores and from contiguous loads, where the tap form gathers
-    each tap's keys and reduces each logit across threads (it ran at about 30% of the H100's
-    bandwidth, far from its arithmetic)."""
-    tile, oy = pl.program_id(0), pl.program_id(1)
-    ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
-    gok = ox < t.OX
-    grow = oy * t.OX + _clip(ox, t.OX)
-    q = _load_as(R["q"], grow, gok, t.dh, t.dhp)
-    col = tile * t.tw * t.sx - t.px + jnp.arange(t.segment, dtype=jnp.int32)
-    cok = (col >= 0) & (col < t.X)
-    rel = col[None, :] - (ox * t.sx - t.px)[:, None]
-    band = (rel >= 0) & (rel < t.kx) & gok[:, None] & cok[None, :]
-
-    def segment(i):
-        """Input row i of the windows: the segment's rows and validity, keys, logits and mask."""
-        y = oy * t.sy - t.py + i
-        yok = (y >= 0) & (y < t.Y)
-        prow = _clip(y, t.Y) * t.X + _clip(col, t.X)
-        k = _load_as(R["k"], prow, cok & yok, t.dh, t.dhp)
-        return prow, cok & yok, k, _dot(q, k, exact, transpose_b=True), band & yok
-
-    if mode == "lse":
-        flash = "v" in R
-
-        def body(i, carry):
-            m, total, acc = carry
-            prow, ok, _, s, keep = segment(i)
-            s = jnp.where(keep, s, NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            corr = jnp.exp(m - m_new)
-            p = jnp.where(keep, jnp.exp(s - m_new[:, None]), 0.0)
-            total = total * corr + jnp.sum(p, axis=1)
-            if flash:
-                acc = acc * corr[:, None] + _dot(p, _load_as(R["v"], prow, ok, t.dv, t.dvp), exact)
-            return m_new, total, acc
-
-        init = (jnp.full((t.tw,), NEG, jnp.float32), jnp.zeros((t.tw,), jnp.float32),
-                jnp.zeros((t.tw, t.dvp), jnp.float32))
-        m, total, acc = _loop(t, t.ky, body, init)
-        _store1(R["r"], grow, gok, m + jnp.log(total))
-        if flash:
-            _store(R["u"], grow, gok, t.dv, t.dvp, acc / total[:, None])
-        return
-
-    r = _load1(R["r"], grow, gok)[:, None]
-
-    def weights(i):
-        """A = exp(l - r) on row i's band, values, and 1 / d of the segment (none unnormalised)."""
-        prow, ok, k, s, keep = segment(i)
-        a = jnp.where(keep, jnp.exp(jnp.where(keep, s, 0.0) - r), 0.0)
-        v = _load_as(R["v"], prow, ok, t.dv, t.dvp)
-        inv_d = 1.0 / _load1(R["d"], prow, ok, 1.0) if "d" in R else None
-        return prow, ok, k, a, v, inv_d
-
-    if mode == "update":
-        def body(i, acc):
-            _, _, _, a, v, inv_d = weights(i)
-            return acc + _dot(a * inv_d[None, :] if inv_d is not None else a, v, exact)
-
-        acc = _loop(t, t.ky, body, jnp.zeros((t.tw, t.dvp), jnp.float32))
-        _store(R["u"], grow, gok, t.dv, t.dvp, acc)
-        return
-
-    # mode == "grad", as the tap form: dq = sum_p A (dA - c) k - (delta - c) sum_p A k, c = g.u
-    g = _load_as(R["g"], grow, gok, t.dv, t.dvp)
-    c = _rowdot(g.astype(jnp.float32), _load(R["u"], grow, gok, t.dv, t.dvp))[:, None]
-
-    def body(i, carry):
-        delta_c, dq_a, dq_k = carry
-        prow, ok, k, a, v, inv_d = weights(i)
-        da = _dot(g, v, exact, transpose_b=True)
-        if inv_d is not None:
-            da = da * inv_d[None, :] + _load1(R["gd"], prow, ok)[None, :]
-        w = a * (da - c)
-        return delta_c + jnp.sum(w, axis=1), dq_a + _dot(w, k, exact), dq_k + _dot(a, k, exact)
-
-    zeros = jnp.zeros((t.tw, t.dhp), jnp.float32)
-    delta_c, dq_a, dq_k = _loop(t, t.ky, body, (jnp.zeros((t.tw,), jnp.float32), zeros, zeros))
-    dq, delta = dq_a - delta_c[:, None] * dq_k, delta_c + c[:, 0]
-    _store(R["dq"], grow, gok, t.dh, t.dhp, dq)
-    _store1(R["delta"], grow, gok, delta)
+    store(R["dq"], grow, gok, t.dh, t.dhp, dq)
+    store1(R["delta"], grow, gok, delta)
 
 
 def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1, exact: bool = False):
@@ -366,14 +218,14 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
     R = dict(zip(names, refs))
     if t.products:
-        return _input_products(R, mode, t, eps, uses, exact)
+        return input_products(R, mode, t, eps, uses, exact)
     tile, y = pl.program_id(0), pl.program_id(1)
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X
-    prow = y * t.X + _clip(x, t.X)
-    k = _load(R["k"], prow, xok, t.dh, t.dhp)
+    prow = y * t.X + clip(x, t.X)
+    k = load(R["k"], prow, xok, t.dh, t.dhp)
     ox_hi = lax.div(x + t.px, t.sx)  # the last group column whose window holds x (x + px >= 0)
-    oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
+    oy_lo = ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
 
     def groups(i, use=""):
         """The covering groups on output row oy_lo + i, one per column offset m: their queries,
@@ -385,10 +237,10 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
         for m in range(t.mx):
             ox = ox_hi - m
             ok = xok & yok & (ox >= 0) & (ox < t.OX) & (x + t.px - ox * t.sx < t.kx)
-            grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
-            q = _load(R["q" + use], grow, ok, t.dh, t.dhp)
-            s = _rowdot(k, q)
-            r = _load1(R["r" + use], grow, ok)
+            grow = clip(oy, t.OY) * t.OX + clip(ox, t.OX)
+            q = load(R["q" + use], grow, ok, t.dh, t.dhp)
+            s = rowdot(k, q)
+            r = load1(R["r" + use], grow, ok)
             out.append((q, jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - r), 0.0), grow, ok))
         return out
 
@@ -398,21 +250,21 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
                 c = c + a
             return c
 
-        c = _loop(t, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
-        _store1(R["d"], prow, xok, c + eps)
+        c = loop(t, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
+        store1(R["d"], prow, xok, c + eps)
         return
 
-    v = _load(R["v"], prow, xok, t.dv, t.dvp)
+    v = load(R["v"], prow, xok, t.dv, t.dvp)
     zeros_v = jnp.zeros((t.tx, t.dvp), jnp.float32)
     if mode == "gd":  # u = sum A w with w = v / d: d's gradient is -(sum_o A g_o) . v / d^2
         def body(i, gw):
             for _, a, grow, ok in groups(i):
-                gw = gw + a[:, None] * _load(R["g"], grow, ok, t.dv, t.dvp)
+                gw = gw + a[:, None] * load(R["g"], grow, ok, t.dv, t.dvp)
             return gw
 
-        gw = _loop(t, t.nt, body, zeros_v)
-        d = _load1(R["d"], prow, xok, 1.0)
-        _store1(R["gd"], prow, xok, -_rowdot(gw, v) / (d * d))
+        gw = loop(t, t.nt, body, zeros_v)
+        d = load1(R["d"], prow, xok, 1.0)
+        store1(R["gd"], prow, xok, -rowdot(gw, v) / (d * d))
         return
 
     # mode == "keys": dv = sum_o A g_o / d and dk = sum_o A (dA - delta_o) q_o, dA = g_o . v / d + gd,
@@ -422,98 +274,24 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
         normalised = "d" + use in R
         if normalised:
             # a use whose backward never ran leaves zeros: d = 0 must then add nothing, not 0 / 0
-            inv_d = 1.0 / jnp.maximum(_load1(R["d" + use], prow, xok, 1.0), TINY)
-            gd = _load1(R["gd" + use], prow, xok)
+            inv_d = 1.0 / jnp.maximum(load1(R["d" + use], prow, xok, 1.0), TINY)
+            gd = load1(R["gd" + use], prow, xok)
 
         def body(i, carry, use=use, normalised=normalised):
             gw, dk = carry
             for q, a, grow, ok in groups(i, use):
-                g = _load(R["g" + use], grow, ok, t.dv, t.dvp)
+                g = load(R["g" + use], grow, ok, t.dv, t.dvp)
                 gw = gw + a[:, None] * g
-                da = _rowdot(v, g)
+                da = rowdot(v, g)
                 if normalised:
                     da = da * inv_d + gd
-                dk = dk + (a * (da - _load1(R["delta" + use], grow, ok)))[:, None] * q
+                dk = dk + (a * (da - load1(R["delta" + use], grow, ok)))[:, None] * q
             return gw, dk
 
-        gw, dk = _loop(t, t.nt, body, (zeros_v, dk))
+        gw, dk = loop(t, t.nt, body, (zeros_v, dk))
         dv = dv + (gw * inv_d[:, None] if normalised else gw)
-    _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
-    _store(R["dv"], prow, xok, t.dv, t.dvp, dv)
-
-
-def _input_products(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool):
-    """:func:`_input_kernel` as matrix products: the groups whose windows hold some input of the
-    tile lie, on each of their ``nt`` output rows, in one run of ``t.covering`` columns; the tile's
-    logits against them are one (tx, dh) x (dh, covering) product, of which each input's (at most
-    ``mx``) covering groups are kept by a band mask."""
-    tile, y = pl.program_id(0), pl.program_id(1)
-    x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
-    xok = x < t.X
-    prow = y * t.X + _clip(x, t.X)
-    k = _load_as(R["k"], prow, xok, t.dh, t.dhp)
-    first = _ceil_div(tile * t.tx + t.px - t.kx + 1, t.sx, t.kx)  # the first group column over the tile
-    ox = first + jnp.arange(t.covering, dtype=jnp.int32)
-    rel = x[:, None] + t.px - ox[None, :] * t.sx
-    band = (rel >= 0) & (rel < t.kx) & xok[:, None] & ((ox >= 0) & (ox < t.OX))[None, :]
-    oy_lo = _ceil_div(y + t.py - t.ky + 1, t.sy, t.ky)
-
-    def groups(i, use=""):
-        """Output row oy_lo + i: its run of groups' rows and validity, queries, and the weights A
-        (tx, covering) of ``use``'s logits, zero off the band."""
-        oy = oy_lo + i
-        rel_y = y - (oy * t.sy - t.py)
-        yok = (oy >= 0) & (oy < t.OY) & (rel_y >= 0) & (rel_y < t.ky)
-        gok = yok & (ox >= 0) & (ox < t.OX)
-        grow = _clip(oy, t.OY) * t.OX + _clip(ox, t.OX)
-        q = _load_as(R["q" + use], grow, gok, t.dh, t.dhp)
-        r = _load1(R["r" + use], grow, gok)
-        keep = band & yok
-        s = _dot(k, q, exact, transpose_b=True)
-        return grow, gok, q, jnp.where(keep, jnp.exp(jnp.where(keep, s, 0.0) - r[None, :]), 0.0)
-
-    if mode == "colsum":
-        def body(i, c):
-            return c + jnp.sum(groups(i)[3], axis=1)
-
-        c = _loop(t, t.nt, body, jnp.zeros((t.tx,), jnp.float32))
-        _store1(R["d"], prow, xok, c + eps)
-        return
-
-    v = _load_as(R["v"], prow, xok, t.dv, t.dvp)
-    zeros_v = jnp.zeros((t.tx, t.dvp), jnp.float32)
-    if mode == "gd":
-        def body(i, gw):
-            grow, gok, _, a = groups(i)
-            return gw + _dot(a, _load_as(R["g"], grow, gok, t.dv, t.dvp), exact)
-
-        gw = _loop(t, t.nt, body, zeros_v)
-        d = _load1(R["d"], prow, xok, 1.0)
-        _store1(R["gd"], prow, xok, -_rowdot(gw, v.astype(jnp.float32)) / (d * d))
-        return
-
-    # mode == "keys", as the tap form: dv = sum_o A g_o / d, dk = sum_o A (dA - delta_o) q_o
-    dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
-    for use in map(str, range(uses)):
-        normalised = "d" + use in R
-        if normalised:
-            inv_d = 1.0 / jnp.maximum(_load1(R["d" + use], prow, xok, 1.0), TINY)
-            gd = _load1(R["gd" + use], prow, xok)
-
-        def body(i, carry, use=use, normalised=normalised):
-            gw, dk = carry
-            grow, gok, q, a = groups(i, use)
-            g = _load_as(R["g" + use], grow, gok, t.dv, t.dvp)
-            da = _dot(v, g, exact, transpose_b=True)
-            if normalised:
-                da = da * inv_d[:, None] + gd[:, None]
-            w = a * (da - _load1(R["delta" + use], grow, gok)[None, :])
-            return gw + _dot(a, g, exact), dk + _dot(w, q, exact)
-
-        gw, dk = _loop(t, t.nt, body, (zeros_v, dk))
-        dv = dv + (gw * inv_d[:, None] if normalised else gw)
-    _store(R["dk"], prow, xok, t.dh, t.dhp, dk)
-    _store(R["dv"], prow, xok, t.dv, t.dvp, dv)
+    store(R["dk"], prow, xok, t.dh, t.dhp, dk)
+    store(R["dv"], prow, xok, t.dv, t.dvp, dv)
 
 
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):

@@ -1,0 +1,84 @@
+"""What both forms of the sparse SGA kernels share (:mod:`jaxrat.ops.gpu.sparse_sga_kernels` the
+tiles tap by tap, :mod:`jaxrat.ops.gpu.sparse_sga_products` as matrix products): loads and stores of
+rows of a flat per-slice operand, clipped indices, the row loop, and the products' float32 rules."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
+TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
+
+
+def ceil_div(a, s: int, bound: int):
+    """ceil(a / s) for a traced int32 a >= -bound (integer division truncates: shift it first)."""
+    m = bound // s + 1
+    return lax.div(a + s * m + s - 1, s) - m
+
+
+def loop(t, n: int, body, init):
+    """``body`` over range(n): a fori_loop, or straight-line code where the tiling says ``unroll``."""
+    if not t.unroll:
+        return lax.fori_loop(0, n, body, init)
+    for i in range(n):
+        init = body(i, init)
+    return init
+
+
+def clip(x, n: int):
+    return jnp.minimum(jnp.maximum(x, 0), n - 1)
+
+
+def feature_index(d: int, dp: int):
+    feat = jnp.arange(dp, dtype=jnp.int32)
+    return feat if d == dp else jnp.minimum(feat, d - 1)
+
+
+def load(ref, rows, ok, d: int, dp: int, other=0.0):
+    """(len(rows), dp) float32 from a flat (N*d) ref; masked rows and padded features read ``other``."""
+    mask = ok[:, None]
+    if d != dp:
+        mask = mask & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
+    idx = rows[:, None] * d + feature_index(d, dp)[None, :]
+    return plgpu.load(ref.at[idx], mask=mask, other=other).astype(jnp.float32)
+
+
+def load1(ref, rows, ok, other=0.0):
+    return plgpu.load(ref.at[rows], mask=ok, other=other)
+
+
+def store(ref, rows, ok, d: int, dp: int, val):
+    feat = jnp.arange(dp, dtype=jnp.int32)
+    mask = ok[:, None] & (feat < d)[None, :]
+    # masked lanes point past the end: Triton does not store them, interpret mode drops them
+    idx = jnp.where(mask, rows[:, None] * d + feat[None, :], ref.shape[0])
+    plgpu.store(ref.at[idx], val.astype(ref.dtype), mask=mask)
+
+
+def store1(ref, rows, ok, val):
+    plgpu.store(ref.at[jnp.where(ok, rows, ref.shape[0])], val.astype(ref.dtype), mask=ok)
+
+
+def rowdot(a, b):
+    return jnp.sum(a * b, axis=1)
+
+
+def dot(a, b, exact: bool, transpose_b: bool = False):
+    """a @ b (or a @ b.T) accumulated in float32. bfloat16 operands go to the tensor cores as they
+    are; float32 ones (weights, gradients of logits) as three TF32 products (about float32's
+    accuracy), or exactly where ``exact`` (interpret mode: a CPU has no TF32)."""
+    precision = None
+    if a.dtype == jnp.float32 or b.dtype == jnp.float32:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        precision = None if exact else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def load_as(ref, rows, ok, d: int, dp: int):
+    """Like :func:`load`, in the ref's own dtype (a matrix product's operand)."""
+    mask = ok[:, None] & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
+    idx = rows[:, None] * d + feature_index(d, dp)[None, :]
+    return plgpu.load(ref.at[idx], mask=mask, other=0)
