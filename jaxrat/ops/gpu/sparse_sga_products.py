@@ -4,8 +4,6 @@ contiguous runs of keys or groups, each window's taps kept by a band mask."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -24,11 +22,8 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     store1,
 )
 
-if TYPE_CHECKING:
-    from jaxrat.ops.gpu.sparse_sga_kernels import Tiling
 
-
-def group_products(R, mode: str, t: Tiling, exact: bool):
+def group_products(R, mode: str, t, exact: bool):  # t: sparse_sga_kernels.Tiling
     """A group tile (``sparse_sga_kernels._group_kernel``) as matrix products. The windows of a
     tile's ``tw`` groups cover, on each of their ``ky`` input rows, one contiguous segment of
     ``t.segment`` inputs; the tile's logits against a segment are one (tw, dh) x (dh, segment)
@@ -116,7 +111,7 @@ def group_products(R, mode: str, t: Tiling, exact: bool):
     store1(R["delta"], grow, gok, delta)
 
 
-def input_products(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool):
+def input_products(R, mode: str, t, eps: float, uses: int, exact: bool):  # t: sparse_sga_kernels.Tiling
     """An input tile (``sparse_sga_kernels._input_kernel``) as matrix products: the groups whose
     windows hold some input of the tile lie, on each of their ``nt`` output rows, in one run of
     ``t.covering`` columns; the tile's logits against them are one (tx, dh) x (dh, covering)
