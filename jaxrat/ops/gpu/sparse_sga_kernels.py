@@ -39,7 +39,6 @@ from jax.experimental.pallas import triton as plgpu
 from jaxrat.ops.gpu.sparse_sga_products import group_products, input_products
 from jaxrat.ops.gpu.sparse_sga_tiles import (
     NEG,
-    TINY,
     ceil_div,
     clip,
     load,
@@ -48,6 +47,7 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     rowdot,
     store,
     store1,
+    use_columns,
 )
 from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -271,13 +271,10 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
     # added up over the uses in float32 on chip
     dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
     for use in map(str, range(uses)):
-        normalised = "d" + use in R
-        if normalised:
-            # a use whose backward never ran leaves zeros: d = 0 must then add nothing, not 0 / 0
-            inv_d = 1.0 / jnp.maximum(load1(R["d" + use], prow, xok, 1.0), TINY)
-            gd = load1(R["gd" + use], prow, xok)
+        inv_d, gd = use_columns(R, use, prow, xok)
+        normalised = inv_d is not None
 
-        def body(i, carry, use=use, normalised=normalised):
+        def body(i, carry, use=use, normalised=normalised, inv_d=inv_d, gd=gd):
             gw, dk = carry
             for q, a, grow, ok in groups(i, use):
                 g = load(R["g" + use], grow, ok, t.dv, t.dvp)

@@ -9,7 +9,6 @@ from jax.experimental import pallas as pl
 
 from jaxrat.ops.gpu.sparse_sga_tiles import (
     NEG,
-    TINY,
     ceil_div,
     clip,
     dot,
@@ -20,6 +19,7 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     rowdot,
     store,
     store1,
+    use_columns,
 )
 
 
@@ -164,12 +164,10 @@ def input_products(R, mode: str, t, eps: float, uses: int, exact: bool):  # t: s
     # mode == "keys", as the tap form: dv = sum_o A g_o / d, dk = sum_o A (dA - delta_o) q_o
     dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
     for use in map(str, range(uses)):
-        normalised = "d" + use in R
-        if normalised:
-            inv_d = 1.0 / jnp.maximum(load1(R["d" + use], prow, xok, 1.0), TINY)
-            gd = load1(R["gd" + use], prow, xok)
+        inv_d, gd = use_columns(R, use, prow, xok)
+        normalised = inv_d is not None
 
-        def body(i, carry, use=use, normalised=normalised):
+        def body(i, carry, use=use, normalised=normalised, inv_d=inv_d, gd=gd):
             gw, dk = carry
             grow, gok, q, a = groups(i, use)
             g = load_as(R["g" + use], grow, gok, t.dv, t.dvp)

@@ -82,3 +82,12 @@ def load_as(ref, rows, ok, d: int, dp: int):
     mask = ok[:, None] & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
     idx = rows[:, None] * d + feature_index(d, dp)[None, :]
     return plgpu.load(ref.at[idx], mask=mask, other=0)
+
+
+def use_columns(R, use: str, prow, ok):
+    """A grouping use's 1 / d and gd at the inputs ``prow`` (the keys' pass of either form), or
+    (None, None) for a use without column normalisation. A use whose backward never ran left zeros:
+    d = 0 must then add nothing, not 0 / 0, hence the floor."""
+    if "d" + use not in R:
+        return None, None
+    return 1.0 / jnp.maximum(load1(R["d" + use], prow, ok, 1.0), TINY), load1(R["gd" + use], prow, ok)
