@@ -8,7 +8,8 @@ stages (default: parity speed):
    0.1: the fused kernels against XLA's MLP, output and the gradients of x and every weight (max error
    over the largest entry); then bfloat16 against that float32 result, fused and XLA's;
 2. ``speed``: the ISIC first SGA layer's MLP (16 x 7,396 groups, 128 -> 512 -> 128, dropout 0.1,
-   bfloat16), forward and forward + backward, fused and XLA's, median of timed repeats;
+   bfloat16), forward and forward + backward, fused and XLA's, median of timed repeats (XLA's is
+   handed its mask; the fused kernels draw theirs, as in training);
 3. ``cuts``: that forward + backward for each way of cutting the weight-gradient pass
    (:class:`jaxrat.ops.gpu.mlp.WeightsPass`), each with its weight gradients' error against XLA's
    bfloat16 ones, and the fastest; the default is what such a run chose.
@@ -35,20 +36,24 @@ def inputs(n: int, d: int = 128, hidden: int = 512, dtype=jnp.float32, seed: int
     x = jax.random.normal(ks[0], (n, d))
     w = (0.05 * jax.random.normal(ks[1], (d, hidden)), 0.1 * jax.random.normal(ks[2], (hidden,)),
          0.05 * jax.random.normal(ks[3], (hidden, d)), 0.1 * jax.random.normal(ks[4], (d,)))
-    keep = jax.random.bernoulli(ks[5], 1.0 - RATE, (n, hidden))
+    seed = jax.random.bits(ks[5], (4,), jnp.uint32)
+    keep = gpu_mlp.kept(seed[0], seed[1], jnp.arange(n, dtype=jnp.uint32)[:, None],
+                        jnp.arange(hidden, dtype=jnp.uint32)[None, :], RATE)  # the kernels' own draw
     g = jax.random.normal(ks[6], (n, d))
-    return [a.astype(dtype) for a in (x, *w)], keep, g
+    return [a.astype(dtype) for a in (x, *w)], (seed, keep), g
 
 
-def xla(keep):
+def xla(drawn):
+    keep = drawn[1]
+
     def f(x, w1, b1, w2, b2):
         h = jax.nn.gelu(x @ w1 + b1, approximate=False)
         return jnp.where(keep, h / (1.0 - RATE), 0.0).astype(x.dtype) @ w2 + b2
     return f
 
 
-def fused(keep):
-    return lambda *a: fused_mlp(*a, keep, RATE)
+def fused(drawn):
+    return lambda *a: fused_mlp(*a, drawn[0], (RATE, 0.0))
 
 
 def vjp_program(f):

@@ -104,9 +104,13 @@ class Mlp(nnx.Module):
         if mlp_ops.fused(self.kernels, x.shape, self.fc1.out_features, dtype, rate):
             bias = lambda fc: fc.bias[...] if fc.bias is not None else jnp.zeros((fc.out_features,), jnp.float32)
             w = (self.fc1.kernel[...], bias(self.fc1), self.fc2.kernel[...], bias(self.fc2))
+            key = self._dropout_key()
+            # drop2's mask is drawn in the kernels too (from drop1's key: one draw from the stream);
+            # without a key drop2 is off as well, or runs as itself.
+            out_rate = self.drop2.rate if key is not None and not self.drop2.deterministic else 0.0
             y = mlp_ops.fused_mlp(x.astype(dtype), *(a.astype(dtype) for a in w), dropout_rate=rate,
-                                  dropout_key=self._dropout_key())
-            return self.drop2(y)
+                                  dropout_key=key, output_rate=out_rate)
+            return y if key is not None else self.drop2(y)
         itemsize = jnp.dtype(dtype).itemsize
         hidden_bytes = math.prod(x.shape[:-1]) * self.fc1.out_features * itemsize
         chunks = mlp_ops.chunking(hidden_bytes, self.kernels) if x.ndim >= 2 else None

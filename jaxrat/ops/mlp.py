@@ -5,9 +5,9 @@ On the ``gpu`` policy, calls the fused kernels take (:func:`fused`) run as one P
 kernel forward and two backward, the hidden activation never in memory (:mod:`jaxrat.ops.gpu.mlp`).
 
 Above :data:`CHUNK_HIDDEN_BYTES` of hidden activation in one call (every form but the fused one, which
-keeps only its int8 dropout mask for the backward), the MLP runs as a scan over token chunks, each
-rematerialised in the backward pass: at 1024 px the first SGA layer's
-three MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive. The
+keeps nothing hidden-sized for the backward: its dropout masks are drawn again there), the MLP runs
+as a scan over token chunks, each rematerialised in the backward pass: at 1024 px the first SGA
+layer's three MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive. The
 ``cpu`` policy also chunks smaller calls, keeping fc1's output (:mod:`jaxrat.ops.cpu.mlp`).
 """
 
@@ -64,18 +64,23 @@ def fused(policy: KernelPolicy, x_shape: tuple, hidden: int, dtype, dropout_rate
 
 
 def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, *, dropout_rate: float,
-              dropout_key: Optional[Array]) -> Array:
-    """``fc2(dropout(gelu(fc1(x))))`` (exact GELU) with the kernels :func:`fused` chose, per device under
-    a mesh; dropout's mask is ``nnx.Dropout``'s draw for ``dropout_key`` (None: no dropout)."""
+              dropout_key: Optional[Array], output_rate: float = 0.0) -> Array:
+    """``dropout(fc2(dropout(gelu(fc1(x)))))`` (exact GELU) with the kernels :func:`fused` chose, per device
+    under a mesh: the hidden units dropped at ``dropout_rate`` and the output at ``output_rate``, both
+    drawn inside the kernels from ``dropout_key`` (None: no dropout), the same masks on any mesh."""
     from jaxrat.ops.gpu import per_device
     from jaxrat.ops.gpu.mlp import fused_mlp as gpu_fused
 
-    hidden = w1.shape[1]
-    if dropout_key is None:
-        return per_device.over_batch(lambda x, *w: gpu_fused(x, *w), x, replicated=(w1, b1, w2, b2))
-    keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, (*x.shape[:-1], hidden))
-    return per_device.over_batch(lambda x, keep, *w: gpu_fused(x, *w, keep, dropout_rate), x, keep,
-                                 replicated=(w1, b1, w2, b2))
+    weights = (w1, b1, w2, b2)
+    if dropout_key is None or not (dropout_rate or output_rate):
+        return per_device.over_batch(lambda x, *w: gpu_fused(x, *w), x, replicated=weights)
+    seed = jax.random.bits(dropout_key, (4,), jnp.uint32)
+    per_row = math.prod(x.shape[1:-1])  # tokens per batch row: the kernels number tokens over the batch
+
+    def run(first_row, x, seed, *w):
+        return gpu_fused(x, *w, seed, (dropout_rate, output_rate), first_row * per_row)
+
+    return per_device.over_batch(run, x, replicated=(seed, *weights), first_row=True)
 
 
 def chunked_mlp(x: Array, fc1: Callable[[Array], Array], fc2: Callable[[Array], Array], *, hidden_bytes: int,

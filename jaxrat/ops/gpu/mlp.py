@@ -12,8 +12,14 @@ an H100, docs/benchmarks.md). Here the hidden activation never leaves the chip:
   ``dW2`` of those tokens, recomputed the same way; XLA adds the shares and ``db2``.
 
 Products run on the tensor cores in the operands' dtype with float32 accumulation; GELU is the exact
-(erf) form, with erf from a rational approximation good to float32 rounding (:func:`erf`). Dropout's
-mask is drawn by the caller (the same draw as ``nnx.Dropout``) and passed as int8.
+(erf) form, with erf from a rational approximation good to float32 rounding (:func:`erf`).
+
+Dropout, of the hidden units and of the output, is drawn inside the kernels (:func:`kept`: a hash of
+a seed and each unit's global token and column) and drawn again, identically, by the backward ones:
+no mask is drawn by XLA or kept in memory. (Drawing them as ``nnx.Dropout`` does took the ISIC
+step's SGA and MR blocks 72 kernels of threefry and 1.4 GB of masks written and read again, measured
+with benchmarks/gpu_cost.py.) Tokens are numbered over the whole batch, so a sharded batch draws the
+same masks as one device.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import dataclasses
 import functools
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,70 +111,130 @@ def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _hidden(x, w1_ref, b1_ref, m_ref, rows, j: int, scale: float):
-    """Chunk j of the hidden layer for tokens ``rows``: the (dropped) output and GELU' (times the mask)."""
-    cols = pl.ds(j * CHUNK, CHUNK)
-    pre = _dot(x, w1_ref[:, cols]) + b1_ref[cols].astype(jnp.float32)[None, :]
-    act, slope = _gelu(pre)
-    if m_ref is None:
-        return act, slope
-    keep = m_ref[rows, cols].astype(jnp.float32) * scale
-    return act * keep, slope * keep
+# murmur3's 32-bit finaliser (each input bit flips each output bit with probability ~1/2) and odd
+# multipliers that spread consecutive tokens and columns apart before it.
+_M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+_ROW, _COL = np.uint32(0x9E3779B1), np.uint32(0x7FEB352D)
 
 
-def _unpack(refs, dropout: bool, weights: int):
-    """(x, w1, b1, w2[, b2]), the mask ref or None, the rest (cotangent, outputs)."""
-    mask = refs[weights] if dropout else None
-    return refs[:weights], mask, refs[weights + dropout:]
+def _fmix(h: Array) -> Array:
+    h = h ^ (h >> 16)
+    h = h * _M1
+    h = h ^ (h >> 13)
+    h = h * _M2
+    return h ^ (h >> 16)
 
 
-def _forward_kernel(*refs, hidden: int, scale: float, dropout: bool):
-    (x_ref, w1_ref, b1_ref, w2_ref, b2_ref), m_ref, (y_ref,) = _unpack(refs, dropout, 5)
+def kept(seed0: Array, seed1: Array, tokens: Array, units: Array, rate: float) -> Array:
+    """Dropout's draw: whether unit ``units`` of token ``tokens`` (uint32, broadcast together) is kept
+    at ``rate`` for the seed (seed0, seed1), uint32 scalars. 24 bits of a hash of seed, token and unit
+    against rate x 2^24, so P(kept) is 1 - rate to 6e-8. Plain jax.numpy: the kernels call it, and so
+    can anyone who needs the masks they drew (tests, the bias gradient)."""
+    h = _fmix(_fmix(tokens * _ROW + seed0) ^ (units * _COL + seed1))
+    return (h >> 8) >= np.uint32(round(rate * (1 << 24)))
+
+
+class Drop(NamedTuple):
+    """The static half of a call's dropout: the hidden units' and the output's rates. The traced half
+    is the kernels' first operand, uint32 (seed0, seed1 of the hidden units, seed0, seed1 of the
+    output, the first token's global index, 0, 0, 0)."""
+
+    hidden: float = 0.0
+    out: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.hidden or self.out)
+
+
+def _keep(drop_ref, which: int, tokens: Array, first_unit, width: int, rate: float) -> Array | None:
+    """float32 (tokens, width): 1 / (1 - rate) where kept, 0 where dropped; None without dropout."""
+    if drop_ref is None or not rate:
+        return None
+    units = (first_unit + jnp.arange(width, dtype=jnp.int32)).astype(jnp.uint32)
+    keep = kept(drop_ref[2 * which], drop_ref[2 * which + 1], tokens[:, None], units[None, :], rate)
+    return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+
+
+def _tokens(drop_ref, first, count: int) -> Array | None:
+    """The global indices (uint32) of ``count`` tokens from local row ``first``."""
+    if drop_ref is None:
+        return None
+    return drop_ref[4] + (first + jnp.arange(count, dtype=jnp.int32)).astype(jnp.uint32)
+
+
+def _hidden(x, w1, b1, keep):
+    """One chunk of the hidden layer: the (dropped) output and GELU' (times the same mask)."""
+    act, slope = _gelu(_dot(x, w1) + b1.astype(jnp.float32)[None, :])
+    return (act, slope) if keep is None else (act * keep, slope * keep)
+
+
+def _masked_cotangent(g, drop_ref, tokens, rate: float):
+    """The cotangent of the output before its dropout: g where kept (exact in g's dtype), and the
+    1 / (1 - rate) the products' float32 results take instead."""
+    keep = _keep(drop_ref, 1, tokens, 0, g.shape[1], rate)
+    if keep is None:
+        return g, 1.0
+    return jnp.where(keep > 0, g, jnp.zeros_like(g)), 1.0 / (1.0 - rate)
+
+
+def _split(refs, drop: Drop):
+    return (refs[0], refs[1:]) if drop else (None, refs)
+
+
+def _forward_kernel(*refs, hidden: int, drop: Drop):
+    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref) = _split(refs, drop)
     x = x_ref[...]
+    t, d = y_ref.shape
+    tokens = _tokens(drop_ref, pl.program_id(0) * t, t)
 
     def chunk(j, acc):  # a loop, not unrolled: Triton compiles it several times faster
-        h, _ = _hidden(x, w1_ref, b1_ref, m_ref, slice(None), j, scale)
-        return acc + _dot(h.astype(x.dtype), w2_ref[pl.ds(j * CHUNK, CHUNK), :])
+        cols = pl.ds(j * CHUNK, CHUNK)
+        h, _ = _hidden(x, w1_ref[:, cols], b1_ref[cols], _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden))
+        return acc + _dot(h.astype(x.dtype), w2_ref[cols, :])
 
-    acc = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros(y_ref.shape, jnp.float32))
-    y_ref[...] = (acc + b2_ref[...].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
+    y = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros((t, d), jnp.float32))
+    y = y + b2_ref[...].astype(jnp.float32)[None, :]
+    keep = _keep(drop_ref, 1, tokens, 0, d, drop.out)
+    y_ref[...] = (y if keep is None else y * keep).astype(y_ref.dtype)
 
 
-def _inputs_kernel(*refs, hidden: int, scale: float, dropout: bool):
-    (x_ref, w1_ref, b1_ref, w2_ref), m_ref, (g_ref, dx_ref) = _unpack(refs, dropout, 4)
-    x, g = x_ref[...], g_ref[...]
+def _inputs_kernel(*refs, hidden: int, drop: Drop):
+    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, dx_ref, db2_ref) = _split(refs, drop)
+    x = x_ref[...]
+    t = x.shape[0]
+    tokens = _tokens(drop_ref, pl.program_id(0) * t, t)
+    g, g_scale = _masked_cotangent(g_ref[...], drop_ref, tokens, drop.out)
+    db2_ref[...] = jnp.sum(g.astype(jnp.float32), axis=0) * g_scale  # this tile's share of b2's gradient
 
     def chunk(j, acc):
         cols = pl.ds(j * CHUNK, CHUNK)
-        _, dslope = _hidden(x, w1_ref, b1_ref, m_ref, slice(None), j, scale)
-        dpre = _dot(g, w2_ref[cols, :], trans_b=True) * dslope
+        _, dslope = _hidden(x, w1_ref[:, cols], b1_ref[cols], _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden))
+        dpre = _dot(g, w2_ref[cols, :], trans_b=True) * (dslope * g_scale)
         return acc + _dot(dpre.astype(x.dtype), w1_ref[:, cols], trans_b=True)
 
     acc = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros(dx_ref.shape, jnp.float32))
     dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
-def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, scale: float, dropout: bool):
+def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, drop: Drop):
     """Tiles and tiles per share come as operands, not constants: one compiled kernel for every
     token count (Triton compiles each distinct kernel anew, seconds each)."""
-    (x_ref, w1_ref, b1_ref, w2_ref), m_ref, (g_ref, dw1_ref, db1_ref, dw2_ref) = _unpack(refs, dropout, 4)
+    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, dw1_ref, db1_ref, dw2_ref) = _split(refs, drop)
     tiles, per_split = bounds_ref[0], bounds_ref[1]
     j, s = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * chunk, chunk)
-    w1, b1, w2 = w1_ref[:, cols], b1_ref[cols].astype(jnp.float32), w2_ref[cols, :]
+    w1, b1, w2 = w1_ref[:, cols], b1_ref[cols], w2_ref[cols, :]
     d = w1.shape[0]
 
     def body(t, carry):
         dw1, db1, dw2 = carry
         rows = pl.ds(t * tile, tile)
-        x, g = x_ref[rows, :], g_ref[rows, :]
-        pre = _dot(x, w1) + b1[None, :]
-        act, slope = _gelu(pre)
-        if m_ref is not None:
-            keep = m_ref[rows, cols].astype(jnp.float32) * scale
-            act, slope = act * keep, slope * keep
-        dpre = _dot(g, w2, trans_b=True) * slope
-        dw2 += _dot(act.astype(x.dtype), g, trans_a=True)
+        tokens = _tokens(drop_ref, t * tile, tile)
+        x = x_ref[rows, :]
+        g, g_scale = _masked_cotangent(g_ref[rows, :], drop_ref, tokens, drop.out)
+        act, slope = _hidden(x, w1, b1, _keep(drop_ref, 0, tokens, j * chunk, chunk, drop.hidden))
+        dpre = _dot(g, w2, trans_b=True) * (slope * g_scale)
+        dw2 += _dot(act.astype(x.dtype), g, trans_a=True) * g_scale
         dw1 += _dot(x, dpre.astype(x.dtype), trans_a=True)
         return dw1, db1 + jnp.sum(dpre, axis=0), dw2
 
@@ -185,70 +252,71 @@ def _params(warps: int = 4, stages: int = 1):
     return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _forward(x, w1, b1, w2, b2, mask, scale: float, interpret: bool):
+def _forward(x, w1, b1, w2, b2, drop_words, drop: Drop, interpret: bool):
     n, d = x.shape
     hidden, t = w1.shape[1], tile_of(n)
     rows = lambda width: pl.BlockSpec((t, width), lambda i: (i, 0))
-    dropout = mask is not None
     return pl.pallas_call(
-        partial(_forward_kernel, hidden=hidden, scale=scale, dropout=dropout), grid=(n // t,),
-        in_specs=[rows(d), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape), _whole(b2.shape)]
-        + [rows(hidden)] * dropout,
+        partial(_forward_kernel, hidden=hidden, drop=drop), grid=(n // t,),
+        in_specs=[_whole((8,))] * bool(drop) + [rows(d), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape),
+                                                _whole(b2.shape)],
         out_specs=rows(d), out_shape=jax.ShapeDtypeStruct((n, d), x.dtype), compiler_params=_params(),
-        interpret=interpret, name="fused_mlp_forward")(x, w1, b1, w2, b2, *[mask] * dropout)
+        interpret=interpret, name="fused_mlp_forward")(*[drop_words] * bool(drop), x, w1, b1, w2, b2)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _mlp(x, w1, b1, w2, b2, mask, scale: float, interpret: bool):
-    return _forward(x, w1, b1, w2, b2, mask, scale, interpret)
+def _mlp(x, w1, b1, w2, b2, drop_words, drop: Drop, interpret: bool):
+    return _forward(x, w1, b1, w2, b2, drop_words, drop, interpret)
 
 
-def _mlp_fwd(x, w1, b1, w2, b2, mask, scale, interpret):
-    return _forward(x, w1, b1, w2, b2, mask, scale, interpret), (x, w1, b1, w2, mask)
+def _mlp_fwd(x, w1, b1, w2, b2, drop_words, drop, interpret):
+    return _forward(x, w1, b1, w2, b2, drop_words, drop, interpret), (x, w1, b1, w2, drop_words)
 
 
-def _mlp_bwd(scale: float, interpret: bool, res, g):
-    x, w1, b1, w2, mask = res
+def _mlp_bwd(drop: Drop, interpret: bool, res, g):
+    x, w1, b1, w2, drop_words = res
     n, d = x.shape
     hidden, t = w1.shape[1], tile_of(n)
     g = g.astype(x.dtype)
     rows = lambda width: pl.BlockSpec((t, width), lambda i: (i, 0))
-    dropout = mask is not None
-    masks = [mask] * dropout
-    dx = pl.pallas_call(
-        partial(_inputs_kernel, hidden=hidden, scale=scale, dropout=dropout), grid=(n // t,),
-        in_specs=[rows(d), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape)] + [rows(hidden)] * dropout + [rows(d)],
-        out_specs=rows(d), out_shape=jax.ShapeDtypeStruct((n, d), x.dtype), compiler_params=_params(),
-        interpret=interpret, name="fused_mlp_inputs")(x, w1, b1, w2, *masks, g)
+    words, word_spec = [drop_words] * bool(drop), [_whole((8,))] * bool(drop)
+    dx, db2 = pl.pallas_call(
+        partial(_inputs_kernel, hidden=hidden, drop=drop), grid=(n // t,),
+        in_specs=word_spec + [rows(d), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape), rows(d)],
+        out_specs=[rows(d), pl.BlockSpec((None, d), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((n // t, d), jnp.float32)],
+        compiler_params=_params(), interpret=interpret, name="fused_mlp_inputs")(*words, x, w1, b1, w2, g)
     tiles, cut = n // t, WEIGHTS
     splits = max(1, min(cut.max_splits, tiles // cut.min_share))
     per_split = -(-tiles // splits)
     f32 = lambda *shape: jax.ShapeDtypeStruct((splits, *shape), jnp.float32)
     c = cut.chunk
     dw1, db1, dw2 = pl.pallas_call(
-        partial(_weights_kernel, tile=t, chunk=c, scale=scale, dropout=dropout),
+        partial(_weights_kernel, tile=t, chunk=c, drop=drop),
         grid=(hidden // c, splits),
-        in_specs=[_whole((2,)), _whole(x.shape), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape)]
-        + [_whole((n, hidden))] * dropout + [_whole(g.shape)],
+        in_specs=[_whole((2,))] + word_spec + [_whole(x.shape), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape),
+                                               _whole(g.shape)],
         out_specs=[pl.BlockSpec((None, d, c), lambda j, s: (s, 0, j)),
                    pl.BlockSpec((None, c), lambda j, s: (s, j)),
                    pl.BlockSpec((None, c, d), lambda j, s: (s, j, 0))],
         out_shape=[f32(d, hidden), f32(hidden), f32(hidden, d)], compiler_params=_params(cut.warps, cut.stages),
-        interpret=interpret, name="fused_mlp_weights")(jnp.array([tiles, per_split], jnp.int32), x, w1, b1, w2,
-                                                       *masks, g)
-    db2 = jnp.sum(g.astype(jnp.float32), axis=0)
-    zero_mask = np.zeros(mask.shape, jax.dtypes.float0) if dropout else None
+        interpret=interpret, name="fused_mlp_weights")(jnp.array([tiles, per_split], jnp.int32), *words, x, w1, b1,
+                                                       w2, g)
+    zero_words = np.zeros(drop_words.shape, jax.dtypes.float0) if drop_words is not None else None
     return (dx, dw1.sum(0).astype(w1.dtype), db1.sum(0).astype(b1.dtype), dw2.sum(0).astype(w2.dtype),
-            db2.astype(w2.dtype), zero_mask)
+            db2.sum(0).astype(w2.dtype), zero_words)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, keep: Array | None = None,
-              rate: float = 0.0, *, interpret: bool = False) -> Array:
-    """``fc2(dropout(gelu(fc1(x))))`` for x (..., D), w1 (D, Hd), b1 (Hd,), w2 (Hd, D), b2 (D,), all in
-    x's dtype; ``keep`` (..., Hd) bool: dropout's kept units (None: no dropout), scaled by 1 / (1 - rate).
+def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, seed: Array | None = None,
+              rates: tuple[float, float] = (0.0, 0.0), first_token: Array | int = 0, *,
+              interpret: bool = False) -> Array:
+    """``dropout(fc2(dropout(gelu(fc1(x)))))`` for x (..., D), w1 (D, Hd), b1 (Hd,), w2 (Hd, D), b2 (D,),
+    all in x's dtype. Dropout: ``rates`` (hidden units, output), drawn by :func:`kept` from ``seed``
+    (uint32 (4,): the hidden units' seed pair, then the output's; None: no dropout) with x's tokens
+    numbered from ``first_token`` (the global index of its first token when x is one device's share).
     Differentiable in x and the weights. ``interpret``: Pallas interpret mode (any backend, tests)."""
     lead, d = x.shape[:-1], x.shape[-1]
     hidden = w1.shape[1]
@@ -256,14 +324,17 @@ def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, keep: Array 
     why = supports(n, d, hidden, x.dtype)
     if why is not None:
         raise ValueError(why)
-    if keep is None:
-        mask, scale = None, 1.0
-    else:
-        mask, scale = keep.reshape(n, hidden).astype(jnp.int8), 1.0 / (1.0 - rate)
+    drop = Drop(*(float(r) for r in rates)) if seed is not None else Drop()
+    if any(not 0.0 <= r < 1.0 for r in drop):
+        raise ValueError(f"dropout rates must be in [0, 1), got {tuple(drop)}")
+    words = None
+    if drop:
+        first = jnp.asarray(first_token, jnp.int32).astype(jnp.uint32).reshape(1)
+        words = jnp.concatenate([jnp.asarray(seed, jnp.uint32).reshape(4), first, jnp.zeros((3,), jnp.uint32)])
     # Tiles of MIN_TILE tokens at least: a ragged tail is padded with zeros (its rows' cotangents
     # are then zero, so they add nothing to the weights' gradients) and cut off again.
     pad = -n % MIN_TILE
-    rows = lambda a: a if a is None or not pad else jnp.pad(a, ((0, pad), (0, 0)))
+    rows = lambda a: a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
     cast = lambda a: a.astype(x.dtype)
-    y = _mlp(rows(x.reshape(n, d)), cast(w1), cast(b1), cast(w2), cast(b2), rows(mask), float(scale), interpret)
+    y = _mlp(rows(x.reshape(n, d)), cast(w1), cast(b1), cast(w2), cast(b2), words, drop, interpret)
     return (y[:n] if pad else y).reshape(*lead, d)

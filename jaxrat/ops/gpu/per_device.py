@@ -11,20 +11,31 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 
 
-def over_batch(fn: Callable[..., Any], *operands: Any, replicated: tuple = ()) -> Any:
+def over_batch(fn: Callable[..., Any], *operands: Any, replicated: tuple = (), first_row: bool = False) -> Any:
     """``fn(*operands, *replicated)`` (operands and results arrays or pytrees of arrays), per device
     over the operands' leading (batch) axis when a mesh of several devices is set and that axis
     divides evenly, each device given the ``replicated`` arrays whole (weights; their gradients are
     summed over the devices); as it is otherwise (one device, no mesh, inside a ``shard_map``
-    already, or a batch the mesh does not divide)."""
+    already, or a batch the mesh does not divide).
+
+    ``first_row``: ``fn`` takes first the index (int32) of its first batch row in the whole batch,
+    0 when it runs on the whole batch (for randomness that must not depend on how the batch is cut).
+    Inside a ``shard_map`` already that is 0 too: there the caller's operands are all it knows of."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or mesh.manual_axes or jax.tree.leaves(operands)[0].shape[0] % mesh.size:
-        return fn(*operands, *replicated)
-    spec = P(tuple(mesh.axis_names))
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(operands) + (P(),) * len(replicated), out_specs=spec,
+        return fn(*([jnp.zeros((), jnp.int32)] if first_row else []), *operands, *replicated)
+    axes = tuple(mesh.axis_names)
+    spec = P(axes)
+    if first_row:
+        local = jax.tree.leaves(operands)[0].shape[0] // mesh.size
+        body = lambda *args: fn(jax.lax.axis_index(axes).astype(jnp.int32) * local, *args)
+    else:
+        body = fn
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(operands) + (P(),) * len(replicated), out_specs=spec,
                          check_vma=False)(*operands, *replicated)
