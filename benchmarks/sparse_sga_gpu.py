@@ -193,13 +193,13 @@ def pass_calls(t, bh: int, n_out: int, n_in: int) -> dict:
 
 def passes(report):
     """Each pass alone at the ISIC shape: tap by tap with rolled and unrolled row loops, and as
-    matrix products over row segments (32 or 16 groups a group tile, 64 or 128 inputs an input tile)."""
+    matrix products over row segments (16 or 32 groups a group tile, 64 or 128 inputs an input tile)."""
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     bh, n_out, n_in = 128, int(np.prod(geom.out)), int(np.prod(geom.grid))
     forms = {"passes_unroll0": dict(unroll=False, products=False), "passes_unroll1": dict(unroll=True, products=False),
-             "passes_products": dict(products=True), "passes_products_tw16": dict(products=True, tw=16),
+             "passes_products": dict(products=True), "passes_products_tw32": dict(products=True, tw=32),
              "passes_products_tx128": dict(products=True, tx=128)}
     for name, form in forms.items():
         t = sparse_sga_kernels.Tiling.of(geom, 16, 16, **form)

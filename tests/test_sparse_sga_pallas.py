@@ -173,7 +173,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16(grou
     rounding, as the inputs' rounding propagates through the logits and the softmax). Measured here:
     u 0.32%, dq 0.52%, dk 0.64%, dv 0.50% (portable 0.32, 0.63, 0.68, 0.84%). The product form's
     logits multiply the bfloat16 operands on the tensor cores with float32 sums (the same products);
-    its weights meet the values and keys as float32 (three TF32 products on a GPU, exact here)."""
+    its weights meet the values and keys rounded to bfloat16, as the portable kernel's do."""
     geom = Geometry(*ISIC[:3])
     (q, k, v), g = _inputs(geom, *ISIC[3:5], jnp.float32)
     exact, ref = _reference(ISIC), _reference(ISIC, jnp.bfloat16)

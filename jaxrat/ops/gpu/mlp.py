@@ -39,7 +39,10 @@ from jax.experimental.pallas import triton as plgpu
 
 Array = jax.Array
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
-CHUNK = 128  # hidden units per chunk in the forward and the inputs' passes
+CHUNK = 128  # hidden units per chunk in the forward pass
+# ... and in the inputs' pass: at 128, with both dropout masks drawn in the kernel, it needs more than
+# 255 registers a thread and spills 224 bytes compiled for an H100; at 64 none (gpu_registers.py)
+INPUTS_CHUNK = 64
 MAX_TILE, MIN_TILE = 64, 16  # tokens per tile: a power of two dividing the (padded) tokens
 
 
@@ -48,15 +51,20 @@ class WeightsPass:
     """How the weight-gradient pass is cut: hidden units per program (``chunk``: each program holds
     two float32 D x chunk accumulators over a loop of token tiles), the most shares of the tokens
     (hidden / chunk x splits programs against an H100's 132 SMs), warps and pipeline stages. A share
-    has ``min_share`` token tiles at least, so the float32 partials (2 D Hd 4 bytes a share, added by
-    XLA) stay small beside its tokens. Measured on an H100 at 118k tokens, D 128, Hd 512: 128 x 16
-    shares took 2.9 ms a call, 64 x 64 takes 0.4 ms (docs/benchmarks.md)."""
+    has ``min_share`` token tiles (of the other passes, up to 64 tokens) at least, so the float32
+    partials (2 D Hd 4 bytes a share, added by XLA) stay small beside its tokens. Measured on an H100
+    at 118k tokens, D 128, Hd 512: 128 x 16 shares took 2.9 ms a call, 64 x 64 takes 0.4 ms
+    (docs/benchmarks.md). ``tile``: tokens a loop step
+    (at most the other passes' tile): compiled for an H100 with both dropout masks drawn in the
+    kernel, 64 needs more than 255 registers a thread and spills 460 bytes, 32 spills none
+    (benchmarks/gpu_registers.py); not yet timed on a GPU (benchmarks/mlp_gpu.py's ``cuts``)."""
 
     chunk: int = 64
     max_splits: int = 64
     warps: int = 4
     stages: int = 1
     min_share: int = 16
+    tile: int = 32
 
 
 WEIGHTS = WeightsPass()
@@ -147,12 +155,11 @@ class Drop(NamedTuple):
 
 
 def _keep(drop_ref, which: int, tokens: Array, first_unit, width: int, rate: float) -> Array | None:
-    """float32 (tokens, width): 1 / (1 - rate) where kept, 0 where dropped; None without dropout."""
+    """bool (tokens, width): the units kept; None without dropout."""
     if drop_ref is None or not rate:
         return None
     units = (first_unit + jnp.arange(width, dtype=jnp.int32)).astype(jnp.uint32)
-    keep = kept(drop_ref[2 * which], drop_ref[2 * which + 1], tokens[:, None], units[None, :], rate)
-    return jnp.where(keep, 1.0 / (1.0 - rate), 0.0)
+    return kept(drop_ref[2 * which], drop_ref[2 * which + 1], tokens[:, None], units[None, :], rate)
 
 
 def _tokens(drop_ref, first, count: int) -> Array | None:
@@ -162,10 +169,13 @@ def _tokens(drop_ref, first, count: int) -> Array | None:
     return drop_ref[4] + (first + jnp.arange(count, dtype=jnp.int32)).astype(jnp.uint32)
 
 
-def _hidden(x, w1, b1, keep):
+def _hidden(x, w1, b1, keep, rate: float):
     """One chunk of the hidden layer: the (dropped) output and GELU' (times the same mask)."""
     act, slope = _gelu(_dot(x, w1) + b1.astype(jnp.float32)[None, :])
-    return (act, slope) if keep is None else (act * keep, slope * keep)
+    if keep is None:
+        return act, slope
+    scale = 1.0 / (1.0 - rate)
+    return jnp.where(keep, act * scale, 0.0), jnp.where(keep, slope * scale, 0.0)
 
 
 def _masked_cotangent(g, drop_ref, tokens, rate: float):
@@ -174,7 +184,7 @@ def _masked_cotangent(g, drop_ref, tokens, rate: float):
     keep = _keep(drop_ref, 1, tokens, 0, g.shape[1], rate)
     if keep is None:
         return g, 1.0
-    return jnp.where(keep > 0, g, jnp.zeros_like(g)), 1.0 / (1.0 - rate)
+    return jnp.where(keep, g, jnp.zeros_like(g)), 1.0 / (1.0 - rate)
 
 
 def _split(refs, drop: Drop):
@@ -189,13 +199,14 @@ def _forward_kernel(*refs, hidden: int, drop: Drop):
 
     def chunk(j, acc):  # a loop, not unrolled: Triton compiles it several times faster
         cols = pl.ds(j * CHUNK, CHUNK)
-        h, _ = _hidden(x, w1_ref[:, cols], b1_ref[cols], _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden))
+        h, _ = _hidden(x, w1_ref[:, cols], b1_ref[cols], _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden),
+                    drop.hidden)
         return acc + _dot(h.astype(x.dtype), w2_ref[cols, :])
 
     y = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros((t, d), jnp.float32))
     y = y + b2_ref[...].astype(jnp.float32)[None, :]
     keep = _keep(drop_ref, 1, tokens, 0, d, drop.out)
-    y_ref[...] = (y if keep is None else y * keep).astype(y_ref.dtype)
+    y_ref[...] = (y if keep is None else jnp.where(keep, y * (1.0 / (1.0 - drop.out)), 0.0)).astype(y_ref.dtype)
 
 
 def _inputs_kernel(*refs, hidden: int, drop: Drop):
@@ -207,12 +218,13 @@ def _inputs_kernel(*refs, hidden: int, drop: Drop):
     db2_ref[...] = jnp.sum(g.astype(jnp.float32), axis=0) * g_scale  # this tile's share of b2's gradient
 
     def chunk(j, acc):
-        cols = pl.ds(j * CHUNK, CHUNK)
-        _, dslope = _hidden(x, w1_ref[:, cols], b1_ref[cols], _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden))
+        cols = pl.ds(j * INPUTS_CHUNK, INPUTS_CHUNK)
+        keep = _keep(drop_ref, 0, tokens, j * INPUTS_CHUNK, INPUTS_CHUNK, drop.hidden)
+        _, dslope = _hidden(x, w1_ref[:, cols], b1_ref[cols], keep, drop.hidden)
         dpre = _dot(g, w2_ref[cols, :], trans_b=True) * (dslope * g_scale)
         return acc + _dot(dpre.astype(x.dtype), w1_ref[:, cols], trans_b=True)
 
-    acc = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros(dx_ref.shape, jnp.float32))
+    acc = lax.fori_loop(0, hidden // INPUTS_CHUNK, chunk, jnp.zeros(dx_ref.shape, jnp.float32))
     dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
@@ -232,7 +244,7 @@ def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, drop: Drop):
         tokens = _tokens(drop_ref, t * tile, tile)
         x = x_ref[rows, :]
         g, g_scale = _masked_cotangent(g_ref[rows, :], drop_ref, tokens, drop.out)
-        act, slope = _hidden(x, w1, b1, _keep(drop_ref, 0, tokens, j * chunk, chunk, drop.hidden))
+        act, slope = _hidden(x, w1, b1, _keep(drop_ref, 0, tokens, j * chunk, chunk, drop.hidden), drop.hidden)
         dpre = _dot(g, w2, trans_b=True) * (slope * g_scale)
         dw2 += _dot(act.astype(x.dtype), g, trans_a=True) * g_scale
         dw1 += _dot(x, dpre.astype(x.dtype), trans_a=True)
@@ -286,13 +298,15 @@ def _mlp_bwd(drop: Drop, interpret: bool, res, g):
         out_specs=[rows(d), pl.BlockSpec((None, d), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((n // t, d), jnp.float32)],
         compiler_params=_params(), interpret=interpret, name="fused_mlp_inputs")(*words, x, w1, b1, w2, g)
-    tiles, cut = n // t, WEIGHTS
-    splits = max(1, min(cut.max_splits, tiles // cut.min_share))
+    cut = WEIGHTS
+    wt = min(cut.tile, t)  # both powers of two, so wt divides the tokens as t does
+    tiles = n // wt
+    splits = max(1, min(cut.max_splits, n // t // cut.min_share))  # min_share counts the other passes' tiles
     per_split = -(-tiles // splits)
     f32 = lambda *shape: jax.ShapeDtypeStruct((splits, *shape), jnp.float32)
     c = cut.chunk
     dw1, db1, dw2 = pl.pallas_call(
-        partial(_weights_kernel, tile=t, chunk=c, drop=drop),
+        partial(_weights_kernel, tile=wt, chunk=c, drop=drop),
         grid=(hidden // c, splits),
         in_specs=[_whole((2,))] + word_spec + [_whole(x.shape), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape),
                                                _whole(g.shape)],

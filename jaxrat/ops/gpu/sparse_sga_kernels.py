@@ -97,11 +97,14 @@ class Tiling(NamedTuple):
         return max(16, _pow2((self.tx + self.kx - 2) // self.sx + 2))
 
     @classmethod
-    def of(cls, geom: Geometry, dh: int, dv: int, tw: int = 32, tx: int = 64, warps: int = 4,
+    def of(cls, geom: Geometry, dh: int, dv: int, tw: int | None = None, tx: int = 64, warps: int = 4,
            unroll: bool = False, products: bool | None = None) -> "Tiling":
+        """``tw`` None: 32 groups a tile tap by tap, 16 as products (at 32, compiled for an H100, the
+        product form's gradient pass needs more than 255 registers a thread and spills; at 16 none does)."""
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
         products = PRODUCTS if products is None else products
+        tw = (16 if products else 32) if tw is None else tw
         tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
         if products:  # a matrix product's sides are 16 at least
             tw, dhp, dvp = max(tw, 16), max(16, _pow2(dh)), max(16, _pow2(dv))

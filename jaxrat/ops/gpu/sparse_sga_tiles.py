@@ -66,12 +66,17 @@ def rowdot(a, b):
 
 
 def dot(a, b, exact: bool, transpose_b: bool = False):
-    """a @ b (or a @ b.T) accumulated in float32. bfloat16 operands go to the tensor cores as they
-    are; float32 ones (weights, gradients of logits) as three TF32 products (about float32's
-    accuracy), or exactly where ``exact`` (interpret mode: a CPU has no TF32)."""
+    """a @ b (or a @ b.T) accumulated in float32. A float32 operand (weights, gradients of logits)
+    meets a bfloat16 one (keys, values, queries, cotangents of a bfloat16 step) in bfloat16, as
+    FlashAttention's probabilities and their gradients do: one tensor-core product, and half the
+    registers (as three TF32 products, the group tiles' gradient pass spilled 6 KB a thread, compiled
+    for an H100). Float32 operands both go as three TF32 products (about float32's accuracy), or
+    exactly where ``exact`` (interpret mode: a CPU has no TF32)."""
+    if a.dtype != b.dtype:
+        low = b.dtype if a.dtype == jnp.float32 else a.dtype
+        a, b = a.astype(low), b.astype(low)
     precision = None
-    if a.dtype == jnp.float32 or b.dtype == jnp.float32:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    if a.dtype == jnp.float32:
         precision = None if exact else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
