@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxrat import ops
 from jaxrat.ops import mlp as mlp_ops
+from jaxrat.ops import norm as norm_ops
 from jaxrat.ops.conv import conv_general_dilated
 
 Array = jax.Array
@@ -77,9 +78,25 @@ def conv(
                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs, **extra)
 
 
-def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+class LayerNorm(nnx.LayerNorm):
+    """nnx.LayerNorm (the same parameters) computed by the kernel policy's form (:mod:`jaxrat.ops.norm`
+    on the gpu policy, flax's own elsewhere)."""
+
+    def __init__(self, *args: Any, kernels: Optional[ops.KernelPolicy] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = kernels
+
+    def __call__(self, x: Array, *, mask: Optional[Array] = None) -> Array:
+        if self.kernels is None or not self.kernels.gpu or mask is not None or self.scale is None or self.bias is None:
+            return super().__call__(x, mask=mask)
+        return norm_ops.layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype or x.dtype)
+
+
+def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs,
+               kernels: Optional[ops.KernelPolicy] = None) -> LayerNorm:
     # use_fast_variance=False: E[(x-mu)^2] like PyTorch, not E[x^2]-mu^2.
-    return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    return LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                     kernels=kernels)
 
 
 class Mlp(nnx.Module):

@@ -42,10 +42,10 @@ class MultiResBlock(nnx.Module):
         self.head_dim = d // c.num_heads
         self.kernels = kernels
         self.rose = RotarySpatialEmbedding.from_config(c, kernels=kernels, rngs=rngs)
-        self.norm1 = layer_norm(d, norm_eps, dtype=dtype, rngs=rngs)
+        self.norm1 = layer_norm(d, norm_eps, dtype=dtype, rngs=rngs, kernels=kernels)
         self.qkv = linear(d, 3 * d, use_bias=c.qkv_bias, dtype=dtype, rngs=rngs)
         self.proj = linear(d, d, dtype=dtype, rngs=rngs)
-        self.norm2 = layer_norm(d, norm_eps, dtype=dtype, rngs=rngs)
+        self.norm2 = layer_norm(d, norm_eps, dtype=dtype, rngs=rngs, kernels=kernels)
         self.mlp = Mlp(d, int(d * c.mlp_ratio), dropout=c.mlp_dropout, bias=c.mlp_bias, dtype=dtype, rngs=rngs,
                        kernels=kernels)
 

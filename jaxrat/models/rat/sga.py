@@ -85,9 +85,9 @@ class SpatialGroupingAttention(nnx.Module):
         # temp scales the keys only and starts at 1/sqrt(D) (not 1/sqrt(dh)): reference flaw 16.
         self.temp = nnx.Param(jnp.full((1,), 1.0 / math.sqrt(feature_dims), jnp.float32))
         self.rose = RotarySpatialEmbedding.from_config(c, kernels=kernels, rngs=rngs)
-        self.norm1 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs)
-        self.norm2 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs)
-        self.norm3 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs)
+        self.norm1 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.norm2 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.norm3 = layer_norm(feature_dims, 1e-5, dtype=dtype, rngs=rngs, kernels=kernels)
         self.mask_embedding = nnx.Param(jax.random.uniform(rngs.params(), (feature_dims,), jnp.float32))
 
     def out_grid_shape(self, grid_shape: Sequence[int]) -> tuple[int, ...]:
