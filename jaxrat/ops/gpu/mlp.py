@@ -16,10 +16,9 @@ Products run on the tensor cores in the operands' dtype with float32 accumulatio
 
 Dropout, of the hidden units and of the output, is drawn inside the kernels (:func:`kept`: a hash of
 a seed and each unit's global token and column) and drawn again, identically, by the backward ones:
-no mask is drawn by XLA or kept in memory. (Drawing them as ``nnx.Dropout`` does took the ISIC
-step's SGA and MR blocks 72 kernels of threefry and 1.4 GB of masks written and read again, measured
-with benchmarks/gpu_cost.py.) Tokens are numbered over the whole batch, so a sharded batch draws the
-same masks as one device.
+no mask is drawn by XLA or kept in memory. (Drawn as ``nnx.Dropout`` draws them, the masks cost the
+ISIC step, compiled for an H100, 22 kernels and 2.0 GB of traffic more: benchmarks/gpu_cost.py.)
+Tokens are numbered over the whole batch, so a sharded batch draws the same masks as one device.
 """
 
 from __future__ import annotations
