@@ -53,10 +53,10 @@ class WeightsPass:
     has ``min_share`` token tiles (of the other passes, up to 64 tokens) at least, so the float32
     partials (2 D Hd 4 bytes a share, added by XLA) stay small beside its tokens. Measured on an H100
     at 118k tokens, D 128, Hd 512: 128 x 16 shares took 2.9 ms a call, 64 x 64 takes 0.4 ms
-    (docs/benchmarks.md). ``tile``: tokens a loop step
-    (at most the other passes' tile): compiled for an H100 with both dropout masks drawn in the
-    kernel, 64 needs more than 255 registers a thread and spills 460 bytes, 32 spills none
-    (benchmarks/gpu_registers.py); not yet timed on a GPU (benchmarks/mlp_gpu.py's ``cuts``)."""
+    (docs/benchmarks.md). ``tile``: tokens a loop step (at most the other passes' tile): compiled
+    for an H100 with both dropout masks drawn in the kernel, 64 needs more than 255 registers a
+    thread and spills 460 bytes, 32 spills none (benchmarks/gpu_registers.py); not yet timed on a
+    GPU (benchmarks/mlp_gpu.py's ``cuts``)."""
 
     chunk: int = 64
     max_splits: int = 64
@@ -136,7 +136,7 @@ def kept(seed0: Array, seed1: Array, tokens: Array, units: Array, rate: float) -
     """Dropout's draw: whether unit ``units`` of token ``tokens`` (uint32, broadcast together) is kept
     at ``rate`` for the seed (seed0, seed1), uint32 scalars. 24 bits of a hash of seed, token and unit
     against rate x 2^24, so P(kept) is 1 - rate to 6e-8. Plain jax.numpy: the kernels call it, and so
-    can anyone who needs the masks they drew (tests, the bias gradient)."""
+    can anyone who needs the masks they drew (tests, benchmarks/mlp_gpu.py)."""
     h = _fmix(_fmix(tokens * _ROW + seed0) ^ (units * _COL + seed1))
     return (h >> 8) >= np.uint32(round(rate * (1 << 24)))
 
@@ -198,8 +198,8 @@ def _forward_kernel(*refs, hidden: int, drop: Drop):
 
     def chunk(j, acc):  # a loop, not unrolled: Triton compiles it several times faster
         cols = pl.ds(j * CHUNK, CHUNK)
-        h, _ = _hidden(x, w1_ref[:, cols], b1_ref[cols], _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden),
-                    drop.hidden)
+        keep = _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden)
+        h, _ = _hidden(x, w1_ref[:, cols], b1_ref[cols], keep, drop.hidden)
         return acc + _dot(h.astype(x.dtype), w2_ref[cols, :])
 
     y = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros((t, d), jnp.float32))
