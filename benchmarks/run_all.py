@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "step_profile": (["--size", "64", "--steps", "2", "--feed-steps", "2"], ["--size", "128", "--steps", "3"]),
     "gpu_bench": (["--quick"], []),  # the full table wants a GPU; --quick runs the portable forms on a CPU
     "gpu_cost": (["--quick"], []),
+    "gpu_registers": ([], []),  # compiles for an H100 and asks ptxas: no GPU needed, ~15 s
 }
 
 
@@ -66,6 +67,7 @@ SMOKE: dict[str, list[str]] = {
     "gpu_bench": ["--quick", "--sizes", "32", "--only", "kernels"],
     "backbone_bench": ["--quick"],
     "gpu_cost": ["--quick"],
+    "gpu_registers": [],
 }
 # Benchmarks that need a CUDA device and cannot run on CI's CPUs (run them on a GPU machine).
 GPU_ONLY = {"gpu_profile", "mlp_gpu", "sparse_sga_gpu"}
