@@ -41,13 +41,13 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     NEG,
     ceil_div,
     clip,
+    keys_over_uses,
     load,
     load1,
     loop,
     rowdot,
     store,
     store1,
-    use_columns,
 )
 from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -272,26 +272,20 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
 
     # mode == "keys": dv = sum_o A g_o / d and dk = sum_o A (dA - delta_o) q_o, dA = g_o . v / d + gd,
     # added up over the uses in float32 on chip
-    dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
-    for use in map(str, range(uses)):
-        inv_d, gd = use_columns(R, use, prow, xok)
-        normalised = inv_d is not None
-
-        def body(i, carry, use=use, normalised=normalised, inv_d=inv_d, gd=gd):
+    def use_body(use, inv_d, gd):
+        def body(i, carry):
             gw, dk = carry
             for q, a, grow, ok in groups(i, use):
                 g = load(R["g" + use], grow, ok, t.dv, t.dvp)
                 gw = gw + a[:, None] * g
                 da = rowdot(v, g)
-                if normalised:
+                if inv_d is not None:
                     da = da * inv_d + gd
                 dk = dk + (a * (da - load1(R["delta" + use], grow, ok)))[:, None] * q
             return gw, dk
+        return body
 
-        gw, dk = loop(t, t.nt, body, (zeros_v, dk))
-        dv = dv + (gw * inv_d[:, None] if normalised else gw)
-    store(R["dk"], prow, xok, t.dh, t.dhp, dk)
-    store(R["dv"], prow, xok, t.dv, t.dvp, dv)
+    keys_over_uses(R, t, uses, prow, xok, zeros_v, use_body)
 
 
 def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):

@@ -12,6 +12,7 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     ceil_div,
     clip,
     dot,
+    keys_over_uses,
     load,
     load1,
     load_as,
@@ -19,7 +20,6 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     rowdot,
     store,
     store1,
-    use_columns,
 )
 
 
@@ -162,22 +162,16 @@ def input_products(R, mode: str, t, eps: float, uses: int, exact: bool):  # t: s
         return
 
     # mode == "keys", as the tap form: dv = sum_o A g_o / d, dk = sum_o A (dA - delta_o) q_o
-    dk, dv = jnp.zeros((t.tx, t.dhp), jnp.float32), zeros_v
-    for use in map(str, range(uses)):
-        inv_d, gd = use_columns(R, use, prow, xok)
-        normalised = inv_d is not None
-
-        def body(i, carry, use=use, normalised=normalised, inv_d=inv_d, gd=gd):
+    def use_body(use, inv_d, gd):
+        def body(i, carry):
             gw, dk = carry
             grow, gok, q, a = groups(i, use)
             g = load_as(R["g" + use], grow, gok, t.dv, t.dvp)
             da = dot(v, g, exact, transpose_b=True)
-            if normalised:
+            if inv_d is not None:
                 da = da * inv_d[:, None] + gd[:, None]
             w = a * (da - load1(R["delta" + use], grow, gok)[None, :])
             return gw + dot(a, g, exact), dk + dot(w, q, exact)
+        return body
 
-        gw, dk = loop(t, t.nt, body, (zeros_v, dk))
-        dv = dv + (gw * inv_d[:, None] if normalised else gw)
-    store(R["dk"], prow, xok, t.dh, t.dhp, dk)
-    store(R["dv"], prow, xok, t.dv, t.dvp, dv)
+    keys_over_uses(R, t, uses, prow, xok, zeros_v, use_body)

@@ -89,10 +89,19 @@ def load_as(ref, rows, ok, d: int, dp: int):
     return plgpu.load(ref.at[idx], mask=mask, other=0)
 
 
-def use_columns(R, use: str, prow, ok):
-    """A grouping use's 1 / d and gd at the inputs ``prow`` (the keys' pass of either form), or
-    (None, None) for a use without column normalisation. A use whose backward never ran left zeros:
-    d = 0 must then add nothing, not 0 / 0, hence the floor."""
-    if "d" + use not in R:
-        return None, None
-    return 1.0 / jnp.maximum(load1(R["d" + use], prow, ok, 1.0), TINY), load1(R["gd" + use], prow, ok)
+def keys_over_uses(R, t, uses: int, prow, ok, zeros_v, use_body) -> None:
+    """The keys' pass of either form: dk and dv of the inputs ``prow``, summed over a layer's ``uses``
+    in float32 on chip, then stored. ``use_body(use, inv_d, gd)`` gives the loop body over the ``nt``
+    covering output rows, carrying (sum_o A g_o, dk); inv_d and gd are that use's 1 / d and d's
+    gradient at the inputs, (None, None) without column normalisation. A use whose backward never ran
+    left d = 0: it must add nothing, not 0 / 0, hence the floor."""
+    dk, dv = jnp.zeros((zeros_v.shape[0], t.dhp), jnp.float32), zeros_v
+    for use in map(str, range(uses)):
+        inv_d = gd = None
+        if "d" + use in R:
+            inv_d = 1.0 / jnp.maximum(load1(R["d" + use], prow, ok, 1.0), TINY)
+            gd = load1(R["gd" + use], prow, ok)
+        gw, dk = loop(t, t.nt, use_body(use, inv_d, gd), (zeros_v, dk))
+        dv = dv + (gw if inv_d is None else gw * inv_d[:, None])
+    store(R["dk"], prow, ok, t.dh, t.dhp, dk)
+    store(R["dv"], prow, ok, t.dv, t.dvp, dv)
