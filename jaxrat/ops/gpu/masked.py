@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrat.ops.gpu.fused import Implementation, fused_attention
+from jaxrat.ops.gpu.permute import inverse_order, permute_keys
 
 Array = jax.Array
 
@@ -35,29 +36,8 @@ def masked_attention(
     """
     # Axes of size 1 stay so: one order for every head (DETR's mask is per image), sorted once.
     key_ok = jnp.broadcast_to(key_ok, (*key_ok.shape[:-1], k.shape[-2]))
-    order = jnp.argsort(~key_ok, axis=-1, stable=True)
-    inverse = jnp.put_along_axis(jnp.zeros_like(order), order, jnp.broadcast_to(
-        jnp.arange(order.shape[-1], dtype=order.dtype), order.shape), axis=-1, inplace=False)
-    k, v = _take_keys(k, order[..., None], inverse[..., None]), _take_keys(v, order[..., None], inverse[..., None])
+    order = jnp.argsort(~key_ok, axis=-1, stable=True)[..., None]
+    inverse = inverse_order(order)
+    k, v = permute_keys(k, order, inverse), permute_keys(v, order, inverse)
     lengths = jnp.broadcast_to(jnp.sum(key_ok, axis=-1, dtype=jnp.int32), k.shape[:-2])
     return fused_attention(q, k, v, scale=scale, kv_lengths=lengths, implementation=implementation)
-
-
-@jax.custom_vjp
-def _take_keys(a: Array, order: Array, inverse: Array) -> Array:
-    """The keys (axis -2) in ``order``; differentiated by the ``inverse`` permutation, one gather, where
-    take_along_axis's own gradient is a scatter-add into zeros the size of the keys (the COCO step's
-    cross-attention, compiled for an H100: 12 scatters of 2 GB each)."""
-    return jnp.take_along_axis(a, order, axis=-2)
-
-
-def _take_keys_fwd(a, order, inverse):
-    return _take_keys(a, order, inverse), (order, inverse)
-
-
-def _take_keys_bwd(res, g):
-    order, inverse = res
-    return jnp.take_along_axis(g, inverse, axis=-2), None, None
-
-
-_take_keys.defvjp(_take_keys_fwd, _take_keys_bwd)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrat.ops.gpu.fused import Implementation, fused_attention
+from jaxrat.ops.gpu.permute import permute_keys
 from jaxrat.ops.portable.windowed_attention import (
     broadcast_global,
     from_windows,
@@ -28,22 +29,6 @@ from jaxrat.ops.portable.windowed_attention import (
 )
 
 Array = jax.Array
-
-
-def _permutation(order: np.ndarray):
-    """``a -> take_along_axis(a, order, axis=3)`` for tiles (B, tiles, H, keys, dh) and a static
-    permutation ``order`` (tiles, keys) of each tile's keys, whose gradient is the inverse permutation:
-    one gather, where take_along_axis's own is a scatter-add into zeros the size of the keys (on the
-    ISIC step, compiled for an H100: a broadcast and a scatter per operand, 0.2 GB a windowed block)."""
-    forward = jnp.asarray(order)[None, :, None, :, None]
-    inverse = jnp.asarray(np.argsort(order, axis=1))[None, :, None, :, None]
-
-    @jax.custom_vjp
-    def permute(a):
-        return jnp.take_along_axis(a, forward, axis=3)
-
-    permute.defvjp(lambda a: (permute(a), None), lambda _, g: (jnp.take_along_axis(g, inverse, axis=3),))
-    return permute
 
 
 def _windowed(q, k, v, kg, vg, grid, window, *, attend):
@@ -57,8 +42,9 @@ def _windowed(q, k, v, kg, vg, grid, window, *, attend):
     lengths = None
     if not real.all():
         # A stable sort puts each tile's real keys first, in order; the padding follows, masked by length.
-        permute = _permutation(np.argsort(~real, axis=1, kind="stable"))
-        kw, vw = permute(kw), permute(vw)
+        order = np.argsort(~real, axis=1, kind="stable")  # static: its inverse too
+        forward, inverse = (jnp.asarray(o)[None, :, None, :, None] for o in (order, np.argsort(order, axis=1)))
+        kw, vw = permute_keys(kw, forward, inverse), permute_keys(vw, forward, inverse)
         lengths = jnp.asarray(real.sum(1), jnp.int32)[None, :, None]
     return from_windows(attend(qw, kw, vw, kv_lengths=lengths), grid, window)
 
