@@ -2,15 +2,16 @@
 
     python benchmarks/gpu_registers.py [--out registers.json] [--tw N] [--tx N] [--warps N]
 
-XLA compiles the ISIC first SGA layer's sparse attention (forward and backward, tap by tap and as
-matrix products) and its fused MLP (with both dropouts) for an H100, as benchmarks/gpu_cost.py does,
-and writes every kernel's PTX (``--xla_dump_to``); NVIDIA's assembler (``ptxas -v``, from the
-nvidia-cuda-nvcc wheel scripts/setup_gpu_aot.sh installs beside the venv) reports per kernel the
-registers a thread uses (255 at most), the bytes it spills to local memory and its stack. A kernel that
-spills runs its inner loop through memory: compiled so, the product form's gradient pass at 32 groups a
-tile spilled 6 KB a thread (its weights met keys as three TF32 products) and still 152 bytes with
-bfloat16 weights, none at 16 groups. The table counts the tensor-core instructions too (``mma.sync``,
-and Hopper's ``wgmma``, which Triton picks for tiles of 64 rows and more).
+XLA compiles the ISIC first SGA layer's sparse attention (forward and backward, tap by tap and as matrix
+products), its fused MLP (with both dropouts) and the fused AdamW (one call's leaves) for an H100, as
+benchmarks/gpu_cost.py does, and writes every kernel's PTX (``--xla_dump_to``); NVIDIA's assembler
+(``ptxas -v``, from the nvidia-cuda-nvcc wheel scripts/setup_gpu_aot.sh installs beside the venv)
+reports per kernel the registers a thread uses (255 at most), the bytes it spills to local memory and
+its stack. A kernel that spills runs its inner loop through memory: compiled so, the product form's
+gradient pass at 32 groups a tile spilled 6 KB a thread (its weights met keys as three TF32 products)
+and still 152 bytes with bfloat16 weights, none at 16 groups. The table counts the tensor-core
+instructions too (``mma.sync``, and Hopper's ``wgmma``, which Triton picks for tiles of 64 rows and
+more).
 
 ``--tw``/``--tx``/``--warps`` recut both forms' tiles (groups a group tile, inputs an input tile, warps
 a program) to see what a cut costs before a GPU times it.
@@ -39,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 
 # Where scripts/setup_gpu_aot.sh installs ptxas: not on the plugin's path, so XLA keeps its own.
 PTXAS_DIR = Path(os.environ.get("JAXRAT_PTXAS_DIR") or Path(sys.prefix) / "gpu-ptxas")
-PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp")
+PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp", "multi_tensor_adamw")
 
 
 def find_ptxas() -> str | None:
@@ -72,14 +73,14 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
         program = next((p for p in PROGRAMS if f"jit_{p}." in path.name), None)
         ptx = path.read_text()
         entry = re.search(r"\.entry (\w+)", ptx)
-        if program and entry and entry.group(1).startswith(("sparse_sga_", "fused_mlp_")):
+        if program and entry and entry.group(1).startswith(("sparse_sga_", "fused_mlp_", "multi_tensor_adamw")):
             rows.append({"program": program, "kernel": entry.group(1), **usage(ptx, ptxas)})
     return sorted(rows, key=lambda r: (r["program"], r["kernel"]))
 
 
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
-    from jaxrat.ops.gpu import mlp, sparse_sga_kernels
+    from jaxrat.ops.gpu import adamw, mlp, sparse_sga_kernels
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -109,8 +110,19 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
         loss = lambda *a: jnp.sum(mlp.fused_mlp(*a, seed, (0.1, 0.1)).astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w1, b1, w2, b2)
 
+    def multi_tensor_adamw(s, *leaves):
+        n = len(leaves) // 4
+        hyper = adamw.Hyper(0.9, 0.999, 1e-8, 0.0, 0.05, True)
+        return adamw.multi_tensor_adamw(leaves[:n], leaves[n:2 * n], leaves[2 * n:3 * n], leaves[3 * n:], s, hyper,
+                                        [j % 2 == 0 for j in range(n)], [1.0] * n)
+
     sparse(False)
     sparse(True)
+    # one call's worth of leaves (its most kernel arguments), of a RAT's shapes
+    shapes = [(128, 128), (128,), (2,), (512, 128)] * (adamw.LEAVES_PER_CALL // 4)
+    f32 = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    gpu_cost.compile_for(jax.jit(multi_tensor_adamw), jax.ShapeDtypeStruct((adamw.SCALARS,), jnp.float32),
+                         *f32 * 4, device=device)
     gpu_cost.compile_for(jax.jit(fused_mlp), bf16(16 * 7396, 128), bf16(128, 512), bf16(512), bf16(512, 128),
                          bf16(128), device=device)
 

@@ -12,6 +12,8 @@ import optax
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.tree_paths import path_name
 
+ADAM_EPS = 1e-8  # optax's default, named because the fused update (trainer/fused_optimizer.py) needs it too
+
 
 def make_schedule(cfg: Any, num_steps: int) -> optax.Schedule:
     """Warmup from 0 to ``learning_rate``, then cosine to ``learning_rate * end_learning_rate_factor``."""
@@ -117,7 +119,7 @@ def make_optimizer(cfg: Any, num_steps: int, *, concatenate_norm: bool = False
     parts = []
     if cfg.clip_norm > 0:
         parts.append(clip_by_global_norm(cfg.clip_norm, concatenate=concatenate_norm))
-    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=ADAM_EPS, weight_decay=cfg.weight_decay,
                              mask=lambda params: decay_mask(params, exclude)))
     layer_decay = float(cfg.get("layer_decay", 0.0) or 0.0)
     if not 0.0 <= layer_decay <= 1.0:

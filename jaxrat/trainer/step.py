@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
 from jaxrat.trainer.fixed_shards import FixedShardStep
+from jaxrat.trainer.fused_optimizer import fused_adamw
 from jaxrat.trainer.optimizer import ema_decay_at, global_norm, update_ema
 from jaxrat.trainer.state import StateSpec, concatenates_norm
 
@@ -45,6 +46,7 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
     """``step(state, batch) -> (state, metrics)``, jitted with the state donated (under
     ``train.reduction_shards``, a :class:`FixedShardStep` whose programs are)."""
     accum = spec.config.optimizer.grad_accum_steps
+    fused = fused_adamw(spec.config, spec.kernels, spec.abstract_state, spec.schedule)
 
     def loss_of(params: Any, batch: Any, rng: jax.Array) -> tuple[jax.Array, dict]:
         # The model's streams keep the step's key itself, so dropout noise is what it always was.
@@ -64,9 +66,12 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         # the scope lives here because models know nothing of training. The finite-guard's selects
         # are in it: they rewrite every parameter and moment, as the update does.
         with jax.named_scope("optimizer"):
-            updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
-            new_params = jax.tree.map(lambda p, u: p + u, params, updates)
-            new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+            if fused is not None:  # the same update in a few kernels, not one per leaf (gpu policy)
+                new_params, opt_state = fused.update(grads, state["opt_state"], params, ok, gnorm)
+            else:
+                updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
+                new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+                new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
         if spec.ema:
             with jax.named_scope("ema"):

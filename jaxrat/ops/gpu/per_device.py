@@ -39,3 +39,13 @@ def over_batch(fn: Callable[..., Any], *operands: Any, replicated: tuple = (), f
         body = fn
     return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(operands) + (P(),) * len(replicated), out_specs=spec,
                          check_vma=False)(*operands, *replicated)
+
+
+def replicated(fn: Callable[..., Any], *operands: Any) -> Any:
+    """``fn(*operands)`` on replicated operands and results, run by every device on its own copy when
+    a mesh of several devices is set (a custom kernel is not split by XLA; without ``shard_map`` it
+    would be run once and its results broadcast); as it is otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or mesh.manual_axes:
+        return fn(*operands)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(operands), out_specs=P(), check_vma=False)(*operands)
