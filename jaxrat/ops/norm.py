@@ -44,7 +44,8 @@ def _norm_bwd(eps, dtype, res, g):
     tokens = tuple(range(x.ndim - 1))
     gs = g * scale
     dx = rstd * (gs - jnp.mean(gs, -1, keepdims=True) - x_hat * jnp.mean(gs * x_hat, -1, keepdims=True))
-    return dx.astype(x.dtype), jnp.sum(g * x_hat, tokens), jnp.sum(g, tokens)
+    sums = jnp.sum(jnp.stack([g * x_hat, g]), tuple(t + 1 for t in tokens))
+    return dx.astype(x.dtype), sums[0], sums[1]
 
 
 _norm.defvjp(_forward, _norm_bwd)
