@@ -118,3 +118,19 @@ def test_unet_variant_builds_the_baseline_on_the_isic_settings():
     model = build_model(unet.model, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     out = model(np.zeros((1, 32, 32, 3), np.float32))
     assert out.shape == (1, 32, 32, 1)
+
+
+def test_the_dropout_streams_keys_are_the_step_key_folded_with_each_leaf_s_index():
+    """fresh_rest derives every stream's key in one vectorised fold_in (one kernel on a GPU, not one per
+    stream): the keys are still fold_in(rng, i), so dropout draws what it drew before."""
+    from jaxrat.trainer.state import _is_key, fresh_rest
+
+    config = load_config("configs/isic.py")  # the study's RAT: MLP dropout in every SGA layer and MR block
+    spec = make_state_spec(config, make_mesh(config.mesh.axes), load_task(config))
+    rng = jax.random.key(7)
+    leaves = jax.tree.leaves(fresh_rest(spec.abstract_rest, rng))
+    keys = [(i, x) for i, x in enumerate(leaves) if _is_key(x)]
+    assert len(keys) >= 8
+    for i, x in keys:
+        want = jax.random.key_data(jax.random.fold_in(rng, i))
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(x)).reshape(-1, 2)[0], np.asarray(want))

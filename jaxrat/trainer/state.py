@@ -70,7 +70,9 @@ def check_kernels_run_here(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> N
 def fresh_rest(abstract_rest: Any, rng: jax.Array) -> Any:
     """Concrete non-parameter model state (dropout RNG streams) derived from ``rng``."""
     leaves, treedef = jax.tree.flatten(abstract_rest)
-    out = [jnp.broadcast_to(jax.random.fold_in(rng, i), x.shape) if _is_key(x) else jnp.zeros(x.shape, x.dtype)
+    # fold_in(rng, i) for every leaf at once: one kernel on a GPU, not one per stream (the same keys)
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(len(leaves), dtype=jnp.uint32))
+    out = [jnp.broadcast_to(keys[i], x.shape) if _is_key(x) else jnp.zeros(x.shape, x.dtype)
            for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
 
