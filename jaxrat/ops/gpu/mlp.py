@@ -230,7 +230,7 @@ def _inputs_kernel(*refs, hidden: int, drop: Drop):
 def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, drop: Drop):
     """Tiles and tiles per share come as operands, not constants: one compiled kernel for every
     token count (Triton compiles each distinct kernel anew, seconds each)."""
-    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, dw1_ref, db1_ref, dw2_ref) = _split(refs, drop)
+    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, parts_ref) = _split(refs, drop)
     tiles, per_split = bounds_ref[0], bounds_ref[1]
     j, s = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * chunk, chunk)
@@ -252,7 +252,10 @@ def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, drop: Drop):
     lo = s * per_split
     init = (jnp.zeros((d, chunk), jnp.float32), jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk, d), jnp.float32))
     dw1, db1, dw2 = lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, init)
-    dw1_ref[...], db1_ref[...], dw2_ref[...] = dw1, db1, dw2
+    # one block of the share's partial sums, (2 D + 1, chunk): rows of w1's, b1's, and w2's transposed
+    parts_ref[pl.ds(0, d), :] = dw1
+    parts_ref[d, :] = db1
+    parts_ref[pl.ds(d + 1, d), :] = dw2.T
 
 
 def _whole(shape):
@@ -302,22 +305,26 @@ def _mlp_bwd(drop: Drop, interpret: bool, res, g):
     tiles = n // wt
     splits = max(1, min(cut.max_splits, n // t // cut.min_share))  # min_share counts the other passes' tiles
     per_split = -(-tiles // splits)
-    f32 = lambda *shape: jax.ShapeDtypeStruct((splits, *shape), jnp.float32)
-    c = cut.chunk
-    dw1, db1, dw2 = pl.pallas_call(
+    c, chunks = cut.chunk, hidden // cut.chunk
+    parts = pl.pallas_call(
         partial(_weights_kernel, tile=wt, chunk=c, drop=drop),
-        grid=(hidden // c, splits),
+        grid=(chunks, splits),
         in_specs=[_whole((2,))] + word_spec + [_whole(x.shape), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape),
                                                _whole(g.shape)],
-        out_specs=[pl.BlockSpec((None, d, c), lambda j, s: (s, 0, j)),
-                   pl.BlockSpec((None, c), lambda j, s: (s, j)),
-                   pl.BlockSpec((None, c, d), lambda j, s: (s, j, 0))],
-        out_shape=[f32(d, hidden), f32(hidden), f32(hidden, d)], compiler_params=_params(cut.warps, cut.stages),
+        out_specs=pl.BlockSpec((None, None, 2 * d + 1, c), lambda j, s: (s, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, chunks, 2 * d + 1, c), jnp.float32),
+        compiler_params=_params(cut.warps, cut.stages),
         interpret=interpret, name="fused_mlp_weights")(jnp.array([tiles, per_split], jnp.int32), *words, x, w1, b1,
                                                        w2, g)
+    # The shares' partial sums of all three gradients in one buffer: XLA adds them in one reduction (three
+    # had been three kernels), and the unpacking below fuses into whatever reads the gradients next.
+    sums = parts.sum(0)  # (chunks, 2 D + 1, c)
+    dw1 = sums[:, :d, :].transpose(1, 0, 2).reshape(d, hidden)
+    db1 = sums[:, d, :].reshape(hidden)
+    dw2 = sums[:, d + 1:, :].transpose(0, 2, 1).reshape(hidden, d)
     zero_words = np.zeros(drop_words.shape, jax.dtypes.float0) if drop_words is not None else None
-    return (dx, dw1.sum(0).astype(w1.dtype), db1.sum(0).astype(b1.dtype), dw2.sum(0).astype(w2.dtype),
-            db2.sum(0).astype(w2.dtype), zero_words)
+    return (dx, dw1.astype(w1.dtype), db1.astype(b1.dtype), dw2.astype(w2.dtype), db2.sum(0).astype(w2.dtype),
+            zero_words)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
