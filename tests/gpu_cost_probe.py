@@ -75,6 +75,15 @@ def clipped(*grads):
     return global_norm(list(grads), concatenate=True), updates
 
 
+def resized(x, g):
+    """The decoder's last upsampling (86 -> 256 px, 32 channels, bf16) and its gradient, on the gpu policy."""
+    from jaxrat import ops
+    from jaxrat.ops.resize import resize_linear
+
+    f = lambda x: jnp.sum(resize_linear(x, (256, 256), ops.KernelPolicy("gpu")).astype(jnp.float32) * g)
+    return jax.value_and_grad(f)(x)
+
+
 def main() -> None:
     why = gpu_cost.plugin_missing()
     if why:
@@ -89,6 +98,7 @@ def main() -> None:
         "loop": (loop, bf16(128, 256), bf16(256, 256)),
         "fused_mlp": (fused_mlp, bf16(2, 4096, 128), bf16(128, 512), bf16(512), bf16(512, 128), bf16(128)),
         "clipped": (clipped, *[jax.ShapeDtypeStruct(s, jnp.float32) for s in LEAVES]),
+        "resized": (resized, bf16(16, 86, 86, 32), jax.ShapeDtypeStruct((16, 256, 256, 32), jnp.float32)),
         "sparse_sga": (sparse_sga, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16), bf16(2, 64 * 64, 8, 16)),
         "sparse_sga_products": (sparse_sga_products, bf16(2, 22 * 22, 8, 16), bf16(2, 64 * 64, 8, 16),
                                 bf16(2, 64 * 64, 8, 16)),

@@ -118,6 +118,15 @@ def test_the_gradient_norm_and_its_clip_are_one_reduction_not_one_per_leaf(probe
     assert len(kernels) <= 60 + 6, [k["kind"] for k in kernels]
 
 
+def test_an_upsampling_resize_is_gathers_not_matrix_products(probe):
+    """jax.image.resize multiplies by a dense weight matrix per axis (padded cuBLAS calls and transposes,
+    forward and backward); the gpu policy's upsampling gathers two inputs per output and, backward, each
+    input's few outputs: no matmul, no scatter, a handful of fused kernels."""
+    kernels = probe["resized"]["kernels"]
+    assert not _gemms(kernels) and not any("scatter" in k["kind"] for k in kernels), [k["kind"] for k in kernels]
+    assert len(kernels) <= 6, [k["kind"] for k in kernels]
+
+
 def test_the_quick_step_is_priced_per_scope(tmp_path):
     """The --quick path: the trainer's RAT step (gpu kernels, bf16) compiled for the H100, every part of
     the model's scopes found, and the JSON written."""

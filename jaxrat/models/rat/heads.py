@@ -22,15 +22,14 @@ from flax import nnx
 from jaxrat import ops
 from jaxrat.models.layers import linear
 from jaxrat.ops.conv import conv_general_dilated
+from jaxrat.ops.resize import resize_linear
 
 Array = jax.Array
 
 
-def resize_to(x: Array, grid: Sequence[int]) -> Array:
+def resize_to(x: Array, grid: Sequence[int], kernels: ops.KernelPolicy = ops.PORTABLE) -> Array:
     """Linear resize of (B, *grid, C) channels-last maps (half-pixel centres, edge-clamped)."""
-    if tuple(x.shape[1:-1]) == tuple(grid):
-        return x
-    return jax.image.resize(x, (x.shape[0], *grid, x.shape[-1]), "linear")
+    return resize_linear(x, grid, kernels)
 
 
 class ReferenceSegmentationHead(nnx.Module):
@@ -88,6 +87,7 @@ class MultiLevelDecoderHead(nnx.Module):
         self.refine = nnx.List([_Refine(decoder_dim, spatial_dims, kernels=kernels, dtype=dtype, rngs=rngs)
                                 for _ in range(num_stages - 1)])
         self.out = linear(decoder_dim, num_classes, dtype=dtype, rngs=rngs, init="torch")
+        self.kernels = kernels
 
     def __call__(self, features: Sequence[Array], grids: Sequence[Sequence[int]], out_grid: Sequence[int]) -> Array:
         """Stage tokens (finest first) on their grids -> (B, *out_grid, classes) logits."""
@@ -95,5 +95,5 @@ class MultiLevelDecoderHead(nnx.Module):
         y = self.lateral[-1](features[-1]).reshape(b, *grids[-1], -1)
         for level in range(len(features) - 2, -1, -1):
             skip = self.lateral[level](features[level]).reshape(b, *grids[level], -1)
-            y = self.refine[level](resize_to(y, grids[level]) + skip)
-        return resize_to(self.out(y), out_grid)
+            y = self.refine[level](resize_to(y, grids[level], self.kernels) + skip)
+        return resize_to(self.out(y), out_grid, self.kernels)
