@@ -110,6 +110,31 @@ def test_bfloat16_is_as_close_to_float32_as_xla_in_bfloat16():
         assert err < 1.25 * err_xla + 1e-3 and err < 2e-2, f"{name}: {err:.2e} (XLA bf16: {err_xla:.2e})"
 
 
+def test_float32_weights_are_rounded_on_chip_and_their_gradients_stay_float32():
+    """The layer hands the kernels its float32 parameters (no cast kernels): the forward is the one with the
+    weights rounded to bfloat16 beforehand, and the weights' gradients come back in float32,
+    as close to the float32 ones as the rounded weights' bfloat16 gradients, or closer."""
+    d, hidden, rates = 32, 256, (0.1, 0.1)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 48, d)).astype(jnp.bfloat16)
+    g = jax.random.normal(jax.random.PRNGKey(2), (2, 48, d))
+    w32 = _weights(d, hidden)
+    w16 = tuple(w.astype(jnp.bfloat16) for w in w32)
+    fused = lambda *a: gpu_mlp.fused_mlp(*a, SEED, rates, interpret=True)
+    y32, vjp32 = jax.vjp(fused, x, *w32)
+    y16, vjp16 = jax.vjp(fused, x, *w16)
+    # the same forward, to a bfloat16 ulp (the float32 weights' pass takes half the hidden units a step)
+    np.testing.assert_allclose(np.asarray(y32, np.float32), np.asarray(y16, np.float32), rtol=2 ** -8, atol=1e-6)
+    grads32, grads16 = vjp32(g.astype(y32.dtype))[1:], vjp16(g.astype(y16.dtype))[1:]
+    assert all(a.dtype == jnp.float32 for a in grads32) and all(a.dtype == jnp.bfloat16 for a in grads16)
+    masks = _masks(96, d, hidden, rates)
+    with jax.default_matmul_precision("highest"):
+        exact = jax.vjp(_xla(masks, rates), x.astype(jnp.float32), *map(lambda w: w.astype(jnp.bfloat16)
+                        .astype(jnp.float32), w32))[1](g)[1:]
+    for a, b, e in zip(grads32, grads16, exact):
+        err = lambda z: float(jnp.max(jnp.abs(z.astype(jnp.float32) - e)))
+        assert err(a) <= err(b) * 1.01 + 1e-6, (err(a), err(b))
+
+
 def test_the_dropout_draw_keeps_one_minus_rate_of_the_units_independently():
     """2^20 draws (1024 tokens x 1024 units): the kept fraction is 1 - rate within 5 standard errors,
     for every rate; neighbouring tokens, neighbouring units and the two seeds' masks agree as often as

@@ -125,8 +125,9 @@ class Mlp(nnx.Module):
             # drop2's mask is drawn in the kernels too (from drop1's key: one draw from the stream);
             # without a key drop2 is off as well, or runs as itself.
             out_rate = self.drop2.rate if key is not None and not self.drop2.deterministic else 0.0
-            y = mlp_ops.fused_mlp(x.astype(dtype), *(a.astype(dtype) for a in w), dropout_rate=rate,
-                                  dropout_key=key, output_rate=out_rate)
+            # float32 weights as they are: the kernels round them on chip (no cast kernels), and their
+            # gradients stay float32
+            y = mlp_ops.fused_mlp(x.astype(dtype), *w, dropout_rate=rate, dropout_key=key, output_rate=out_rate)
             return y if key is not None else self.drop2(y)
         itemsize = jnp.dtype(dtype).itemsize
         hidden_bytes = math.prod(x.shape[:-1]) * self.fc1.out_features * itemsize

@@ -196,14 +196,18 @@ def _forward_kernel(*refs, hidden: int, drop: Drop):
     t, d = y_ref.shape
     tokens = _tokens(drop_ref, pl.program_id(0) * t, t)
 
-    def chunk(j, acc):  # a loop, not unrolled: Triton compiles it several times faster
-        cols = pl.ds(j * CHUNK, CHUNK)
-        keep = _keep(drop_ref, 0, tokens, j * CHUNK, CHUNK, drop.hidden)
-        h, _ = _hidden(x, w1_ref[:, cols], b1_ref[cols], keep, drop.hidden)
-        return acc + _dot(h.astype(x.dtype), w2_ref[cols, :])
+    # float32 weights take twice the registers of bfloat16 ones: half the units a step (at 128 the
+    # forward spilled 204 bytes a thread compiled for an H100, gpu_registers.py)
+    c = CHUNK if w1_ref.dtype.itemsize <= 2 else CHUNK // 2
 
-    y = lax.fori_loop(0, hidden // CHUNK, chunk, jnp.zeros((t, d), jnp.float32))
-    y = y + b2_ref[...].astype(jnp.float32)[None, :]
+    def chunk(j, acc):  # a loop, not unrolled: Triton compiles it several times faster
+        cols = pl.ds(j * c, c)
+        keep = _keep(drop_ref, 0, tokens, j * c, c, drop.hidden)
+        h, _ = _hidden(x, w1_ref[:, cols].astype(x.dtype), b1_ref[cols].astype(x.dtype), keep, drop.hidden)
+        return acc + _dot(h.astype(x.dtype), w2_ref[cols, :].astype(x.dtype))
+
+    y = lax.fori_loop(0, hidden // c, chunk, jnp.zeros((t, d), jnp.float32))
+    y = y + b2_ref[...].astype(x.dtype).astype(jnp.float32)[None, :]
     keep = _keep(drop_ref, 1, tokens, 0, d, drop.out)
     y_ref[...] = (y if keep is None else jnp.where(keep, y * (1.0 / (1.0 - drop.out)), 0.0)).astype(y_ref.dtype)
 
@@ -219,9 +223,10 @@ def _inputs_kernel(*refs, hidden: int, drop: Drop):
     def chunk(j, acc):
         cols = pl.ds(j * INPUTS_CHUNK, INPUTS_CHUNK)
         keep = _keep(drop_ref, 0, tokens, j * INPUTS_CHUNK, INPUTS_CHUNK, drop.hidden)
-        _, dslope = _hidden(x, w1_ref[:, cols], b1_ref[cols], keep, drop.hidden)
-        dpre = _dot(g, w2_ref[cols, :], trans_b=True) * (dslope * g_scale)
-        return acc + _dot(dpre.astype(x.dtype), w1_ref[:, cols], trans_b=True)
+        w1 = w1_ref[:, cols].astype(x.dtype)
+        _, dslope = _hidden(x, w1, b1_ref[cols].astype(x.dtype), keep, drop.hidden)
+        dpre = _dot(g, w2_ref[cols, :].astype(x.dtype), trans_b=True) * (dslope * g_scale)
+        return acc + _dot(dpre.astype(x.dtype), w1, trans_b=True)
 
     acc = lax.fori_loop(0, hidden // INPUTS_CHUNK, chunk, jnp.zeros(dx_ref.shape, jnp.float32))
     dx_ref[...] = acc.astype(dx_ref.dtype)
@@ -234,7 +239,7 @@ def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, drop: Drop):
     tiles, per_split = bounds_ref[0], bounds_ref[1]
     j, s = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(j * chunk, chunk)
-    w1, b1, w2 = w1_ref[:, cols], b1_ref[cols], w2_ref[cols, :]
+    w1, b1, w2 = (r.astype(x_ref.dtype) for r in (w1_ref[:, cols], b1_ref[cols], w2_ref[cols, :]))
     d = w1.shape[0]
 
     def body(t, carry):
@@ -334,7 +339,8 @@ def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, seed: Array 
               rates: tuple[float, float] = (0.0, 0.0), first_token: Array | int = 0, *,
               interpret: bool = False) -> Array:
     """``dropout(fc2(dropout(gelu(fc1(x)))))`` for x (..., D), w1 (D, Hd), b1 (Hd,), w2 (Hd, D), b2 (D,),
-    all in x's dtype. Dropout: ``rates`` (hidden units, output), drawn by :func:`kept` from ``seed``
+    the weights in x's dtype or in float32 (rounded to x's dtype in the kernels; their gradients come back
+    in their own dtype). Dropout: ``rates`` (hidden units, output), drawn by :func:`kept` from ``seed``
     (uint32 (4,): the hidden units' seed pair, then the output's; None: no dropout) with x's tokens
     numbered from ``first_token`` (the global index of its first token when x is one device's share).
     Differentiable in x and the weights. ``interpret``: Pallas interpret mode (any backend, tests)."""
@@ -355,6 +361,7 @@ def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, seed: Array 
     # are then zero, so they add nothing to the weights' gradients) and cut off again.
     pad = -n % MIN_TILE
     rows = lambda a: a if not pad else jnp.pad(a, ((0, pad), (0, 0)))
-    cast = lambda a: a.astype(x.dtype)
-    y = _mlp(rows(x.reshape(n, d)), cast(w1), cast(b1), cast(w2), cast(b2), words, drop, interpret)
+    # The weights go in as they are (float32 parameters): the kernels round them to x's dtype on chip,
+    # which saves a cast kernel per weight, and their gradients come back in float32, unrounded.
+    y = _mlp(rows(x.reshape(n, d)), w1, b1, w2, b2, words, drop, interpret)
     return (y[:n] if pad else y).reshape(*lead, d)
