@@ -113,8 +113,8 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     def multi_tensor_adamw(s, *leaves):
         n = len(leaves) // 4
         hyper = adamw.Hyper(0.9, 0.999, 1e-8, 0.0, 0.05, True)
-        return adamw.multi_tensor_adamw(leaves[:n], leaves[n:2 * n], leaves[2 * n:3 * n], leaves[3 * n:], s, hyper,
-                                        [j % 2 == 0 for j in range(n)], [1.0] * n)
+        return adamw.multi_tensor_adamw(leaves[:n], adamw.flatten(leaves[n:2 * n]), leaves[2 * n:3 * n],
+                                        leaves[3 * n:], s, hyper, [j % 2 == 0 for j in range(n)], [1.0] * n)
 
     sparse(False)
     sparse(True)

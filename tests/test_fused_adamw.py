@@ -111,8 +111,8 @@ the jitted kernel's arithmetic, not the eager reference's)."""
     for ok, norm in ((True, 3.0), (True, 0.5), (False, 3.0)):
         s = adamw.scalars(count_inc=jnp.asarray(3), step_size=jnp.float32(-1e-2), ok=jnp.asarray(ok), hyper=hyper,
                           norm=jnp.float32(norm), max_norm=1.0)
-        got = jax.jit(lambda s, *a: adamw.multi_tensor_adamw(*a, s, hyper, decays, scales, interpret=True))(
-            s, p, g, mu, nu)
+        got = jax.jit(lambda s, p, g, mu, nu: adamw.multi_tensor_adamw(p, adamw.flatten(g), mu, nu, s, hyper, decays,
+                                                                        scales, interpret=True))(s, p, g, mu, nu)
         for j in range(len(sizes)):
             want = adamw.leaf_update(p[j], g[j], mu[j], nu[j], s, hyper, decays[j], scales[j])
             for x, y in zip(want, (got[0][j], got[1][j], got[2][j])):

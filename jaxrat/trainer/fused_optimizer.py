@@ -50,11 +50,12 @@ class FusedAdamW:
         s = adamw.scalars(count_inc=count_inc, step_size=-1 * self.schedule(sched.count), ok=ok, hyper=self.hyper,
                           norm=norm, max_norm=float(self.cfg.clip_norm))
 
-        def run(s: jax.Array, p: list, g: list, mu: list, nu: list) -> tuple[list, list, list]:
+        def run(s: jax.Array, g: jax.Array, p: list, mu: list, nu: list) -> tuple[list, list, list]:
             return adamw.multi_tensor_adamw(p, g, mu, nu, s, self.hyper, decays, scales, interpret=self.interpret)
 
-        new_p, new_mu, new_nu = replicated(run, s, leaves, jax.tree.leaves(grads), jax.tree.leaves(adam.mu),
-                                           jax.tree.leaves(adam.nu))
+        # the gradients as the one float32 vector the step's global norm concatenates too (XLA writes it once)
+        new_p, new_mu, new_nu = replicated(run, s, adamw.flatten(jax.tree.leaves(grads)), leaves,
+                                           jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu))
         bump = lambda old: jnp.where(ok, optax.safe_increment(old), old)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
 

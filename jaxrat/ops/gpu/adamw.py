@@ -21,12 +21,13 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 Array = jax.Array
 BLOCK = 1024  # elements a program updates: 8 a thread at 4 warps
-LEAVES_PER_CALL = 48  # 7 pointers a leaf: 336 kernel arguments, under CUDA's 4 KB of parameters
+LEAVES_PER_CALL = 48  # 6 pointers a leaf: 290 kernel arguments, under CUDA's 4 KB of parameters
 KEEP, NORM, MAX_NORM, BC1, BC2, STEP, OK = range(7)  # slots of the scalar vector
 SCALARS = 8
 
@@ -73,9 +74,10 @@ def leaf_update(p: Array, g: Array, mu: Array, nu: Array, s: Sequence, hyper: Hy
     return jnp.where(ok, p + u, p), jnp.where(ok, mu2, mu), jnp.where(ok, nu2, nu)
 
 
-def _kernel(*refs, sizes: tuple[int, ...], decays: tuple[bool, ...], scales: tuple[float, ...], hyper: Hyper):
+def _kernel(*refs, sizes: tuple[int, ...], offsets: tuple[int, ...], decays: tuple[bool, ...],
+            scales: tuple[float, ...], hyper: Hyper):
     n = len(sizes)
-    s_ref, ins, outs = refs[0], refs[1:1 + 4 * n], refs[1 + 4 * n:]
+    s_ref, g_ref, ins, outs = refs[0], refs[1], refs[2:2 + 3 * n], refs[2 + 3 * n:]
     s = [s_ref[i] for i in range(SCALARS)]
     pid = pl.program_id(0)
     start = 0
@@ -87,7 +89,8 @@ def _kernel(*refs, sizes: tuple[int, ...], decays: tuple[bool, ...], scales: tup
             idx = (pid - start) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
             ok = idx < size
             at = jnp.minimum(idx, size - 1)  # masked lanes read a valid address
-            p, g, mu, nu = (plgpu.load(r.at[at], mask=ok, other=0.0) for r in ins[4 * j:4 * j + 4])
+            p, mu, nu = (plgpu.load(r.at[at], mask=ok, other=0.0) for r in ins[3 * j:3 * j + 3])
+            g = plgpu.load(g_ref.at[offsets[j] + at], mask=ok, other=0.0)
             new = leaf_update(p, g, mu, nu, s, hyper, decays[j], scales[j])
             out = jnp.where(ok, idx, size)  # masked lanes point past the end: not stored
             for r, x in zip(outs[3 * j:3 * j + 3], new):
@@ -96,28 +99,28 @@ def _kernel(*refs, sizes: tuple[int, ...], decays: tuple[bool, ...], scales: tup
         start += blocks
 
 
-def _call(s: Array, params, grads, mu, nu, decays, scales, hyper: Hyper, interpret: bool):
+def _call(s: Array, flat_grads: Array, first: int, params, mu, nu, decays, scales, hyper: Hyper, interpret: bool):
     sizes = tuple(int(p.size) for p in params)
-    flat = lambda x: x.reshape(-1)
-    ins = [flat(x) for leaf in zip(params, grads, mu, nu) for x in leaf]
+    offsets = tuple(first + int(o) for o in np.cumsum((0,) + sizes[:-1]))
+    ins = [x.reshape(-1) for leaf in zip(params, mu, nu) for x in leaf]
     outs = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in sizes for _ in range(3)]
-    # parameter and moments updated in place: operand 1 + 4j (+2, +3) is result 3j (+1, +2)
-    aliases = {1 + 4 * j + k: 3 * j + i for j in range(len(sizes)) for i, k in enumerate((0, 2, 3))}
+    # parameter and moments updated in place: operand 2 + 3j (+1, +2) is result 3j (+1, +2)
+    aliases = {2 + 3 * j + i: 3 * j + i for j in range(len(sizes)) for i in range(3)}
     res = pl.pallas_call(
-        partial(_kernel, sizes=sizes, decays=tuple(decays), scales=tuple(scales), hyper=hyper),
+        partial(_kernel, sizes=sizes, offsets=offsets, decays=tuple(decays), scales=tuple(scales), hyper=hyper),
         grid=(sum(-(-n // BLOCK) for n in sizes),),
         out_shape=outs,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="multi_tensor_adamw",
-    )(s, *ins)
+    )(s, flat_grads, *ins)
     shaped = [r.reshape(p.shape) for r, p in zip(res, (x for p in params for x in (p, p, p)))]
     return shaped[0::3], shaped[1::3], shaped[2::3]
 
 
 def supports(leaves: Sequence) -> str | None:
-    """None when every leaf (parameters, gradients, moments) is float32 and non-empty, else why not."""
+    """None when every leaf (parameters, moments) is float32 and non-empty, else why not."""
     for x in leaves:
         if jnp.dtype(x.dtype) != jnp.float32:
             return f"the fused AdamW updates float32 parameters and moments, not {jnp.dtype(x.dtype).name}"
@@ -126,21 +129,33 @@ def supports(leaves: Sequence) -> str | None:
     return None
 
 
-def multi_tensor_adamw(params: Sequence[Array], grads: Sequence[Array], mu: Sequence[Array], nu: Sequence[Array],
+def multi_tensor_adamw(params: Sequence[Array], flat_grads: Array, mu: Sequence[Array], nu: Sequence[Array],
                        s: Array, hyper: Hyper, decays: Sequence[bool], scales: Sequence[float], *,
                        interpret: bool = False) -> tuple[list[Array], list[Array], list[Array]]:
     """Every leaf's :func:`leaf_update` in ``ceil(len(params) / LEAVES_PER_CALL)`` kernels: returns the new
-    parameters, first and second moments, as lists in the order given. ``decays[j]``: leaf j takes weight
-    decay; ``scales[j]``: its update's factor. ``interpret`` runs the kernels in interpret mode (tests)."""
-    why = supports([*params, *grads, *mu, *nu])
+    parameters, first and second moments, as lists in the order given. ``flat_grads``: the gradients
+    raveled and concatenated in that order, float32 (:func:`flatten`: the vector the step's global norm
+    is taken over, so XLA writes it once and no gradient needs a buffer of its own). ``decays[j]``: leaf
+    j takes weight decay; ``scales[j]``: its update's factor. ``interpret``: Pallas interpret mode (tests)."""
+    why = supports([*params, *mu, *nu])
     if why:
         raise ValueError(why)
-    if not (len(params) == len(grads) == len(mu) == len(nu) == len(decays) == len(scales)):
-        raise ValueError("params, grads, moments, decays and scales must have one entry per leaf")
+    if not (len(params) == len(mu) == len(nu) == len(decays) == len(scales)):
+        raise ValueError("params, moments, decays and scales must have one entry per leaf")
+    if flat_grads.dtype != jnp.float32 or flat_grads.shape != (sum(int(p.size) for p in params),):
+        raise ValueError(f"flat_grads must be float32 of {sum(int(p.size) for p in params)} elements, the "
+                         f"parameters' count; got {flat_grads.dtype} {flat_grads.shape}")
     out: tuple[list, list, list] = ([], [], [])
+    first = 0
     for lo in range(0, len(params), LEAVES_PER_CALL):
         part = slice(lo, lo + LEAVES_PER_CALL)
-        for acc, new in zip(out, _call(s, params[part], grads[part], mu[part], nu[part], decays[part],
+        for acc, new in zip(out, _call(s, flat_grads, first, params[part], mu[part], nu[part], decays[part],
                                        scales[part], hyper, interpret)):
             acc.extend(new)
+        first += sum(int(p.size) for p in params[part])
     return out
+
+
+def flatten(leaves: Sequence[Array]) -> Array:
+    """The leaves raveled and concatenated, float32 (:func:`multi_tensor_adamw`'s gradients)."""
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
