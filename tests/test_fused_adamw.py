@@ -158,3 +158,11 @@ def test_where_it_does_not_apply_the_step_keeps_optax(case, reason):
     state = {"params": params, "opt_state": tx.init(params)}
     assert reason in fused_optimizer.why_not(config, kernels, state)
     assert fused_optimizer.fused_adamw(config, kernels, state, schedule) is None
+
+
+def test_more_than_two_to_the_31_parameters_stay_with_optax():
+    """The kernels index the gradient vector in int32: a model of 2^31 parameters or more is refused
+    (abstract shapes: nothing is allocated)."""
+    big = [jax.ShapeDtypeStruct((2**30,), jnp.float32)] * 2
+    assert "2^31" in adamw.supports(big, big)
+    assert adamw.supports(big[:1], big) is None

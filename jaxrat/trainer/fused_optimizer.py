@@ -82,7 +82,7 @@ def why_not(config: Any, kernels: Any, abstract_state: dict) -> Optional[str]:
     params = jax.tree.leaves(abstract_state["params"])
     if not params or jax.tree.structure(adam.mu) != jax.tree.structure(abstract_state["params"]):
         return "the moments do not mirror the parameters"
-    return adamw.supports(params + jax.tree.leaves(adam.mu) + jax.tree.leaves(adam.nu))
+    return adamw.supports(params, jax.tree.leaves(adam.mu) + jax.tree.leaves(adam.nu))
 
 
 def fused_adamw(config: Any, kernels: Any, abstract_state: dict, schedule: optax.Schedule, *,

@@ -119,9 +119,12 @@ def _call(s: Array, flat_grads: Array, first: int, params, mu, nu, decays, scale
     return shaped[0::3], shaped[1::3], shaped[2::3]
 
 
-def supports(leaves: Sequence) -> str | None:
-    """None when every leaf (parameters, moments) is float32 and non-empty, else why not."""
-    for x in leaves:
+def supports(params: Sequence, moments: Sequence = ()) -> str | None:
+    """None when every parameter and moment is float32 and non-empty and the parameters are fewer than
+    2^31 elements in all, else why not."""
+    if sum(int(x.size) for x in params) >= 2**31 - BLOCK:  # the kernels index the gradients in int32
+        return "the fused AdamW indexes parameters in int32 and takes fewer than 2^31 elements in all"
+    for x in (*params, *moments):
         if jnp.dtype(x.dtype) != jnp.float32:
             return f"the fused AdamW updates float32 parameters and moments, not {jnp.dtype(x.dtype).name}"
         if x.size == 0:
@@ -137,7 +140,7 @@ def multi_tensor_adamw(params: Sequence[Array], flat_grads: Array, mu: Sequence[
     raveled and concatenated in that order, float32 (:func:`flatten`: the vector the step's global norm
     is taken over, so XLA writes it once and no gradient needs a buffer of its own). ``decays[j]``: leaf
     j takes weight decay; ``scales[j]``: its update's factor. ``interpret``: Pallas interpret mode (tests)."""
-    why = supports([*params, *mu, *nu])
+    why = supports(params, [*mu, *nu])
     if why:
         raise ValueError(why)
     if not (len(params) == len(mu) == len(nu) == len(decays) == len(scales)):
