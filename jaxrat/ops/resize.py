@@ -72,20 +72,23 @@ def _weighted_gather(x: Array, axis: int, idx: np.ndarray, w: np.ndarray) -> Arr
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _upsample(x: Array, axis: int, size: int) -> Array:
-    idx, w, _, _ = _tables(x.shape[axis], size)
+    return _upsample_axis(x, axis, x.shape[axis], size)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _upsample_axis(x: Array, axis: int, n_in: int, size: int) -> Array:
+    idx, w, _, _ = _tables(n_in, size)
     return _weighted_gather(x, axis, idx, w).astype(x.dtype)
 
 
-def _upsample_fwd(x, axis, size):
-    return _upsample(x, axis, size), (x.shape[axis], jnp.zeros((), x.dtype))
+def _upsample_fwd(x, axis, n_in, size):
+    return _upsample_axis(x, axis, n_in, size), None
 
 
-def _upsample_bwd(axis, size, res, g):
-    n_in, like = res
+def _upsample_bwd(axis, n_in, size, _, g):
     _, _, back_idx, back_w = _tables(n_in, size)
-    return (_weighted_gather(g, axis, back_idx, back_w).astype(like.dtype),)
+    return (_weighted_gather(g, axis, back_idx, back_w).astype(g.dtype),)  # g has x's dtype, as the output
 
 
-_upsample.defvjp(_upsample_fwd, _upsample_bwd)
+_upsample_axis.defvjp(_upsample_fwd, _upsample_bwd)

@@ -27,6 +27,17 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, _STATES)
 
 
+def _states(opt_state: Any) -> list:
+    """The chain's Adam and schedule states, in the order they come."""
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
+
+
+def _adam_and_schedule(opt_state: Any) -> tuple[optax.ScaleByAdamState, optax.ScaleByScheduleState]:
+    states = _states(opt_state)
+    return (next(x for x in states if isinstance(x, optax.ScaleByAdamState)),
+            next(x for x in states if isinstance(x, optax.ScaleByScheduleState)))
+
+
 class FusedAdamW:
     """``update(grads, opt_state, params, ok, norm) -> (params, opt_state)`` with the step applied only
     where ``ok``; built by :func:`fused_adamw`."""
@@ -38,9 +49,7 @@ class FusedAdamW:
 
     def update(self, grads: Any, opt_state: Any, params: Any, ok: jax.Array, norm: jax.Array) -> tuple[Any, Any]:
         """The new parameters and optimizer state; ``norm`` is the gradients' global norm (clipping)."""
-        states = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
-        adam = next(x for x in states if isinstance(x, optax.ScaleByAdamState))
-        sched = next(x for x in states if isinstance(x, optax.ScaleByScheduleState))
+        adam, sched = _adam_and_schedule(opt_state)
         leaves, treedef = jax.tree.flatten(params)
         decays = jax.tree.leaves(decay_mask(params, str(self.cfg.get("weight_decay_exclude", ""))))
         layer_decay = float(self.cfg.get("layer_decay", 0.0) or 0.0)
@@ -75,10 +84,10 @@ def why_not(config: Any, kernels: Any, abstract_state: dict) -> Optional[str]:
         return f"the kernel policy is {kernels.form}, not gpu"
     if config.sharding.zero != 0 or config.sharding.get("rules"):
         return "the optimizer state is sharded (sharding.zero > 0 or sharding rules)"
-    states = [x for x in jax.tree.leaves(abstract_state["opt_state"], is_leaf=_is_state) if _is_state(x)]
-    if sorted(type(x).__name__ for x in states) != ["ScaleByAdamState", "ScaleByScheduleState"]:
+    if sorted(type(x).__name__ for x in _states(abstract_state["opt_state"])) != ["ScaleByAdamState",
+                                                                                   "ScaleByScheduleState"]:
         return "the optimizer is not the AdamW chain the fused update knows"
-    adam = next(x for x in states if isinstance(x, optax.ScaleByAdamState))
+    adam, _ = _adam_and_schedule(abstract_state["opt_state"])
     params = jax.tree.leaves(abstract_state["params"])
     if not params or jax.tree.structure(adam.mu) != jax.tree.structure(abstract_state["params"]):
         return "the moments do not mirror the parameters"

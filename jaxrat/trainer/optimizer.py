@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrat.ops.gpu.adamw import flatten
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.tree_paths import path_name
 
@@ -88,8 +89,8 @@ def global_norm(tree: Any, *, concatenate: bool) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((), jnp.float32)
-    if concatenate:
-        flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    if concatenate:  # the vector the fused AdamW reads its gradients from: XLA writes it once for both
+        flat = flatten(leaves)
         return jnp.sqrt(jnp.sum(jnp.square(flat)))
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
 

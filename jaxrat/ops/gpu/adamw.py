@@ -115,7 +115,7 @@ def _call(s: Array, flat_grads: Array, first: int, params, mu, nu, decays, scale
         interpret=interpret,
         name="multi_tensor_adamw",
     )(s, flat_grads, *ins)
-    shaped = [r.reshape(p.shape) for r, p in zip(res, (x for p in params for x in (p, p, p)))]
+    shaped = [r.reshape(params[i // 3].shape) for i, r in enumerate(res)]
     return shaped[0::3], shaped[1::3], shaped[2::3]
 
 
