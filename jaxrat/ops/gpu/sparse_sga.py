@@ -30,11 +30,14 @@ for the backward three times, not nine, and writes their gradients once, already
 are read in their dtype (bfloat16 on the GPU) and all arithmetic is float32; statistics are
 float32. See :mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_bytes` for the traffic.
 
-The API is token-major, (B, N, H, d) as the projections make them; the kernels read head-major
-slices, so the operands are transposed on the way in and the update on the way out. Kernels that
-read token-major in place (no transpose) were tried and measured slower on an H100 (2026-11-27):
-the first layer's forward + backward took 5.0 ms against 3.7, the ISIC step 44.1 against 40.0 ms,
-more than the transposes cost (about 2 GB per layer, read once for all iterations).
+The API is token-major, (B, N, H, d) as the projections make them. The kernels read keys and values
+as head-major slices, laid out once per layer: kernels that read them token-major in place were tried
+and measured slower on an H100 (2026-11-27): the first layer's forward + backward took 5.0 ms against
+3.7, the ISIC step 44.1 against 40.0 ms, more than the transposes cost (about 2 GB per layer, read
+once for all iterations). Queries, cotangents, updates and query gradients (a group tile's rows, read
+or written once a pass, stride and offset by the program's head) they take token-major in place: no
+transpose around a call, and the update goes straight into the layer norm after it, which XLA then
+runs as one kernel instead of five (compiled for an H100: 48 fewer kernels in the ISIC step).
 
 On an H100 (jax 0.11.2, 2026-11-27), the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256
 inputs, kernel 7, stride 3, bf16), one call: forward 1.5 ms, forward + backward 3.7 ms, against
@@ -112,11 +115,12 @@ def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_co
         raise ValueError(f"keys {k.shape} and values {v.shape} do not match the grid {geom.grid}")
     if uses < 1:
         raise ValueError(f"keys are laid out for at least one use, not {uses}")
-    t = K.Tiling.of(geom, dh, dv)
+    t = K.Tiling.of(geom, dh, dv, heads=h)
     flat = lambda x: lay_out(x).reshape(b * h, -1)
     kf, vf, tapes = _keys(flat(k), flat(v.astype(k.dtype)), t, uses, normalise_columns, interpret)
+    # tapes travel image-major (batch first, as per_device.over_batch splits them)
     return LaidOutKeys(kf.reshape(b, h, n_in, dh), vf.reshape(b, h, n_in, dv),
-                       tuple(tuple(x.reshape(b, h, -1) for x in tape) for tape in tapes))
+                       tuple(tuple(x.reshape(b, -1) for x in tape) for tape in tapes))
 
 
 def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_columns: bool = True, *,
@@ -149,11 +153,13 @@ def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, norma
         raise ValueError(f"use {use} of keys laid out for {len(keys.tapes)}")
     if len(keys.tapes[use]) != len(_TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN):
         raise ValueError("normalise_columns differs from the one the keys were laid out for")
+    t = K.Tiling.of(geom, dh, dv, heads=h)
+    names = _TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN
+    tape = tuple(x.reshape(s.shape) for x, s in zip(keys.tapes[use], _tape_shapes(t, b * h, q.dtype, names)))
     flat = lambda x: x.astype(keys.k.dtype).reshape(b * h, -1)
-    tape = tuple(x.reshape(b * h, -1) for x in keys.tapes[use])
-    u = _update(flat(lay_out(q)), flat(keys.k), flat(keys.v), tape, K.Tiling.of(geom, dh, dv), normalise_columns,
+    u = _update(q.astype(keys.k.dtype).reshape(b, -1), flat(keys.k), flat(keys.v), tape, t, normalise_columns,
                 interpret)
-    return lay_out(u.reshape(b, h, n_out, dv))  # the same swap of axes 1 and 2, back to token-major
+    return u.reshape(b, n_out, h, dv)
 
 
 def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True, uses: int = 1) -> dict[str, int]:
@@ -188,16 +194,25 @@ _TAPE_PLAIN = ("q", "g", "r", "delta")  # what a use's backward hands the keys' 
 _TAPE_NORMALISED = _TAPE_PLAIN + ("d", "gd")
 
 
-def _tape_shapes(t: K.Tiling, bh: int, dtype, normalise: bool) -> dict:
+def _groups_like(t: K.Tiling, bh: int, d: int, dtype) -> jax.ShapeDtypeStruct:
+    """A group-level operand as the kernels take it: token-major, all heads of an image a row (or
+    per (image, head) slice where the tiling has no ``heads``, as the benchmarks' bare kernels)."""
+    if not t.heads:
+        return K.flat_like(bh, t.OY * t.OX, d, dtype)
+    return K.flat_like(bh // t.heads, t.OY * t.OX * t.heads, d, dtype)
+
+
+def _tape_shapes(t: K.Tiling, bh: int, dtype, names) -> list:
     n_out, n_in = t.OY * t.OX, t.Y * t.X
-    shapes = dict(q=K.flat_like(bh, n_out, t.dh, dtype), g=K.flat_like(bh, n_out, t.dv, dtype),
+    shapes = dict(q=_groups_like(t, bh, t.dh, dtype), g=_groups_like(t, bh, t.dv, dtype),
                   r=K.stats(bh, n_out), delta=K.stats(bh, n_out), d=K.stats(bh, n_in), gd=K.stats(bh, n_in))
-    return {name: shapes[name] for name in (_TAPE_NORMALISED if normalise else _TAPE_PLAIN)}
+    return [shapes[name] for name in names]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _keys(k, v, t: K.Tiling, uses: int, normalise: bool, interpret: bool):
-    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, normalise).values())
+    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
+    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
     return k, v, tuple(blank() for _ in range(uses))
 
 
@@ -223,8 +238,8 @@ _keys.defvjp(_keys_fwd, _keys_bwd)
 
 
 def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
-    bh, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
-    u_shape = K.flat_like(bh, n_out, t.dv, q.dtype)
+    bh, n_out, n_in = k.shape[0], t.OY * t.OX, t.Y * t.X
+    u_shape = _groups_like(t, bh, t.dv, q.dtype)
     if not normalise:
         out = K.group_pass("lse", t, dict(q=q, k=k, v=v), dict(r=K.stats(bh, n_out), u=u_shape), interpret)
         return out["u"], out["r"], None
@@ -248,9 +263,9 @@ def _update_bwd(t: K.Tiling, normalise: bool, interpret: bool, res, g):
     """dq, and for k and v zeros: their gradients come from :func:`_keys_bwd`, given this call's
     statistics as the tape's cotangent."""
     q, k, v, u, r, d = res
-    bh, n_out, n_in = q.shape[0], t.OY * t.OX, t.Y * t.X
+    bh, n_out, n_in = k.shape[0], t.OY * t.OX, t.Y * t.X
     g = g.astype(q.dtype)
-    outs = dict(dq=K.flat_like(bh, n_out, t.dh, q.dtype), delta=K.stats(bh, n_out))
+    outs = dict(dq=_groups_like(t, bh, t.dh, q.dtype), delta=K.stats(bh, n_out))
     base = dict(q=q, k=k, v=v, r=r, g=g)
     if normalise:
         gd = K.input_pass("gd", t, dict(base, d=d), dict(gd=K.stats(bh, n_in)), EPS, interpret)["gd"]

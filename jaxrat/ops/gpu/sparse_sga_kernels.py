@@ -48,6 +48,8 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     rowdot,
     store,
     store1,
+    strided_refs,
+    token_major,
 )
 from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -85,6 +87,7 @@ class Tiling(NamedTuple):
     warps: int = 4  # Triton warps per program
     unroll: bool = False  # the row loops as straight-line code
     products: bool = False  # logits as matrix products over row segments (sparse_sga_products)
+    heads: int = 0  # > 0: group-level operands are token-major (B, N_out*heads*d), else per slice
 
     @property
     def segment(self) -> int:
@@ -98,9 +101,11 @@ class Tiling(NamedTuple):
 
     @classmethod
     def of(cls, geom: Geometry, dh: int, dv: int, tw: int | None = None, tx: int = 64, warps: int = 4,
-           unroll: bool = False, products: bool | None = None) -> "Tiling":
+           unroll: bool = False, products: bool | None = None, heads: int = 0) -> "Tiling":
         """``tw`` None: 32 groups a tile tap by tap, 16 as products (at 32, compiled for an H100, the
-        product form's gradient pass needs more than 255 registers a thread and spills; at 16 none does)."""
+        product form's gradient pass needs more than 255 registers a thread and spills; at 16 none does).
+        ``heads`` > 0: queries, cotangents, updates and query gradients are read and written
+        token-major, (B, N_out * heads * d), in place; 0: as (B*H, N_out*d) slices like the keys."""
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
         products = PRODUCTS if products is None else products
@@ -111,13 +116,13 @@ class Tiling(NamedTuple):
         else:
             dhp, dvp = _pow2(dh), _pow2(dv)
         return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, dhp, dvp,
-                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll, products)
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll, products, heads)
 
 
 def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
-    R = dict(zip(names, refs))
+    R = _refs(names, refs, t)
     if t.products:
         return group_products(R, mode, t, exact)
     tile, oy = pl.program_id(0), pl.program_id(1)
@@ -219,7 +224,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
 def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1, exact: bool = False):
     """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
-    R = dict(zip(names, refs))
+    R = _refs(names, refs, t)
     if t.products:
         return input_products(R, mode, t, eps, uses, exact)
     tile, y = pl.program_id(0), pl.program_id(1)
@@ -288,18 +293,34 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
     keys_over_uses(R, t, uses, prow, xok, zeros_v, use_body)
 
 
-def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
-    """pallas_call over grid (tiles, rows, B*H) with each operand's whole (B*H) slice as its block.
+def _refs(names, refs, t: Tiling) -> dict:
+    """The kernel's operands by name, the group-level ones as their head's strided view where the
+    tiling has them token-major."""
+    R = dict(zip(names, refs))
+    head = lax.rem(pl.program_id(2), t.heads) if t.heads else None
+    return strided_refs(R, t.heads, dict(q=t.dh, dq=t.dh, g=t.dv, u=t.dv), head)
 
-    ``ins``/``outs`` map names to (B*H, n) arrays / ShapeDtypeStructs; the kernel sees them by name.
+
+def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
+    """pallas_call over grid (tiles, rows, B*H) with each operand's whole slice as its block.
+
+    ``ins``/``outs`` map names to (B*H, n) arrays / ShapeDtypeStructs, the group-level ones (B, n)
+    where the tiling has them token-major (all heads of an image: the program's head is then a
+    stride and an offset, :func:`_refs`); the kernel sees them by name.
     """
     names = list(ins) + list(outs)
-    spec = lambda a: pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b, 0))
+    heads = t.heads
+
+    def spec(name, a):
+        if heads and token_major(name):
+            return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b // heads, 0))
+        return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b, 0))
+
     res = pl.pallas_call(
         functools.partial(kernel, names=names, t=t, **kw),
         grid=grid,
-        in_specs=[spec(a) for a in ins.values()],
-        out_specs=[spec(a) for a in outs.values()],
+        in_specs=[spec(n, a) for n, a in ins.items()],
+        out_specs=[spec(n, a) for n, a in outs.items()],
         out_shape=list(outs.values()),
         compiler_params=plgpu.CompilerParams(num_warps=t.warps, num_stages=2),
         interpret=interpret,
@@ -310,7 +331,7 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
 
 def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> dict:
     """Run :func:`_group_kernel` over every group tile of every slice."""
-    bh = next(iter(ins.values())).shape[0]
+    bh = ins["k"].shape[0]
     grid = (-(-t.OX // t.tw), t.OY, bh)
     return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode,
                  exact=interpret)
@@ -318,7 +339,7 @@ def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> 
 
 def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool, uses: int = 1) -> dict:
     """Run :func:`_input_kernel` over every input tile of every slice."""
-    bh = next(iter(ins.values())).shape[0]
+    bh = ins["k"].shape[0]
     grid = (-(-t.X // t.tx), t.Y, bh)
     return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps,
                  uses=uses, exact=interpret)

@@ -1,8 +1,12 @@
 """What both forms of the sparse SGA kernels share (:mod:`jaxrat.ops.gpu.sparse_sga_kernels` the
 tiles tap by tap, :mod:`jaxrat.ops.gpu.sparse_sga_products` as matrix products): loads and stores of
-rows of a flat per-slice operand, clipped indices, the row loop, and the products' float32 rules."""
+rows of a flat per-slice operand (or a token-major one's head, :class:`Strided`), clipped indices, the
+row loop, and the products' float32 rules."""
 
 from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -36,12 +40,52 @@ def feature_index(d: int, dp: int):
     return feat if d == dp else jnp.minimum(feat, d - 1)
 
 
+class Strided(NamedTuple):
+    """A token-major operand, (N, H, d) flat, seen as one head's rows: row n at ``n * stride + offset``
+    (stride H*d, offset h*d). The loads and stores below take it where they take a flat (N*d) ref."""
+
+    ref: Any
+    stride: int
+    offset: Any  # int32, traced: the program's head times d
+
+
+# Group-level operands (queries, cotangents, updates, query gradients; a use's tape: q0, g1, ...),
+# read and written token-major in place where the tiling has ``heads`` (no transposes around a call).
+_GROUP_LEVEL = re.compile(r"(q|g|u|dq)\d*")
+
+
+def token_major(name: str) -> bool:
+    """Whether operand ``name`` is group-level (token-major where the tiling says so)."""
+    return _GROUP_LEVEL.fullmatch(name) is not None
+
+
+def strided_refs(R: dict, heads: int, dims: dict, head) -> dict:
+    """``R`` with its group-level refs as :class:`Strided` views of head ``head`` of ``heads``;
+    ``dims`` maps a name's first letters (q, g, u, dq) to its feature size."""
+    if not heads:
+        return R
+    out = dict(R)
+    for name, ref in R.items():
+        if token_major(name):
+            d = dims[name.rstrip("0123456789")]
+            out[name] = Strided(ref, heads * d, head * d)
+    return out
+
+
+def _base(ref, rows, d: int):
+    """(the ref, each row's first element) for a flat or :class:`Strided` ref."""
+    if isinstance(ref, Strided):
+        return ref.ref, rows * ref.stride + ref.offset
+    return ref, rows * d
+
+
 def load(ref, rows, ok, d: int, dp: int, other=0.0):
     """(len(rows), dp) float32 from a flat (N*d) ref; masked rows and padded features read ``other``."""
     mask = ok[:, None]
     if d != dp:
         mask = mask & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
-    idx = rows[:, None] * d + feature_index(d, dp)[None, :]
+    ref, base = _base(ref, rows, d)
+    idx = base[:, None] + feature_index(d, dp)[None, :]
     return plgpu.load(ref.at[idx], mask=mask, other=other).astype(jnp.float32)
 
 
@@ -52,8 +96,9 @@ def load1(ref, rows, ok, other=0.0):
 def store(ref, rows, ok, d: int, dp: int, val):
     feat = jnp.arange(dp, dtype=jnp.int32)
     mask = ok[:, None] & (feat < d)[None, :]
+    ref, base = _base(ref, rows, d)
     # masked lanes point past the end: Triton does not store them, interpret mode drops them
-    idx = jnp.where(mask, rows[:, None] * d + feat[None, :], ref.shape[0])
+    idx = jnp.where(mask, base[:, None] + feat[None, :], ref.shape[0])
     plgpu.store(ref.at[idx], val.astype(ref.dtype), mask=mask)
 
 
@@ -85,7 +130,8 @@ def dot(a, b, exact: bool, transpose_b: bool = False):
 def load_as(ref, rows, ok, d: int, dp: int):
     """Like :func:`load`, in the ref's own dtype (a matrix product's operand)."""
     mask = ok[:, None] & (jnp.arange(dp, dtype=jnp.int32) < d)[None, :]
-    idx = rows[:, None] * d + feature_index(d, dp)[None, :]
+    ref, base = _base(ref, rows, d)
+    idx = base[:, None] + feature_index(d, dp)[None, :]
     return plgpu.load(ref.at[idx], mask=mask, other=0)
 
 
