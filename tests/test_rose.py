@@ -103,3 +103,27 @@ def test_rotation_gradients_match_autodiff_of_the_plain_product(batch, heads):
     np.testing.assert_array_equal(out, want_out)
     for a, b in zip(jax.jit(vjp)(g), want_vjp(g)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads", [3, 1])  # all heads rotated, or the first of 3
+def test_gpu_rotation_without_concatenates_gives_the_complex_product_and_its_gradients(heads, dtype):
+    """The gpu form (tables over every head, a flip of the pairs) is the same arithmetic as the
+    complex product: equal values in float32 and in bfloat16. Its gradients match autodiff of the
+    portable form through the tables' cosines and sines, up to rounding: the inverse turn's products
+    in another order, and the angles' gradient summed in float32 (autodiff rounds the tables' own
+    gradients to their dtype first)."""
+    from jaxrat.ops.rotate import rotate_heads
+
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    x = jax.random.normal(k[0], (4, 30, 3, 8)).astype(dtype)
+    phase = jax.random.normal(k[1], (30, heads, 4)) * 3
+    g = jax.random.normal(k[2], x.shape).astype(dtype)
+    out, vjp = jax.vjp(lambda *a: rotate_heads(*a, heads, ops.resolve("gpu")), x, phase)
+    want_out, want_vjp = jax.vjp(lambda *a: rotate_heads(*a, heads, ops.PORTABLE), x, phase)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    got, want = jax.jit(vjp)(g), want_vjp(g)
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -6  # relative: a bfloat16 rounding or two
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.max(np.abs(b)))

@@ -191,6 +191,8 @@ class RotarySpatialEmbedding(nnx.Module):
         if hr == 0:
             return x
         pos = self.positions(grid_shape, spacing)
-        phase = jnp.einsum("nd,hpd->nhp", pos, _value(self.freqs))
-        cos, sin = jnp.cos(phase).astype(x.dtype), jnp.sin(phase).astype(x.dtype)
-        return rotate_heads(x, cos, sin, hr, self.kernels)
+        freqs = _value(self.freqs)
+        # <pos, omega> over sd (<= 3) axes as products and sums, not a matrix product: as an einsum
+        # XLA:GPU makes a cuBLAS call of contraction 2 here, and two more in the backward.
+        phase = sum(pos[:, None, None, d] * freqs[None, ..., d] for d in range(pos.shape[-1]))
+        return rotate_heads(x, phase, hr, self.kernels)
