@@ -3,7 +3,8 @@
     python benchmarks/gpu_registers.py [--out registers.json] [--tw N] [--tx N] [--warps N]
 
 XLA compiles the ISIC first SGA layer's sparse attention (forward and backward, tap by tap and as matrix
-products), its fused MLP (with both dropouts) and the fused AdamW (one call's leaves) for an H100, as
+products), its fused MLP (with both dropouts), its layer norm (with the residual) and the fused AdamW
+(one call's leaves) for an H100, as
 benchmarks/gpu_cost.py does, and writes every kernel's PTX (``--xla_dump_to``); NVIDIA's assembler
 (``ptxas -v``, from the nvidia-cuda-nvcc wheel scripts/setup_gpu_aot.sh installs beside the venv)
 reports per kernel the registers a thread uses (255 at most), the bytes it spills to local memory and
@@ -40,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 # Where scripts/setup_gpu_aot.sh installs ptxas: not on the plugin's path, so XLA keeps its own.
 PTXAS_DIR = Path(os.environ.get("JAXRAT_PTXAS_DIR") or Path(sys.prefix) / "gpu-ptxas")
-PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp", "multi_tensor_adamw")
+PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp", "multi_tensor_adamw", "layer_norm")
 
 
 def find_ptxas() -> str | None:
@@ -73,7 +74,8 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
         program = next((p for p in PROGRAMS if f"jit_{p}." in path.name), None)
         ptx = path.read_text()
         entry = re.search(r"\.entry (\w+)", ptx)
-        if program and entry and entry.group(1).startswith(("sparse_sga_", "fused_mlp_", "multi_tensor_adamw")):
+        if program and entry and entry.group(1).startswith(("sparse_sga_", "fused_mlp_", "multi_tensor_adamw",
+                                                             "layer_norm_")):
             rows.append({"program": program, "kernel": entry.group(1), **usage(ptx, ptxas)})
     return sorted(rows, key=lambda r: (r["program"], r["kernel"]))
 
@@ -81,6 +83,7 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
     from jaxrat.ops.gpu import adamw, mlp, sparse_sga_kernels
+    from jaxrat.ops.gpu import layer_norm as norm
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -116,6 +119,10 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
         return adamw.multi_tensor_adamw(leaves[:n], adamw.flatten(leaves[n:2 * n]), leaves[2 * n:3 * n],
                                         leaves[3 * n:], s, hyper, [j % 2 == 0 for j in range(n)], [1.0] * n)
 
+    def layer_norm(x, residual, scale, bias):
+        loss = lambda *a: jnp.sum(norm.layer_norm(*a[:3], 1e-5, a[3]).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, bias, residual)
+
     sparse(False)
     sparse(True)
     # one call's worth of leaves (its most kernel arguments), of a RAT's shapes
@@ -126,6 +133,8 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # the layer's weights, rounded on chip
     gpu_cost.compile_for(jax.jit(fused_mlp), bf16(16 * 7396, 128), f32(128, 512), f32(512), f32(512, 128),
                          f32(128), device=device)
+    gpu_cost.compile_for(jax.jit(layer_norm), bf16(16, 7396, 128), bf16(16, 7396, 128), f32(128), f32(128),
+                         device=device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,7 +136,7 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
                                                            triton_calls):
     """The ISIC RAT train step at 256 px with the gpu policy, lowered for CUDA on this CPU machine: every
     attention a cuDNN call or a fused Pallas (Triton) kernel (counted against the model's attention
-    layers), the MLPs and the AdamW update fused Pallas kernels, no while loop from chunking, the large
+    layers), the MLPs, layer norms and the AdamW update fused Pallas kernels, no while loop from chunking, the large
     matmuls in bfloat16."""
     from benchmark_scripts import load
 
@@ -150,9 +150,11 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
     assert sum(c.backward for c in calls) == backward_calls
     names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text)
     assert sum(n.startswith("sparse_sga_") for n in names) == triton_calls
-    # the rest: the MLPs' fused kernels (forward, inputs' and weights' gradients), every one of them
-    assert {n for n in names if not n.startswith("sparse_sga_")} == {"fused_mlp_forward", "fused_mlp_inputs",
-                                                                      "fused_mlp_weights", "multi_tensor_adamw"}
+    # the rest: the MLPs' fused kernels (forward, inputs' and weights' gradients), the layer norms', the
+    # AdamW's, every one of them
+    assert {n for n in names if not n.startswith("sparse_sga_")} == {
+        "fused_mlp_forward", "fused_mlp_inputs", "fused_mlp_weights", "layer_norm_forward", "layer_norm_backward",
+        "multi_tensor_adamw"}
     assert "stablehlo.while" not in text
     assert _big_dots(text) == {"bf16/bf16"}, _big_dots(text)
 

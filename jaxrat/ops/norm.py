@@ -1,6 +1,7 @@
 """Layer normalisation over the last axis, with a backward that reuses the forward's statistics.
 
-The gpu policy's form (:func:`layer_norm`) keeps each token's mean and 1/std (float32) for the
+The gpu policy's form (:func:`layer_norm`): Pallas kernels in bfloat16 (:mod:`jaxrat.ops.gpu.layer_norm`);
+otherwise XLA's, which keeps each token's mean and 1/std (float32) for the
 backward. Flax's LayerNorm differentiated by JAX recomputes them there, inside the kernel that forms
 the float32 product x_hat * g of the whole activation; a reduction (the statistics) inside another
 (the scale's gradient, summed over tokens) does not fuse, so that product went through memory first.
@@ -14,14 +15,33 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
 
-def layer_norm(x: Array, scale: Array, bias: Array, eps: float, dtype) -> Array:
-    """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (statistics and arithmetic in
-    float32), in ``dtype``; differentiable in x, scale and bias."""
-    return _norm(x, scale.astype(jnp.float32), bias.astype(jnp.float32), float(eps), jnp.dtype(dtype))
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float, dtype, residual: Array | None = None) -> Array:
+    """``(residual +) (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (statistics and
+    arithmetic in float32), in ``dtype``; differentiable in x, scale, bias and the residual.
+
+    bfloat16 in and out runs the Pallas kernels of :mod:`jaxrat.ops.gpu.layer_norm` (per device under
+    a mesh), the residual added there before the one rounding; other dtypes (a float32 parity run)
+    the XLA form below, the residual added after."""
+    from jaxrat.ops.gpu import layer_norm as kernels
+
+    dtype = jnp.dtype(dtype)
+    fits = residual is None or (residual.shape == x.shape and residual.dtype == dtype)
+    if (fits and x.dtype == dtype == jnp.bfloat16 and x.ndim >= 2
+            and kernels.supports(int(np.prod(x.shape[:-1])), x.shape[-1], x.dtype) is None):
+        from jaxrat.ops.gpu import per_device
+
+        weights = (scale, bias)
+        if residual is None:
+            return per_device.over_batch(lambda x, s, b: kernels.layer_norm(x, s, b, eps), x, replicated=weights)
+        return per_device.over_batch(lambda x, r, s, b: kernels.layer_norm(x, s, b, eps, r), x, residual,
+                                     replicated=weights)
+    y = _norm(x, scale.astype(jnp.float32), bias.astype(jnp.float32), float(eps), dtype)
+    return y if residual is None else residual + y
 
 
 def _forward(x, scale, bias, eps, dtype):

@@ -127,8 +127,8 @@ class SpatialGroupingAttention(nnx.Module):
                 u = attn.grouping_attention(q, k, v, self.kernels)
             else:
                 u = attn.softmax_attention(q, k, v, self.kernels)
-        xo = xo + self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat))
-        return xo + self.norm3(self.mlp(xo)), q
+        xo = self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat), residual=xo)
+        return self.norm3(self.mlp(xo), residual=xo), q
 
     def __call__(
         self,
