@@ -133,6 +133,75 @@ def test_keys_laid_out_once_sum_the_gradients_of_every_use(case, group_form):
         assert err < 1e-5, f"{name}: max error {err:.2e} of the largest entry"
 
 
+@pytest.mark.parametrize("geom,heads,dh,rotated,normalise", [
+    (Geometry((11, 13), (5, 5), (2, 2)), 3, 8, 2, True),  # RoSE on the first two of three heads
+    (Geometry((13, 11), (7, 7), (3, 3)), 2, 16, 2, True),  # ISIC's kernel and stride, every head turned
+    (Geometry((9, 20), (5, 3), (2, 1)), 2, 8, 0, False),  # no rotation, columns not normalised
+])
+def test_a_projection_laid_out_whole_matches_split_turned_and_laid_out(geom, heads, dh, rotated, normalise,
+                                                                     group_form):
+    """lay_out_projection (split, RoSE, layout in one step; the keys' pass writing the projection's
+    gradient, keys' turned back, in place) against the plain route: split, RoSE's own rotation,
+    lay_out_keys. Two uses, the second's queries moved by the first's update. Float32, interpret mode:
+    the value and the gradients of the projection, the angles and the queries to 1e-5 of the largest
+    entry (measured: 1.1e-6; the keys' gradients are summed in another order)."""
+    from jaxrat import ops
+    from jaxrat.ops.gpu.sparse_sga import lay_out_projection
+    from jaxrat.ops.rotate import rotate_heads
+
+    b, n_in, n_out = 2, int(np.prod(geom.grid)), int(np.prod(geom.out))
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    kv = jax.random.normal(ks[0], (b, n_in, 2 * heads * dh))
+    phase = 2.0 * jax.random.normal(ks[1], (n_in, max(rotated, 1), dh // 2))
+    q0 = 0.5 * jax.random.normal(ks[2], (b, n_out, heads, dh))
+    g = jax.random.normal(ks[3], (b, n_out, heads, dh))
+
+    def two_uses(keys, q):
+        total = 0.0
+        for use in range(2):
+            u = laid_out_update(q, keys, use, geom, normalise, interpret=True)
+            total, q = total + jnp.sum(u * g), q + 0.5 * u
+        return total
+
+    def whole(kv, phase, q):
+        angles = phase[:, :rotated] if rotated else None
+        return two_uses(lay_out_projection(kv, angles, geom, heads, 2, normalise, interpret=True), q)
+
+    def plain(kv, phase, q):
+        k, v = jnp.split(kv, 2, axis=-1)
+        k = k.reshape(b, n_in, heads, dh)
+        if rotated:
+            k = rotate_heads(k, phase[:, :rotated], rotated, ops.PORTABLE)
+        return two_uses(lay_out_keys(k, v.reshape(b, n_in, heads, dh), geom, 2, normalise, interpret=True), q)
+
+    got = jax.jit(jax.value_and_grad(whole, argnums=(0, 1, 2)))(kv, phase, q0)
+    want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(kv, phase, q0)
+    for name, a, w in zip(("value", "dkv", "dphase", "dq"), jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, w = np.asarray(a), np.asarray(w)
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w)) or 1.0), err_msg=name)
+
+
+def test_the_projection_s_gradient_is_written_by_the_keys_pass_with_no_concatenate():
+    """Lowered for CUDA: the backward of a laid-out projection is the keys' pass writing (B, N, 2 H d)
+    itself: no concatenate or transpose of the gradients outside the Triton calls."""
+    from jaxrat.ops.gpu.sparse_sga import lay_out_projection
+
+    geom, heads, dh = Geometry((24, 24), (7, 7), (3, 3)), 2, 16
+    n_in, n_out = 576, int(np.prod(geom.out))
+
+    def loss(kv, phase, q):
+        keys = lay_out_projection(kv, phase, geom, heads, 1)
+        return jnp.sum(laid_out_update(q, keys, 0, geom).astype(jnp.float32))
+
+    args = (jnp.zeros((2, n_in, 2 * heads * dh), jnp.bfloat16), jnp.zeros((n_in, heads, dh // 2)),
+            jnp.zeros((2, n_out, heads, dh), jnp.bfloat16))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(TRITON.findall(text)) == 6
+    # the forward's layout transposes keys and values; the backward moves nothing of input size
+    moved = re.findall(r"stablehlo\.(?:transpose|concatenate) .*?-> (tensor<[^>]*>)", text)
+    assert not [m for m in moved if "576x64" in m or "2x36864" in m], moved
+
+
 def test_a_use_that_gets_no_gradient_adds_nothing(group_form):
     """Keys laid out for two uses of which only the first reaches the loss: the second's tape
     comes back as zeros (d = 0 among them), and the gradients are the one use's, finite."""
@@ -236,9 +305,10 @@ def test_the_gpu_form_lowers_to_triton_calls_only():
 
 
 def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeypatch, group_form):
-    """The SGA layer's three rounds on the gpu policy, each with its own tape of the keys laid out once,
-    the layout's backward summing the rounds' key and value gradients. In interpret mode, float32: the
-    portable layer's output and every gradient (parameters and input), to 1e-5 of the largest entry."""
+    """The SGA layer's three rounds on the gpu policy, each with its own tape of the keys laid out once
+    (split from the projection, turned by RoSE), the layout's backward summing the rounds' key and value
+    gradients into the projection's, turned back. In interpret mode, float32: the portable layer's
+    output and every gradient (parameters, RoSE's angles and input), to 1e-5 of the largest entry."""
     from flax import nnx
 
     from jaxrat import ops
@@ -246,7 +316,7 @@ def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeyp
     from jaxrat.models.rat.sga import SpatialGroupingAttention
     from jaxrat.ops.gpu import sparse_sga as gs
 
-    for name in ("lay_out_keys", "laid_out_update"):
+    for name in ("lay_out_keys", "lay_out_projection", "laid_out_update"):
         real = getattr(gs, name)
         monkeypatch.setattr(gs, name, lambda *a, real=real, **k: real(*a, **{**k, "interpret": True}))
     config = RATConfig(feature_dims=16, num_heads=2, iters=3, sga_kernel_size=7, stride=3, mlp_dropout=0.0)

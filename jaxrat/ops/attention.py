@@ -112,6 +112,43 @@ def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTA
                       window, False, normalise_columns)
 
 
+def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = PORTABLE, *, heads: int,
+                              rotation: Optional[tuple[Array, int]] = None, uses: int = 1,
+                              normalise_columns: bool = True) -> SparseKeys:
+    """:func:`sparse_keys` of a key-value projection's output ``kv`` (B, N_in, 2 H d): its first half
+    the keys, its second the values, ``heads`` heads each; ``rotation`` (angles (N_in, Hr, d/2),
+    Hr) turns the keys' first Hr heads (RoSE, :func:`jaxrat.ops.rotate.rotate_heads`) first.
+
+    On the gpu policy the split, the rotation and the layout are one step whose backward writes the
+    projection's gradient whole (:func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection`); elsewhere
+    they are the plain operations."""
+    b, n_in, width = kv.shape
+    dh = width // (2 * heads)
+    phase, rotated = rotation if rotation is not None else (None, 0)
+    if policy.gpu:
+        from jaxrat.ops.gpu import per_device
+        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
+
+        n_out = int(np.prod(window.out))
+        if gpu_sparse.supports(window, (b, n_out, heads, dh), kv.dtype) is None and width == 2 * heads * dh:
+            angles = phase if phase is not None and rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)
+            angles = angles[:, :rotated] if rotated else angles
+
+            def lay(kv, angles):
+                return tuple(gpu_sparse.lay_out_projection(kv, angles, window, heads, uses, normalise_columns))
+
+            k, v, tapes = per_device.over_batch(lay, kv, replicated=(angles,))
+            return SparseKeys(k, v, window, True, normalise_columns, tapes)
+    from jaxrat.ops.rotate import rotate_heads
+
+    k, v = jnp.split(kv, 2, axis=-1)
+    k = k.reshape(b, n_in, heads, dh)
+    if rotated:
+        k = rotate_heads(k, phase, rotated, policy)
+    return sparse_keys(k, v.reshape(b, n_in, heads, dh), window, policy, uses=uses,
+                       normalise_columns=normalise_columns)
+
+
 def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *, use: int = 0,
                               key_scale: Optional[Array] = None) -> Array:
     """Sparse SGA update: group o of q (B, N_out, H, dh) attends to the keys and values

@@ -80,6 +80,28 @@ def rotary_heads(feature_dims: int, num_heads: int, rotary_ratio: float) -> int:
     return rotary_dim // dh
 
 
+@jax.custom_vjp
+def _phase(pos: Array, freqs: Array) -> Array:
+    """<pos_n, omega_hp> (N, H, P) of positions (N, sd) and frequencies (H, P, sd): products and sums
+    over the sd (<= 3) axes, which fuse into the rotation (as an einsum, XLA:GPU made it a cuBLAS call
+    of contraction 2); the backward as two matrix products over the N positions (autodiff of the sums
+    is two small reductions per axis)."""
+    return sum(pos[:, None, None, d] * freqs[None, ..., d] for d in range(pos.shape[-1]))
+
+
+def _phase_fwd(pos, freqs):
+    return _phase(pos, freqs), (pos, freqs)
+
+
+def _phase_bwd(res, g):
+    pos, freqs = res
+    return (jnp.einsum("nhp,hpd->nd", g, freqs, preferred_element_type=jnp.float32).astype(pos.dtype),
+            jnp.einsum("nhp,nd->hpd", g, pos, preferred_element_type=jnp.float32).astype(freqs.dtype))
+
+
+_phase.defvjp(_phase_fwd, _phase_bwd)
+
+
 def grid_indices(grid_shape: Sequence[int]) -> np.ndarray:
     """(N, sd) float32 multi-indices of a row-major grid (first axis slowest)."""
     idx = np.stack(np.unravel_index(np.arange(int(np.prod(grid_shape))), tuple(grid_shape)), -1)
@@ -185,14 +207,15 @@ class RotarySpatialEmbedding(nnx.Module):
         factor = jnp.where(jnp.isfinite(factor), factor, 1.0)
         return pos * factor[None]
 
-    def __call__(self, x: Array, grid_shape: Sequence[int], spacing: Sequence[float]) -> Array:
-        """Rotate ``x`` of shape (B, N, H, dims_per_head); N = prod(grid_shape)."""
+    def angles(self, grid_shape: Sequence[int], spacing: Sequence[float]) -> Optional[tuple[Array, int]]:
+        """(angles (N, Hr, dims_per_head / 2), Hr) of the rotated heads' feature pairs at the grid's
+        positions, or None when no head is rotated: what :func:`jaxrat.ops.rotate.rotate_heads` takes."""
         hr = self.num_rotary_heads
         if hr == 0:
-            return x
-        pos = self.positions(grid_shape, spacing)
-        freqs = _value(self.freqs)
-        # <pos, omega> over sd (<= 3) axes as products and sums, not a matrix product: as an einsum
-        # XLA:GPU makes a cuBLAS call of contraction 2 here, and two more in the backward.
-        phase = sum(pos[:, None, None, d] * freqs[None, ..., d] for d in range(pos.shape[-1]))
-        return rotate_heads(x, phase, hr, self.kernels)
+            return None
+        return _phase(self.positions(grid_shape, spacing), _value(self.freqs)), hr
+
+    def __call__(self, x: Array, grid_shape: Sequence[int], spacing: Sequence[float]) -> Array:
+        """Rotate ``x`` of shape (B, N, H, dims_per_head); N = prod(grid_shape)."""
+        rotation = self.angles(grid_shape, spacing)
+        return x if rotation is None else rotate_heads(x, *rotation, self.kernels)

@@ -150,19 +150,26 @@ class SpatialGroupingAttention(nnx.Module):
         xo = self.norm1(xo.reshape(b, -1, d))
         h, dh = self.num_heads, self.head_dim
 
-        k, v = jnp.split(self.kv(x), 2, axis=-1)
-        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
+        kv = self.kv(x)
         temp = self.temp[...]
-        if self.attention == "sparse":  # token-major, as the projection makes them
-            v = self._split_heads(v, True).transpose(0, 2, 1, 3) if self.reference_compat else v.reshape(b, n_in, h, dh)
-        else:  # head-major; temp scales the keys (the reference's form)
-            k = (k * temp.astype(k.dtype)).transpose(0, 2, 1, 3)
-            v = self._split_heads(v, self.reference_compat)
-
         window = attn.Window(grid_shape, self.kernel_size, self.stride)
-        # sparse: the kernel decides where temp multiplies, and lays keys and values out once
-        keys = (attn.sparse_keys(k, v, window, self.kernels, uses=self.iters)
-                if self.attention == "sparse" and self.iters else None)
+        keys = k = v = None
+        if self.attention == "sparse" and not self.reference_compat and not return_maps:
+            # the projection whole to the kernel policy: it splits, rotates and lays out keys and
+            # values once for the layer (the kernel decides where temp multiplies)
+            if self.iters:
+                keys = attn.sparse_keys_of_projection(kv, window, self.kernels, heads=h, uses=self.iters,
+                                                      rotation=self.rose.angles(grid_shape, spacing))
+        else:
+            k, v = jnp.split(kv, 2, axis=-1)
+            k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
+            if self.attention == "sparse":  # token-major, as the projection makes them
+                v = self._split_heads(v, True).transpose(0, 2, 1, 3) if self.reference_compat else v.reshape(
+                    b, n_in, h, dh)
+                keys = attn.sparse_keys(k, v, window, self.kernels, uses=self.iters) if self.iters else None
+            else:  # head-major; temp scales the keys (the reference's form)
+                k = (k * temp.astype(k.dtype)).transpose(0, 2, 1, 3)
+                v = self._split_heads(v, self.reference_compat)
         q = None
         for i in range(self.iters):
             xo, q = self._iteration(xo, k, v, keys, i, window, out_spacing)

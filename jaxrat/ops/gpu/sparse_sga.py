@@ -123,6 +123,38 @@ def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_co
                        tuple(tuple(x.reshape(b, -1) for x in tape) for tape in tapes))
 
 
+def lay_out_projection(kv: Array, phase: Array | None, geom: Geometry, heads: int, uses: int = 1,
+                       normalise_columns: bool = True, *, interpret: bool = False) -> LaidOutKeys:
+    """:func:`lay_out_keys` of a key-value projection's output ``kv`` (B, N_in, 2 H d): keys then
+    values, H = ``heads`` of d each, the keys turned by RoSE's angles ``phase`` (N_in, Hr, d/2) of
+    their first Hr heads (None: no rotation).
+
+    The rotation, the split and the layout happen here, so the backward writes the projection's
+    gradient whole: the keys' pass stores the keys' gradients, turned back, and the values' into one
+    (B, N_in, 2 H d) array in place (a concatenate of the two, transposed and turned back, had read
+    and written both again: 1.1 GB in the ISIC first layer, compiled for an H100). The angles'
+    gradient is then one sum over the batch of that and ``kv``: by the rotation's invariance,
+    g . dR/dphase x = (R^T g) . J x with J the quarter turn of each pair."""
+    b, n_in, width = kv.shape
+    dh = width // (2 * heads)
+    if width != 2 * heads * dh or n_in != int(np.prod(geom.grid)) or len(geom.grid) != 2:
+        raise ValueError(f"a projection {kv.shape} does not hold keys and values of {heads} heads on the grid "
+                         f"{geom.grid}")
+    if uses < 1:
+        raise ValueError(f"keys are laid out for at least one use, not {uses}")
+    half = dh // 2
+    if phase is None:
+        phase = jnp.zeros((n_in, heads, half), jnp.float32)
+    elif phase.shape[0] != n_in or phase.shape[1] > heads or phase.shape[2] != half:
+        raise ValueError(f"RoSE angles {phase.shape} do not match {n_in} inputs of {heads} heads of {dh}")
+    # every head gets angles: zero (cos 1, sin 0) for those RoSE leaves
+    full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - phase.shape[1]), (0, 0)))
+    t = K.Tiling.of(geom, dh, dh, heads=heads)
+    kf, vf, tapes = _projected(kv, full, t, uses, normalise_columns, interpret)
+    return LaidOutKeys(kf.reshape(b, heads, n_in, dh), vf.reshape(b, heads, n_in, dh),
+                       tuple(tuple(x.reshape(b, -1) for x in tape) for tape in tapes))
+
+
 def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_columns: bool = True, *,
                   interpret: bool = False) -> Array:
     """The sparse SGA update, token-major: q (B, N_out, H, dh) scaled queries, k (B, N_in, H, dh),
@@ -237,6 +269,61 @@ def _keys_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts
 _keys.defvjp(_keys_fwd, _keys_bwd)
 
 
+def _split_turn(kv, phase, t: K.Tiling):
+    """The projection's keys, turned, and values, each laid out head-major (B*H, N_in*d)."""
+    from jaxrat.ops.gpu.rotate import _tables, _turn
+
+    b, n, _ = kv.shape
+    h, dh = t.heads, t.dh
+    k = _turn(kv[..., :h * dh].reshape(b, n, h, dh), *_tables(phase, kv.dtype), h)
+    v = kv[..., h * dh:].reshape(b, n, h, dh)
+    flat = lambda x: lay_out(x).reshape(b * h, -1)
+    return flat(k), flat(v)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _projected(kv, phase, t: K.Tiling, uses: int, normalise: bool, interpret: bool):
+    return _projected_fwd(kv, phase, t, uses, normalise, interpret)[0]
+
+
+def _projected_fwd(kv, phase, t, uses, normalise, interpret):
+    kv, phase = (getattr(a, "value", a) for a in (kv, phase))  # CustomVJPPrimal under symbolic zeros
+    k, v = _split_turn(kv, phase, t)
+    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
+    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
+    return (k, v, tuple(blank() for _ in range(uses))), (kv, phase, k, v)
+
+
+def _projected_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts):
+    kv, phase, k, v = res
+    ck, cv, tapes = cts
+    b, n_in, width = kv.shape
+    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
+    ins = dict(k=k, v=v, phase=phase.reshape(1, -1))
+    for use, tape in enumerate(tapes):
+        if isinstance(tape, jax.custom_derivatives.SymbolicZero):  # a use whose update got no gradient
+            tape = tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
+        tape = tuple(jnp.zeros(z.shape, z.dtype) if isinstance(z, jax.custom_derivatives.SymbolicZero) else z
+                     for z in tape)
+        ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
+    outs = dict(dkv=jax.ShapeDtypeStruct((b, n_in * width), kv.dtype))
+    dkv = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)["dkv"].reshape(kv.shape)
+    if not all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in (ck, cv)):
+        # the laid-out keys or values were used outside the updates too: their gradients join by autodiff
+        dkv = dkv + jax.vjp(lambda kv: _split_turn(kv, phase, t), kv)[1](
+            tuple(jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.custom_derivatives.SymbolicZero) else s
+                  for s in (ck, cv)))[0]
+    # the angles' gradient: sum over the batch of (R^T g) . J x per pair, J the quarter turn
+    h, half = t.heads, t.dh // 2
+    pairs = lambda a: a[..., :h * t.dh].reshape(b, n_in, h, half, 2).astype(jnp.float32)
+    g, x = pairs(dkv), pairs(kv)
+    d_phase = jnp.sum(g[..., 1] * x[..., 0] - g[..., 0] * x[..., 1], 0)
+    return dkv, d_phase
+
+
+_projected.defvjp(_projected_fwd, _projected_bwd, symbolic_zeros=True)
+
+
 def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
     bh, n_out, n_in = k.shape[0], t.OY * t.OX, t.Y * t.X
     u_shape = _groups_like(t, bh, t.dv, q.dtype)
@@ -274,7 +361,7 @@ def _update_bwd(t: K.Tiling, normalise: bool, interpret: bool, res, g):
     else:
         out = K.group_pass("grad", t, dict(base, u=u), outs, interpret)
         tape = (q, g, r, out["delta"])
-    return out["dq"], jnp.zeros_like(k), jnp.zeros_like(v), tape
+    return out["dq"], None, None, tape  # None: symbolic zeros, which the keys' backwards skip
 
 
 _update.defvjp(_update_fwd, _update_bwd)

@@ -312,7 +312,9 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
     heads = t.heads
 
     def spec(name, a):
-        if heads and token_major(name):
+        if name == "phase":  # RoSE's angles, the same for every image and head
+            return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (0, 0))
+        if heads and (token_major(name) or name == "dkv"):
             return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b // heads, 0))
         return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b, 0))
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
@@ -149,5 +150,27 @@ def keys_over_uses(R, t, uses: int, prow, ok, zeros_v, use_body) -> None:
             gd = load1(R["gd" + use], prow, ok)
         gw, dk = loop(t, t.nt, use_body(use, inv_d, gd), (zeros_v, dk))
         dv = dv + (gw if inv_d is None else gw * inv_d[:, None])
-    store(R["dk"], prow, ok, t.dh, t.dhp, dk)
-    store(R["dv"], prow, ok, t.dv, t.dvp, dv)
+    if "dkv" not in R:
+        store(R["dk"], prow, ok, t.dh, t.dhp, dk)
+        store(R["dv"], prow, ok, t.dv, t.dvp, dv)
+        return
+    # Into the projection's gradient (B, N_in * 2 H d), token-major, keys then values, the keys'
+    # turned back by their RoSE angles first (the transpose of the forward's rotation)
+    head = lax.rem(pl.program_id(2), t.heads)
+    width = t.heads * (t.dh + t.dv)
+    dk = turn_back(dk, R["phase"], prow, ok, t, head)
+    store(Strided(R["dkv"], width, head * t.dh), prow, ok, t.dh, t.dhp, dk)
+    store(Strided(R["dkv"], width, t.heads * t.dh + head * t.dv), prow, ok, t.dv, t.dvp, dv)
+
+
+def turn_back(dk, phase_ref, prow, ok, t, head):
+    """R_p^T dk for each input row p of the tile: its (re, im) feature pairs turned by minus their
+    angles ``phase[p, head, pair]`` (a flat (N_in * H * dh/2) float32 ref: zero for heads RoSE leaves,
+    whose cos 1 and sin 0 pass them exactly)."""
+    half = t.dhp // 2
+    pair = jnp.arange(half, dtype=jnp.int32)
+    idx = prow[:, None] * (t.heads * (t.dh // 2)) + head * (t.dh // 2) + jnp.minimum(pair, t.dh // 2 - 1)[None, :]
+    angle = plgpu.load(phase_ref.at[idx], mask=ok[:, None] & (pair < t.dh // 2)[None, :], other=0.0)
+    c, s = jnp.cos(angle), jnp.sin(angle)
+    re, im = jnp.unstack(dk.reshape(dk.shape[0], half, 2), axis=-1)
+    return jnp.stack([re * c + im * s, im * c - re * s], axis=-1).reshape(dk.shape)
