@@ -28,7 +28,11 @@ from jaxrat.ops.policy import KernelPolicy
 Array = jax.Array
 CHUNK_HIDDEN_BYTES = 256 * 2**20
 CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one rematerialised chunk
-FUSED_HIDDEN_BYTES = 8 * 2**20  # the gpu policy fuses calls with at least this much hidden activation
+# The gpu policy fuses calls with at least this much hidden activation: every call. At 8 MiB the small
+# layers' MLPs (the third and fourth SGA layers', the MR blocks' on the small grids) were XLA's: with
+# their dropout masks drawn by XLA, 68 kernels more in the ISIC step compiled for an H100, for 3 s less
+# compile (benchmarks/gpu_cost.py).
+FUSED_HIDDEN_BYTES = 0
 
 
 class Chunks(NamedTuple):
@@ -52,8 +56,7 @@ def chunking(hidden_bytes: int, policy: KernelPolicy) -> Optional[Chunks]:
 def fused(policy: KernelPolicy, x_shape: tuple, hidden: int, dtype, dropout_rate: float) -> bool:
     """Whether the gpu policy's fused MLP takes this call: bfloat16 ones, as with the fused attention (a
     float32 model on the gpu policy is a parity run, and runs anywhere: XLA's products), with at least
-    :data:`FUSED_HIDDEN_BYTES` of hidden activation (below, the bytes saved are not worth the seconds
-    Triton takes to compile the kernels for one more shape)."""
+    :data:`FUSED_HIDDEN_BYTES` of hidden activation."""
     if not policy.gpu or len(x_shape) < 2 or dropout_rate >= 1.0 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     if math.prod(x_shape[:-1]) * hidden * jnp.dtype(dtype).itemsize < FUSED_HIDDEN_BYTES:
