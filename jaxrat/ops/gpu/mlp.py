@@ -9,7 +9,8 @@ an H100, docs/benchmarks.md). Here the hidden activation never leaves the chip:
 * backward, token tiles: ``dx = sum_j dh_j W1[:, j]^T`` with ``dh_j = (dy W2[j]^T) * mask * gelu'``,
   recomputing each chunk's pre-activation from x;
 * backward, weight tiles (hidden chunk x a share of the tokens): the partial ``dW1``, ``db1``,
-  ``dW2`` of those tokens, recomputed the same way; XLA adds the shares and ``db2``.
+  ``dW2`` of those tokens, recomputed the same way, and ``db2`` (programs of their own), in one
+  buffer; XLA adds the shares.
 
 Products run on the tensor cores in the operands' dtype with float32 accumulation; GELU is the exact
 (erf) form, with erf from a rational approximation good to float32 rounding (:func:`erf`).
@@ -213,12 +214,11 @@ def _forward_kernel(*refs, hidden: int, drop: Drop):
 
 
 def _inputs_kernel(*refs, hidden: int, drop: Drop):
-    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, dx_ref, db2_ref) = _split(refs, drop)
+    drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, dx_ref) = _split(refs, drop)
     x = x_ref[...]
     t = x.shape[0]
     tokens = _tokens(drop_ref, pl.program_id(0) * t, t)
     g, g_scale = _masked_cotangent(g_ref[...], drop_ref, tokens, drop.out)
-    db2_ref[...] = jnp.sum(g.astype(jnp.float32), axis=0) * g_scale  # this tile's share of b2's gradient
 
     def chunk(j, acc):
         cols = pl.ds(j * INPUTS_CHUNK, INPUTS_CHUNK)
@@ -232,35 +232,57 @@ def _inputs_kernel(*refs, hidden: int, drop: Drop):
     dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
-def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, drop: Drop):
+def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, chunks: int, drop: Drop):
     """Tiles and tiles per share come as operands, not constants: one compiled kernel for every
-    token count (Triton compiles each distinct kernel anew, seconds each)."""
+    token count (Triton compiles each distinct kernel anew, seconds each). Programs of chunk
+    ``chunks`` (one past the hidden layer's) sum b2's gradient instead: in a branch of its own, so
+    its accumulator takes no registers from the others (in theirs, the kernel spilled 208 bytes a
+    thread compiled for an H100)."""
     drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, parts_ref) = _split(refs, drop)
     tiles, per_split = bounds_ref[0], bounds_ref[1]
     j, s = pl.program_id(0), pl.program_id(1)
-    cols = pl.ds(j * chunk, chunk)
-    w1, b1, w2 = (r.astype(x_ref.dtype) for r in (w1_ref[:, cols], b1_ref[cols], w2_ref[cols, :]))
-    d = w1.shape[0]
-
-    def body(t, carry):
-        dw1, db1, dw2 = carry
-        rows = pl.ds(t * tile, tile)
-        tokens = _tokens(drop_ref, t * tile, tile)
-        x = x_ref[rows, :]
-        g, g_scale = _masked_cotangent(g_ref[rows, :], drop_ref, tokens, drop.out)
-        act, slope = _hidden(x, w1, b1, _keep(drop_ref, 0, tokens, j * chunk, chunk, drop.hidden), drop.hidden)
-        dpre = _dot(g, w2, trans_b=True) * (slope * g_scale)
-        dw2 += _dot(act.astype(x.dtype), g, trans_a=True) * g_scale
-        dw1 += _dot(x, dpre.astype(x.dtype), trans_a=True)
-        return dw1, db1 + jnp.sum(dpre, axis=0), dw2
-
+    d = x_ref.shape[1]
     lo = s * per_split
-    init = (jnp.zeros((d, chunk), jnp.float32), jnp.zeros((chunk,), jnp.float32), jnp.zeros((chunk, d), jnp.float32))
-    dw1, db1, dw2 = lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, init)
-    # one block of the share's partial sums, (2 D + 1, chunk): rows of w1's, b1's, and w2's transposed
-    parts_ref[pl.ds(0, d), :] = dw1
-    parts_ref[d, :] = db1
-    parts_ref[pl.ds(d + 1, d), :] = dw2.T
+    hi = jnp.minimum(lo + per_split, tiles)
+
+    @pl.when(j < chunks)
+    def _():
+        cols = pl.ds(j * chunk, chunk)
+        w1, b1, w2 = (r.astype(x_ref.dtype) for r in (w1_ref[:, cols], b1_ref[cols], w2_ref[cols, :]))
+
+        def body(t, carry):
+            dw1, db1, dw2 = carry
+            rows = pl.ds(t * tile, tile)
+            tokens = _tokens(drop_ref, t * tile, tile)
+            x = x_ref[rows, :]
+            g, g_scale = _masked_cotangent(g_ref[rows, :], drop_ref, tokens, drop.out)
+            act, slope = _hidden(x, w1, b1, _keep(drop_ref, 0, tokens, j * chunk, chunk, drop.hidden), drop.hidden)
+            dpre = _dot(g, w2, trans_b=True) * (slope * g_scale)
+            dw2 += _dot(act.astype(x.dtype), g, trans_a=True) * g_scale
+            dw1 += _dot(x, dpre.astype(x.dtype), trans_a=True)
+            return dw1, db1 + jnp.sum(dpre, axis=0), dw2
+
+        init = (jnp.zeros((d, chunk), jnp.float32), jnp.zeros((chunk,), jnp.float32),
+                jnp.zeros((chunk, d), jnp.float32))
+        dw1, db1, dw2 = lax.fori_loop(lo, hi, body, init)
+        # one block of the share's partial sums, (2 D + 1, chunk): rows of w1's, b1's, and w2's transposed
+        parts_ref[pl.ds(0, d), :] = dw1
+        parts_ref[d, :] = db1
+        parts_ref[pl.ds(d + 1, d), :] = dw2.T
+
+    @pl.when(j == chunks)
+    def _():
+        def body(t, db2):
+            rows = pl.ds(t * tile, tile)
+            g, g_scale = _masked_cotangent(g_ref[rows, :], drop_ref, _tokens(drop_ref, t * tile, tile), drop.out)
+            return db2 + jnp.sum(g.astype(jnp.float32), axis=0) * g_scale
+
+        db2 = lax.fori_loop(lo, hi, body, jnp.zeros((d,), jnp.float32))
+        # its block's first rows (the rest is never read)
+        if d >= chunk:
+            parts_ref[pl.ds(0, d // chunk), :] = db2.reshape(d // chunk, chunk)
+        else:
+            parts_ref[0, pl.ds(0, d)] = db2
 
 
 def _whole(shape):
@@ -299,11 +321,10 @@ def _mlp_bwd(drop: Drop, interpret: bool, res, g):
     g = g.astype(x.dtype)
     rows = lambda width: pl.BlockSpec((t, width), lambda i: (i, 0))
     words, word_spec = [drop_words] * bool(drop), [_whole((8,))] * bool(drop)
-    dx, db2 = pl.pallas_call(
+    dx = pl.pallas_call(
         partial(_inputs_kernel, hidden=hidden, drop=drop), grid=(n // t,),
         in_specs=word_spec + [rows(d), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape), rows(d)],
-        out_specs=[rows(d), pl.BlockSpec((None, d), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((n // t, d), jnp.float32)],
+        out_specs=rows(d), out_shape=jax.ShapeDtypeStruct((n, d), x.dtype),
         compiler_params=_params(), interpret=interpret, name="fused_mlp_inputs")(*words, x, w1, b1, w2, g)
     cut = WEIGHTS
     wt = min(cut.tile, t)  # both powers of two, so wt divides the tokens as t does
@@ -311,24 +332,25 @@ def _mlp_bwd(drop: Drop, interpret: bool, res, g):
     splits = max(1, min(cut.max_splits, n // t // cut.min_share))  # min_share counts the other passes' tiles
     per_split = -(-tiles // splits)
     c, chunks = cut.chunk, hidden // cut.chunk
-    parts = pl.pallas_call(
-        partial(_weights_kernel, tile=wt, chunk=c, drop=drop),
-        grid=(chunks, splits),
+    parts = pl.pallas_call(  # chunk ``chunks``: b2's gradient
+        partial(_weights_kernel, tile=wt, chunk=c, chunks=chunks, drop=drop),
+        grid=(chunks + 1, splits),
         in_specs=[_whole((2,))] + word_spec + [_whole(x.shape), _whole(w1.shape), _whole(b1.shape), _whole(w2.shape),
                                                _whole(g.shape)],
         out_specs=pl.BlockSpec((None, None, 2 * d + 1, c), lambda j, s: (s, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((splits, chunks, 2 * d + 1, c), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, chunks + 1, 2 * d + 1, c), jnp.float32),
         compiler_params=_params(cut.warps, cut.stages),
         interpret=interpret, name="fused_mlp_weights")(jnp.array([tiles, per_split], jnp.int32), *words, x, w1, b1,
                                                        w2, g)
     # The shares' partial sums of all three gradients in one buffer: XLA adds them in one reduction (three
     # had been three kernels), and the unpacking below fuses into whatever reads the gradients next.
-    sums = parts.sum(0)  # (chunks, 2 D + 1, c)
-    dw1 = sums[:, :d, :].transpose(1, 0, 2).reshape(d, hidden)
-    db1 = sums[:, d, :].reshape(hidden)
-    dw2 = sums[:, d + 1:, :].transpose(0, 2, 1).reshape(hidden, d)
+    sums = parts.sum(0)  # (chunks + 1, 2 D + 1, c)
+    dw1 = sums[:chunks, :d, :].transpose(1, 0, 2).reshape(d, hidden)
+    db1 = sums[:chunks, d, :].reshape(hidden)
+    dw2 = sums[:chunks, d + 1:, :].transpose(0, 2, 1).reshape(hidden, d)
+    db2 = sums[chunks, :-(-d // c), :].reshape(-1)[:d]
     zero_words = np.zeros(drop_words.shape, jax.dtypes.float0) if drop_words is not None else None
-    return (dx, dw1.astype(w1.dtype), db1.astype(b1.dtype), dw2.astype(w2.dtype), db2.sum(0).astype(w2.dtype),
+    return (dx, dw1.astype(w1.dtype), db1.astype(b1.dtype), dw2.astype(w2.dtype), db2.astype(w2.dtype),
             zero_words)
 
 
