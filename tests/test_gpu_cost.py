@@ -102,11 +102,12 @@ def test_the_fused_mlp_kernels_compile_for_the_h100(probe):
     tokens = 2 * 4096 * 128 * 2  # bytes of the tokens (bf16), a quarter of the hidden activation's
     outside = [k for k in kernels if k["kind"] != "__gpu$xla.gpu.triton"]
     # the weights' pass leaves float32 partial sums of the weights' gradients, one set per share of the
-    # tokens (8 shares of 64-token tiles here, jaxrat.ops.gpu.mlp.WeightsPass), which XLA adds in one kernel
+    # tokens (8 shares of 64-token tiles here, jaxrat.ops.gpu.mlp.WeightsPass), which XLA adds in one
+    # kernel: per share a (2 D + 1, chunk) block per hidden chunk and one more for b2's gradient
     from jaxrat.ops.gpu.mlp import WEIGHTS
 
     shares = min(WEIGHTS.max_splits, 8192 // 64 // WEIGHTS.min_share)
-    weights = (2 * 128 * 512 + 512) * 4
+    weights = (512 // WEIGHTS.chunk + 1) * (2 * 128 + 1) * WEIGHTS.chunk * 4
     partials = [k for k in outside if k["bytes"] > 2 * tokens]
     assert len(partials) <= 1 and all(k["bytes"] <= (shares + 1) * weights for k in partials), partials
     # outside them otherwise at most the loss's own gradient (the tokens read and written once) ...

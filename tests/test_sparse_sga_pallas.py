@@ -142,7 +142,8 @@ def test_a_projection_laid_out_whole_matches_split_turned_and_laid_out(geom, hea
                                                                      group_form):
     """lay_out_projection (split, RoSE, layout in one step; the keys' pass writing the projection's
     gradient, keys' turned back, in place) against the plain route: split, RoSE's own rotation,
-    lay_out_keys. Two uses, the second's queries moved by the first's update. Float32, interpret mode:
+    lay_out_keys. Two uses, the second's queries moved by the first's update, and the laid-out keys and
+    values read outside the updates as well (their own cotangents). Float32, interpret mode:
     the value and the gradients of the projection, the angles and the queries to 1e-5 of the largest
     entry (measured: 1.1e-6; the keys' gradients are summed in another order)."""
     from jaxrat import ops
@@ -157,7 +158,7 @@ def test_a_projection_laid_out_whole_matches_split_turned_and_laid_out(geom, hea
     g = jax.random.normal(ks[3], (b, n_out, heads, dh))
 
     def two_uses(keys, q):
-        total = 0.0
+        total = jnp.sum(jnp.sin(keys.k)) + jnp.sum(keys.v ** 2)  # the laid-out keys used outside the updates too
         for use in range(2):
             u = laid_out_update(q, keys, use, geom, normalise, interpret=True)
             total, q = total + jnp.sum(u * g), q + 0.5 * u

@@ -131,8 +131,7 @@ def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = 
 
         n_out = int(np.prod(window.out))
         if gpu_sparse.supports(window, (b, n_out, heads, dh), kv.dtype) is None and width == 2 * heads * dh:
-            angles = phase if phase is not None and rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)
-            angles = angles[:, :rotated] if rotated else angles
+            angles = phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)  # no head turned
 
             def lay(kv, angles):
                 return tuple(gpu_sparse.lay_out_projection(kv, angles, window, heads, uses, normalise_columns))

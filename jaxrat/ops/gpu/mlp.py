@@ -278,7 +278,11 @@ def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, chunks: int, drop:
             return db2 + jnp.sum(g.astype(jnp.float32), axis=0) * g_scale
 
         db2 = lax.fori_loop(lo, hi, body, jnp.zeros((d,), jnp.float32))
-        # its block's first rows (the rest is never read)
+        # its block's first rows; the rest zeros (never read, but XLA's reduction adds them up)
+        zeros = jnp.zeros((d, chunk), jnp.float32)
+        parts_ref[pl.ds(0, d), :] = zeros
+        parts_ref[d, :] = jnp.zeros((chunk,), jnp.float32)
+        parts_ref[pl.ds(d + 1, d), :] = zeros
         if d >= chunk:
             parts_ref[pl.ds(0, d // chunk), :] = db2.reshape(d // chunk, chunk)
         else:

@@ -148,9 +148,10 @@ def lay_out_projection(kv: Array, phase: Array | None, geom: Geometry, heads: in
     elif phase.shape[0] != n_in or phase.shape[1] > heads or phase.shape[2] != half:
         raise ValueError(f"RoSE angles {phase.shape} do not match {n_in} inputs of {heads} heads of {dh}")
     # every head gets angles: zero (cos 1, sin 0) for those RoSE leaves
-    full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - phase.shape[1]), (0, 0)))
+    rotated = phase.shape[1]
+    full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - rotated), (0, 0)))
     t = K.Tiling.of(geom, dh, dh, heads=heads)
-    kf, vf, tapes = _projected(kv, full, t, uses, normalise_columns, interpret)
+    kf, vf, tapes = _projected(kv, full, t, rotated, uses, normalise_columns, interpret)
     return LaidOutKeys(kf.reshape(b, heads, n_in, dh), vf.reshape(b, heads, n_in, dh),
                        tuple(tuple(x.reshape(b, -1) for x in tape) for tape in tapes))
 
@@ -281,12 +282,13 @@ def _split_turn(kv, phase, t: K.Tiling):
     return flat(k), flat(v)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _projected(kv, phase, t: K.Tiling, uses: int, normalise: bool, interpret: bool):
-    return _projected_fwd(kv, phase, t, uses, normalise, interpret)[0]
+# ``rotated``: the heads RoSE turns (the first); the others' angles are zeros, their gradient too
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _projected(kv, phase, t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
+    return _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret)[0]
 
 
-def _projected_fwd(kv, phase, t, uses, normalise, interpret):
+def _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret):
     kv, phase = (getattr(a, "value", a) for a in (kv, phase))  # CustomVJPPrimal under symbolic zeros
     k, v = _split_turn(kv, phase, t)
     names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
@@ -294,7 +296,7 @@ def _projected_fwd(kv, phase, t, uses, normalise, interpret):
     return (k, v, tuple(blank() for _ in range(uses))), (kv, phase, k, v)
 
 
-def _projected_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts):
+def _projected_bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):
     kv, phase, k, v = res
     ck, cv, tapes = cts
     b, n_in, width = kv.shape
@@ -313,12 +315,13 @@ def _projected_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res
         dkv = dkv + jax.vjp(lambda kv: _split_turn(kv, phase, t), kv)[1](
             tuple(jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.custom_derivatives.SymbolicZero) else s
                   for s in (ck, cv)))[0]
-    # the angles' gradient: sum over the batch of (R^T g) . J x per pair, J the quarter turn
-    h, half = t.heads, t.dh // 2
-    pairs = lambda a: a[..., :h * t.dh].reshape(b, n_in, h, half, 2).astype(jnp.float32)
+    # the angles' gradient: sum over the batch of (R^T g) . J x per pair, J the quarter turn (over
+    # the turned heads only; the padding's is zero)
+    half = t.dh // 2
+    pairs = lambda a: a[..., :rotated * t.dh].reshape(b, n_in, rotated, half, 2).astype(jnp.float32)
     g, x = pairs(dkv), pairs(kv)
     d_phase = jnp.sum(g[..., 1] * x[..., 0] - g[..., 0] * x[..., 1], 0)
-    return dkv, d_phase
+    return dkv, jnp.pad(d_phase, ((0, 0), (0, t.heads - rotated), (0, 0)))
 
 
 _projected.defvjp(_projected_fwd, _projected_bwd, symbolic_zeros=True)
