@@ -33,10 +33,11 @@ def turn_heads(x: Array, phase: Array, heads: int) -> Array:
     """Rotate the first ``heads`` heads of ``x`` (B, N, H, dh), features as interleaved (re, im)
     pairs, by the angles ``phase`` (N, heads, dh/2), broadcast over B (their cosines and sines
     rounded to x's dtype); the other heads pass."""
-    return _turn(x, *_tables(phase, x.dtype), heads)
+    return turn(x, *tables(phase, x.dtype), heads)
 
 
-def _tables(phase: Array, dtype) -> tuple[Array, Array]:
+def tables(phase: Array, dtype) -> tuple[Array, Array]:
+    """cos and sin of the angles, rounded to ``dtype`` (the tables the forward turns by)."""
     return jnp.cos(phase).astype(dtype), jnp.sin(phase).astype(dtype)
 
 
@@ -52,14 +53,15 @@ def _turn_bwd(heads, res, g):
     re, im, g_re, g_im = xp[..., 0], xp[..., 1], gp[..., 0], gp[..., 1]
     phase = phase.astype(jnp.float32)
     d_phase = jnp.sum((g_im * re - g_re * im) * jnp.cos(phase) - (g_re * re + g_im * im) * jnp.sin(phase), 0)
-    cos, sin = _tables(phase, x.dtype)
-    return _turn(g, cos, -sin, heads).astype(x.dtype), d_phase.astype(res[1].dtype)
+    cos, sin = tables(phase, x.dtype)
+    return turn(g, cos, -sin, heads).astype(x.dtype), d_phase.astype(res[1].dtype)
 
 
 turn_heads.defvjp(_turn_fwd, _turn_bwd)
 
 
-def _turn(x: Array, cos: Array, sin: Array, heads: int) -> Array:
+def turn(x: Array, cos: Array, sin: Array, heads: int) -> Array:
+    """The first ``heads`` heads of x turned by the tables (cos, sin) (N, heads, dh/2), no autodiff rule."""
     b, n, h, dh = x.shape
     c = jnp.repeat(cos, 2, axis=-1)
     s = (jnp.stack([-sin, sin], -1)).reshape(n, heads, dh)

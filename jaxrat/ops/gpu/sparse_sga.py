@@ -272,11 +272,11 @@ _keys.defvjp(_keys_fwd, _keys_bwd)
 
 def _split_turn(kv, phase, t: K.Tiling):
     """The projection's keys, turned, and values, each laid out head-major (B*H, N_in*d)."""
-    from jaxrat.ops.gpu.rotate import _tables, _turn
+    from jaxrat.ops.gpu.rotate import tables, turn
 
     b, n, _ = kv.shape
     h, dh = t.heads, t.dh
-    k = _turn(kv[..., :h * dh].reshape(b, n, h, dh), *_tables(phase, kv.dtype), h)
+    k = turn(kv[..., :h * dh].reshape(b, n, h, dh), *tables(phase, kv.dtype), h)
     v = kv[..., h * dh:].reshape(b, n, h, dh)
     flat = lambda x: lay_out(x).reshape(b * h, -1)
     return flat(k), flat(v)
