@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 # Where scripts/setup_gpu_aot.sh installs ptxas: not on the plugin's path, so XLA keeps its own.
 PTXAS_DIR = Path(os.environ.get("JAXRAT_PTXAS_DIR") or Path(sys.prefix) / "gpu-ptxas")
-PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp", "multi_tensor_adamw", "layer_norm")
+PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp", "multi_tensor_adamw", "multi_tensor_cast", "layer_norm")
 
 
 def find_ptxas() -> str | None:
@@ -74,7 +74,7 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
         program = next((p for p in PROGRAMS if f"jit_{p}." in path.name), None)
         ptx = path.read_text()
         entry = re.search(r"\.entry (\w+)", ptx)
-        if program and entry and entry.group(1).startswith(("sparse_sga_", "fused_mlp_", "multi_tensor_adamw",
+        if program and entry and entry.group(1).startswith(("sparse_sga_", "fused_mlp_", "multi_tensor_",
                                                              "layer_norm_")):
             rows.append({"program": program, "kernel": entry.group(1), **usage(ptx, ptxas)})
     return sorted(rows, key=lambda r: (r["program"], r["kernel"]))
@@ -82,7 +82,7 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
-    from jaxrat.ops.gpu import adamw, mlp, sparse_sga_kernels
+    from jaxrat.ops.gpu import adamw, cast, mlp, sparse_sga_kernels
     from jaxrat.ops.gpu import layer_norm as norm
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
@@ -119,6 +119,9 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
         return adamw.multi_tensor_adamw(leaves[:n], adamw.flatten(leaves[n:2 * n]), leaves[2 * n:3 * n],
                                         leaves[3 * n:], s, hyper, [j % 2 == 0 for j in range(n)], [1.0] * n)
 
+    def multi_tensor_cast(*leaves):
+        return cast.multi_tensor_cast(leaves, jnp.bfloat16)
+
     def layer_norm(x, residual, scale, bias):
         loss = lambda *a: jnp.sum(norm.layer_norm(*a[:3], 1e-5, a[3]).astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, bias, residual)
@@ -130,6 +133,9 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     f32 = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     gpu_cost.compile_for(jax.jit(multi_tensor_adamw), jax.ShapeDtypeStruct((adamw.SCALARS,), jnp.float32),
                          *f32 * 4, device=device)
+    shapes = [(128, 128), (128,), (3, 3, 128, 128), (512, 128)] * (cast.LEAVES_PER_CALL // 4)
+    gpu_cost.compile_for(jax.jit(multi_tensor_cast), *[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes],
+                         device=device)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # the layer's weights, rounded on chip
     gpu_cost.compile_for(jax.jit(fused_mlp), bf16(16 * 7396, 128), f32(128, 512), f32(512), f32(512, 128),
                          f32(128), device=device)

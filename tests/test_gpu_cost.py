@@ -151,6 +151,9 @@ def test_the_quick_step_is_priced_per_scope(tmp_path):
     assert any(kind.startswith("__cudnn$fmha") for kind in row["by_kind"])  # MR attention is cuDNN's on a GPU
     # AdamW in a few kernels (jaxrat/ops/gpu/adamw.py), not one per parameter leaf (65 here before, 240 in ISIC's)
     assert row["by_scope"]["optimizer"]["kernels"] <= 8, row["by_scope"]["optimizer"]
+    # the weights read once as bfloat16 cast in one kernel up front (jaxrat/trainer/param_cast.py), not one
+    # standalone cast kernel each before its matmul (14 here before): the one left is the images'
+    assert row["by_kind"].get("fusion:wrapped_convert", {"kernels": 0})["kernels"] <= 1, row["by_kind"]
     assert sum(s["kernels"] for s in row["by_scope"].values()) == row["total"]["kernels"]
     assert sum(s["bytes"] for s in row["by_kind"].values()) == pytest.approx(row["total"]["bytes"])
 

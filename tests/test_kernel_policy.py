@@ -152,10 +152,10 @@ def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attenti
     names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text)
     assert sum(n.startswith("sparse_sga_") for n in names) == triton_calls
     # the rest: the MLPs' fused kernels (forward, inputs' and weights' gradients), the layer norms', the
-    # AdamW's, every one of them
+    # AdamW's, the weights' casts', every one of them
     assert {n for n in names if not n.startswith("sparse_sga_")} == {
         "fused_mlp_forward", "fused_mlp_inputs", "fused_mlp_weights", "layer_norm_forward", "layer_norm_backward",
-        "multi_tensor_adamw"}
+        "multi_tensor_adamw", "multi_tensor_cast"}
     assert "stablehlo.while" not in text
     assert _big_dots(text) == {"bf16/bf16"}, _big_dots(text)
 

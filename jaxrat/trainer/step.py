@@ -21,7 +21,8 @@ from jaxrat.parallel import sharding
 from jaxrat.trainer.fixed_shards import FixedShardStep
 from jaxrat.trainer.fused_optimizer import fused_adamw
 from jaxrat.trainer.optimizer import ema_decay_at, global_norm, update_ema
-from jaxrat.trainer.state import StateSpec, concatenates_norm
+from jaxrat.trainer.param_cast import NARROW, cast_narrow_reads
+from jaxrat.trainer.state import StateSpec, concatenates_norm, resolve_compute_dtype
 
 TASK_STREAM = 0x7A5C  # folded into a micro-batch's key for the task's own randomness
 
@@ -84,7 +85,11 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
 
     if spec.config.train.reduction_shards:
         return FixedShardStep(spec, loss_of, apply)
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    # Where the fused AdamW applies (gpu policy, replicated float32 parameters), the weights a narrow
+    # step reads once, cast, are cast in one kernel up front rather than each in its own before its matmul.
+    compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
+    narrow = fused is not None and compute in NARROW
+    grad_fn = jax.value_and_grad(cast_narrow_reads(loss_of) if narrow else loss_of, has_aux=True)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
