@@ -41,7 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 
 # Where scripts/setup_gpu_aot.sh installs ptxas: not on the plugin's path, so XLA keeps its own.
 PTXAS_DIR = Path(os.environ.get("JAXRAT_PTXAS_DIR") or Path(sys.prefix) / "gpu-ptxas")
-PROGRAMS = ("sparse_taps", "sparse_products", "fused_mlp", "multi_tensor_adamw", "multi_tensor_cast", "layer_norm")
+PROGRAMS = ("sparse_taps", "sparse_products", "sparse_projection", "fused_mlp", "multi_tensor_adamw",
+            "multi_tensor_cast", "layer_norm")
 
 
 def find_ptxas() -> str | None:
@@ -82,7 +83,7 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
-    from jaxrat.ops.gpu import adamw, cast, mlp, sparse_sga_kernels
+    from jaxrat.ops.gpu import adamw, cast, mlp, sparse_sga_kernels, sparse_sga_projection
     from jaxrat.ops.gpu import layer_norm as norm
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
@@ -119,6 +120,9 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
         return adamw.multi_tensor_adamw(leaves[:n], adamw.flatten(leaves[n:2 * n]), leaves[2 * n:3 * n],
                                         leaves[3 * n:], s, hyper, [j % 2 == 0 for j in range(n)], [1.0] * n)
 
+    def sparse_projection(x, w, b, phase):  # the ISIC first layer's: 128 channels, 8 heads of 16, 4 turned
+        return sparse_sga_projection.project(x, w, b, phase, 8, 4)
+
     def multi_tensor_cast(*leaves):
         return cast.multi_tensor_cast(leaves, jnp.bfloat16)
 
@@ -128,6 +132,9 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
 
     sparse(False)
     sparse(True)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    gpu_cost.compile_for(jax.jit(sparse_projection), bf16(16, 256 * 256, 128), f32(128, 256), f32(256),
+                         f32(256 * 256, 8, 8), device=device)
     # one call's worth of leaves (its most kernel arguments), of a RAT's shapes
     shapes = [(128, 128), (128,), (2,), (512, 128)] * (adamw.LEAVES_PER_CALL // 4)
     f32 = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]

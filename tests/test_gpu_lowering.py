@@ -147,11 +147,12 @@ def test_the_portable_form_has_bf16_dots_and_no_custom_calls():
 
 def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
     """The fused kernels read keys and values as head-major slices (token-major in place was slower on
-    an H100): the layer's key-value projection is split, turned and transposed once for all its
-    iterations, and their gradients, summed over the iterations by one Triton pass, are written by it
-    straight into the projection's gradient; queries, updates and their gradients the kernels read
+    an H100): the layer's key-value projection is computed, turned and laid out head-major by one Triton
+    kernel once for all its iterations (on 576 inputs, 9 tiles of 64), or by XLA's product and one
+    transpose (on 575), and their gradients, summed over the iterations by one Triton pass, are written
+    by it straight into the projection's gradient; queries, updates and their gradients the kernels read
     and write token-major in place (no transpose). Five Triton passes per grouping iteration (three
-    forward, two backward) and that one."""
+    forward, two backward) and those."""
     from flax import nnx
 
     from jaxrat import ops
@@ -163,20 +164,26 @@ def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
     layer = SpatialGroupingAttention(config, "sparse", kernels=ops.resolve("gpu"), dtype=jnp.bfloat16,
                                      rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    grid = (24, 24)
 
-    def loss(params, x):
-        return jnp.sum(nnx.merge(graphdef, params, rest)(x, grid, (1.0, 1.0)).x.astype(jnp.float32))
+    for grid, projected in (((24, 24), True), ((23, 25), False)):
+        n = grid[0] * grid[1]
 
-    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), params, jnp.zeros((2, 576, 32), jnp.bfloat16))
-    calls = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text)
-    sga = [c for c in calls if c.startswith("sparse_sga_")]
-    assert len(sga) == iters * 5 + 1 and sga.count("sparse_sga_inputs_keys") == 1, calls
-    assert all(c.startswith(("fused_mlp_", "layer_norm_")) for c in calls if c not in sga), calls  # fused too
-    moved = [t for t in re.findall(r"stablehlo\.transpose .*?: \((tensor<[^>]*>)\)", text) if "576x" in t]
-    # forward: keys and values laid out head-major; backward: nothing (the keys' pass writes the
-    # projection's gradient token-major in place, the keys' turned back)
-    assert sorted(moved) == ["tensor<2x576x2x16xbf16>"] * 2, moved
+        def loss(params, x):
+            return jnp.sum(nnx.merge(graphdef, params, rest)(x, grid, (1.0, 1.0)).x.astype(jnp.float32))
+
+        text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), params, jnp.zeros((2, n, 32), jnp.bfloat16))
+        calls = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text)
+        sga = [c for c in calls if c.startswith("sparse_sga_")]
+        assert len(sga) == iters * 5 + 1 + projected and sga.count("sparse_sga_inputs_keys") == 1, calls
+        assert sga.count("sparse_sga_projection") == projected, calls
+        assert all(c.startswith(("fused_mlp_", "layer_norm_")) for c in calls if c not in sga), calls  # fused too
+        moved = [t for t in re.findall(r"stablehlo\.transpose .*?: \((tensor<[^>]*>)\)", text) if f"{n}x" in t]
+        # forward: keys and values laid out head-major, by the kernel or by XLA; backward: nothing of
+        # the gradients (the keys' pass writes the projection's token-major in place, the keys' turned
+        # back). With the kernel, the angles' gradient reads the turned keys' pairs (of the one head RoSE
+        # turns) against it: an operand order XLA folds into that sum when it compiles
+        want = [f"tensor<2x1x{n}x8x2xbf16>"] if projected else [f"tensor<2x{n}x2x16xbf16>"] * 2
+        assert sorted(moved) == want, moved
 
 
 def test_on_a_mesh_the_sparse_kernels_run_per_device_on_laid_out_keys():

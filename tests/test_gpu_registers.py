@@ -40,6 +40,7 @@ def test_every_kernel_of_both_sparse_forms_and_the_mlp_is_compiled_and_measured(
     want = {(p, k) for p in ("sparse_taps", "sparse_products") for k in SPARSE} | {("fused_mlp", k) for k in MLP}
     want |= {("multi_tensor_adamw", "multi_tensor_adamw")}  # one call's 48 leaves: 337 kernel arguments
     want |= {("multi_tensor_cast", "multi_tensor_cast")}  # one call's 96 leaves: 192 pointers
+    want |= {("sparse_projection", "sparse_sga_projection")}  # the first layer's keys and values, laid out
     want |= {("layer_norm", "layer_norm_forward"), ("layer_norm", "layer_norm_backward")}
     assert found == want
     assert all(0 < r["registers"] <= 255 for r in rows), rows
@@ -55,7 +56,7 @@ def test_no_kernel_spills_registers(rows):
 
 def test_the_product_form_and_the_mlp_multiply_on_the_tensor_cores(rows):
     """mma.sync or Hopper's wgmma (Triton's choice for tiles of 64 rows and more) in every kernel of the
-    product form and of the MLP; none in the tap form, which multiplies on the CUDA cores (nor in the
+    product form, of the MLP and of the projection; none in the tap form, which multiplies on the CUDA cores (nor in the
     AdamW, the casts and the layer norm, which multiply no matrices)."""
     for r in rows:
         tensor_cores = r["mma"] + r["wgmma"]

@@ -182,6 +182,50 @@ def test_a_projection_laid_out_whole_matches_split_turned_and_laid_out(geom, hea
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w)) or 1.0), err_msg=name)
 
 
+@pytest.mark.parametrize("geom,heads,dh,rotated,channels", [
+    (Geometry((8, 16), (7, 7), (3, 3)), 2, 16, 2, 32),  # the kernel: 128 inputs, two tiles
+    (Geometry((16, 12), (5, 5), (2, 2)), 3, 16, 1, 16),  # the kernel, RoSE on one head of three
+    (Geometry((11, 13), (5, 5), (2, 2)), 2, 16, 2, 32),  # 143 inputs: XLA's product and layout
+])
+def test_the_projection_kernel_matches_the_product_laid_out(geom, heads, dh, rotated, channels, group_form):
+    """lay_out_inputs (the product, the bias, RoSE and the head-major layout in one kernel; the angles'
+    gradient from the turned keys) against lay_out_projection of XLA's product. Two uses and the laid-out
+    keys read outside the updates too. Float32, interpret mode: the value and the gradients of the
+    inputs, weights, bias, angles and queries to 1e-5 of their largest entry."""
+    from jaxrat.ops.gpu.sparse_sga import lay_out_projection
+    from jaxrat.ops.gpu.sparse_sga_projection import kernel_supports, lay_out_inputs
+
+    b, n_in, n_out = 2, int(np.prod(geom.grid)), int(np.prod(geom.out))
+    assert kernel_supports(n_in, channels, dh, jnp.float32) == (n_in % 64 == 0)
+    ks = jax.random.split(jax.random.PRNGKey(5), 6)
+    x = jax.random.normal(ks[0], (b, n_in, channels))
+    w = jax.random.normal(ks[1], (channels, 2 * heads * dh)) / np.sqrt(channels)
+    bias = jax.random.normal(ks[2], (2 * heads * dh,))
+    phase = 2.0 * jax.random.normal(ks[3], (n_in, rotated, dh // 2))
+    q0 = 0.5 * jax.random.normal(ks[4], (b, n_out, heads, dh))
+    g = jax.random.normal(ks[5], (b, n_out, heads, dh))
+
+    def two_uses(keys, q):
+        total = jnp.sum(jnp.sin(keys.k)) + jnp.sum(keys.v ** 2)
+        for use in range(2):
+            u = laid_out_update(q, keys, use, geom, interpret=True)
+            total, q = total + jnp.sum(u * g), q + 0.5 * u
+        return total
+
+    def fused(x, w, bias, phase, q):
+        return two_uses(lay_out_inputs(x, w, bias, phase, geom, heads, 2, interpret=True), q)
+
+    def plain(x, w, bias, phase, q):
+        return two_uses(lay_out_projection(x @ w + bias, phase, geom, heads, 2, interpret=True), q)
+
+    args = (x, w, bias, phase, q0)
+    got = jax.jit(jax.value_and_grad(fused, argnums=tuple(range(5))))(*args)
+    want = jax.jit(jax.value_and_grad(plain, argnums=tuple(range(5))))(*args)
+    for name, a, e in zip(("value", "dx", "dw", "db", "dphase", "dq"), jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, e = np.asarray(a), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e)) or 1.0), err_msg=name)
+
+
 def test_the_projection_s_gradient_is_written_by_the_keys_pass_with_no_concatenate():
     """Lowered for CUDA: the backward of a laid-out projection is the keys' pass writing (B, N, 2 H d)
     itself: no concatenate or transpose of the gradients outside the Triton calls."""
@@ -305,30 +349,38 @@ def test_the_gpu_form_lowers_to_triton_calls_only():
 # Compiled by Triton for an H100 (no GPU needed): tests/test_gpu_cost.py, in a process of its own.
 
 
-def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeypatch, group_form):
+@pytest.mark.parametrize("features,grid,projection_kernel", [
+    (16, (20, 17), False),  # heads of 8: XLA's product, then the layout
+    (32, (16, 12), True),  # heads of 16 on 192 inputs: the projection kernel
+])
+def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeypatch, group_form, features, grid,
+                                                                         projection_kernel):
     """The SGA layer's three rounds on the gpu policy, each with its own tape of the keys laid out once
-    (split from the projection, turned by RoSE), the layout's backward summing the rounds' key and value
-    gradients into the projection's, turned back. In interpret mode, float32: the portable layer's
-    output and every gradient (parameters, RoSE's angles and input), to 1e-5 of the largest entry."""
+    (projected, turned by RoSE), the layout's backward summing the rounds' key and value gradients into
+    the projection's, turned back. In interpret mode, float32: the portable layer's output and every
+    gradient (parameters, RoSE's angles and input), to 1e-5 of the largest entry."""
     from flax import nnx
 
     from jaxrat import ops
     from jaxrat.models.rat import RATConfig
     from jaxrat.models.rat.sga import SpatialGroupingAttention
     from jaxrat.ops.gpu import sparse_sga as gs
+    from jaxrat.ops.gpu import sparse_sga_projection as gp
 
-    for name in ("lay_out_keys", "lay_out_projection", "laid_out_update"):
-        real = getattr(gs, name)
-        monkeypatch.setattr(gs, name, lambda *a, real=real, **k: real(*a, **{**k, "interpret": True}))
-    config = RATConfig(feature_dims=16, num_heads=2, iters=3, sga_kernel_size=7, stride=3, mlp_dropout=0.0)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 20 * 17, 16))
+    for module, name in ((gs, "lay_out_keys"), (gs, "lay_out_projection"), (gs, "laid_out_update"),
+                         (gp, "lay_out_inputs")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: real(*a, **{**k, "interpret": True}))
+    config = RATConfig(feature_dims=features, num_heads=2, iters=3, sga_kernel_size=7, stride=3, mlp_dropout=0.0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, grid[0] * grid[1], features))
+    assert gp.kernel_supports(grid[0] * grid[1], features, features // 2, jnp.float32) == projection_kernel
 
     def value_and_grads(policy):
         layer = SpatialGroupingAttention(config, "sparse", kernels=ops.resolve(policy), rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def loss(params, x):
-            out = nnx.merge(graphdef, params, rest)(x, (20, 17), (1.0, 1.0)).x
+            out = nnx.merge(graphdef, params, rest)(x, grid, (1.0, 1.0)).x
             return jnp.sum(out * jnp.cos(out))
 
         value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)

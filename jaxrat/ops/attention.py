@@ -148,6 +148,48 @@ def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = 
                        normalise_columns=normalise_columns)
 
 
+def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window: Window,
+                          policy: KernelPolicy = PORTABLE, *, heads: int, dtype=None,
+                          rotation: Optional[tuple[Array, int]] = None, uses: int = 1,
+                          normalise_columns: bool = True) -> SparseKeys:
+    """:func:`sparse_keys_of_projection` of ``x @ kernel + bias`` (B, N_in, C) @ (C, 2 H d), computed at
+    ``dtype`` as flax's ``nnx.Linear`` computes it: operands cast (to their promoted dtype when
+    ``dtype`` is None), one product, the bias added.
+
+    On the gpu policy, where the layer's shapes allow, the product, the rotation and the layout are one
+    kernel (:func:`jaxrat.ops.gpu.sparse_sga_projection.lay_out_inputs`): the projection is never
+    written token-major. The bias is added in float32 and gets a float32 gradient."""
+    dt = jnp.dtype(dtype) if dtype is not None else jnp.result_type(x, kernel, *([] if bias is None else [bias]))
+    b, n_in, _ = x.shape
+    width = kernel.shape[1]
+    dh = width // (2 * heads)
+    phase, rotated = rotation if rotation is not None else (None, 0)
+    if policy.gpu:
+        from jaxrat.ops.gpu import per_device
+        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
+        from jaxrat.ops.gpu import sparse_sga_projection as gpu_projection
+
+        n_out = int(np.prod(window.out))
+        if (gpu_sparse.supports(window, (b, n_out, heads, dh), dt) is None and width == 2 * heads * dh
+                and gpu_projection.kernel_supports(n_in, x.shape[2], dh, dt)):
+            angles = phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)  # no head turned
+            full_bias = jnp.zeros((width,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+
+            def lay(x, w, bias, angles):
+                return tuple(gpu_projection.lay_out_inputs(x, w, bias, angles, window, heads, uses,
+                                                           normalise_columns))
+
+            # the weights rounded here, as the Linear rounds them: a cast the train step makes with the
+            # others' in one kernel (jaxrat/trainer/param_cast.py), and the backward's product needs
+            k, v, tapes = per_device.over_batch(lay, x.astype(dt), replicated=(kernel.astype(dt), full_bias, angles))
+            return SparseKeys(k, v, window, True, normalise_columns, tapes)
+    kv = jax.lax.dot_general(x.astype(dt), kernel.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
+    if bias is not None:
+        kv = kv + bias.astype(dt)
+    return sparse_keys_of_projection(kv, window, policy, heads=heads, rotation=rotation, uses=uses,
+                                     normalise_columns=normalise_columns)
+
+
 def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *, use: int = 0,
                               key_scale: Optional[Array] = None) -> Array:
     """Sparse SGA update: group o of q (B, N_out, H, dh) attends to the keys and values

@@ -150,17 +150,19 @@ class SpatialGroupingAttention(nnx.Module):
         xo = self.norm1(xo.reshape(b, -1, d))
         h, dh = self.num_heads, self.head_dim
 
-        kv = self.kv(x)
         temp = self.temp[...]
         window = attn.Window(grid_shape, self.kernel_size, self.stride)
         keys = k = v = None
         if self.attention == "sparse" and not self.reference_compat and not return_maps:
-            # the projection whole to the kernel policy: it splits, rotates and lays out keys and
-            # values once for the layer (the kernel decides where temp multiplies)
+            # the projection itself to the kernel policy: it projects, splits, rotates and lays out
+            # keys and values once for the layer (the kernel decides where temp multiplies)
             if self.iters:
-                keys = attn.sparse_keys_of_projection(kv, window, self.kernels, heads=h, uses=self.iters,
-                                                      rotation=self.rose.angles(grid_shape, spacing))
+                bias = self.kv.bias[...] if self.kv.bias is not None else None
+                keys = attn.sparse_keys_of_inputs(x, self.kv.kernel[...], bias, window, self.kernels, heads=h,
+                                                  dtype=self.kv.dtype, uses=self.iters,
+                                                  rotation=self.rose.angles(grid_shape, spacing))
         else:
+            kv = self.kv(x)
             k, v = jnp.split(kv, 2, axis=-1)
             k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
             if self.attention == "sparse":  # token-major, as the projection makes them

@@ -296,20 +296,38 @@ def _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret):
     return (k, v, tuple(blank() for _ in range(uses))), (kv, phase, k, v)
 
 
+def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: bool, interpret: bool,
+                        shape: tuple, dtype, bias: bool = False):
+    """The keys' pass over laid-out ``k``, ``v`` (B*H, N_in*d) and the uses' ``tapes`` (their
+    cotangents): the gradient of the projection ``shape`` (B, N_in, 2 H d) they were laid out from,
+    keys' part turned back by ``phase`` (N_in, H, d/2); with ``bias``, also its sum over the batch and
+    the inputs, float32 (2 H d,), from the tiles' partial sums."""
+    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
+    ins = dict(k=k, v=v, phase=phase.reshape(1, -1))
+    zero = lambda s: jnp.zeros(s.shape, s.dtype)
+    for use, tape in enumerate(tapes):
+        if isinstance(tape, jax.custom_derivatives.SymbolicZero):  # a use whose update got no gradient
+            tape = tuple(zero(s) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
+        tape = tuple(zero(z) if isinstance(z, jax.custom_derivatives.SymbolicZero) else z for z in tape)
+        ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
+    b, n_in, width = shape
+    outs = dict(dkv=jax.ShapeDtypeStruct((b, n_in * width), dtype))
+    tiles = -(-t.X // t.tx) * t.Y  # the pass's programs per (image, head)
+    if bias:
+        outs["dbias"] = jax.ShapeDtypeStruct((b * t.heads, tiles * (t.dh + t.dv)), jnp.float32)
+    out = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
+    dkv = out["dkv"].reshape(shape)
+    if not bias:
+        return dkv
+    parts = out["dbias"].reshape(b, t.heads, tiles, t.dh + t.dv).sum((0, 2))
+    return dkv, jnp.concatenate([parts[:, :t.dh].reshape(-1), parts[:, t.dh:].reshape(-1)])
+
+
 def _projected_bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):
     kv, phase, k, v = res
     ck, cv, tapes = cts
     b, n_in, width = kv.shape
-    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
-    ins = dict(k=k, v=v, phase=phase.reshape(1, -1))
-    for use, tape in enumerate(tapes):
-        if isinstance(tape, jax.custom_derivatives.SymbolicZero):  # a use whose update got no gradient
-            tape = tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
-        tape = tuple(jnp.zeros(z.shape, z.dtype) if isinstance(z, jax.custom_derivatives.SymbolicZero) else z
-                     for z in tape)
-        ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
-    outs = dict(dkv=jax.ShapeDtypeStruct((b, n_in * width), kv.dtype))
-    dkv = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)["dkv"].reshape(kv.shape)
+    dkv = projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, kv.shape, kv.dtype)
     if not all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in (ck, cv)):
         # the laid-out keys or values were used outside the updates too: their gradients join by autodiff
         dkv = dkv + jax.vjp(lambda kv: _split_turn(kv, phase, t), kv)[1](

@@ -161,6 +161,16 @@ def keys_over_uses(R, t, uses: int, prow, ok, zeros_v, use_body) -> None:
     dk = turn_back(dk, R["phase"], prow, ok, t, head)
     store(Strided(R["dkv"], width, head * t.dh), prow, ok, t.dh, t.dhp, dk)
     store(Strided(R["dkv"], width, t.heads * t.dh + head * t.dv), prow, ok, t.dv, t.dvp, dv)
+    if "dbias" in R:  # the projection's bias: this tile's column sums, which XLA adds (no pass over dkv)
+        at = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * (t.dh + t.dv)
+        _store_column_sums(R["dbias"], at, ok, t.dh, t.dhp, dk)
+        _store_column_sums(R["dbias"], at + t.dh, ok, t.dv, t.dvp, dv)
+
+
+def _store_column_sums(ref, at, ok, d: int, dp: int, val) -> None:
+    feat = jnp.arange(dp, dtype=jnp.int32)
+    total = jnp.sum(jnp.where(ok[:, None], val, 0.0), axis=0)
+    plgpu.store(ref.at[jnp.where(feat < d, at + feat, ref.shape[0])], total, mask=feat < d)
 
 
 def turn_back(dk, phase_ref, prow, ok, t, head):
