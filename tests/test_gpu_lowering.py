@@ -210,6 +210,38 @@ def test_on_a_mesh_the_sparse_kernels_run_per_device_on_laid_out_keys():
     assert {t for t in operands if "x65536x" in t} == {"tensor<8x65536xbf16>"}, operands
 
 
+def test_on_a_mesh_the_projection_kernel_runs_per_device_with_the_weights_whole():
+    """sparse_keys_of_inputs over 8 devices: the projection kernel and the passes run under shard_map on
+    each device's image, the weights and bias given whole to every device (their gradients summed over
+    the devices by the shard_map's transpose)."""
+    from jaxrat import ops
+    from jaxrat.ops import attention as attn
+
+    gpu = ops.resolve("gpu")
+    window = attn.Window((64, 64), (7, 7), (3, 3))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((8, 4096, 128), jnp.bfloat16, sharding=on)
+    q = jax.ShapeDtypeStruct((8, 22 * 22, 8, 16), jnp.bfloat16, sharding=on)
+    w, b = jax.ShapeDtypeStruct((128, 256), jnp.float32, sharding=whole), jax.ShapeDtypeStruct((256,), jnp.float32,
+                                                                                                sharding=whole)
+
+    def update(x, w, b, q):
+        keys = attn.sparse_keys_of_inputs(x, w, b, window, gpu, heads=8, dtype=jnp.bfloat16)
+        return attn.sparse_grouping_attention(q, keys, gpu)
+
+    with jax.set_mesh(mesh):
+        text = lower_for_cuda(value_and_grads(update, argnums=(0, 1, 2, 3)), x, w, b, q)
+    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton(" in line]
+    assert len(calls) == 7 and "sdy.manual_computation" in text
+    projection = [line for line in calls if 'name = "sparse_sga_projection"' in line]
+    assert len(projection) == 1
+    # one image's 4096 inputs of 128 channels a device, the (rounded) weights whole
+    operands = re.findall(r"tensor<[\dx]+[a-z0-9]+>", projection[0].split(" : ")[-1])
+    assert operands[:2] == ["tensor<1x4096x128xbf16>", "tensor<128x256xbf16>"], operands
+
+
 def test_the_gpu_benchmarks_sparse_sga_forms_lower_for_cuda():
     """benchmarks/sparse_sga_gpu.py runs only on a lent GPU: its kernels-alone and three-iteration
     forms must at least trace and lower here, so that a GPU session does not find them broken."""
