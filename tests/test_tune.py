@@ -216,7 +216,8 @@ def test_several_workers_run_exactly_the_trials_asked_for_and_no_retry_is_left(t
     assert all(t.state.is_finished() for t in trials)
     assert len(tune.counted(tune_summary.load_study(root))) == 3
     retries = sorted(t.user_attrs["retry_of"] for t in trials if t.user_attrs.get("retry_of") is not None)
-    assert retries == [1, 2] and sorted(n for n, _ in calls) == [3, 4]  # both retries, each run once
+    dump = [(t.number, str(t.state), {k: v for k, v in t.user_attrs.items() if k != "overrides"}) for t in trials]
+    assert retries == [1, 2] and sorted(n for n, _ in calls) == [3, 4], (calls, dump)  # both retries, each run once
 
 
 def test_a_trial_whose_worker_died_before_naming_itself_is_retried_once_old(tmp_path, monkeypatch):
