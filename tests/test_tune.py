@@ -189,8 +189,13 @@ def test_a_tuner_killed_in_its_last_trial_runs_the_retry_and_names_the_true_best
     assert s["best"]["number"] == 4 and s["best"]["value"] == 2e-2
 
 
-def test_several_workers_run_exactly_the_trials_asked_for_and_no_retry_is_left(tmp_path, monkeypatch):
+@pytest.mark.parametrize("crowded", [False, True])
+def test_several_workers_run_exactly_the_trials_asked_for_and_no_retry_is_left(tmp_path, monkeypatch, crowded):
+    """``crowded``: the moment that made the plain case fail about once in 70 runs, held open: trial 2's
+    retry is queued a second after trial 2 is marked replaced, and the first worker to see a queued
+    retry waits while another takes it, then asks for a fresh trial in that moment."""
     import threading
+    import time
 
     root = str(tmp_path)
     study = tune.open_study(root, "maximize")
@@ -204,6 +209,22 @@ def test_several_workers_run_exactly_the_trials_asked_for_and_no_retry_is_left(t
         t.set_user_attr("worker", f"{socket.gethostname()}-{dead.pid}")
     calls = []
     _fake_trials(monkeypatch, calls)
+    if crowded:
+        enqueue, queued, first = optuna.study.Study.enqueue_trial, tune.queued, threading.Lock()
+
+        def late_enqueue(self, params, user_attrs=None, **kw):
+            if (user_attrs or {}).get("retry_of") == 2:
+                time.sleep(1.0)
+            return enqueue(self, params, user_attrs=user_attrs, **kw)
+
+        def slow_queued(study):
+            out = queued(study)
+            if out and first.acquire(blocking=False):
+                time.sleep(0.4)
+            return out
+
+        monkeypatch.setattr(optuna.study.Study, "enqueue_trial", late_enqueue)
+        monkeypatch.setattr(tune, "queued", slow_queued)
     statuses = []
     workers = [threading.Thread(target=lambda i=i: statuses.append(tune.run_worker(TOY, root, 3, worker_index=i)))
                for i in range(3)]
@@ -215,9 +236,16 @@ def test_several_workers_run_exactly_the_trials_asked_for_and_no_retry_is_left(t
     trials = tune_summary.load_study(root).get_trials(deepcopy=False)
     assert all(t.state.is_finished() for t in trials)
     assert len(tune.counted(tune_summary.load_study(root))) == 3
-    retries = sorted(t.user_attrs["retry_of"] for t in trials if t.user_attrs.get("retry_of") is not None)
+    retried = {t.number: t.user_attrs["retry_of"] for t in trials if t.user_attrs.get("retry_of") is not None}
     dump = [(t.number, str(t.state), {k: v for k, v in t.user_attrs.items() if k != "overrides"}) for t in trials]
-    assert retries == [1, 2] and sorted(n for n, _ in calls) == [3, 4], (calls, dump)  # both retries, each run once
+    assert sorted(retried.values()) == [1, 2], dump
+    # both retries ran, each once, and nothing else did. Their numbers vary: a worker that asks for a fresh
+    # trial between the marking of trial 2 as replaced and the queueing of its retry (trial 2 still counts
+    # then) finds no place left and yields it (replaced, failed, no parameters), so the retry is trial 5.
+    assert sorted(n for n, _ in calls) == sorted(retried), (calls, dump)
+    yielded = [t for t in trials if t.number > 2 and t.number not in retried]
+    assert all(t.user_attrs.get(tune.REPLACED) and not t.params and t.state == optuna.trial.TrialState.FAIL
+               for t in yielded), dump
 
 
 def test_a_trial_whose_worker_died_before_naming_itself_is_retried_once_old(tmp_path, monkeypatch):
