@@ -4,7 +4,8 @@ XLA gives every parameter's update a kernel of its own (one loop fusion writing 
 and both moments), and the XLA of jax 0.10 has no horizontal fusion of them: a RAT of ~190 leaves
 spent ~190 kernels of a few microseconds on its optimizer. Here one Pallas (Triton) kernel updates
 up to :data:`LEAVES_PER_CALL` leaves in place: its grid covers every leaf's blocks of
-:data:`BLOCK` elements, and each program finds its leaf among static ranges.
+:data:`BLOCK` elements, and each program finds its leaf among static ranges
+(:mod:`jaxrat.ops.gpu.multi_tensor`).
 
 The arithmetic is :func:`leaf_update`, which is also the reference the tests hold the kernel to:
 optax's ``clip_by_global_norm`` (jaxrat's form), ``scale_by_adam``, masked ``add_decayed_weights``,
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxrat.ops.gpu.multi_tensor import over_leaves, programs
 
 Array = jax.Array
 BLOCK = 1024  # elements a program updates: 8 a thread at 4 warps
@@ -79,24 +82,15 @@ def _kernel(*refs, sizes: tuple[int, ...], offsets: tuple[int, ...], decays: tup
     n = len(sizes)
     s_ref, g_ref, ins, outs = refs[0], refs[1], refs[2:2 + 3 * n], refs[2 + 3 * n:]
     s = [s_ref[i] for i in range(SCALARS)]
-    pid = pl.program_id(0)
-    start = 0
-    for j, size in enumerate(sizes):
-        blocks = -(-size // BLOCK)
 
-        @pl.when((pid >= start) & (pid < start + blocks))
-        def _(j=j, start=start, size=size):
-            idx = (pid - start) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
-            ok = idx < size
-            at = jnp.minimum(idx, size - 1)  # masked lanes read a valid address
-            p, mu, nu = (plgpu.load(r.at[at], mask=ok, other=0.0) for r in ins[3 * j:3 * j + 3])
-            g = plgpu.load(g_ref.at[offsets[j] + at], mask=ok, other=0.0)
-            new = leaf_update(p, g, mu, nu, s, hyper, decays[j], scales[j])
-            out = jnp.where(ok, idx, size)  # masked lanes point past the end: not stored
-            for r, x in zip(outs[3 * j:3 * j + 3], new):
-                plgpu.store(r.at[out], x, mask=ok)
+    def leaf(j, read, write, ok):
+        p, mu, nu = (plgpu.load(r.at[read], mask=ok, other=0.0) for r in ins[3 * j:3 * j + 3])
+        g = plgpu.load(g_ref.at[offsets[j] + read], mask=ok, other=0.0)
+        new = leaf_update(p, g, mu, nu, s, hyper, decays[j], scales[j])
+        for r, x in zip(outs[3 * j:3 * j + 3], new):
+            plgpu.store(r.at[write], x, mask=ok)
 
-        start += blocks
+    over_leaves(sizes, BLOCK, leaf)
 
 
 def _call(s: Array, flat_grads: Array, first: int, params, mu, nu, decays, scales, hyper: Hyper, interpret: bool):
@@ -108,7 +102,7 @@ def _call(s: Array, flat_grads: Array, first: int, params, mu, nu, decays, scale
     aliases = {2 + 3 * j + i: 3 * j + i for j in range(len(sizes)) for i in range(3)}
     res = pl.pallas_call(
         partial(_kernel, sizes=sizes, offsets=offsets, decays=tuple(decays), scales=tuple(scales), hyper=hyper),
-        grid=(sum(-(-n // BLOCK) for n in sizes),),
+        grid=(programs(sizes, BLOCK),),
         out_shape=outs,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),

@@ -3,8 +3,8 @@
 A bfloat16 step reads most weights as ``w.astype(bfloat16)``. Where the reader is a cuBLAS or cuDNN
 call XLA cannot fuse that cast into it, so every such weight cost a kernel of its own of a few
 microseconds (51 in the ISIC RAT step). Here one Pallas (Triton) kernel casts up to
-:data:`LEAVES_PER_CALL` leaves: its grid covers every leaf's blocks of :data:`BLOCK` elements, and
-each program finds its leaf among static ranges (as :mod:`jaxrat.ops.gpu.adamw` does).
+:data:`LEAVES_PER_CALL` leaves, a program a block of :data:`BLOCK` elements of one leaf
+(:mod:`jaxrat.ops.gpu.multi_tensor`).
 
 The values are exactly ``w.astype(dtype)``; the gradient is the cotangent cast back to each leaf's
 dtype, as autodiff of ``astype`` gives it.
@@ -20,34 +20,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrat.ops.gpu.multi_tensor import over_leaves, programs
+
 Array = jax.Array
 BLOCK = 1024  # elements a program casts: 8 a thread at 4 warps
 LEAVES_PER_CALL = 96  # 2 pointers a leaf: 192 kernel arguments, well under CUDA's 4 KB of parameters
 
 
 def _kernel(*refs, sizes: tuple[int, ...]):
-    n = len(sizes)
-    ins, outs = refs[:n], refs[n:]
-    pid = pl.program_id(0)
-    start = 0
-    for j, size in enumerate(sizes):
-        blocks = -(-size // BLOCK)
+    ins, outs = refs[:len(sizes)], refs[len(sizes):]
 
-        @pl.when((pid >= start) & (pid < start + blocks))
-        def _(j=j, start=start, size=size):
-            idx = (pid - start) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
-            ok = idx < size
-            x = plgpu.load(ins[j].at[jnp.minimum(idx, size - 1)], mask=ok, other=0.0)
-            plgpu.store(outs[j].at[jnp.where(ok, idx, size)], x.astype(outs[j].dtype), mask=ok)
+    def leaf(j, read, write, ok):
+        x = plgpu.load(ins[j].at[read], mask=ok, other=0.0)
+        plgpu.store(outs[j].at[write], x.astype(outs[j].dtype), mask=ok)
 
-        start += blocks
+    over_leaves(sizes, BLOCK, leaf)
 
 
 def _call(leaves: Sequence[Array], dtype: jnp.dtype, interpret: bool) -> list[Array]:
     sizes = tuple(int(x.size) for x in leaves)
     res = pl.pallas_call(
         partial(_kernel, sizes=sizes),
-        grid=(sum(-(-n // BLOCK) for n in sizes),),
+        grid=(programs(sizes, BLOCK),),
         out_shape=[jax.ShapeDtypeStruct((n,), dtype) for n in sizes],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,

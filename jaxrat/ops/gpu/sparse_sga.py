@@ -242,11 +242,16 @@ def _tape_shapes(t: K.Tiling, bh: int, dtype, names) -> list:
     return [shapes[name] for name in names]
 
 
+def blank_tapes(t: K.Tiling, bh: int, dtype, uses: int, normalise: bool) -> tuple:
+    """One tape of zeros per use of keys laid out for ``uses`` calls: what a layout's forward returns,
+    so that each call's backward hands its statistics to the keys' pass as the tape's cotangent."""
+    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
+    return tuple(tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, bh, dtype, names)) for _ in range(uses))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _keys(k, v, t: K.Tiling, uses: int, normalise: bool, interpret: bool):
-    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
-    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
-    return k, v, tuple(blank() for _ in range(uses))
+    return k, v, blank_tapes(t, k.shape[0], k.dtype, uses, normalise)
 
 
 def _keys_fwd(k, v, t, uses, normalise, interpret):
@@ -270,7 +275,7 @@ def _keys_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts
 _keys.defvjp(_keys_fwd, _keys_bwd)
 
 
-def _split_turn(kv, phase, t: K.Tiling):
+def split_turn(kv, phase, t: K.Tiling):
     """The projection's keys, turned, and values, each laid out head-major (B*H, N_in*d)."""
     from jaxrat.ops.gpu.rotate import tables, turn
 
@@ -290,10 +295,8 @@ def _projected(kv, phase, t: K.Tiling, rotated: int, uses: int, normalise: bool,
 
 def _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret):
     kv, phase = (getattr(a, "value", a) for a in (kv, phase))  # CustomVJPPrimal under symbolic zeros
-    k, v = _split_turn(kv, phase, t)
-    names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
-    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in _tape_shapes(t, k.shape[0], k.dtype, names))
-    return (k, v, tuple(blank() for _ in range(uses))), (kv, phase, k, v)
+    k, v = split_turn(kv, phase, t)
+    return (k, v, blank_tapes(t, k.shape[0], k.dtype, uses, normalise)), (kv, phase, k, v)
 
 
 def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: bool, interpret: bool,
@@ -330,7 +333,7 @@ def _projected_bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interp
     dkv = projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, kv.shape, kv.dtype)
     if not all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in (ck, cv)):
         # the laid-out keys or values were used outside the updates too: their gradients join by autodiff
-        dkv = dkv + jax.vjp(lambda kv: _split_turn(kv, phase, t), kv)[1](
+        dkv = dkv + jax.vjp(lambda kv: split_turn(kv, phase, t), kv)[1](
             tuple(jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.custom_derivatives.SymbolicZero) else s
                   for s in (ck, cv)))[0]
     # the angles' gradient: sum over the batch of (R^T g) . J x per pair, J the quarter turn (over

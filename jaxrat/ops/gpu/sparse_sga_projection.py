@@ -108,10 +108,8 @@ def _fwd(x, w, b, phase, t, rotated, uses, normalise, interpret):
     if kernel_supports(n_in, x.shape[2], t.dh, x.dtype):
         k, v = (a.reshape(bsz * t.heads, -1) for a in project(x, w, b, phase, t.heads, rotated, interpret=interpret))
     else:
-        k, v = S._split_turn(_xla_projection(x, w, b), phase, t)
-    names = S._TAPE_NORMALISED if normalise else S._TAPE_PLAIN
-    blank = lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in S._tape_shapes(t, k.shape[0], k.dtype, names))
-    return (k, v, tuple(blank() for _ in range(uses))), (x, w, b, phase, k, v)
+        k, v = S.split_turn(_xla_projection(x, w, b), phase, t)
+    return (k, v, S.blank_tapes(t, k.shape[0], k.dtype, uses, normalise)), (x, w, b, phase, k, v)
 
 
 def _zero(c):
@@ -127,7 +125,7 @@ def _bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool,
     dkv, db = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype, bias=True)
     if not all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in (ck, cv)):
         # the laid-out keys or values were used outside the updates too: their gradients join by autodiff
-        turn = lambda kv: S._split_turn(kv, phase, t)
+        turn = lambda kv: S.split_turn(kv, phase, t)
         extra = jax.vjp(turn, _xla_projection(x, w, b))[1]((_zero(ck), _zero(cv)))[0]
         dkv, db = dkv + extra, db + jnp.sum(extra.astype(jnp.float32), (0, 1))
     f32 = jnp.float32
