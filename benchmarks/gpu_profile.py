@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=30, help="rows of the kind and op tables")
     parser.add_argument("--sparse-products", action="store_true",
                         help="sparse SGA's group passes as matrix products (sparse_sga_kernels.PRODUCTS)")
+    parser.add_argument("--input-grad-by-xla", action="store_true",
+                        help="the first SGA layer's input gradient as XLA's product of the projection's gradient, "
+                             "not in the keys' pass (sparse_sga_projection.MAX_FEATURES_IN_PASS = 0)")
     parser.add_argument("--keep-command-buffers", action="store_true",
                         help="profile the program as it trains (its CUDA graphs' kernels stay unattributed)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_profile"))
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from jaxrat.ops.gpu import sparse_sga_kernels
 
         sparse_sga_kernels.PRODUCTS = True
+    if args.input_grad_by_xla:
+        from jaxrat.ops.gpu import sparse_sga_projection
+
+        sparse_sga_projection.MAX_FEATURES_IN_PASS = 0
     kernels = args.kernels if gpu_bench.on_gpu() else "portable"
     spec, state, batch, row = gpu_bench.isic_setup(args.config, args.size, args.batch, kernels, args.attention)
     t = time.perf_counter()
@@ -171,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trace = json.load(gzip.open(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz")[0]))
     result = attribute(device_events(trace), hlo_cost.kernels_of(text, H100), args.steps)
     result.update(row, command_buffers=args.keep_command_buffers, sparse_products=args.sparse_products,
+                  input_grad_by_xla=args.input_grad_by_xla,
                   device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(f"{row['step']} ({row['attention']}) {row['px']} px, batch {row['global_batch']}, {result['device']}: "

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 # Where scripts/setup_gpu_aot.sh installs ptxas: not on the plugin's path, so XLA keeps its own.
 PTXAS_DIR = Path(os.environ.get("JAXRAT_PTXAS_DIR") or Path(sys.prefix) / "gpu-ptxas")
-PROGRAMS = ("sparse_taps", "sparse_products", "sparse_projection", "fused_mlp", "multi_tensor_adamw",
+PROGRAMS = ("sparse_taps", "sparse_products", "sparse_projection", "sparse_keys_dx", "fused_mlp", "multi_tensor_adamw",
             "multi_tensor_cast", "layer_norm")
 
 
@@ -83,7 +83,7 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
-    from jaxrat.ops.gpu import adamw, cast, mlp, sparse_sga_kernels, sparse_sga_projection
+    from jaxrat.ops.gpu import adamw, cast, mlp, sparse_sga, sparse_sga_kernels, sparse_sga_projection
     from jaxrat.ops.gpu import layer_norm as norm
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
@@ -126,6 +126,14 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     def multi_tensor_cast(*leaves):
         return cast.multi_tensor_cast(leaves, jnp.bfloat16)
 
+    t = sparse_sga_kernels.Tiling.of(geom, 16, 16, heads=8)
+    uses, tape_shapes = 3, sparse_sga._tape_shapes(t, 16 * 8, jnp.bfloat16, sparse_sga._TAPE_NORMALISED)
+
+    def sparse_keys_dx(k, v, phase, w, *tapes):  # the first layer's keys' pass writing its input's gradient
+        tapes = [tapes[i:i + len(tape_shapes)] for i in range(0, len(tapes), len(tape_shapes))]
+        return sparse_sga.projection_gradient(k, v, phase, tapes, t, uses, True, False, (16, 256 * 256, 256),
+                                              jnp.bfloat16, bias=True, weights=w)
+
     def layer_norm(x, residual, scale, bias):
         loss = lambda *a: jnp.sum(norm.layer_norm(*a[:3], 1e-5, a[3]).astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, bias, residual)
@@ -135,6 +143,8 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     gpu_cost.compile_for(jax.jit(sparse_projection), bf16(16, 256 * 256, 128), f32(128, 256), f32(256),
                          f32(256 * 256, 8, 8), device=device)
+    gpu_cost.compile_for(jax.jit(sparse_keys_dx), bf16(16 * 8, 256 * 256 * 16), bf16(16 * 8, 256 * 256 * 16),
+                         f32(256 * 256, 8, 8), bf16(128, 256), *tape_shapes * uses, device=device)
     # one call's worth of leaves (its most kernel arguments), of a RAT's shapes
     shapes = [(128, 128), (128,), (2,), (512, 128)] * (adamw.LEAVES_PER_CALL // 4)
     f32 = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]

@@ -150,7 +150,7 @@ def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
     an H100): the layer's key-value projection is computed, turned and laid out head-major by one Triton
     kernel once for all its iterations (on 576 inputs, 9 tiles of 64), or by XLA's product and one
     transpose (on 575), and their gradients, summed over the iterations by one Triton pass, are written
-    by it straight into the projection's gradient; queries, updates and their gradients the kernels read
+    by it straight into the projection's gradient (and, where the kernel projects, the input's too); queries, updates and their gradients the kernels read
     and write token-major in place (no transpose). Five Triton passes per grouping iteration (three
     forward, two backward) and those."""
     from flax import nnx
@@ -174,7 +174,8 @@ def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
         text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), params, jnp.zeros((2, n, 32), jnp.bfloat16))
         calls = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text)
         sga = [c for c in calls if c.startswith("sparse_sga_")]
-        assert len(sga) == iters * 5 + 1 + projected and sga.count("sparse_sga_inputs_keys") == 1, calls
+        keys_pass = "sparse_sga_inputs_keys_dx" if projected else "sparse_sga_inputs_keys"  # the former writes dx
+        assert len(sga) == iters * 5 + 1 + projected and sga.count(keys_pass) == 1, calls
         assert sga.count("sparse_sga_projection") == projected, calls
         assert all(c.startswith(("fused_mlp_", "layer_norm_")) for c in calls if c not in sga), calls  # fused too
         moved = [t for t in re.findall(r"stablehlo\.transpose .*?: \((tensor<[^>]*>)\)", text) if f"{n}x" in t]
@@ -236,7 +237,9 @@ def test_on_a_mesh_the_projection_kernel_runs_per_device_with_the_weights_whole(
     calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton(" in line]
     assert len(calls) == 7 and "sdy.manual_computation" in text
     projection = [line for line in calls if 'name = "sparse_sga_projection"' in line]
-    assert len(projection) == 1
+    assert len(projection) == 1 and sum('name = "sparse_sga_inputs_keys_dx"' in line for line in calls) == 1
+    # the keys' pass writes the inputs' gradient: XLA multiplies once, for the weights'
+    assert len(re.findall(r"stablehlo\.dot_general", text)) == 1
     # one image's 4096 inputs of 128 channels a device, the (rounded) weights whole
     operands = re.findall(r"tensor<[\dx]+[a-z0-9]+>", projection[0].split(" : ")[-1])
     assert operands[:2] == ["tensor<1x4096x128xbf16>", "tensor<128x256xbf16>"], operands

@@ -41,6 +41,7 @@ def test_every_kernel_of_both_sparse_forms_and_the_mlp_is_compiled_and_measured(
     want |= {("multi_tensor_adamw", "multi_tensor_adamw")}  # one call's 48 leaves: 337 kernel arguments
     want |= {("multi_tensor_cast", "multi_tensor_cast")}  # one call's 96 leaves: 192 pointers
     want |= {("sparse_projection", "sparse_sga_projection")}  # the first layer's keys and values, laid out
+    want |= {("sparse_keys_dx", "sparse_sga_inputs_keys_dx")}  # its keys' pass, writing the input's gradient
     want |= {("layer_norm", "layer_norm_forward"), ("layer_norm", "layer_norm_backward")}
     assert found == want
     assert all(0 < r["registers"] <= 255 for r in rows), rows
@@ -50,8 +51,15 @@ def test_no_kernel_spills_registers(rows):
     """At 32 groups a tile the product form's gradient pass spilled (6 KB a thread with float32 weights,
     152 bytes with bfloat16 ones), and with dropout drawn in the kernels the MLP's inputs' and weights'
     passes did at 128 hidden units and 64 tokens a step (224 and 460 bytes): the defaults now spill none."""
-    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"] or r["stack"]]
+    spilling = [r for r in rows
+                if r["spill_stores"] or r["spill_loads"] or r["stack"] > _TRIG_STACK.get(r["kernel"], 0)]
     assert not spilling, spilling
+
+
+# The keys' pass that turns the keys' gradients back by RoSE's angles computes their sines and cosines:
+# the reduction of a huge angle (Payne-Hanek, on a path the RAT's angles never take) keeps 7 words of
+# 2/pi's bits in a local array (28 bytes, a 32-byte frame). That is no spill: the check above allows it.
+_TRIG_STACK = {"sparse_sga_inputs_keys_dx": 32}
 
 
 def test_the_product_form_and_the_mlp_multiply_on_the_tensor_cores(rows):

@@ -226,6 +226,39 @@ def test_the_projection_kernel_matches_the_product_laid_out(geom, heads, dh, rot
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e)) or 1.0), err_msg=name)
 
 
+@pytest.mark.parametrize("geom,heads,channels", [
+    (Geometry((8, 16), (7, 7), (3, 3)), 2, 128),  # the projection kernel; tiles of 32 inputs (4096 / 128)
+    (Geometry((10, 20), (5, 5), (2, 2)), 3, 64),  # XLA's product; rows of 20 in tiles of 32, masked
+])
+def test_the_input_gradient_from_the_keys_pass_matches_xla_s_product(geom, heads, channels, group_form,
+                                                                       monkeypatch):
+    """The layer input's gradient summed over the heads in the keys' pass (keys_pass_with_inputs)
+    against XLA's product of the projection's gradient (MAX_FEATURES_IN_PASS = 0). Float32, interpret
+    mode: every gradient to 1e-5 of its largest entry."""
+    from jaxrat.ops.gpu import sparse_sga_projection as gp
+
+    b, n_in, n_out, dh = 2, int(np.prod(geom.grid)), int(np.prod(geom.out)), 16
+    ks = jax.random.split(jax.random.PRNGKey(7), 6)
+    args = (jax.random.normal(ks[0], (b, n_in, channels)),
+            jax.random.normal(ks[1], (channels, 2 * heads * dh)) / np.sqrt(channels),
+            jax.random.normal(ks[2], (2 * heads * dh,)), 2.0 * jax.random.normal(ks[3], (n_in, 1, dh // 2)),
+            0.5 * jax.random.normal(ks[4], (b, n_out, heads, dh)))
+    g = jax.random.normal(ks[5], (b, n_out, heads, dh))
+
+    def loss(x, w, bias, phase, q):
+        keys = gp.lay_out_inputs(x, w, bias, phase, geom, heads, 2, interpret=True)
+        u = laid_out_update(q, keys, 0, geom, interpret=True)
+        return jnp.sum(laid_out_update(q + u, keys, 1, geom, interpret=True) * g)
+
+    grads = lambda: jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*args)
+    got = grads()
+    monkeypatch.setattr(gp, "MAX_FEATURES_IN_PASS", 0)
+    want = grads()
+    for name, a, e in zip(("dx", "dw", "db", "dphase", "dq"), got, want):
+        a, e = np.asarray(a), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e))), err_msg=name)
+
+
 def test_the_projection_s_gradient_is_written_by_the_keys_pass_with_no_concatenate():
     """Lowered for CUDA: the backward of a laid-out projection is the keys' pass writing (B, N, 2 H d)
     itself: no concatenate or transpose of the gradients outside the Triton calls."""

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.ops.gpu import sparse_sga_input_grad as G
 from jaxrat.ops.gpu import sparse_sga_kernels as K
 from jaxrat.ops.portable.chunked_attention import EPS
 from jaxrat.ops.portable.sparse_sga import Geometry
@@ -300,11 +301,13 @@ def _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret):
 
 
 def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: bool, interpret: bool,
-                        shape: tuple, dtype, bias: bool = False):
+                        shape: tuple, dtype, bias: bool = False, weights=None):
     """The keys' pass over laid-out ``k``, ``v`` (B*H, N_in*d) and the uses' ``tapes`` (their
     cotangents): the gradient of the projection ``shape`` (B, N_in, 2 H d) they were laid out from,
     keys' part turned back by ``phase`` (N_in, H, d/2); with ``bias``, also its sum over the batch and
-    the inputs, float32 (2 H d,), from the tiles' partial sums."""
+    the inputs, float32 (2 H d,), from the tiles' partial sums. Given the projection's ``weights``
+    (C, 2 H d), the pass also writes the gradient of the projection's input (B, N_in, C) in ``dtype``
+    (:func:`jaxrat.ops.gpu.sparse_sga_input_grad.keys_pass_with_inputs`): returns (dkv, [dbias,] dx)."""
     names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
     ins = dict(k=k, v=v, phase=phase.reshape(1, -1))
     zero = lambda s: jnp.zeros(s.shape, s.dtype)
@@ -314,16 +317,25 @@ def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: b
         tape = tuple(zero(z) if isinstance(z, jax.custom_derivatives.SymbolicZero) else z for z in tape)
         ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
     b, n_in, width = shape
+    if weights is not None:
+        t = G.tiling_with_inputs(t, weights.shape[0])
     outs = dict(dkv=jax.ShapeDtypeStruct((b, n_in * width), dtype))
     tiles = -(-t.X // t.tx) * t.Y  # the pass's programs per (image, head)
     if bias:
         outs["dbias"] = jax.ShapeDtypeStruct((b * t.heads, tiles * (t.dh + t.dv)), jnp.float32)
-    out = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
-    dkv = out["dkv"].reshape(shape)
-    if not bias:
-        return dkv
-    parts = out["dbias"].reshape(b, t.heads, tiles, t.dh + t.dv).sum((0, 2))
-    return dkv, jnp.concatenate([parts[:, :t.dh].reshape(-1), parts[:, t.dh:].reshape(-1)])
+    if weights is None:
+        out = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
+    else:
+        ins["w"] = weights.astype(dtype).reshape(1, -1)
+        outs["dx"] = jax.ShapeDtypeStruct((b, n_in * weights.shape[0]), dtype)
+        out = G.keys_pass_with_inputs(t, ins, outs, EPS, interpret, uses)
+    result = (out["dkv"].reshape(shape),)
+    if bias:
+        parts = out["dbias"].reshape(b, t.heads, tiles, t.dh + t.dv).sum((0, 2))
+        result += (jnp.concatenate([parts[:, :t.dh].reshape(-1), parts[:, t.dh:].reshape(-1)]),)
+    if weights is not None:
+        result += (out["dx"].reshape(b, n_in, weights.shape[0]),)
+    return result[0] if len(result) == 1 else result
 
 
 def _projected_bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):

@@ -48,6 +48,7 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     rowdot,
     store,
     store1,
+    store_keys,
     strided_refs,
     token_major,
 )
@@ -225,9 +226,22 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
     """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
     R = _refs(names, refs, t)
-    if t.products:
-        return input_products(R, mode, t, eps, uses, exact)
-    tile, y = pl.program_id(0), pl.program_id(1)
+    out = (input_products if t.products else input_tile)(R, mode, t, eps, uses, exact)
+    if mode == "keys":
+        head = lax.rem(pl.program_id(2), t.heads) if t.heads else 0
+        store_keys(R, t, *out, head, tile_index() * (t.dh + t.dv))
+
+
+def tile_index():
+    """The program's input tile among one slice's (tiles, rows) grid."""
+    return pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+
+
+def input_tile(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=None):
+    """:func:`_input_kernel` tap by tap; in "keys" mode returns (rows, validity, dk, dv) unstored.
+    ``at``: the (tile, row) to work on, read from the program's ids where None (interpret mode does
+    not lower a program id inside a loop)."""
+    tile, y = (pl.program_id(0), pl.program_id(1)) if at is None else at
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X
     prow = y * t.X + clip(x, t.X)
@@ -290,7 +304,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
             return gw, dk
         return body
 
-    keys_over_uses(R, t, uses, prow, xok, zeros_v, use_body)
+    return (prow, xok) + keys_over_uses(t, uses, R, prow, xok, zeros_v, use_body)
 
 
 def _refs(names, refs, t: Tiling) -> dict:
@@ -301,20 +315,22 @@ def _refs(names, refs, t: Tiling) -> dict:
     return strided_refs(R, t.heads, dict(q=t.dh, dq=t.dh, g=t.dv, u=t.dv), head)
 
 
-def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, **kw):
+def call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, per_image: bool = False,
+          warps: int | None = None, **kw):
     """pallas_call over grid (tiles, rows, B*H) with each operand's whole slice as its block.
 
     ``ins``/``outs`` map names to (B*H, n) arrays / ShapeDtypeStructs, the group-level ones (B, n)
     where the tiling has them token-major (all heads of an image: the program's head is then a
-    stride and an offset, :func:`_refs`); the kernel sees them by name.
+    stride and an offset, :func:`_refs`); the kernel sees them by name. ``per_image``: the grid's
+    last axis is the image and every operand is (B, n), all heads of that image a block.
     """
     names = list(ins) + list(outs)
     heads = t.heads
 
     def spec(name, a):
-        if name == "phase":  # RoSE's angles, the same for every image and head
+        if name in ("phase", "w"):  # RoSE's angles, the weights: the same for every image and head
             return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (0, 0))
-        if heads and (token_major(name) or name == "dkv"):
+        if not per_image and heads and (token_major(name) or name == "dkv"):
             return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b // heads, 0))
         return pl.BlockSpec((None, a.shape[1]), lambda i, j, b: (b, 0))
 
@@ -324,7 +340,7 @@ def _call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: 
         in_specs=[spec(n, a) for n, a in ins.items()],
         out_specs=[spec(n, a) for n, a in outs.items()],
         out_shape=list(outs.values()),
-        compiler_params=plgpu.CompilerParams(num_warps=t.warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=warps or t.warps, num_stages=2),
         interpret=interpret,
         name=name,
     )(*ins.values())
@@ -335,7 +351,7 @@ def group_pass(mode: str, t: Tiling, ins: dict, outs: dict, interpret: bool) -> 
     """Run :func:`_group_kernel` over every group tile of every slice."""
     bh = ins["k"].shape[0]
     grid = (-(-t.OX // t.tw), t.OY, bh)
-    return _call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode,
+    return call(_group_kernel, t, grid, ins, outs, f"sparse_sga_groups_{mode}", interpret, mode=mode,
                  exact=interpret)
 
 
@@ -343,7 +359,7 @@ def input_pass(mode: str, t: Tiling, ins: dict, outs: dict, eps: float, interpre
     """Run :func:`_input_kernel` over every input tile of every slice."""
     bh = ins["k"].shape[0]
     grid = (-(-t.X // t.tx), t.Y, bh)
-    return _call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps,
+    return call(_input_kernel, t, grid, ins, outs, f"sparse_sga_inputs_{mode}", interpret, mode=mode, eps=eps,
                  uses=uses, exact=interpret)
 
 

@@ -111,12 +111,13 @@ def group_products(R, mode: str, t, exact: bool):  # t: sparse_sga_kernels.Tilin
     store1(R["delta"], grow, gok, delta)
 
 
-def input_products(R, mode: str, t, eps: float, uses: int, exact: bool):  # t: sparse_sga_kernels.Tiling
+def input_products(R, mode: str, t, eps: float, uses: int, exact: bool, at=None):  # t: sparse_sga_kernels.Tiling
     """An input tile (``sparse_sga_kernels._input_kernel``) as matrix products: the groups whose
     windows hold some input of the tile lie, on each of their ``nt`` output rows, in one run of
     ``t.covering`` columns; the tile's logits against them are one (tx, dh) x (dh, covering)
-    product, of which each input's (at most ``mx``) covering groups are kept by a band mask."""
-    tile, y = pl.program_id(0), pl.program_id(1)
+    product, of which each input's (at most ``mx``) covering groups are kept by a band mask. ``at``:
+    the (tile, row) to work on, read from the program's ids where None."""
+    tile, y = (pl.program_id(0), pl.program_id(1)) if at is None else at
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X
     prow = y * t.X + clip(x, t.X)
@@ -174,4 +175,4 @@ def input_products(R, mode: str, t, eps: float, uses: int, exact: bool):  # t: s
             return gw + dot(a, g, exact), dk + dot(w, q, exact)
         return body
 
-    keys_over_uses(R, t, uses, prow, xok, zeros_v, use_body)
+    return (prow, xok) + keys_over_uses(t, uses, R, prow, xok, zeros_v, use_body)

@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
@@ -91,7 +90,9 @@ def load(ref, rows, ok, d: int, dp: int, other=0.0):
 
 
 def load1(ref, rows, ok, other=0.0):
-    return plgpu.load(ref.at[rows], mask=ok, other=other)
+    """One float per row (a statistic) of a flat or :class:`Strided` ref."""
+    ref, base = _base(ref, rows, 1)
+    return plgpu.load(ref.at[base], mask=ok, other=other)
 
 
 def store(ref, rows, ok, d: int, dp: int, val):
@@ -104,7 +105,8 @@ def store(ref, rows, ok, d: int, dp: int, val):
 
 
 def store1(ref, rows, ok, val):
-    plgpu.store(ref.at[jnp.where(ok, rows, ref.shape[0])], val.astype(ref.dtype), mask=ok)
+    ref, base = _base(ref, rows, 1)
+    plgpu.store(ref.at[jnp.where(ok, base, ref.shape[0])], val.astype(ref.dtype), mask=ok)
 
 
 def rowdot(a, b):
@@ -136,12 +138,12 @@ def load_as(ref, rows, ok, d: int, dp: int):
     return plgpu.load(ref.at[idx], mask=mask, other=0)
 
 
-def keys_over_uses(R, t, uses: int, prow, ok, zeros_v, use_body) -> None:
-    """The keys' pass of either form: dk and dv of the inputs ``prow``, summed over a layer's ``uses``
-    in float32 on chip, then stored. ``use_body(use, inv_d, gd)`` gives the loop body over the ``nt``
+def keys_over_uses(t, uses: int, R, prow, ok, zeros_v, use_body):
+    """The keys' pass of either form: dk and dv (float32, (tile, d)) of the inputs ``prow``, summed over
+    a layer's ``uses`` on chip. ``use_body(use, inv_d, gd)`` gives the loop body over the ``nt``
     covering output rows, carrying (sum_o A g_o, dk); inv_d and gd are that use's 1 / d and d's
     gradient at the inputs, (None, None) without column normalisation. A use whose backward never ran
-    left d = 0: it must add nothing, not 0 / 0, hence the floor."""
+    left d = 0: it must add nothing, not 0 / 0, hence the floor. :func:`store_keys` stores them."""
     dk, dv = jnp.zeros((zeros_v.shape[0], t.dhp), jnp.float32), zeros_v
     for use in map(str, range(uses)):
         inv_d = gd = None
@@ -150,21 +152,26 @@ def keys_over_uses(R, t, uses: int, prow, ok, zeros_v, use_body) -> None:
             gd = load1(R["gd" + use], prow, ok)
         gw, dk = loop(t, t.nt, use_body(use, inv_d, gd), (zeros_v, dk))
         dv = dv + (gw if inv_d is None else gw * inv_d[:, None])
+    return dk, dv
+
+
+def store_keys(R, t, prow, ok, dk, dv, head, bias_at=None):
+    """Store :func:`keys_over_uses`' sums: as dk and dv (per slice), or into the projection's gradient
+    ``dkv`` (B, N_in * 2 H d), token-major, keys then values, the keys' turned back by their RoSE
+    angles first (the transpose of the forward's rotation), there with the tile's column sums at
+    ``bias_at`` of ``dbias`` where there is one. Returns dk as stored (turned back)."""
     if "dkv" not in R:
         store(R["dk"], prow, ok, t.dh, t.dhp, dk)
         store(R["dv"], prow, ok, t.dv, t.dvp, dv)
-        return
-    # Into the projection's gradient (B, N_in * 2 H d), token-major, keys then values, the keys'
-    # turned back by their RoSE angles first (the transpose of the forward's rotation)
-    head = lax.rem(pl.program_id(2), t.heads)
+        return dk
     width = t.heads * (t.dh + t.dv)
     dk = turn_back(dk, R["phase"], prow, ok, t, head)
     store(Strided(R["dkv"], width, head * t.dh), prow, ok, t.dh, t.dhp, dk)
     store(Strided(R["dkv"], width, t.heads * t.dh + head * t.dv), prow, ok, t.dv, t.dvp, dv)
     if "dbias" in R:  # the projection's bias: this tile's column sums, which XLA adds (no pass over dkv)
-        at = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * (t.dh + t.dv)
-        _store_column_sums(R["dbias"], at, ok, t.dh, t.dhp, dk)
-        _store_column_sums(R["dbias"], at + t.dh, ok, t.dv, t.dvp, dv)
+        _store_column_sums(R["dbias"], bias_at, ok, t.dh, t.dhp, dk)
+        _store_column_sums(R["dbias"], bias_at + t.dh, ok, t.dv, t.dvp, dv)
+    return dk
 
 
 def _store_column_sums(ref, at, ok, d: int, dp: int, val) -> None:
