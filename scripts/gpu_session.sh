@@ -7,8 +7,9 @@
 # installed from $WHEELS (default .gpu/whl) when that folder exists. Each stage's output goes to
 # $OUT/log.txt, their exit codes and times to $OUT/stages.jsonl, the benchmarks' JSON to $OUT/. Stages:
 # smoke run; the ISIC step (sparse and dense, gpu_bench); the fused AdamW against optax on the device;
-# the README demo (Dice); sparse SGA parity and speed, taps and matrix products; the step's profile with
-# each form and with the first layer's input gradient by XLA; the fused MLP's parity, speed and weight-pass cuts; the rest of gpu_bench.
+# the README demo (Dice); the step's profile, and with the first layer's input gradient by XLA; sparse SGA
+# parity and speed, taps and matrix products, and the profile with products; the fused MLP's parity,
+# speed and weight-pass cuts; the rest of gpu_bench.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu_session_out}
@@ -86,10 +87,12 @@ print(f"fused AdamW on {jax.devices()[0].device_kind}: largest difference from o
 raise SystemExit(0 if err < 1e-5 else 1)
 PY
 stage demo 160 python3 -m jaxrat.main --config configs/isic.py:demo --workdir "$WORK/demo"
-stage sparse_products 120 python3 benchmarks/sparse_sga_gpu.py "$OUT/sparse_sga.json" parity speed products
+# the default step's profile, then the same step with the first layer's input gradient by XLA's product
+# (both unmeasured so far: which is faster decides sparse_sga_projection.MAX_FEATURES_IN_PASS)
 stage profile_taps 90 python3 benchmarks/gpu_profile.py --out "$OUT/profile_taps"
-stage profile_products 90 python3 benchmarks/gpu_profile.py --sparse-products --out "$OUT/profile_products"
 stage profile_input_grad_xla 90 python3 benchmarks/gpu_profile.py --input-grad-by-xla --out "$OUT/profile_input_grad_xla"
+stage sparse_products 120 python3 benchmarks/sparse_sga_gpu.py "$OUT/sparse_sga.json" parity speed products
+stage profile_products 90 python3 benchmarks/gpu_profile.py --sparse-products --out "$OUT/profile_products"
 stage mlp 100 python3 benchmarks/mlp_gpu.py "$OUT/mlp.json" parity speed cuts
 stage bench_rest 200 python3 benchmarks/gpu_bench.py --only kernels coco --out "$OUT/bench_rest.json"
 for f in "$WORK"/demo/summary.json "$WORK"/demo/metrics.jsonl; do [ -f "$f" ] && cp "$f" "$OUT/demo_$(basename "$f")"; done

@@ -150,9 +150,9 @@ def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
     an H100): the layer's key-value projection is computed, turned and laid out head-major by one Triton
     kernel once for all its iterations (on 576 inputs, 9 tiles of 64), or by XLA's product and one
     transpose (on 575), and their gradients, summed over the iterations by one Triton pass, are written
-    by it straight into the projection's gradient (and, where the kernel projects, the input's too); queries, updates and their gradients the kernels read
-    and write token-major in place (no transpose). Five Triton passes per grouping iteration (three
-    forward, two backward) and those."""
+    by it straight into the projection's gradient (and, where the kernel projects, the input's too);
+    queries, updates and their gradients the kernels read and write token-major in place (no transpose).
+    Five Triton passes per grouping iteration (three forward, two backward) and those."""
     from flax import nnx
 
     from jaxrat import ops
