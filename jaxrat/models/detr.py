@@ -248,6 +248,10 @@ class DETR(nnx.Module):
         else:
             out = self.backbone.features(images, pad_mask, return_features=True)[0]
             stages = list(zip(out.features, out.feature_grids))
+        with jax.named_scope("head"):  # as the segmenter's head: the compiled HLO's ops say whose they are
+            return self._projected(stages, pad_mask)
+
+    def _projected(self, stages: list, pad_mask: Array) -> tuple[Array, Array, Array, dict]:
         content = (pad_mask <= 0).astype(jnp.float32)[..., None]
         tokens, pos, ok, by_stage = [], [], [], {}
         for j, i in enumerate(self.levels):
@@ -277,7 +281,10 @@ class DETR(nnx.Module):
             pad_mask = jnp.zeros(images.shape[:3], jnp.float32)
         images = images.astype(self.dtype)
         memory, memory_pos, key_ok, by_stage = self.memory(images, pad_mask)
-        b = images.shape[0]
+        with jax.named_scope("head"):
+            return self._decode(memory, memory_pos, key_ok, by_stage, images.shape[0])
+
+    def _decode(self, memory: Array, memory_pos: Array, key_ok: Array, by_stage: dict, b: int) -> tuple[Array, Array]:
         if self.head == "reference":
             queries = jnp.broadcast_to(self.query_embed[...].astype(memory.dtype)[None], (b, *self.query_embed.shape))
             h = self.ref_attn(queries, memory, memory, key_ok)
