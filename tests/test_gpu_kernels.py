@@ -193,6 +193,47 @@ def test_gpu_multires_matches_the_cpu_form(case):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
 
 
+def test_keys_packed_once_then_masked_by_length_match_the_masked_dense_form():
+    """DETR's decoder on the gpu policy: the memory and its positions packed once (each image's kept
+    tokens to the front), then several calls whose keys and values are projections of them, masked
+    by length. Values and the gradients of the queries, memory, positions and weights against the
+    masked dense form on the memory as it is, to 1e-5 of the largest entry (float32: only the sums'
+    order differs)."""
+    from jaxrat.ops.gpu.fused import fused_attention_heads
+    from jaxrat.ops.gpu.masked import pack
+
+    q, memory, pos, wk, wv, g = _normal(11, (2, 4, 5, 8), (2, 30, 32), (2, 30, 32), (32, 32), (32, 32), (2, 4, 5, 8))
+    wk, wv = wk / np.sqrt(32), wv / np.sqrt(32)
+    key_ok = jnp.zeros((2, 5, 6), bool).at[0, :4, :5].set(True).at[1, 1:].set(True).reshape(2, 30)
+    q, g = (x.transpose(0, 2, 1, 3) for x in (q, g))  # token-major (B, N, H, d), as projections make them
+    heads = lambda x: x.reshape(2, 30, 4, 8)
+
+    def layers(q, memory, pos, wk, wv, attend):
+        out = 0.0
+        for i in range(2):  # two calls on the same keys' padding, as two decoder layers
+            out = out + attend(q + i * out, heads((memory + pos) @ wk), heads(memory @ wv))
+        return jnp.sum(out * g)
+
+    def dense(q, memory, pos, wk, wv):
+        def attend(q, k, v):
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3
+            weights = jax.nn.softmax(jnp.where(key_ok[:, None, None, :], logits, -1e9), -1)
+            return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return layers(q, memory, pos, wk, wv, attend)
+
+    def packed(q, memory, pos, wk, wv):
+        lengths, (memory, pos) = pack(key_ok, (memory, pos))
+        attend = lambda q, k, v: fused_attention_heads(q, k, v, scale=0.3, kv_lengths=lengths, implementation="xla")
+        return layers(q, memory, pos, wk, wv, attend)
+
+    args = (q, memory, pos, wk, wv)
+    got = jax.jit(jax.value_and_grad(packed, argnums=tuple(range(5))))(*args)
+    want = jax.jit(jax.value_and_grad(dense, argnums=tuple(range(5))))(*args)
+    for name, a, e in zip(("value", "dq", "dmemory", "dpos", "dwk", "dwv"), jax.tree.leaves(got),
+                          jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e))), err_msg=name)
+
+
 def test_masked_attention_matches_the_masked_dense_form():
     """DETR's cross-attention: a letterboxed image's key mask, interleaved in row-major order."""
     q, k, v = _normal(9, (2, 4, 5, 8), (2, 4, 30, 8), (2, 4, 30, 8))

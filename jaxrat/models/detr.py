@@ -98,7 +98,7 @@ class Attention(nnx.Module):
         self.kernels = kernels
         self.q, self.k, self.v, self.o = (linear(dim, dim, dtype=dtype, rngs=rngs, init=init) for _ in range(4))
 
-    def __call__(self, q: Array, k: Array, v: Array, key_ok: Optional[Array] = None) -> Array:
+    def __call__(self, q: Array, k: Array, v: Array, key_ok: Optional[Array | attn.KeyPadding] = None) -> Array:
         b, nq, d = q.shape
         h = self.num_heads
 
@@ -123,7 +123,8 @@ class DecoderLayer(nnx.Module):
         self.norm3 = layer_norm(dim, 1e-5, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, tgt: Array, query_pos: Array, memory: Array, memory_pos: Array, key_ok: Array) -> Array:
+    def __call__(self, tgt: Array, query_pos: Array, memory: Array, memory_pos: Array,
+                 key_ok: Array | attn.KeyPadding) -> Array:
         q = tgt + query_pos
         tgt = self.norm1(tgt + self.drop(self.self_attn(q, q, tgt)))
         tgt = self.norm2(tgt + self.drop(self.cross_attn(tgt + query_pos, memory + memory_pos, memory, key_ok)))
@@ -195,7 +196,7 @@ class DETR(nnx.Module):
         else:
             self.backbone = CNNBackbone(in_channels, cnn_widths, dtype=dtype, rngs=rngs)
             dims = list(cnn_widths)
-        self.head, self.box_refine, self.dtype = head, bool(box_refine), dtype
+        self.head, self.box_refine, self.dtype, self.kernels = head, bool(box_refine), dtype, kernels
         n_out = num_classes + (0 if focal else 1)
         if head == "reference":
             d = dims[-1]
@@ -302,12 +303,14 @@ class DETR(nnx.Module):
         else:
             query_pos = jnp.broadcast_to(self.query_embed[...].astype(memory.dtype)[None], (b, *self.query_embed.shape))
             tgt = jnp.zeros_like(query_pos)
+        # every layer's keys and values are made token by token from these two: their padding resolved once
+        padding, (memory, memory_pos) = attn.pack_keys(key_ok, (memory, memory_pos), self.kernels)
         logits, boxes = [], []
         for layer in self.layers:
             if self.box_refine:
                 query_pos = self.anchor_pos[1](jax.nn.relu(self.anchor_pos[0](box_sine(ref, tgt.shape[-1]).astype(
                     memory.dtype))))
-            tgt = layer(tgt, query_pos, memory, memory_pos, key_ok)
+            tgt = layer(tgt, query_pos, memory, memory_pos, padding)
             h = self.out_norm(tgt)
             logits.append(self.class_head(h))
             if self.box_refine:

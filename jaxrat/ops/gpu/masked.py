@@ -41,3 +41,13 @@ def masked_attention(
     k, v = permute_keys(k, order, inverse), permute_keys(v, order, inverse)
     lengths = jnp.broadcast_to(jnp.sum(key_ok, axis=-1, dtype=jnp.int32), k.shape[:-2])
     return fused_attention(q, k, v, scale=scale, kv_lengths=lengths, implementation=implementation)
+
+
+def pack(key_ok: Array, arrays) -> tuple[Array, tuple[Array, ...]]:
+    """Each row's kept tokens gathered to its front, in order, in every (B, N, D) array of ``arrays``
+    (one stable order for all, differentiated by the inverse order), and the rows' counts (B,) int32:
+    keys and values made token by token from them are then masked by length, with no gather per call."""
+    order = jnp.argsort(~key_ok, axis=-1, stable=True)[..., None]
+    inverse = inverse_order(order)
+    lengths = jnp.sum(key_ok, axis=-1, dtype=jnp.int32)
+    return lengths, tuple(permute_keys(a, order, inverse) for a in arrays)
