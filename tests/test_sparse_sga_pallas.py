@@ -229,6 +229,7 @@ def test_the_projection_kernel_matches_the_product_laid_out(geom, heads, dh, rot
 @pytest.mark.parametrize("geom,heads,channels", [
     (Geometry((8, 16), (7, 7), (3, 3)), 2, 128),  # the projection kernel; tiles of 32 inputs (4096 / 128)
     (Geometry((10, 20), (5, 5), (2, 2)), 3, 64),  # XLA's product; rows of 20 in tiles of 32, masked
+    (Geometry((8, 16), (7, 7), (3, 3)), 2, 256),  # the widest inputs the pass takes: tiles of 16
 ])
 def test_the_input_gradient_from_the_keys_pass_matches_xla_s_product(geom, heads, channels, group_form,
                                                                        monkeypatch):
