@@ -145,6 +145,12 @@ def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = No
         model = spec.model(params, jax.random.key(0), train=False)
         return spec.task.eval_step(wrap_model(model) if wrap_model else model, batch)
 
+    # As the train step: on the gpu policy with the parameters replicated, a narrow step's weights read
+    # once, cast, are cast in one kernel up front (each was a kernel of its own before its matmul).
+    compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
+    sharded = spec.config.sharding.zero != 0 or spec.config.sharding.get("rules")
+    if spec.kernels.gpu and not sharded and compute in NARROW:
+        step = cast_narrow_reads(step)
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())
     return jax.jit(step, in_shardings=(spec.state_shardings["params"], spec.batch_sharding),
