@@ -121,19 +121,15 @@ def test_on_a_mesh_of_eight_devices_each_copy_is_cast_where_it_lives():
     assert "shard_map" in traced and "multi_tensor_cast" in traced
 
 
-@pytest.mark.parametrize("dtype, accum, cast_calls", [("bfloat16", 1, 1), ("bfloat16", 2, 1), ("float32", 1, 0)])
-def test_the_trainer_s_gpu_step_casts_in_one_kernel_where_it_computes_in_bfloat16(monkeypatch, dtype, accum,
-                                                                                   cast_calls):
-    """The ISIC step (tiny RAT) on the gpu policy over 2 devices, lowered for CUDA here: in bfloat16 one
-    multi-tensor cast call (inside the micro-batches' scan with accumulation); in float32 none (nothing
-    is read narrowed)."""
+def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1):
+    """The ISIC config with a tiny RAT on the gpu policy over 2 devices: its state spec and an abstract
+    batch of 4 32-px images (cuDNN's version pretended, so that CUDA lowering works here)."""
     from jax._src.cudnn import fused_attention_stablehlo
 
     from jaxrat.config import load_config
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec
-    from jaxrat.trainer.step import make_train_step
 
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
     config = load_config("configs/isic.py")
@@ -146,6 +142,18 @@ def test_the_trainer_s_gpu_step_casts_in_one_kernel_where_it_computes_in_bfloat1
     spec = make_state_spec(config, make_mesh(config.mesh.axes, jax.devices()[:2]), load_task(config))
     batch = {k: jax.ShapeDtypeStruct((4, 32, 32, c), jnp.float32, sharding=spec.batch_sharding)
              for k, c in (("image", 3), ("mask", 1))}
+    return spec, batch
+
+
+@pytest.mark.parametrize("dtype, accum, cast_calls", [("bfloat16", 1, 1), ("bfloat16", 2, 1), ("float32", 1, 0)])
+def test_the_trainer_s_gpu_step_casts_in_one_kernel_where_it_computes_in_bfloat16(monkeypatch, dtype, accum,
+                                                                                   cast_calls):
+    """The ISIC step (tiny RAT) on the gpu policy over 2 devices, lowered for CUDA here: in bfloat16 one
+    multi-tensor cast call (inside the micro-batches' scan with accumulation); in float32 none (nothing
+    is read narrowed)."""
+    from jaxrat.trainer.step import make_train_step
+
+    spec, batch = _tiny_gpu_isic(monkeypatch, dtype, accum)
     text = make_train_step(spec).trace(spec.abstract_with_shardings(), batch).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count('name = "multi_tensor_cast"') == cast_calls
@@ -155,24 +163,9 @@ def test_the_trainer_s_gpu_step_casts_in_one_kernel_where_it_computes_in_bfloat1
 def test_the_trainer_s_gpu_eval_step_casts_in_one_kernel_too(monkeypatch, dtype, cast_calls):
     """The ISIC eval step (tiny RAT) on the gpu policy over 2 devices, lowered for CUDA: the weights it
     reads only as bfloat16 cast in one multi-tensor call, as the train step's; none in float32."""
-    from jax._src.cudnn import fused_attention_stablehlo
-
-    from jaxrat.config import load_config
-    from jaxrat.parallel.mesh import make_mesh
-    from jaxrat.tasks.base import load_task
-    from jaxrat.trainer.state import make_state_spec
     from jaxrat.trainer.step import make_eval_step
 
-    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
-    config = load_config("configs/isic.py")
-    config.model.kernels = "gpu"
-    config.model.rat.update(dict(feature_dims=32, num_blocks=1, num_heads=2, iters=1))
-    config.data.image_size, config.data.batch_size = 32, 4
-    config.train.compute_dtype = dtype
-    config.mesh.axes = (("data", 2), ("fsdp", 1))
-    spec = make_state_spec(config, make_mesh(config.mesh.axes, jax.devices()[:2]), load_task(config))
-    batch = {k: jax.ShapeDtypeStruct((4, 32, 32, c), jnp.float32, sharding=spec.batch_sharding)
-             for k, c in (("image", 3), ("mask", 1))}
+    spec, batch = _tiny_gpu_isic(monkeypatch, dtype)
     batch["valid"] = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=spec.batch_sharding)
     params = spec.abstract_with_shardings()["params"]
     text = make_eval_step(spec).trace(params, batch).lower(lowering_platforms=("cuda",)).as_text()

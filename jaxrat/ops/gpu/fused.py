@@ -127,6 +127,21 @@ def _pad_rows(x: Array, extra: int) -> Array:
     return x if extra == 0 else jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
 
 
+def _cudnn_operands(q: Array, k: Array, v: Array, lengths: Optional[Array]) -> tuple:
+    """(B, N, ..., d) operands as cuDNN takes them: one head dim, zero-padded to a multiple of 8
+    (exact: zero features change no logit, zero value columns are sliced off); an odd sequence
+    side padded by one row, since jax 0.10's cuDNN rule refuses odd lengths under differentiation
+    (a query whose output is dropped, or a key masked by the lengths)."""
+    size = padded_head_dim(q.shape[-1], v.shape[-1])
+    q, k, v = (_pad_last(a, size) for a in (q, k, v))
+    q = _pad_rows(q, q.shape[1] % 2)
+    nk = k.shape[1]
+    if nk % 2:
+        k, v = _pad_rows(k, 1), _pad_rows(v, 1)
+        lengths = jnp.full((q.shape[0],), nk, jnp.int32) if lengths is None else lengths
+    return q, k, v, lengths
+
+
 def _logits(q, k, scale, lengths):
     logits = jnp.einsum("bqd,bkd->bqk", q, k, preferred_element_type=jnp.float32) * scale
     if lengths is not None:
@@ -261,19 +276,12 @@ def fused_attention(
     if kind == "xla":
         out, lse = _xla(q3, k3, v3, scale, lengths)
     else:
-        h = padded_head_dim(dqk, dv) if kind == "cudnn" else max(dqk, dv)
-        q3, k3, v3 = (_pad_last(a, h) for a in (q3, k3, v3))
         if kind == "cudnn":
-            # jax 0.10's cuDNN rule refuses odd sequence lengths under differentiation (it takes its
-            # own placeholder bias for a bias), so an odd side gets one padding row: a query whose
-            # output is dropped, or a key masked by the lengths.
-            q3 = _pad_rows(q3, nq % 2)
-            if nk % 2:
-                k3, v3 = _pad_rows(k3, 1), _pad_rows(v3, 1)
-                lengths = jnp.full((b,), nk, jnp.int32) if lengths is None else lengths
+            q3, k3, v3, lengths = _cudnn_operands(q3, k3, v3, lengths)
             out, lse = _cudnn_batches(q3, k3, v3, scale, lengths, return_lse)
             out, lse = out[:, :nq], (None if lse is None else lse[:, :nq])
         else:
+            q3, k3, v3 = (_pad_last(a, max(dqk, dv)) for a in (q3, k3, v3))
             out, lse = _pallas(q3, k3, v3, scale, return_lse, interpret)
         out = out[..., :dv]
     out = out.reshape(*lead, nq, dv)
@@ -296,12 +304,7 @@ def fused_attention_heads(q: Array, k: Array, v: Array, *, scale: float = 1.0, k
         t = lambda a: a.transpose(0, 2, 1, 3)
         lengths = None if kv_lengths is None else jnp.broadcast_to(jnp.asarray(kv_lengths)[:, None], (b, heads))
         return t(fused_attention(t(q), t(k), t(v), scale=scale, kv_lengths=lengths, implementation=kind))
-    size = padded_head_dim(dqk, dv)
-    q, k, v = (_pad_last(a.astype(q.dtype), size) for a in (q, k, v))
     lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32).reshape(b)
-    q = _pad_rows(q, nq % 2)  # odd sides padded as in fused_attention (jax 0.10's cuDNN rule)
-    if nk % 2:
-        k, v = _pad_rows(k, 1), _pad_rows(v, 1)
-        lengths = jnp.full((b,), nk, jnp.int32) if lengths is None else lengths
+    q, k, v, lengths = _cudnn_operands(*(a.astype(q.dtype) for a in (q, k, v)), lengths)
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn")
     return out[:, :nq, :, :dv]

@@ -36,17 +36,16 @@ def masked_attention(
     """
     # Axes of size 1 stay so: one order for every head (DETR's mask is per image), sorted once.
     key_ok = jnp.broadcast_to(key_ok, (*key_ok.shape[:-1], k.shape[-2]))
-    order = jnp.argsort(~key_ok, axis=-1, stable=True)[..., None]
-    inverse = inverse_order(order)
-    k, v = permute_keys(k, order, inverse), permute_keys(v, order, inverse)
-    lengths = jnp.broadcast_to(jnp.sum(key_ok, axis=-1, dtype=jnp.int32), k.shape[:-2])
+    lengths, (k, v) = pack(key_ok, (k, v))
+    lengths = jnp.broadcast_to(lengths, k.shape[:-2])
     return fused_attention(q, k, v, scale=scale, kv_lengths=lengths, implementation=implementation)
 
 
 def pack(key_ok: Array, arrays) -> tuple[Array, tuple[Array, ...]]:
-    """Each row's kept tokens gathered to its front, in order, in every (B, N, D) array of ``arrays``
-    (one stable order for all, differentiated by the inverse order), and the rows' counts (B,) int32:
-    keys and values made token by token from them are then masked by length, with no gather per call."""
+    """Each row's kept tokens gathered to its front, in order, in every (..., N, D) array of ``arrays``
+    (``key_ok`` (..., N) bool, its axes of size 1 broadcasting; one stable order for all,
+    differentiated by the inverse order), and the rows' counts (...) int32: attention over them, or
+    over keys and values made token by token from them, is then masked by length."""
     order = jnp.argsort(~key_ok, axis=-1, stable=True)[..., None]
     inverse = inverse_order(order)
     lengths = jnp.sum(key_ok, axis=-1, dtype=jnp.int32)

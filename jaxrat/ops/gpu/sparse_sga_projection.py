@@ -131,16 +131,20 @@ def _bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool,
     bsz, n_in, _ = x.shape
     heads, dh, half = t.heads, t.dh, t.dh // 2
     shape = (bsz, n_in, 2 * heads * dh)
-    inputs_in_pass = _pow2(x.shape[2]) and x.shape[2] <= MAX_FEATURES_IN_PASS
-    dkv, db, *dx = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
-                                         bias=True, weights=w if inputs_in_pass else None)
+    times_w = lambda g: jax.lax.dot_general(g, w.astype(g.dtype), (((2,), (1,)), ((), ())))
+    dx = None
+    if _pow2(x.shape[2]) and x.shape[2] <= MAX_FEATURES_IN_PASS:  # the keys' pass writes dx too
+        dkv, db, dx = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
+                                            bias=True, weights=w)
+    else:
+        dkv, db = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
+                                        bias=True)
     if not all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in (ck, cv)):
         # the laid-out keys or values were used outside the updates too: their gradients join by autodiff
         turn = lambda kv: S.split_turn(kv, phase, t)
         extra = jax.vjp(turn, _xla_projection(x, w, b))[1]((_zero(ck), _zero(cv)))[0]
         dkv, db = dkv + extra, db + jnp.sum(extra.astype(jnp.float32), (0, 1))
-        if dx:
-            dx = [dx[0] + jax.lax.dot_general(extra, w.astype(extra.dtype), (((2,), (1,)), ((), ())))]
+        dx = None if dx is None else dx + times_w(extra)
     f32 = jnp.float32
     g = dkv[..., :rotated * dh].reshape(bsz, n_in, rotated, half, 2).astype(f32)
     turned = k.reshape(bsz, heads, n_in, half, 2)[:, :rotated].transpose(0, 2, 1, 3, 4).astype(f32)
@@ -150,9 +154,7 @@ def _bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool,
     # one sum over the batch, the tables inside it: as two sums, XLA read both operands twice
     d_phase = jnp.sum(jnp.cos(angle) * cross + jnp.sin(angle) * along, 0)
     d_phase = jnp.pad(d_phase, ((0, 0), (0, heads - rotated), (0, 0)))
-    if not dx:
-        dx = [jax.lax.dot_general(dkv, w.astype(dkv.dtype), (((2,), (1,)), ((), ())))]
-    dx = dx[0]
+    dx = times_w(dkv) if dx is None else dx
     dw = jax.lax.dot_general(x, dkv, (((0, 1), (0, 1)), ((), ())), preferred_element_type=f32)
     return dx.astype(x.dtype), dw.astype(w.dtype), db.astype(b.dtype), d_phase.astype(phase.dtype)
 
