@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-grad-by-xla", action="store_true",
                         help="the first SGA layer's input gradient as XLA's product of the projection's gradient, "
                              "not in the keys' pass (sparse_sga_projection.MAX_FEATURES_IN_PASS = 0)")
+    parser.add_argument("--passes-apart", action="store_true",
+                        help="sparse SGA's column sums and update, and d's gradient and the queries', as separate "
+                             "passes, not one sweep each (sparse_sga_sweep.ENABLED = False)")
     parser.add_argument("--keep-command-buffers", action="store_true",
                         help="profile the program as it trains (its CUDA graphs' kernels stay unattributed)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_profile"))
@@ -150,6 +153,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from jaxrat.ops.gpu import sparse_sga_projection
 
         sparse_sga_projection.MAX_FEATURES_IN_PASS = 0
+    if args.passes_apart:
+        from jaxrat.ops.gpu import sparse_sga_sweep
+
+        sparse_sga_sweep.ENABLED = False
     kernels = args.kernels if gpu_bench.on_gpu() else "portable"
     spec, state, batch, row = gpu_bench.isic_setup(args.config, args.size, args.batch, kernels, args.attention)
     t = time.perf_counter()
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trace = json.load(gzip.open(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz")[0]))
     result = attribute(device_events(trace), hlo_cost.kernels_of(text, H100), args.steps)
     result.update(row, command_buffers=args.keep_command_buffers, sparse_products=args.sparse_products,
-                  input_grad_by_xla=args.input_grad_by_xla,
+                  input_grad_by_xla=args.input_grad_by_xla, passes_apart=args.passes_apart,
                   device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(f"{row['step']} ({row['attention']}) {row['px']} px, batch {row['global_batch']}, {result['device']}: "

@@ -87,9 +87,11 @@ print(f"fused AdamW on {jax.devices()[0].device_kind}: largest difference from o
 raise SystemExit(0 if err < 1e-5 else 1)
 PY
 stage demo 160 python3 -m jaxrat.main --config configs/isic.py:demo --workdir "$WORK/demo"
-# the default step's profile, then the same step with the first layer's input gradient by XLA's product
-# (both unmeasured so far: which is faster decides sparse_sga_projection.MAX_FEATURES_IN_PASS)
+# the default step's profile, then the same step with sparse SGA's passes apart (not swept: decides
+# sparse_sga_sweep.ENABLED), then with the first layer's input gradient by XLA's product (decides
+# sparse_sga_projection.MAX_FEATURES_IN_PASS); none of the three measured on a GPU so far
 stage profile_taps 90 python3 benchmarks/gpu_profile.py --out "$OUT/profile_taps"
+stage profile_passes_apart 90 python3 benchmarks/gpu_profile.py --passes-apart --out "$OUT/profile_passes_apart"
 stage profile_input_grad_xla 90 python3 benchmarks/gpu_profile.py --input-grad-by-xla --out "$OUT/profile_input_grad_xla"
 stage sparse_products 120 python3 benchmarks/sparse_sga_gpu.py "$OUT/sparse_sga.json" parity speed products
 stage profile_products 90 python3 benchmarks/gpu_profile.py --sparse-products --out "$OUT/profile_products"

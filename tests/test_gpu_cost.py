@@ -67,11 +67,12 @@ def test_a_loop_body_counts_once_per_iteration(probe):
 def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
     """XLA compiles each Triton kernel to GPU code here (Triton rejects what interpret mode accepts,
     e.g. a tensor dim that is not a power of two or a matmul under 16). Two uses of keys laid out
-    once: three passes forward and two backward each, one pass for the keys' and values' summed
-    gradients, and of the keys' size outside them only the layout's transposes, once each way."""
+    once: two kernels forward (the log-sum-exps, then the column sums and the update as one sweep) and
+    one backward each (d's gradient and the queries' as one sweep), one pass for the keys' and values'
+    summed gradients, and of the keys' size outside them only the layout's transposes, once each way."""
     kernels = probe["sparse_sga"]["kernels"]
     triton = [k for k in kernels if k["kind"] == "__gpu$xla.gpu.triton"]
-    assert len(triton) == 11
+    assert len(triton) == 7 and sum("sparse_sga_sweep_" in k["op_name"] for k in triton) == 4
     assert sum("sparse_sga_inputs_keys" in k["op_name"] for k in triton) == 1
     assert not any("cublas" in k["kind"] or "concatenate" in k["kind"] for k in kernels)
     keys = 2 * 8 * 64 * 64 * 16 * 2  # bytes of the full-resolution keys (bf16)
@@ -81,13 +82,19 @@ def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
 
 def test_the_passes_as_matrix_products_compile_for_the_h100(probe):
     """The same program with the passes as products over row segments (sparse_sga_kernels.PRODUCTS):
-    Triton accepts their tiles (sides of 16 at least) and the same eleven passes run, nothing else.
-    Products a use: lse 1, update 2, grad 4, colsum 1, gd 2; the keys' pass 4 a use."""
-    kinds = lambda name: sorted(k["kind"] for k in probe[name]["kernels"])
-    assert kinds("sparse_sga_products") == kinds("sparse_sga")
-    names = lambda name: sorted(k["op_name"].split(")/", 1)[1] for k in probe[name]["kernels"]
-                                if "groups" in k["op_name"])
-    assert len(names("sparse_sga_products")) == 2 * 3 and names("sparse_sga_products") == names("sparse_sga")
+    Triton accepts their tiles (sides of 16 at least) and the five passes a use and the keys' pass run
+    (as products no two passes sweep together), the same XLA kernels around them. Products a use: lse 1,
+    update 2, grad 4, colsum 1, gd 2; the keys' pass 4 a use."""
+    kinds = lambda name, triton: sorted(k["kind"] for k in probe[name]["kernels"]
+                                        if (k["kind"] == "__gpu$xla.gpu.triton") == triton)
+    assert kinds("sparse_sga_products", False) == kinds("sparse_sga", False)
+    assert len(kinds("sparse_sga_products", True)) == 2 * 5 + 1
+    names = lambda name: sorted(k["op_name"].split(")/", 1)[1].split("/")[0] for k in probe[name]["kernels"]
+                                if k["kind"] == "__gpu$xla.gpu.triton")
+    passes = ("groups_lse", "inputs_colsum", "groups_update", "inputs_gd", "groups_grad")
+    assert names("sparse_sga_products") == sorted([f"jvp(sparse_sga_{p})" for p in passes[:3]] * 2
+                                                  + [f"transpose(jvp(sparse_sga_{p}))" for p in passes[3:]] * 2
+                                                  + ["transpose(jvp(sparse_sga_inputs_keys))"])
     # and they are products: the kernels' bodies (in the program's jaxpr) multiply matrices, the taps' do not
     assert probe["sparse_sga"]["dot_generals"] == 0 and probe["sparse_sga_products"]["dot_generals"] == 28
 

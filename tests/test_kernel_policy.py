@@ -129,10 +129,11 @@ def _big_dots(text: str, elements: int = 1 << 18) -> set[str]:
 @pytest.mark.parametrize("attention,mr_attention,backward_calls,triton_calls", [
     # a flash-decomposed dense SGA per layer and iteration, one MR call per block
     ("dense", "global", 4 * 3 + 4, 0),
-    # sparse SGA: three fused Pallas passes forward and two backward per layer and iteration, and one
-    # per layer for its keys' and values' gradients, and the first layer's projection (its 65,536 inputs
-    # tile by 64; the others' do not); each block's MR: the windows, or the small grid whole
-    ("sparse", "windowed", 4, 4 * (3 * 5 + 1) + 1),
+    # sparse SGA: two fused Pallas kernels forward and one backward per layer and iteration (two of the
+    # five passes sweep together each way), and one per layer for its keys' and values' gradients, and
+    # the first layer's projection (its 65,536 inputs tile by 64; the others' do not); each block's MR:
+    # the windows, or the small grid whole
+    ("sparse", "windowed", 4, 4 * (3 * 3 + 1) + 1),
 ])
 def test_the_gpu_isic_step_is_fused_attention_in_bfloat16(cudnn_version, attention, mr_attention, backward_calls,
                                                            triton_calls):

@@ -14,6 +14,9 @@ normalised: a flash-attention pass gives u and r together):
 2. input tiles: recompute each input's covering logits from q and r, sum them: d (N_in floats);
 3. group tiles: u.
 
+(2 and 3 run as one sweep down the image, :mod:`jaxrat.ops.gpu.sparse_sga_sweep`, as do 1 and 2 of
+the backward: a group row needs only its window's statistics.)
+
 Backward (custom VJP; residuals q, k, v, u, r, d: no map is kept). With w = v / d,
 dA[o, p] = g_o . w_p + gd_p, where gd_p = -(sum_o A[o, p] g_o) . w_p / d_p is d's gradient, and
 dl = A (dA - delta_o), delta_o = sum_p A[o, p] dA[o, p]. Per call:
@@ -56,6 +59,7 @@ import numpy as np
 
 from jaxrat.ops.gpu import sparse_sga_input_grad as G
 from jaxrat.ops.gpu import sparse_sga_kernels as K
+from jaxrat.ops.gpu import sparse_sga_sweep as S
 from jaxrat.ops.portable.chunked_attention import EPS
 from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -204,14 +208,18 @@ def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool =
     That is the traffic when a tile's halo (the key rows its neighbours read too) comes from the
     L2 cache; tiles of neighbouring rows run together, so it does. Without that reuse the group
     passes would read keys and values ``ky/sy`` times over (each input row is in that many output
-    rows' windows).
+    rows' windows). A sweep's second pass reads what its first has just read and written.
     """
     b, n_out, h, dh = q_shape
     n_in, bh, e = int(np.prod(geom.grid)), b * h, np.dtype(dtype).itemsize
     size = dict(q=n_out * dh * e, g=n_out * dv * e, u=n_out * dv * e, dq=n_out * dh * e, r=n_out * 4,
                 delta=n_out * 4, k=n_in * dh * e, v=n_in * dv * e, dk=n_in * dh * e, dv=n_in * dv * e,
                 d=n_in * 4, gd=n_in * 4)
-    if normalise_columns:
+    if normalise_columns and S.applies(K.Tiling.of(geom, dh, dv, heads=h)):
+        passes = {"fwd groups lse": "q k | r", "fwd sweep colsum update": "q k v r | d u",
+                  "bwd sweep gd dq": "q k v u r g d | gd dq delta"}
+        per_use = "q g r delta d gd"
+    elif normalise_columns:
         passes = {"fwd groups lse": "q k | r", "fwd inputs colsum": "q k r | d", "fwd groups update": "q k v r d | u",
                   "bwd inputs gd": "q k v r g d | gd", "bwd groups dq": "q k v u r g d gd | dq delta"}
         per_use = "q g r delta d gd"
@@ -367,6 +375,10 @@ def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
         out = K.group_pass("lse", t, dict(q=q, k=k, v=v), dict(r=K.stats(bh, n_out), u=u_shape), interpret)
         return out["u"], out["r"], None
     r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=K.stats(bh, n_out)), interpret)["r"]
+    if S.applies(t):
+        out = S.sweep(("colsum", "update"), t, dict(q=q, k=k, v=v, r=r), dict(d=K.stats(bh, n_in), u=u_shape),
+                      EPS, interpret)
+        return out["u"], r, out["d"]
     d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=K.stats(bh, n_in)), EPS, interpret)["d"]
     u = K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d), dict(u=u_shape), interpret)["u"]
     return u, r, d
@@ -390,7 +402,10 @@ def _update_bwd(t: K.Tiling, normalise: bool, interpret: bool, res, g):
     g = g.astype(q.dtype)
     outs = dict(dq=_groups_like(t, bh, t.dh, q.dtype), delta=K.stats(bh, n_out))
     base = dict(q=q, k=k, v=v, r=r, g=g)
-    if normalise:
+    if normalise and S.applies(t):
+        out = S.sweep(("gd", "grad"), t, dict(base, u=u, d=d), dict(gd=K.stats(bh, n_in), **outs), EPS, interpret)
+        tape = (q, g, r, out["delta"], d, out["gd"])
+    elif normalise:
         gd = K.input_pass("gd", t, dict(base, d=d), dict(gd=K.stats(bh, n_in)), EPS, interpret)["gd"]
         out = K.group_pass("grad", t, dict(base, u=u, d=d, gd=gd), outs, interpret)
         tape = (q, g, r, out["delta"], d, gd)

@@ -123,10 +123,16 @@ class Tiling(NamedTuple):
 def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
-    R = _refs(names, refs, t)
+    R = refs_of(names, refs, t)
     if t.products:
         return group_products(R, mode, t, exact)
-    tile, oy = pl.program_id(0), pl.program_id(1)
+    group_tile(R, mode, t)
+
+
+def group_tile(R, mode: str, t: Tiling, at=None):
+    """:func:`_group_kernel` tap by tap on the group tile ``at`` (tile, output row), read from the
+    program's ids where None."""
+    tile, oy = (pl.program_id(0), pl.program_id(1)) if at is None else at
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
     grow = oy * t.OX + clip(ox, t.OX)
@@ -225,7 +231,7 @@ def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
 def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1, exact: bool = False):
     """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
-    R = _refs(names, refs, t)
+    R = refs_of(names, refs, t)
     out = (input_products if t.products else input_tile)(R, mode, t, eps, uses, exact)
     if mode == "keys":
         head = lax.rem(pl.program_id(2), t.heads) if t.heads else 0
@@ -307,7 +313,7 @@ def input_tile(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=N
     return (prow, xok) + keys_over_uses(t, uses, R, prow, xok, zeros_v, use_body)
 
 
-def _refs(names, refs, t: Tiling) -> dict:
+def refs_of(names, refs, t: Tiling) -> dict:
     """The kernel's operands by name, the group-level ones as their head's strided view where the
     tiling has them token-major."""
     R = dict(zip(names, refs))

@@ -1,0 +1,95 @@
+"""Two of sparse SGA's passes as one sweep down the image: an input pass whose per-input statistic a
+group pass then reads, the forward's column sums d before the update u, the backward's d-gradient gd
+before the queries' gradient dq (and delta).
+
+As two passes each reads the slice's keys (and values) whole, and the second cannot start before the
+first has finished everywhere, though output row j only needs the statistic of its window's ``ky``
+input rows. Here one program takes one (image, head) slice's output rows [c R, (c + 1) R) in order:
+before row j it computes the statistic of the ``sy`` input rows j's window ends with (the ``ky - sy``
+before them once, at its first row), then, after a barrier (so every thread of the program sees what
+the others stored), row j's group tiles, which read those statistics back where they were just
+written and the keys and values the input tiles have just read: from the SM's caches, not device
+memory. Compiled for an H100, the ISIC step's first layer's two passes of a round move 0.97 GB
+(forward) and 1.40 GB (backward) as two kernels, counting each kernel's operands once; as one, 0.63
+and 0.73 GB (the second pass's operands: it already read the keys and values whole).
+
+Input rows two neighbouring programs both need (the ``ky - sy`` rows where their windows overlap),
+and rows off the image (clamped to its edge), are computed by each of them: the same code on the same
+operands gives the same bits, so their stores agree and a read sees the right value whichever
+landed. The statistic is stored for every input row (the keys' pass reads it), the rows below the
+last window by the last program.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrat.ops.gpu import sparse_sga_kernels as K
+from jaxrat.ops.gpu.sparse_sga_tiles import clip
+
+# Output rows a program sweeps: fewer make more programs (the ISIC first layer's 86 rows x 128 slices
+# make 1,408 at 8) but recompute more overlap rows (ky - sy input rows per program: 4 of 28 there).
+ROWS = 8
+# Whether the normalised passes run as sweeps (False: as separate passes, as measured on an H100 on
+# 2026-11-27; `benchmarks/gpu_profile.py --passes-apart` profiles the step that way).
+ENABLED = True
+
+
+def applies(t: K.Tiling) -> bool:
+    """Whether ``t``'s passes can sweep: tap by tap, and windows that leave no input row between them."""
+    return ENABLED and not t.products and t.sy <= t.ky
+
+
+def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int, barrier: bool):
+    R = K.refs_of(names, refs, t)
+    input_mode, group_mode = modes
+    first = pl.program_id(1) * rows  # read here: interpret mode lowers no program id in a loop
+    last = pl.program_id(1) == pl.num_programs(1) - 1
+    in_tiles, out_tiles = -(-t.X // t.tx), -(-t.OX // t.tw)
+
+    def inputs(y0, n: int):
+        def row(i, carry):
+            y = clip(y0 + i, t.Y)
+
+            def tile(k, carry):
+                K.input_tile(R, input_mode, t, eps, 1, False, at=(k, y))
+                return carry
+
+            return lax.fori_loop(0, in_tiles, tile, carry)
+
+        lax.fori_loop(0, n, row, 0)
+
+    inputs(first * t.sy - t.py, t.ky - t.sy)
+
+    def step(i, carry):
+        j = first + i
+        inputs(j * t.sy - t.py + t.ky - t.sy, t.sy)
+        if barrier:
+            plgpu.debug_barrier()
+        oy = clip(j, t.OY)
+
+        def tile(k, carry):
+            K.group_tile(R, group_mode, t, at=(k, oy))
+            return carry
+
+        return lax.fori_loop(0, out_tiles, tile, carry)
+
+    lax.fori_loop(0, rows, step, 0)
+    tail = t.Y - ((t.OY - 1) * t.sy - t.py + t.ky)  # input rows below the last window
+    if tail > 0:
+        @pl.when(last)
+        def _():
+            inputs(t.Y - tail, tail)
+
+
+def sweep(modes: tuple[str, str], t: K.Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
+    """The input pass ``modes[0]`` ("colsum" or "gd") and the group pass ``modes[1]`` ("update" or
+    "grad") that reads its statistic, as one kernel; operands and results as the two passes take and
+    give them (the statistic among ``outs``)."""
+    bh = ins["k"].shape[0]
+    rows = min(ROWS, t.OY)
+    grid = (1, -(-t.OY // rows), bh)
+    return K.call(_sweep_kernel, t, grid, ins, outs, f"sparse_sga_sweep_{modes[0]}_{modes[1]}", interpret,
+                  modes=modes, eps=eps, rows=rows, barrier=not interpret)
