@@ -6,10 +6,11 @@
 # Wheels the machine's image lacks (grain, ml_collections, ...; its own jax, flax and optax are used) are
 # installed from $WHEELS (default .gpu/whl) when that folder exists. Each stage's output goes to
 # $OUT/log.txt, their exit codes and times to $OUT/stages.jsonl, the benchmarks' JSON to $OUT/. Stages:
-# smoke run; the ISIC step (sparse and dense, gpu_bench); the fused AdamW against optax on the device;
-# the README demo (Dice); the step's profile, and with the first layer's input gradient by XLA; sparse SGA
-# parity and speed, taps and matrix products, and the profile with products; the fused MLP's parity,
-# speed and weight-pass cuts; the rest of gpu_bench.
+# smoke run; sparse SGA's float32 parity (its sweeps synchronise a program's threads by a barrier, which
+# interpret mode cannot test); the ISIC step (sparse and dense, gpu_bench); the fused AdamW against optax
+# on the device; the README demo (Dice); the step's profile, with sparse SGA's passes apart, and with the
+# first layer's input gradient by XLA; sparse SGA parity and speed, taps and matrix products, and the
+# profile with products; the fused MLP's parity, speed and weight-pass cuts; the rest of gpu_bench.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu_session_out}
@@ -50,6 +51,7 @@ fi
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 
 stage smoke 100 python3 -m jaxrat.main --config configs/isic.py:smoke --workdir "$WORK/smoke"
+stage sparse_parity 60 python3 benchmarks/sparse_sga_gpu.py "$OUT/sparse_parity.json" parity
 stage bench_isic 170 python3 benchmarks/gpu_bench.py --only isic --out "$OUT/bench_isic.json"
 stage adamw 60 python3 - <<'PY'
 # The multi-tensor AdamW compiled by Triton on this GPU against optax's chain, six steps (one skipped).
