@@ -82,21 +82,19 @@ def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
 
 def test_the_passes_as_matrix_products_compile_for_the_h100(probe):
     """The same program with the passes as products over row segments (sparse_sga_kernels.PRODUCTS):
-    Triton accepts their tiles (sides of 16 at least) and the five passes a use and the keys' pass run
-    (as products no two passes sweep together), the same XLA kernels around them. Products a use: lse 1,
-    update 2, grad 4, colsum 1, gd 2; the keys' pass 4 a use."""
-    kinds = lambda name, triton: sorted(k["kind"] for k in probe[name]["kernels"]
-                                        if (k["kind"] == "__gpu$xla.gpu.triton") == triton)
-    assert kinds("sparse_sga_products", False) == kinds("sparse_sga", False)
-    assert len(kinds("sparse_sga_products", True)) == 2 * 5 + 1
+    Triton accepts their tiles (sides of 16 at least) and the same kernels run, sweeps included, nothing
+    else. Products a use: lse 1, update 2, grad 4, colsum 1, gd 2 (the input tiles' twice in their sweep:
+    its first rows, then each step's); the keys' pass 4 a use."""
+    kinds = lambda name: sorted(k["kind"] for k in probe[name]["kernels"])
+    assert kinds("sparse_sga_products") == kinds("sparse_sga")
     names = lambda name: sorted(k["op_name"].split(")/", 1)[1].split("/")[0] for k in probe[name]["kernels"]
                                 if k["kind"] == "__gpu$xla.gpu.triton")
-    passes = ("groups_lse", "inputs_colsum", "groups_update", "inputs_gd", "groups_grad")
-    assert names("sparse_sga_products") == sorted([f"jvp(sparse_sga_{p})" for p in passes[:3]] * 2
-                                                  + [f"transpose(jvp(sparse_sga_{p}))" for p in passes[3:]] * 2
-                                                  + ["transpose(jvp(sparse_sga_inputs_keys))"])
+    assert names("sparse_sga_products") == names("sparse_sga") == sorted(
+        ["jvp(sparse_sga_groups_lse)", "jvp(sparse_sga_sweep_colsum_update)",
+         "transpose(jvp(sparse_sga_sweep_gd_grad))"] * 2 + ["transpose(jvp(sparse_sga_inputs_keys))"])
     # and they are products: the kernels' bodies (in the program's jaxpr) multiply matrices, the taps' do not
-    assert probe["sparse_sga"]["dot_generals"] == 0 and probe["sparse_sga_products"]["dot_generals"] == 28
+    assert probe["sparse_sga"]["dot_generals"] == 0
+    assert probe["sparse_sga_products"]["dot_generals"] == 2 * (1 + 2 + 4 + 2 * 1 + 2 * 2) + 2 * 4
 
 
 def test_the_fused_mlp_kernels_compile_for_the_h100(probe):

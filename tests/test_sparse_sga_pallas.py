@@ -125,10 +125,10 @@ def test_sweeps_of_a_few_output_rows_a_program_match_the_portable_kernel(monkeyp
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_the_sweeps_give_what_the_separate_passes_give(monkeypatch, rows):
+def test_the_sweeps_give_what_the_separate_passes_give(monkeypatch, rows, group_form):
     """With and without the sweeps, float32 in interpret mode, every statistic and result of a call's
     forward and backward (the column sums d and d's gradient gd of the rows below the last window too,
-    which no group reads but the keys' pass does): the same tile code in another order."""
+    which no group reads but the keys' pass does): the same tile code in another order, in both forms."""
     from jaxrat.ops.gpu import sparse_sga as gs
     from jaxrat.ops.gpu import sparse_sga_kernels as K
     from jaxrat.ops.gpu import sparse_sga_sweep

@@ -17,7 +17,7 @@ Input rows two neighbouring programs both need (the ``ky - sy`` rows where their
 and rows off the image (clamped to its edge), are computed by each of them: the same code on the same
 operands gives the same bits, so their stores agree and a read sees the right value whichever
 landed. The statistic is stored for every input row (the keys' pass reads it), the rows below the
-last window by the last program.
+last window by the last program. Both forms of the tiles sweep (tap by tap, and as matrix products).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrat.ops.gpu import sparse_sga_kernels as K
+from jaxrat.ops.gpu.sparse_sga_products import group_products, input_products
 from jaxrat.ops.gpu.sparse_sga_tiles import clip
 
 # Output rows a program sweeps: fewer make more programs (the ISIC first layer's 86 rows x 128 slices
@@ -38,13 +39,15 @@ ENABLED = True
 
 
 def applies(t: K.Tiling) -> bool:
-    """Whether ``t``'s passes can sweep: tap by tap, and windows that leave no input row between them."""
-    return ENABLED and not t.products and t.sy <= t.ky
+    """Whether ``t``'s passes can sweep: windows that leave no input row between them."""
+    return ENABLED and t.sy <= t.ky
 
 
-def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int, barrier: bool):
+def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int, exact: bool):
     R = K.refs_of(names, refs, t)
     input_mode, group_mode = modes
+    input_tile = input_products if t.products else K.input_tile
+    group_tile = (lambda *a, at: group_products(*a, exact, at=at)) if t.products else K.group_tile
     first = pl.program_id(1) * rows  # read here: interpret mode lowers no program id in a loop
     last = pl.program_id(1) == pl.num_programs(1) - 1
     in_tiles, out_tiles = -(-t.X // t.tx), -(-t.OX // t.tw)
@@ -54,7 +57,7 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
             y = clip(y0 + i, t.Y)
 
             def tile(k, carry):
-                K.input_tile(R, input_mode, t, eps, 1, False, at=(k, y))
+                input_tile(R, input_mode, t, eps, 1, exact, at=(k, y))
                 return carry
 
             return lax.fori_loop(0, in_tiles, tile, carry)
@@ -66,12 +69,12 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
     def step(i, carry):
         j = first + i
         inputs(j * t.sy - t.py + t.ky - t.sy, t.sy)
-        if barrier:
+        if not exact:  # on a GPU (interpret mode runs a program's threads as one, and has no barrier)
             plgpu.debug_barrier()
         oy = clip(j, t.OY)
 
         def tile(k, carry):
-            K.group_tile(R, group_mode, t, at=(k, oy))
+            group_tile(R, group_mode, t, at=(k, oy))
             return carry
 
         return lax.fori_loop(0, out_tiles, tile, carry)
@@ -92,4 +95,4 @@ def sweep(modes: tuple[str, str], t: K.Tiling, ins: dict, outs: dict, eps: float
     rows = min(ROWS, t.OY)
     grid = (1, -(-t.OY // rows), bh)
     return K.call(_sweep_kernel, t, grid, ins, outs, f"sparse_sga_sweep_{modes[0]}_{modes[1]}", interpret,
-                  modes=modes, eps=eps, rows=rows, barrier=not interpret)
+                  modes=modes, eps=eps, rows=rows, exact=interpret)
