@@ -43,6 +43,7 @@ from jaxrat.models import register
 from jaxrat.models.layers import layer_norm, linear
 from jaxrat.models.rat.segmenter import rat_from_config
 from jaxrat.ops import attention as attn
+from jaxrat.ops import projections
 from jaxrat.runtime.errors import ConfigError
 
 Array = jax.Array
@@ -105,7 +106,17 @@ class Attention(nnx.Module):
         def split(x: Array) -> Array:
             return x.reshape(b, x.shape[1], h, d // h)
 
-        out = attn.masked_attention(split(self.q(q)), split(self.k(k)), split(self.v(v)), key_ok, self.kernels)
+        return self.attend(q, self.k(k), self.v(v), key_ok)
+
+    def attend(self, q: Array, k: Array, v: Array, key_ok: Optional[Array | attn.KeyPadding] = None) -> Array:
+        """:meth:`__call__` with keys and values already projected (by this module's ``k`` and ``v``)."""
+        b, nq, d = q.shape
+        h = self.num_heads
+
+        def split(x: Array) -> Array:
+            return x.reshape(b, x.shape[1], h, d // h)
+
+        out = attn.masked_attention(split(self.q(q)), split(k), split(v), key_ok, self.kernels)
         return self.o(out.reshape(b, nq, d))
 
 
@@ -123,12 +134,25 @@ class DecoderLayer(nnx.Module):
         self.norm3 = layer_norm(dim, 1e-5, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, tgt: Array, query_pos: Array, memory: Array, memory_pos: Array,
+    def __call__(self, tgt: Array, query_pos: Array, keys: Array, values: Array,
                  key_ok: Array | attn.KeyPadding) -> Array:
+        """``keys`` and ``values``: the memory (plus its positions, for the keys) projected by this
+        layer's cross-attention (:func:`cross_projections`)."""
         q = tgt + query_pos
         tgt = self.norm1(tgt + self.drop(self.self_attn(q, q, tgt)))
-        tgt = self.norm2(tgt + self.drop(self.cross_attn(tgt + query_pos, memory + memory_pos, memory, key_ok)))
+        tgt = self.norm2(tgt + self.drop(self.cross_attn.attend(tgt + query_pos, keys, values, key_ok)))
         return self.norm3(tgt + self.drop(self.fc2(self.drop(jax.nn.relu(self.fc1(tgt))))))
+
+
+def cross_projections(layers: Sequence[DecoderLayer], memory: Array, memory_pos: Array) -> list[tuple[Array, Array]]:
+    """Each layer's cross-attention keys and values of the memory, its own products, their gradients
+    taken as one product over every layer's weights (:mod:`jaxrat.ops.projections`)."""
+    def project(x: Array, mods: list) -> list[Array]:
+        return projections.shared_input_projections(x, [m.kernel[...] for m in mods], [m.bias[...] for m in mods],
+                                                    dtype=mods[0].dtype, precision=mods[0].precision)
+
+    keys = project(memory + memory_pos, [layer.cross_attn.k for layer in layers])
+    return list(zip(keys, project(memory, [layer.cross_attn.v for layer in layers])))
 
 
 class CNNBackbone(nnx.Module):
@@ -306,11 +330,11 @@ class DETR(nnx.Module):
         # every layer's keys and values are made token by token from these two: their padding resolved once
         padding, (memory, memory_pos) = attn.pack_keys(key_ok, (memory, memory_pos), self.kernels)
         logits, boxes = [], []
-        for layer in self.layers:
+        for layer, (keys, values) in zip(self.layers, cross_projections(self.layers, memory, memory_pos)):
             if self.box_refine:
                 query_pos = self.anchor_pos[1](jax.nn.relu(self.anchor_pos[0](box_sine(ref, tgt.shape[-1]).astype(
                     memory.dtype))))
-            tgt = layer(tgt, query_pos, memory, memory_pos, padding)
+            tgt = layer(tgt, query_pos, keys, values, padding)
             h = self.out_norm(tgt)
             logits.append(self.class_head(h))
             if self.box_refine:
