@@ -19,7 +19,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxrat.ops.gpu import sparse_sga_kernels as K
-from jaxrat.ops.gpu.sparse_sga_products import input_products
 from jaxrat.ops.gpu.sparse_sga_tiles import Strided, clip, dot, load_as, store, store_keys, strided_refs
 
 
@@ -56,7 +55,7 @@ def _keys_with_inputs_kernel(*refs, names, t: K.Tiling, eps: float, uses: int, e
 
     def per_head(head, dx):
         H = _head_views(R, t, head)
-        _, _, dk, dv = (input_products if t.products else K.input_tile)(H, "keys", t, eps, uses, exact, at)
+        _, _, dk, dv = K.input_tile(H, "keys", t, eps, uses, exact, at)
         dk = store_keys(H, t, prow, xok, dk, dv, head, head * per_slice + bias_at)
         dt = R["w"].dtype
         wk = load_as(Strided(R["w"], width, head * t.dh), rows, every, t.dh, t.dhp)

@@ -123,15 +123,17 @@ class Tiling(NamedTuple):
 def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
-    R = refs_of(names, refs, t)
-    if t.products:
-        return group_products(R, mode, t, exact)
-    group_tile(R, mode, t)
+    group_tile(refs_of(names, refs, t), mode, t, exact)
 
 
-def group_tile(R, mode: str, t: Tiling, at=None):
-    """:func:`_group_kernel` tap by tap on the group tile ``at`` (tile, output row), read from the
-    program's ids where None."""
+def group_tile(R, mode: str, t: Tiling, exact: bool, at=None):
+    """:func:`_group_kernel` on the group tile ``at`` (tile, output row; the program's where None), in
+    the tiling's form: tap by tap, or as matrix products."""
+    return group_products(R, mode, t, exact, at) if t.products else group_taps(R, mode, t, at)
+
+
+def group_taps(R, mode: str, t: Tiling, at=None):
+    """:func:`group_tile` tap by tap."""
     tile, oy = (pl.program_id(0), pl.program_id(1)) if at is None else at
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)
     gok = ox < t.OX
@@ -232,7 +234,7 @@ def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1,
     """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
     R = refs_of(names, refs, t)
-    out = (input_products if t.products else input_tile)(R, mode, t, eps, uses, exact)
+    out = input_tile(R, mode, t, eps, uses, exact)
     if mode == "keys":
         head = lax.rem(pl.program_id(2), t.heads) if t.heads else 0
         store_keys(R, t, *out, head, tile_index() * (t.dh + t.dv))
@@ -244,9 +246,14 @@ def tile_index():
 
 
 def input_tile(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=None):
-    """:func:`_input_kernel` tap by tap; in "keys" mode returns (rows, validity, dk, dv) unstored.
-    ``at``: the (tile, row) to work on, read from the program's ids where None (interpret mode does
-    not lower a program id inside a loop)."""
+    """:func:`_input_kernel` on the input tile ``at`` (tile, row; the program's where None: interpret
+    mode lowers no program id inside a loop), in the tiling's form; in "keys" mode returns (rows,
+    validity, dk, dv) unstored."""
+    return (input_products if t.products else input_taps)(R, mode, t, eps, uses, exact, at)
+
+
+def input_taps(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=None):
+    """:func:`input_tile` tap by tap."""
     tile, y = (pl.program_id(0), pl.program_id(1)) if at is None else at
     x = tile * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
     xok = x < t.X

@@ -27,7 +27,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrat.ops.gpu import sparse_sga_kernels as K
-from jaxrat.ops.gpu.sparse_sga_products import group_products, input_products
 from jaxrat.ops.gpu.sparse_sga_tiles import clip
 
 # Output rows a program sweeps: fewer make more programs (the ISIC first layer's 86 rows x 128 slices
@@ -46,8 +45,6 @@ def applies(t: K.Tiling) -> bool:
 def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int, exact: bool):
     R = K.refs_of(names, refs, t)
     input_mode, group_mode = modes
-    input_tile = input_products if t.products else K.input_tile
-    group_tile = (lambda *a, at: group_products(*a, exact, at=at)) if t.products else K.group_tile
     first = pl.program_id(1) * rows  # read here: interpret mode lowers no program id in a loop
     last = pl.program_id(1) == pl.num_programs(1) - 1
     in_tiles, out_tiles = -(-t.X // t.tx), -(-t.OX // t.tw)
@@ -57,7 +54,7 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
             y = clip(y0 + i, t.Y)
 
             def tile(k, carry):
-                input_tile(R, input_mode, t, eps, 1, exact, at=(k, y))
+                K.input_tile(R, input_mode, t, eps, 1, exact, at=(k, y))
                 return carry
 
             return lax.fori_loop(0, in_tiles, tile, carry)
@@ -74,7 +71,7 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
         oy = clip(j, t.OY)
 
         def tile(k, carry):
-            group_tile(R, group_mode, t, at=(k, oy))
+            K.group_tile(R, group_mode, t, exact, at=(k, oy))
             return carry
 
         return lax.fori_loop(0, out_tiles, tile, carry)
