@@ -121,7 +121,7 @@ def test_on_a_mesh_of_eight_devices_each_copy_is_cast_where_it_lives():
     assert "shard_map" in traced and "multi_tensor_cast" in traced
 
 
-def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1):
+def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1, shards: int = 0):
     """The ISIC config with a tiny RAT on the gpu policy over 2 devices: its state spec and an abstract
     batch of 4 32-px images (cuDNN's version pretended, so that CUDA lowering works here)."""
     from jax._src.cudnn import fused_attention_stablehlo
@@ -138,6 +138,7 @@ def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1):
     config.data.image_size, config.data.batch_size = 32, 4
     config.train.compute_dtype = dtype
     config.optimizer.grad_accum_steps = accum
+    config.train.reduction_shards = shards
     config.mesh.axes = (("data", 2), ("fsdp", 1))
     spec = make_state_spec(config, make_mesh(config.mesh.axes, jax.devices()[:2]), load_task(config))
     batch = {k: jax.ShapeDtypeStruct((4, 32, 32, c), jnp.float32, sharding=spec.batch_sharding)
@@ -171,3 +172,19 @@ def test_the_trainer_s_gpu_eval_step_casts_in_one_kernel_too(monkeypatch, dtype,
     text = make_eval_step(spec).trace(params, batch).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count('name = "multi_tensor_cast"') == cast_calls
 
+
+
+@pytest.mark.parametrize("dtype, cast_calls", [("bfloat16", 1), ("float32", 0)])
+def test_the_fixed_shards_gpu_program_casts_in_one_kernel_too(monkeypatch, dtype, cast_calls):
+    """Under ``train.reduction_shards`` the step is one single-device program per shard
+    (FixedShardStep): on the gpu policy in bfloat16 that program casts the weights it reads narrowed
+    in one multi-tensor call, as the plain step does; in float32 none."""
+    from jaxrat.trainer.step import make_train_step
+
+    spec, batch = _tiny_gpu_isic(monkeypatch, dtype, shards=2)
+    step = make_train_step(spec)
+    assert type(step).__name__ == "FixedShardStep"
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), spec.abstract_state["params"])
+    one = {k: jax.ShapeDtypeStruct((2, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    text = step._grad.trace(params, one, jax.random.key(0)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('name = "multi_tensor_cast"') == cast_calls

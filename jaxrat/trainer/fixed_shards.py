@@ -113,7 +113,8 @@ class FixedShardStep:
             lambda *xs: jax.make_array_from_single_device_arrays(
                 (self.shards, self.accum, *xs[0].shape[2:]), self.rows, list(xs)),
             *mine.values())
-        return self._apply(state, stacked)
+        with jax.set_mesh(self.spec.mesh):  # as the plain step's: kernels inside run per device (per_device)
+            return self._apply(state, stacked)
 
     def lower(self, state: Any, batch: Any) -> "_Lowered":
         """For :func:`compiled_together` and automatic sizing: every program of the step, compiled
@@ -151,5 +152,6 @@ class _Lowered:
                                                               sharding=step.rows),
                                (shapes[1], shapes[0][0], shapes[0][1]))
         prep.compile()
-        step._apply.lower(self.state, stacked).compile()
+        with jax.set_mesh(step.spec.mesh):
+            step._apply.lower(self.state, stacked).compile()
         return grad

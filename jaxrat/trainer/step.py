@@ -83,13 +83,15 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
                    "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
         return new_state, metrics
 
-    if spec.config.train.reduction_shards:
-        return FixedShardStep(spec, loss_of, apply)
     # Where the fused AdamW applies (gpu policy, replicated float32 parameters), the weights a narrow
-    # step reads once, cast, are cast in one kernel up front rather than each in its own before its matmul.
+    # step reads once, cast, are cast in one kernel up front rather than each in its own before its
+    # matmul; in the fixed shards' programs too (the same values: their bits do not change).
     compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
     narrow = fused is not None and compute in NARROW
-    grad_fn = jax.value_and_grad(cast_narrow_reads(loss_of) if narrow else loss_of, has_aux=True)
+    loss_fn = cast_narrow_reads(loss_of) if narrow else loss_of
+    if spec.config.train.reduction_shards:
+        return FixedShardStep(spec, loss_fn, apply)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
