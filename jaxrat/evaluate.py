@@ -23,6 +23,7 @@ from typing import Any
 
 from absl import flags
 
+from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_json
@@ -69,7 +70,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
         # The step is chosen once and held for both the evaluation and the predictions: "latest"
         # resolved here and again later named a step the user never asked for once a training
         # beside it had rotated it away.
-        with open_checkpoint(f"{workdir}:{choose(workdir, _STEP.value)}", READ_ITEMS) as opened:
+        advice = lambda: f"--config.data.eval_batch_size (now {config.data.eval_batch_size})"  # noqa: E731
+        with open_checkpoint(f"{workdir}:{choose(workdir, _STEP.value)}", READ_ITEMS) as opened, \
+                device_errors.in_a_sentence(advice):
             _evaluate(config, workdir, opened, tta)
     except UserError as e:
         fail(str(e))

@@ -16,7 +16,7 @@ from ml_collections import config_flags
 from jaxrat.cluster import preemption
 from jaxrat.config import check_override_args, load_config
 from jaxrat.config.loader import describe_packaged
-from jaxrat.runtime import command_line, hugepages, platform_hint
+from jaxrat.runtime import command_line, device_errors, hugepages, platform_hint
 from jaxrat.runtime.console import fail, quiet_libraries
 from jaxrat.runtime.errors import ConfigError, UserError
 
@@ -54,8 +54,11 @@ def main(argv: list[str]) -> None:
             sys.exit(cluster.PREEMPTED_EXIT_CODE)
         except UserError:
             raise
-        except Exception:
+        except Exception as e:
             cluster.stop_if_peer_lost()  # a collective that failed because a peer died says so, in one sentence
+            why = device_errors.explain(e, device_errors.training_batch_advice(config))
+            if why is not None:
+                raise why from None
             raise
     except UserError as e:
         fail(str(e))

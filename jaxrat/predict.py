@@ -17,6 +17,7 @@ import logging
 
 from absl import flags
 
+from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 
@@ -76,8 +77,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
         predictor = Predictor(config, workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value, tta=tta)
         logging.info("predict: %d images, %s, step %d, tta %s%s", len(inputs), predictor.kind, predictor.step,
                      tta.describe(), f", tiles {options.tile} px" if options.tile else "")
-        counts = predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),
-                               process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync)
+        with device_errors.in_a_sentence(lambda: f"--batch (now {predictor.batch_size})"):
+            counts = predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),
+                                   process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync)
         if jax.process_index() == 0:
             skipped = f"; {counts['skipped']} skipped (see {_OUT.value}/skipped.txt)" if counts["skipped"] else ""
             print(f"jaxrat: predicted {counts['images']} images into {_OUT.value}{skipped}", flush=True)

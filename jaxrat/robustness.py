@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from absl import flags
 
+from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 
@@ -37,8 +38,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
         workdir, config = open_trained_run(_WORKDIR.value, overrides)
         import jax
 
-        run_robustness(config, workdir, sizes=sizes, spacings=spacings, step=_STEP.value,
-                       evaluate=evaluate_checkpoint, write=jax.process_index() == 0)
+        with device_errors.in_a_sentence(lambda: f"--config.data.eval_batch_size (now {config.data.eval_batch_size})"):
+            run_robustness(config, workdir, sizes=sizes, spacings=spacings, step=_STEP.value,
+                           evaluate=evaluate_checkpoint, write=jax.process_index() == 0)
     except UserError as e:
         fail(str(e))
 
