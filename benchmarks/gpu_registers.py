@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 # Where scripts/setup_gpu_aot.sh installs ptxas: not on the plugin's path, so XLA keeps its own.
 PTXAS_DIR = Path(os.environ.get("JAXRAT_PTXAS_DIR") or Path(sys.prefix) / "gpu-ptxas")
 PROGRAMS = ("sparse_taps", "sparse_products", "sparse_projection", "sparse_keys_dx", "fused_mlp", "multi_tensor_adamw",
-            "multi_tensor_cast", "layer_norm")
+            "multi_tensor_cast", "multi_tensor_ema", "layer_norm")
 
 
 def find_ptxas() -> str | None:
@@ -83,7 +83,7 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
-    from jaxrat.ops.gpu import adamw, cast, mlp, sparse_sga, sparse_sga_kernels, sparse_sga_projection
+    from jaxrat.ops.gpu import adamw, cast, ema, mlp, sparse_sga, sparse_sga_kernels, sparse_sga_projection
     from jaxrat.ops.gpu import layer_norm as norm
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
@@ -126,6 +126,10 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     def multi_tensor_cast(*leaves):
         return cast.multi_tensor_cast(leaves, jnp.bfloat16)
 
+    def multi_tensor_ema(decay, *leaves):
+        n = len(leaves) // 2
+        return ema.multi_tensor_ema(leaves[:n], leaves[n:], decay, True)
+
     t = sparse_sga_kernels.Tiling.of(geom, 16, 16, heads=8)
     uses, tape_shapes = 3, sparse_sga._tape_shapes(t, 16 * 8, jnp.bfloat16, sparse_sga._TAPE_NORMALISED)
 
@@ -153,6 +157,9 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
     shapes = [(128, 128), (128,), (3, 3, 128, 128), (512, 128)] * (cast.LEAVES_PER_CALL // 4)
     gpu_cost.compile_for(jax.jit(multi_tensor_cast), *[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes],
                          device=device)
+    shapes = [(128, 128), (128,), (3, 3, 128, 128), (512, 128)] * (ema.LEAVES_PER_CALL // 4)
+    gpu_cost.compile_for(jax.jit(multi_tensor_ema), jax.ShapeDtypeStruct((), jnp.float32),
+                         *[jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes] * 2, device=device)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # the layer's weights, rounded on chip
     gpu_cost.compile_for(jax.jit(fused_mlp), bf16(16 * 7396, 128), f32(128, 512), f32(512), f32(512, 128),
                          f32(128), device=device)

@@ -8,9 +8,10 @@
 # $OUT/log.txt, their exit codes and times to $OUT/stages.jsonl, the benchmarks' JSON to $OUT/. Stages:
 # smoke run; sparse SGA's float32 parity (its sweeps synchronise a program's threads by a barrier, which
 # interpret mode cannot test); the ISIC step (sparse and dense, gpu_bench); the fused AdamW against optax
-# on the device; the README demo (Dice); the step's profile, with sparse SGA's passes apart, and with the
-# first layer's input gradient by XLA; sparse SGA parity and speed, taps and matrix products, and the
-# profile with products; the fused MLP's parity, speed and weight-pass cuts; the rest of gpu_bench.
+# and the fused moving average against the leaf-by-leaf one, on the device; the README demo (Dice); the
+# step's profile, with sparse SGA's passes apart, and with the first layer's input gradient by XLA;
+# sparse SGA parity and speed, taps and matrix products, and the profile with products; the fused MLP's
+# parity, speed and weight-pass cuts; the rest of gpu_bench.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu_session_out}
@@ -86,7 +87,18 @@ for step in range(6):
 err = max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(x)) + 1e-30))
           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 print(f"fused AdamW on {jax.devices()[0].device_kind}: largest difference from optax {err:.2e} of the leaf's largest entry")
-raise SystemExit(0 if err < 1e-5 else 1)
+# the parameters' moving average in a few kernels against the step's leaf-by-leaf form (one skipped)
+from jaxrat.trainer.optimizer import update_ema
+avg = jax.tree.map(lambda p: p * 0.5, params)
+ema_err = 0.0
+for ok in (True, False):
+    want = jax.jit(lambda a, p, k: jax.tree.map(lambda n, o: jnp.where(k, n, o), update_ema(a, p, jnp.float32(0.99)), a))(
+        avg, b[0], jnp.asarray(ok))
+    got = jax.jit(lambda a, p, k: fused.ema(a, p, jnp.float32(0.99), k))(avg, b[0], jnp.asarray(ok))
+    ema_err = max([ema_err] + [float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(x)) + 1e-30))
+                               for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got))])
+print(f"fused EMA: largest difference from the leaf-by-leaf average {ema_err:.2e} of the leaf's largest entry")
+raise SystemExit(0 if err < 1e-5 and ema_err < 1e-6 else 1)
 PY
 stage demo 160 python3 -m jaxrat.main --config configs/isic.py:demo --workdir "$WORK/demo"
 # the default step's profile, then the same step with sparse SGA's passes apart (not swept: decides

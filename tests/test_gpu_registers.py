@@ -40,6 +40,7 @@ def test_every_kernel_of_both_sparse_forms_and_the_mlp_is_compiled_and_measured(
     want |= {("fused_mlp", k) for k in MLP}
     want |= {("multi_tensor_adamw", "multi_tensor_adamw")}  # one call's 48 leaves: 337 kernel arguments
     want |= {("multi_tensor_cast", "multi_tensor_cast")}  # one call's 96 leaves: 192 pointers
+    want |= {("multi_tensor_ema", "multi_tensor_ema")}  # one call's 64 leaves: 193 kernel arguments
     want |= {("sparse_projection", "sparse_sga_projection")}  # the first layer's keys and values, laid out
     want |= {("sparse_keys_dx", "sparse_sga_inputs_keys_dx")}  # its keys' pass, writing the input's gradient
     want |= {("layer_norm", "layer_norm_forward"), ("layer_norm", "layer_norm_backward")}
@@ -65,10 +66,10 @@ _TRIG_STACK = {"sparse_sga_inputs_keys_dx": 32}
 def test_the_product_form_and_the_mlp_multiply_on_the_tensor_cores(rows):
     """mma.sync or Hopper's wgmma (Triton's choice for tiles of 64 rows and more) in every kernel of the
     product form, of the MLP and of the projection; none in the tap form, which multiplies on the CUDA cores (nor in the
-    AdamW, the casts and the layer norm, which multiply no matrices)."""
+    AdamW, the casts, the averages and the layer norm, which multiply no matrices)."""
     for r in rows:
         tensor_cores = r["mma"] + r["wgmma"]
-        if r["program"] in ("sparse_taps", "multi_tensor_adamw", "multi_tensor_cast", "layer_norm"):
+        if r["program"] in ("sparse_taps", "multi_tensor_adamw", "multi_tensor_cast", "multi_tensor_ema", "layer_norm"):
             assert tensor_cores == 0, r
         else:
             assert tensor_cores > 0, r

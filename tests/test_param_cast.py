@@ -121,7 +121,7 @@ def test_on_a_mesh_of_eight_devices_each_copy_is_cast_where_it_lives():
     assert "shard_map" in traced and "multi_tensor_cast" in traced
 
 
-def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1, shards: int = 0):
+def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1, shards: int = 0, ema_decay: float = 0.0):
     """The ISIC config with a tiny RAT on the gpu policy over 2 devices: its state spec and an abstract
     batch of 4 32-px images (cuDNN's version pretended, so that CUDA lowering works here)."""
     from jax._src.cudnn import fused_attention_stablehlo
@@ -139,6 +139,7 @@ def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1, shards: int = 0):
     config.train.compute_dtype = dtype
     config.optimizer.grad_accum_steps = accum
     config.train.reduction_shards = shards
+    config.optimizer.ema_decay = ema_decay
     config.mesh.axes = (("data", 2), ("fsdp", 1))
     spec = make_state_spec(config, make_mesh(config.mesh.axes, jax.devices()[:2]), load_task(config))
     batch = {k: jax.ShapeDtypeStruct((4, 32, 32, c), jnp.float32, sharding=spec.batch_sharding)

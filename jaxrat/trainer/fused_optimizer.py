@@ -5,7 +5,8 @@ sharding rules) and float32 parameters, the train step updates every leaf with
 :func:`jaxrat.ops.gpu.adamw.multi_tensor_adamw` instead of optax's leaf-by-leaf update: the same
 arithmetic (clipping, Adam, masked decoupled weight decay, schedule, layer-wise factors, the finite
 guard), the same optimizer state, read and written in optax's own structure, so checkpoints do not
-change and a run may resume under either form.
+change and a run may resume under either form. The parameters' moving average (``optimizer.ema_decay``)
+is updated the same way, by :func:`jaxrat.ops.gpu.ema.multi_tensor_ema` (:meth:`FusedAdamW.ema`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrat.ops.gpu import adamw
+from jaxrat.ops.gpu import adamw, ema
 from jaxrat.ops.gpu.per_device import replicated
 from jaxrat.trainer.optimizer import ADAM_EPS, decay_mask, layer_scales
 
@@ -76,6 +77,19 @@ class FusedAdamW:
             return x
 
         return unflat(new_p), jax.tree.map(swap, opt_state, is_leaf=_is_state)
+
+    def ema(self, averages: Any, params: Any, decay: jax.Array, ok: jax.Array) -> Optional[Any]:
+        """The averages after the step (kept where not ``ok``) in a few kernels, or None where the
+        multi-tensor kernel does not take them (then the step averages leaf by leaf)."""
+        a_leaves, treedef = jax.tree.flatten(averages)
+        p_leaves = jax.tree.leaves(params)
+        if jax.tree.structure(params) != treedef or ema.supports(a_leaves, p_leaves) is not None:
+            return None
+
+        def run(decay: jax.Array, ok: jax.Array, a: list, p: list) -> list:
+            return ema.multi_tensor_ema(a, p, decay, ok, interpret=self.interpret)
+
+        return jax.tree.unflatten(treedef, replicated(run, decay, ok, a_leaves, p_leaves))
 
 
 def why_not(config: Any, kernels: Any, abstract_state: dict) -> Optional[str]:

@@ -76,8 +76,11 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
         if spec.ema:
             with jax.named_scope("ema"):
-                ema = update_ema(state["ema_params"], new_params, ema_decay_at(spec.config.optimizer, state["step"]))
-                new_state["ema_params"] = keep(ema, state["ema_params"])
+                decay = ema_decay_at(spec.config.optimizer, state["step"])
+                ema = None if fused is None else fused.ema(state["ema_params"], new_params, decay, ok)
+                if ema is None:
+                    ema = keep(update_ema(state["ema_params"], new_params, decay), state["ema_params"])
+                new_state["ema_params"] = ema
         metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
                    "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
                    "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
