@@ -28,7 +28,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 JOB_NAME = f"jaxrat-pytest-{os.getpid()}"  # per session: teardown cancels only ours
 OPT_IN = "JAXRAT_TEST_SLURM_CONF"  # the slurm.conf of an existing cluster to run these tests on, by choice

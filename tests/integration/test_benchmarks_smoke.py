@@ -19,7 +19,7 @@ from benchmark_scripts import load
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.benchmarks]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _scripts() -> list[str]:

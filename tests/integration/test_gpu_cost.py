@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 M, K, N = 256, 512, 1024  # tests/gpu_cost_probe.py's matmul
 
 

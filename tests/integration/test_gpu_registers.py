@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPARSE = {f"sparse_sga_{n}" for n in ("groups_lse", "sweep_colsum_update", "sweep_gd_grad", "inputs_keys")}
 MLP = {f"fused_mlp_{n}" for n in ("forward", "inputs", "weights")}
 

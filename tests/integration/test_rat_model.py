@@ -156,7 +156,7 @@ def test_isic_configs_build_rat(path):
     import importlib.util
     import os
 
-    spec = importlib.util.spec_from_file_location("cfg", os.path.join(os.path.dirname(__file__), "..", path))
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(os.path.dirname(__file__), "..", "..", path))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     variants = (None, "demo", "smoke") if path.endswith("multiscale.py") else (None, "demo")  # isic smoke = U-Net

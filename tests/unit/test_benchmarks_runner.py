@@ -6,7 +6,7 @@ from pathlib import Path
 
 from benchmark_scripts import load
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def load_run_all():

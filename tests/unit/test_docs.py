@@ -40,7 +40,7 @@ from jaxrat.config import base_config, flatten, load_config
 from jaxrat.config.loader import packaged_configs
 from jaxrat.runtime.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC_FILES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
 
 _FENCE = re.compile(r"^\s*```")

@@ -19,7 +19,7 @@ from jaxrat.experiments import stats, summary, sweep
 from jaxrat.runtime.errors import ConfigError
 from test_sweep import fake_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = "tests/toy/sweep_config.py"
 
 

@@ -20,7 +20,7 @@ from jaxrat.tasks import segmentation
 from jaxrat.tasks.segmentation_metrics import JACCARD_THRESHOLD
 
 KW = dict(threshold=0.5, bce_weight=0.5, dice_weight=0.5)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _isic_score(pred: np.ndarray, mask: np.ndarray) -> dict[str, float]:

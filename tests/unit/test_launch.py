@@ -15,7 +15,7 @@ import pytest
 
 from jaxrat import launch as L
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

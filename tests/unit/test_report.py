@@ -13,7 +13,7 @@ import optuna
 from jaxrat.experiments import stats, summary, sweep, tune, tune_summary
 from test_sweep import fake_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = str(REPO / "tests/toy/sweep_config.py")
 
 

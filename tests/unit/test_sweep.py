@@ -20,7 +20,7 @@ from jaxrat.config import flatten, load_config
 from jaxrat.experiments import summary, sweep
 from jaxrat.runtime.errors import ConfigError, UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = "tests/toy/sweep_config.py"
 
 

@@ -16,7 +16,7 @@ from jaxrat.experiments import tune, tune_summary
 from jaxrat.experiments.sweep import load_sweep
 from jaxrat.runtime.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = "tests/toy/sweep_config.py"
 
 
