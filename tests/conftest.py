@@ -1,22 +1,36 @@
 """Test setup: 8 simulated CPU devices, set before anything imports jax; one compilation cache for the
-whole run; integration modules marked.
+whole run; tiers from the folders; test files handed out longest first from the last run's times.
 
-``pytest -m "not slow"`` is the fast inner loop: it leaves out every test that starts training
-processes, clusters or notebooks (the modules below, and tests marked ``slow`` one by one).
+The tiers are folders, and their markers follow the folder (nothing to list here):
+
+* ``tests/unit``: in-process (at most a short helper process: a ``--help``, ``bash -n``, a fake
+  ``sbatch``), no training run, seconds a file. ``bash scripts/test.sh unit`` is the inner loop.
+* ``tests/integration``: training subprocesses, real multi-process runs, notebooks, whole-model
+  compiles and parity.
+* ``tests/fault``: kill -9 campaigns, chaos, preemption, dead peers, full disks, the real SLURM cluster.
+
+``integration`` and ``fault`` tests are also marked ``slow``, so ``-m "not slow"`` is the unit tier
+(plus nothing else). The helpers (``runner``, ``model_configs``, ``toy/``, ...) stay in ``tests/``.
 """
 
 import os
 import shutil
 import sys
 import tempfile
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(__file__))
-
-from file_costs import COSTS, DEFAULT  # noqa: E402
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "fault")
+# The helpers in tests/, and every tier's folder: a test module may import another's helpers
+# (``from test_preempt import Run``) whichever tier either is in, and whichever tiers this run collects.
+for _folder in (TESTS, *(TESTS / tier for tier in TIERS)):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # One persistent XLA compilation cache for the whole test run, shared by this process, the xdist
 # workers and every subprocess (they inherit the environment; jaxrat.runtime.compile_cache.default_dir and
@@ -38,30 +52,102 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _RUN_CACHE_OWNER and not os.environ.get("JAXRAT_TEST_CACHE_DIR") and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["JAXRAT_TEST_RUN_CACHE"], ignore_errors=True)
 
-# Whole modules of integration tests: real subprocesses (python -m jaxrat.main, jax.distributed on
-# 127.0.0.1, mpirun), a real SLURM cluster, or notebooks run top to bottom.
-INTEGRATION_MODULES = {
-    "test_checkpoint_kill", "test_cli_errors", "test_colabs", "test_data_training", "test_distributed_init",
-    "test_distributed_mpi", "test_multiprocess", "test_preempt", "test_preempt_multiprocess", "test_slurm",
-    "test_sweep_run", "test_task_runs", "test_tracking_runs", "test_training",
-}
+# Seconds a test file counts for in the hand-out order when the last run's report does not have it:
+# campaigns first, then the integration files, the unit files last (they are short and fill the gaps).
+TIER_SECONDS = {"fault": 120.0, "integration": 30.0, "unit": 3.0}
+# Per test file (path under tests/), the seconds its tests took (setup, call and teardown) in the last
+# run that ran it, kept in pytest's cache (.pytest_cache/v/jaxrat/file_seconds).
+DURATIONS_KEY = "jaxrat/file_seconds"
+
+
+def tier_of(path: Path) -> str | None:
+    """``unit``, ``integration`` or ``fault`` for a test file under those folders; None elsewhere."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def _file_key(nodeid: str) -> str:
+    # Node ids are relative to the rootdir (the clone): "tests/unit/test_x.py::test_y[a]".
+    return nodeid.split("::", 1)[0].removeprefix("tests/")
+
+
+def hand_out_seconds(key: str, last: dict[str, float]) -> float:
+    """Seconds ``key`` (a test file under tests/) is expected to take: the last run's, else its tier's."""
+    if key in last:
+        return float(last[key])
+    return TIER_SECONDS.get(key.split("/", 1)[0], TIER_SECONDS["integration"])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    astray = sorted({str(item.path.relative_to(config.rootpath)) for item in items
+                     if tier_of(item.path) is None and item.path.is_relative_to(TESTS)})
+    if astray:
+        raise pytest.UsageError(
+            f"{', '.join(astray)} is not in a tier: move it into tests/unit, tests/integration or tests/fault "
+            "with git mv (README.md, Tests, says which is which).")
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in INTEGRATION_MODULES:
-            item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.slow)
-        elif item.get_closest_marker("integration"):
+        tier = tier_of(item.path)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier in ("integration", "fault") or item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.slow)
     if hasattr(config, "workerinput"):
         # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadfile) files are handed out in the
-        # workers' collection order: longest first (tests/file_costs.py), so that the last files to
-        # start are short ones and both workers finish at about the same time.
-        items.sort(key=lambda item: -COSTS.get(item.path.name, DEFAULT))
+        # workers' collection order: longest first, from the last run's times, so that the last files
+        # to start are short ones and both workers finish at about the same time. A missing or stale
+        # time makes the run slower, never wrong.
+        cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+        last = cache.get(DURATIONS_KEY, {}) if cache else {}
+        items.sort(key=lambda item: -hand_out_seconds(_file_key(item.nodeid), last))
+
+
+class _Durations:
+    """Seconds per test file and per tier in this run, written to pytest's cache at its end (in the
+    process that sees every report: the xdist controller, or a plain pytest run)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, float] = defaultdict(float)
+        self.tests: dict[str, int] = defaultdict(int)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        key = _file_key(report.nodeid)
+        self.files[key] += report.duration
+        if report.when == "call" or (report.when == "setup" and report.skipped):
+            self.tests[key] += 1
+
+    def per_tier(self) -> dict[str, tuple[float, int]]:
+        totals: dict[str, tuple[float, int]] = {}
+        for key, seconds in self.files.items():
+            tier = key.split("/", 1)[0] if key.split("/", 1)[0] in TIERS else "other"
+            was_seconds, was_tests = totals.get(tier, (0.0, 0))
+            totals[tier] = (was_seconds + seconds, was_tests + self.tests[key])
+        return totals
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        cache = getattr(session.config, "cache", None)
+        if cache is None or not self.files:
+            return
+        # Files this run did not run (another tier, a -k) keep their last time.
+        cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}),
+                                  **{key: round(seconds, 2) for key, seconds in self.files.items()}})
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        totals = self.per_tier()
+        if not totals:
+            return
+        terminalreporter.section("time per tier (seconds of tests, all workers together)")
+        for tier in (*TIERS, "other"):
+            if tier in totals:
+                seconds, tests = totals[tier]
+                terminalreporter.write_line(f"{tier:<12} {seconds:8.1f} s  {tests:5d} tests")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # xdist would otherwise hand out the files with the most tests first, undoing the order above.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Durations(), "jaxrat-durations")
