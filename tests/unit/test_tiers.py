@@ -1,0 +1,96 @@
+"""The test tiers (tests/conftest.py): markers from the folder, a file outside the tiers refused in one
+sentence, each file's seconds kept from run to run for the hand-out order, and the time per tier printed.
+
+The end-to-end checks run pytest on a throwaway suite of three one-line tests with a copy of this
+suite's conftest.py (no jax is imported), about a second of CPU a run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TESTS, hand_out_seconds, tier_of
+
+INI = """[pytest]
+markers =
+    unit: u
+    integration: i
+    fault: f
+    slow: s
+"""
+
+
+@pytest.fixture
+def suite(tmp_path: Path) -> Path:
+    tests = tmp_path / "tests"
+    for tier, body in (("unit", "pass"), ("integration", "time.sleep(0.3)"), ("fault", "pass")):
+        (tests / tier).mkdir(parents=True)
+        (tests / tier / f"test_{tier}_one.py").write_text(f"import time\n\n\ndef test_it():\n    {body}\n")
+    shutil.copy(TESTS / "conftest.py", tests / "conftest.py")
+    (tmp_path / "pytest.ini").write_text(INI)
+    return tmp_path
+
+
+def _pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
+    # -p no:xdist: three tests need no workers (the hand-out order is tested in-process below).
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", *args], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _seconds(root: Path) -> dict[str, float]:
+    return json.loads((root / ".pytest_cache" / "v" / "jaxrat" / "file_seconds").read_text())
+
+
+def test_markers_follow_the_folder_and_slow_is_integration_and_fault(suite):
+    for select, tiers in (("unit", ["unit"]), ("not slow", ["unit"]), ("slow", ["fault", "integration"])):
+        proc = _pytest(suite, "--collect-only", "-m", select)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        chosen = sorted(line.split("/")[1] for line in proc.stdout.splitlines() if "::test_it" in line)
+        assert chosen == sorted(tiers), (select, proc.stdout)
+
+
+def test_each_file_s_seconds_are_kept_merged_and_the_time_per_tier_printed(suite):
+    proc = _pytest(suite)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "time per tier" in proc.stdout
+    tiers = {line.split()[0] for line in proc.stdout.split("time per tier", 1)[1].splitlines()[1:] if line.strip()}
+    assert {"unit", "integration", "fault"} <= tiers, proc.stdout
+    first = _seconds(suite)
+    assert set(first) == {"unit/test_unit_one.py", "integration/test_integration_one.py", "fault/test_fault_one.py"}
+    assert first["integration/test_integration_one.py"] >= 0.3 > first["unit/test_unit_one.py"]
+
+    # A run of one tier updates its files and keeps the others' times for the next full run's order.
+    assert _pytest(suite, "tests/unit").returncode == 0
+    second = _seconds(suite)
+    assert second["integration/test_integration_one.py"] == first["integration/test_integration_one.py"]
+    assert second.keys() == first.keys()
+
+
+def test_a_test_file_outside_the_tiers_stops_the_run_in_one_sentence(suite):
+    (suite / "tests" / "test_stray.py").write_text("def test_it():\n    pass\n")
+    proc = _pytest(suite)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    assert ("tests/test_stray.py is not in a tier: move it into tests/unit, tests/integration or tests/fault "
+            "with git mv") in proc.stderr
+
+
+def test_the_hand_out_order_is_the_last_run_s_longest_first_else_the_tier_s():
+    files = ["unit/test_a.py", "integration/test_b.py", "fault/test_c.py", "unit/test_d.py"]
+    order = lambda last: sorted(files, key=lambda key: -hand_out_seconds(key, last))  # noqa: E731
+    # No report yet (a fresh clone): the campaigns first, the unit files last, collection order within.
+    assert order({}) == ["fault/test_c.py", "integration/test_b.py", "unit/test_a.py", "unit/test_d.py"]
+    # A report: its times, longest first; a file it lacks (new since) counts as its tier's.
+    last = {"unit/test_a.py": 400.0, "fault/test_c.py": 0.5, "unit/test_d.py": 1.0}
+    assert order(last) == ["unit/test_a.py", "integration/test_b.py", "unit/test_d.py", "fault/test_c.py"]
+
+
+def test_every_test_file_is_in_a_tier():
+    assert tier_of(Path(__file__)) == "unit"
+    assert tier_of(TESTS / "runner.py") is None
+    assert not list(TESTS.glob("test_*.py")), "test files belong in tests/unit, tests/integration or tests/fault"
