@@ -1,5 +1,6 @@
 """The test tiers (tests/conftest.py): markers from the folder, a file outside the tiers refused in one
-sentence, each file's seconds kept from run to run for the hand-out order, and the time per tier printed.
+sentence, each file's seconds kept from run to run for the hand-out order, the time per tier printed,
+scripts/test.sh's tier arguments, and every ``tests/...`` path the docs and sources name exists.
 
 The end-to-end checks run pytest on a throwaway suite of three one-line tests with a copy of this
 suite's conftest.py (no jax is imported), about a second of CPU a run.
@@ -8,6 +9,7 @@ suite's conftest.py (no jax is imported), about a second of CPU a run.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -94,3 +96,42 @@ def test_every_test_file_is_in_a_tier():
     assert tier_of(Path(__file__)) == "unit"
     assert tier_of(TESTS / "runner.py") is None
     assert not list(TESTS.glob("test_*.py")), "test files belong in tests/unit, tests/integration or tests/fault"
+
+
+@pytest.mark.parametrize("args, pytest_args", [
+    ([], []),
+    (["unit"], ["tests/unit"]),
+    (["integration", "fault", "-k", "ema", "-x"], ["tests/integration", "tests/fault", "-k", "ema", "-x"]),
+    (["-m", "not slow"], ["-m", "not slow"]),
+])
+def test_the_test_script_runs_the_tiers_named_and_passes_the_rest_to_pytest(tmp_path, args, pytest_args):
+    # scripts/test.sh in a copy of the clone whose setup scripts, ruff and python only say what they got.
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(TESTS.parent / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
+    for name in ("scripts/setup_venv.sh", "scripts/setup_gpu_aot.sh"):
+        (tmp_path / name).write_text("true\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for name in ("ruff", "python"):
+        (tmp_path / ".venv" / "bin" / name).write_text(f'#!/bin/sh\nprintf "%s\\n" {name} "$@"\n')
+        (tmp_path / ".venv" / "bin" / name).chmod(0o755)
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "test.sh"), *args], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    called = lines[lines.index("python") + 1:]
+    assert called == ["-m", "pytest", "-q", "-ra", "--durations=15", "-n", "2", "--dist", "loadfile", *pytest_args]
+    assert lines[:2] == ["ruff", "check"]
+
+
+# A path under tests/ as the docs and comments write it: tests/unit/test_docs.py, tests/toy/toy_config.py.
+_TESTS_PATH = re.compile(r"(?<![\w./-])tests/[\w/.-]*\w\.(?:py|sh|json)")
+
+
+def test_every_tests_path_the_docs_and_sources_name_exists():
+    repo = TESTS.parent
+    named = [*repo.glob("*.md"), *repo.glob("docs/*.md"), repo / "pyproject.toml", *repo.glob("scripts/*"),
+             *repo.glob("jaxrat/**/*.py"), *repo.glob("benchmarks/*.py"), *repo.glob("configs/*.py"),
+             *(p for p in TESTS.rglob("*.py") if p != Path(__file__))]  # this file names a stray one on purpose
+    missing = [f"{path.relative_to(repo)}: {found}" for path in named if path.is_file()
+               for found in _TESTS_PATH.findall(path.read_text(encoding="utf-8")) if not (repo / found).exists()]
+    assert not missing, "these name test files that are not there (moved to a tier?):\n" + "\n".join(missing)
