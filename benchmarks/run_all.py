@@ -49,7 +49,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-# name -> the smallest arguments that still run the whole benchmark: what tests/test_benchmarks_smoke.py
+# name -> the smallest arguments that still run the whole benchmark: what tests/integration/test_benchmarks_smoke.py
 # runs in CI, so that no benchmark rots unnoticed (the numbers mean nothing at these sizes).
 SMOKE: dict[str, list[str]] = {
     "rat_bench": ["--sizes", "32", "--reference-sizes", "32", "--reps", "1"],

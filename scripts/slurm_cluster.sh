@@ -17,7 +17,7 @@
 #   SLURM_CLUSTER_DIR=DIR   a private cluster: its config, state, logs, pid files and its own munged
 #                       (socket and key) all under DIR, on the ports SLURM_CLUSTER_PORT and the next
 #                       one; nothing of the machine's /etc/slurm or /run/munge is read or touched.
-#                       Clients reach it with SLURM_CONF=DIR/etc/slurm.conf. tests/test_slurm.py
+#                       Clients reach it with SLURM_CONF=DIR/etc/slurm.conf. tests/fault/test_slurm.py
 #                       starts and stops one per session, so it never uses a cluster it finds.
 #   SLURM_CLUSTER_PORT=P    slurmctld's port (slurmd: P+1); default 6817
 set -euo pipefail

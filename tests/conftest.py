@@ -70,7 +70,7 @@ def tier_of(path: Path) -> str | None:
 
 
 def _file_key(nodeid: str) -> str:
-    # Node ids are relative to the rootdir (the clone): "tests/unit/test_x.py::test_y[a]".
+    # Node ids are relative to the rootdir (the clone): "tests/unit/test_docs.py::test_links[README.md]".
     return nodeid.split("::", 1)[0].removeprefix("tests/")
 
 

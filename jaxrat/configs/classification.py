@@ -16,7 +16,7 @@ Variants (``--config configs/classification.py:VARIANT``):
   beit_demo  the demo's synthetic data with a tiny BEiT (random init unless ``pretrained`` is given).
 
 Expected (demo): top-1 0.97 on both heads after 300 steps, ~1 min on a 2-core CPU
-(docs/tasks.md; the README quotes this line, tests/test_docs.py keeps them equal).
+(docs/tasks.md; the README quotes this line, tests/unit/test_docs.py keeps them equal).
 Expected (rat_demo): top-1 0.98 on both heads after 600 steps (0.95 at 400), ~2 min on a 2-core CPU
 (measured once on 4096 synthetic images; on the demo's 512 the RAT overfit and reached 0.82).
 """

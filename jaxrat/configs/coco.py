@@ -16,7 +16,7 @@ Variants (``--config configs/coco.py:VARIANT``):
   smoke   tiny, with a small CNN backbone; seconds, for tests.
 
 Expected (demo): eval AP50 0.77 after 1000 steps, ~7 min on a 2-core CPU
-(docs/tasks.md, "Detection"; the README quotes this line, tests/test_docs.py keeps them equal).
+(docs/tasks.md, "Detection"; the README quotes this line, tests/unit/test_docs.py keeps them equal).
 Expected (rat_demo): eval AP50 0.53 after 600 steps (0.20 at 200, 0.45 at 400), ~12 min on a 2-core CPU
 (measured once, the machine shared; 1.2 steps/s, 0.88 s a step in benchmarks/rat_detr_step.py).
 """

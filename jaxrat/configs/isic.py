@@ -11,7 +11,7 @@ Variants (``--config configs/isic.py:VARIANT``):
   transunet_demo, swin_unet_demo  the demo's synthetic lesions with small forms of both, from scratch.
 
 Expected (demo): eval Dice 0.989 after 400 steps, under 10 min on a 2-core CPU
-(docs/rat.md, "Recommended defaults"; the README quotes this line, tests/test_docs.py keeps them equal).
+(docs/rat.md, "Recommended defaults"; the README quotes this line, tests/unit/test_docs.py keeps them equal).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.task.eval_original_resolution = False  # framework tests run smoke many times: keep eval minimal
         # The smoke variant keeps the tiny U-Net: it compiles in seconds and the framework tests
         # (training, multi-process, preemption, SLURM) run it many times. RAT's own tests use tiny
-        # RAT models directly (tests/test_rat_model.py).
+        # RAT models directly (tests/integration/test_rat_model.py).
         c.model = mlc.ConfigDict(dict(name="unet", kernels="auto", features=(4, 8), num_classes=1))
     elif variant == "unet":
         c.model = mlc.ConfigDict(dict(name="unet", kernels="auto", features=(32, 64, 128, 256), num_classes=1))

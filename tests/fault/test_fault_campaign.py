@@ -1,6 +1,6 @@
 """A bounded fault campaign for the experiment layer: a local sweep killed with -9 at random points,
 then run again, ends with the same table of results as an undisturbed sweep (exactly: the runs are
-deterministic and resume bit for bit). The training layer's campaign is tests/test_chaos.py.
+deterministic and resume bit for bit). The training layer's campaign is tests/fault/test_chaos.py.
 
 The points are drawn from ``JAXRAT_FAULT_SEED`` (default 0), so a failure can be replayed.
 """

@@ -2,7 +2,7 @@
 checkpoints are intact, no temporary or partial file is left anywhere in the workdir, and once space
 is freed the same command resumes and finishes.
 
-Needs root to mount the tmpfs (skipped otherwise; tests/test_fileio.py covers the same failures
+Needs root to mount the tmpfs (skipped otherwise; tests/unit/test_fileio.py covers the same failures
 with a refused write and a refused fsync in-process).
 """
 

@@ -3,7 +3,7 @@ and again beside a training that saves every step and keeps two checkpoints (so 
 chose is rotated away under it), some of them killed with -9 at random points. Every reader that
 finishes scores a complete step exactly as that step scores undisturbed, none ends in a traceback,
 and the training's checkpoints are never damaged: it finishes, and a final evaluate reproduces its
-last evaluation. The training layer's campaign is tests/test_chaos.py.
+last evaluation. The training layer's campaign is tests/fault/test_chaos.py.
 
 The points are drawn from ``JAXRAT_FAULT_SEED`` (default 0), so a failure can be replayed.
 """

@@ -1,8 +1,8 @@
 """A bounded fault campaign for a sweep run as a SLURM job array on the tests' own cluster (see
-tests/test_slurm.py): one element's training killed with -9 at random points, twice (in its first
+tests/fault/test_slurm.py): one element's training killed with -9 at random points, twice (in its first
 run and in its rerun after the job requeued itself); the sweep command run again until it submits
 nothing; the summary then equals an undisturbed local sweep's, exactly (the runs are deterministic
-and resume bit for bit). The local sweep's campaign is tests/test_fault_campaign.py.
+and resume bit for bit). The local sweep's campaign is tests/fault/test_fault_campaign.py.
 
 The points are drawn from ``JAXRAT_FAULT_SEED`` (default 0), so a failure can be replayed.
 """

@@ -2,7 +2,7 @@
 again, ends with the undisturbed search's table (exactly: the trainings resume bit for bit, the
 sampler is seeded per trial and pruning does not depend on timing); two workers on one study,
 killed at random points, run exactly ``--trials`` trials, each scored as its parameters score
-undisturbed, and name the true best. The sweep's campaign is tests/test_fault_campaign.py.
+undisturbed, and name the true best. The sweep's campaign is tests/fault/test_fault_campaign.py.
 
 The points are drawn from ``JAXRAT_FAULT_SEED`` (default 0), so a failure can be replayed.
 """

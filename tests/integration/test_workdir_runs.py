@@ -1,7 +1,7 @@
 """One run per workdir, end to end: a second ``jaxrat.main`` on a live workdir stops naming the
 first; after kill -9 the next run takes over and resumes exactly; a changed config stops a resume.
 
-The lock and config logic themselves are tested in-process in tests/test_workdir.py.
+The lock and config logic themselves are tested in-process in tests/unit/test_workdir.py.
 """
 
 import dataclasses

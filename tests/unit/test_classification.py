@@ -1,5 +1,5 @@
 """Multi-head classification: metrics against scikit-learn, class weights, shared vocabularies,
-mixing (end to end on 1 and 8 devices, 2 processes and kill -9: tests/test_task_runs.py)."""
+mixing (end to end on 1 and 8 devices, 2 processes and kill -9: tests/integration/test_task_runs.py)."""
 
 import json
 

@@ -1,7 +1,7 @@
 """One run per workdir and config checks on resume, in-process (docs/workdir.md).
 
 The end-to-end runs (a second ``jaxrat.main`` on a live workdir, kill -9 and takeover, a changed
-config on resume) are in tests/test_workdir_runs.py.
+config on resume) are in tests/integration/test_workdir_runs.py.
 """
 
 import dataclasses
