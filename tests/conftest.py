@@ -9,11 +9,13 @@ The tiers are folders, and their markers follow the folder (nothing to list here
   compiles and parity.
 * ``tests/fault``: kill -9 campaigns, chaos, preemption, dead peers, full disks, the real SLURM cluster.
 
-``integration`` and ``fault`` tests are also marked ``slow``, so ``-m "not slow"`` is the unit tier
-(plus nothing else). The helpers (``runner``, ``model_configs``, ``toy/``, ...) stay in ``tests/``.
+``integration`` and ``fault`` tests are also marked ``slow``, so ``-m "not slow"`` selects the unit
+tier. A test file outside the tiers stops the run with one sentence. The helpers (``runner``,
+``model_configs``, ``toy/``, ...) stay in ``tests/``.
 """
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -81,13 +83,13 @@ def hand_out_seconds(key: str, last: dict[str, float]) -> float:
     return TIER_SECONDS.get(key.split("/", 1)[0], TIER_SECONDS["integration"])
 
 
+def stray_test_files() -> list[str]:
+    """Test files under tests/ but in no tier's folder (e.g. one a branch added before the tiers)."""
+    return sorted(str(path.relative_to(TESTS.parent)) for path in TESTS.rglob("test_*.py")
+                  if tier_of(path) is None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    astray = sorted({str(item.path.relative_to(config.rootpath)) for item in items
-                     if tier_of(item.path) is None and item.path.is_relative_to(TESTS)})
-    if astray:
-        raise pytest.UsageError(
-            f"{', '.join(astray)} is not in a tier: move it into tests/unit, tests/integration or tests/fault "
-            "with git mv (README.md, Tests, says which is which).")
     for item in items:
         tier = tier_of(item.path)
         if tier:
@@ -102,6 +104,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
         last = cache.get(DURATIONS_KEY, {}) if cache else {}
         items.sort(key=lambda item: -hand_out_seconds(_file_key(item.nodeid), last))
+
+
+def _whole_files(session: pytest.Session, exitstatus: int) -> bool:
+    """Whether this run ran each of its files whole, so that their times stand for the files: not when
+    ``-k``, a marker other than the tiers' or a test's node id picked some of a file's tests, nor when
+    it stopped early (-x, Ctrl-C)."""
+    option, args = session.config.option, session.config.args
+    markers = set(re.findall(r"\w+", option.markexpr or "")) - {*TIERS, "slow", "and", "or", "not"}
+    picked = option.keyword or markers or any("::" in str(arg) for arg in args)
+    stopped = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldfail or session.shouldstop
+    return not picked and not stopped
 
 
 class _Durations:
@@ -126,11 +139,11 @@ class _Durations:
             totals[tier] = (was_seconds + seconds, was_tests + self.tests[key])
         return totals
 
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         cache = getattr(session.config, "cache", None)
-        if cache is None or not self.files:
+        if cache is None or not self.files or not _whole_files(session, exitstatus):
             return
-        # Files this run did not run (another tier, a -k) keep their last time.
+        # Files this run did not run (another tier) keep their last time.
         cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}),
                                   **{key: round(seconds, 2) for key, seconds in self.files.items()}})
 
@@ -150,4 +163,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if not hasattr(config, "workerinput"):
+        astray = stray_test_files()
+        if astray:
+            raise pytest.UsageError(
+                f"{', '.join(astray)} is not in a tier: move it into tests/unit, tests/integration or "
+                "tests/fault with git mv (README.md says which is which).")
         config.pluginmanager.register(_Durations(), "jaxrat-durations")

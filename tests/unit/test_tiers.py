@@ -67,9 +67,16 @@ def test_each_file_s_seconds_are_kept_merged_and_the_time_per_tier_printed(suite
     assert set(first) == {"unit/test_unit_one.py", "integration/test_integration_one.py", "fault/test_fault_one.py"}
     assert first["integration/test_integration_one.py"] >= 0.3 > first["unit/test_unit_one.py"]
 
-    # A run of one tier updates its files and keeps the others' times for the next full run's order.
+    # A run of one tier updates its files and keeps the others' times for the next full run's order;
+    # a run of some of a file's tests (-k, a node id) leaves its time alone.
+    slower = "import time\n\n\ndef test_it():\n    time.sleep(0.5)\n"
+    (suite / "tests" / "unit" / "test_unit_one.py").write_text(slower)
+    for picked in (["-k", "test_it"], ["tests/unit/test_unit_one.py::test_it"]):
+        assert _pytest(suite, *picked).returncode == 0
+        assert _seconds(suite) == first, picked
     assert _pytest(suite, "tests/unit").returncode == 0
     second = _seconds(suite)
+    assert second["unit/test_unit_one.py"] >= 0.5
     assert second["integration/test_integration_one.py"] == first["integration/test_integration_one.py"]
     assert second.keys() == first.keys()
 
