@@ -9,7 +9,12 @@ Before extraction it is checked: the byte count against ``Content-Length``; its 
 ETag when the server's ETag is a plain MD5 (S3 and most static servers for single-part
 uploads); its SHA-256 against a value you pin with ``--checksums FILE`` (the registry below pins
 none: the official values could not be read from this project's machines); and every zip member's
-CRC. Extraction goes to a temporary folder renamed into place (macOS ``__MACOSX``/``._*`` metadata
+CRC. An archive kept from an earlier run that fails these checks is fetched again. A ``text/html``
+answer (a login or error page sent with status 200) is refused before a byte is saved; an archive
+larger than the disk's free space is refused before writing, and a disk that fills up anyway ends the
+download at once, its partial file removed. Bytes received before a stall (``--timeout`` seconds
+without data) or a cut are kept and the next try resumes after them. Extraction goes to a temporary
+folder renamed into place (macOS ``__MACOSX``/``._*`` metadata
 left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
 and top-level folders of each archive extracted, so a rerun skips it while those folders exist.
 """
@@ -17,7 +22,9 @@ and top-level folders of each archive extracted, so a rerun skips it while those
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import http.client
 import json
@@ -111,12 +118,14 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
             headers.update({"Range": f"bytes={have}-", "If-Range": meta["etag"]})
         try:
             resp = _open(url, headers, timeout)
+            _refuse_html(resp, url)
             if resp.status == 206 and not _continues(resp, have, meta.get("etag")):
                 # Appending this would splice two versions or misplace bytes: start again.
                 logging.warning("%s: the server's partial answer does not continue our file; restarting", url)
                 resp.close()
                 os.remove(part)
                 resp = _open(url, {"User-Agent": "jaxrat-download"}, timeout)
+                _refuse_html(resp, url)
             with resp:
                 etag = resp.headers.get("ETag")
                 if resp.status == 206:
@@ -126,10 +135,13 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                 else:  # 200: a fresh start (no partial file, no Range support, or the file changed)
                     total = int(resp.headers.get("Content-Length", -1))
                     mode, have = "wb", 0
+                _check_space(part, total - have if total >= 0 else -1, url)
                 meta = {"etag": etag, "size": total}
                 _write_meta(meta_path, meta)
                 with open(part, mode) as out:
-                    for chunk in iter(lambda: resp.read(_CHUNK), b""):
+                    # read1: whatever has arrived, so a stall or a cut loses nothing already received
+                    # (read(n) waits for n bytes and drops them all when the socket times out).
+                    for chunk in iter(lambda: resp.read1(_CHUNK), b""):
                         out.write(chunk)
                         have += len(chunk)
             if total >= 0 and have != total:
@@ -147,6 +159,13 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                                 "check the URL or --base-url.") from None
             last_error = e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                # Retrying cannot help and the partial file is what fills the disk: give the space back.
+                for leftover in (part, meta_path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(leftover)
+                raise DataError(f"The disk holding {os.path.dirname(path)} is full ({e.strerror}) while downloading "
+                                f"{url}; the partial file was removed: free space or choose another --dest.") from None
             last_error = e
         if attempt < retries:
             logging.warning("download of %s interrupted (%s); retry %d of %d", url, last_error, attempt + 1, retries)
@@ -157,6 +176,23 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
     else:
         fix = "check the network connection and --base-url, then run the same command again"
     raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); {fix}.")
+
+
+def _refuse_html(resp, url: str) -> None:
+    """A login or error page sent with status 200 is not the archive: refused before a byte is saved."""
+    kind = (resp.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+    if kind in ("text/html", "application/xhtml+xml"):
+        resp.close()
+        raise DataError(f"{url} answered with an HTML page ({kind}), not the file: a login or error page; check the "
+                        f"URL or --base-url.")
+
+
+def _check_space(part: str, need: int, url: str) -> None:
+    """Refuse before writing when the server's length does not fit on the disk (``need`` < 0: unknown)."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(part))).free
+    if need > free:
+        raise DataError(f"{url} is {need / 1e9:.2f} GB but the disk holding {os.path.dirname(part)} has "
+                        f"{free / 1e9:.2f} GB free; free space or choose another --dest.")
 
 
 def _read_meta(meta_path: str) -> dict:
@@ -319,10 +355,19 @@ def download(
             continue
         path = os.path.join(downloads, fname)
         meta = {"etag": None}
-        if not os.path.exists(path):
+        kept = os.path.exists(path)  # an archive a run before this one fetched (--keep-archives, a kill)
+        if not kept:
             logging.info("downloading %s", base + arc.name)
             meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff)
-        digest = verify(path, etag=meta.get("etag"), sha256=pinned)
+        try:
+            digest = verify(path, etag=meta.get("etag"), sha256=pinned)
+        except DataError as e:
+            if not kept:
+                raise
+            # verify() deleted it; a kept archive that no longer checks out is fetched again, not trusted.
+            logging.warning("%s in %s fails its check (%s); downloading it again", fname, downloads, e)
+            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff)
+            digest = verify(path, etag=meta.get("etag"), sha256=pinned)
         entries = extract(path, dest)
         state[fname] = {"sha256": digest, "entries": entries}
         _save_state(dest, state)
@@ -335,7 +380,9 @@ def download(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; user errors print one sentence and return 2."""
-    p = argparse.ArgumentParser(prog="python -m jaxrat.data.download", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxrat.data.download", description=__doc__.split("\n")[0],
+                                epilog="A pretrained model from the Hugging Face hub: jaxrat download "
+                                       "hf:OWNER/NAME[@REVISION] (its own --help).")
     p.add_argument("dataset", choices=sorted(DATASETS))
     p.add_argument("--dest", required=True, help="folder to extract into (the config's data.data_dir)")
     p.add_argument("--splits", default="", help="comma-separated subset, e.g. train,validation")
