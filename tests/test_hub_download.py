@@ -149,7 +149,7 @@ def test_404_401_and_a_gated_repository_each_one_sentence_and_no_folder_left(ser
 def test_a_200_html_login_page_is_never_saved_as_the_weights(serve, tmp_path):
     srv = serve({"org/m": {"main": _files()}}, html={"model.safetensors"})
     with pytest.raises(DataError, match=r"sent org/m@main file model.safetensors twice and both times it is an "
-                                        r"HTML page .*check HF_ENDPOINT"):
+                                        r"HTML or XML page .*check HF_ENDPOINT"):
         hub.download_model("org/m")
     assert len([p for p in srv.paths("GET") if p.endswith("model.safetensors")]) == 2  # fetched once more
     blobs = tmp_path / "cache" / "models--org--m" / "blobs"

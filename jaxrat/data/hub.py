@@ -138,7 +138,7 @@ def problem(path: str, *, size: int | None = None, sha256: str | None = None, gi
     if git_id is None and sha256 is None and _COMMIT.fullmatch(etag):
         git_id = etag
     if _looks_like_html(path):
-        return "it is an HTML page (a login or error page), not the file"
+        return "it is an HTML or XML page (a login or error page), not the file"
     have = os.path.getsize(path)
     if size is not None and have != size:
         return f"it has {have} bytes, the hub says {size}"
@@ -362,9 +362,10 @@ def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
     if where.revision != commit:  # so that HF_HUB_OFFLINE finds this revision by its name later
         ref = os.path.join(where.storage, "refs", where.revision)
         os.makedirs(os.path.dirname(ref), exist_ok=True)
-        with open(ref + ".tmp", "w") as f:
+        tmp = f"{ref}.{os.getpid()}.tmp"  # every host of a job may write it into one shared cache
+        with open(tmp, "w") as f:
             f.write(commit)
-        os.replace(ref + ".tmp", ref)
+        os.replace(tmp, ref)
     logging.info("%s: commit %s in %s", where.name, commit, where.cache)
     return os.path.join(where.storage, "snapshots", commit)
 
