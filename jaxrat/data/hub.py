@@ -163,7 +163,7 @@ def _remove(path: str) -> None:
     """Delete a cached file: its blob and the snapshot's link to it."""
     blob = os.path.realpath(path)
     for p in {blob, path}:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone already, or a read-only cache (the next download says so)
             os.remove(p)
 
 
@@ -176,10 +176,11 @@ def _explained(hfh: Any, where: _Where, filename: str | None = None) -> Iterator
     what = f"{where.name}" + (f" file {filename}" if filename else "")
     try:
         yield
-    except e_.GatedRepoError:
+    except e_.GatedRepoError as e:
         sent = "the token in HF_TOKEN has no access to it" if os.environ.get("HF_TOKEN") else "no token was sent"
-        raise DataError(f"{where.repo_id} is a gated repository on {where.endpoint} and {sent} (HTTP 401); accept "
-                        f"its terms on the hub and set HF_TOKEN to a token of the account that did.") from None
+        raise DataError(f"{where.repo_id} is a gated repository on {where.endpoint} and {sent} (HTTP "
+                        f"{_status(e)}); accept its terms on the hub and set HF_TOKEN to a token of the account that "
+                        f"did.") from None
     except e_.RepositoryNotFoundError as e:
         raise DataError(f"{where.repo_id} is not on {where.endpoint} or is private (HTTP {_status(e)}); check the "
                         f"repository id, or set HF_TOKEN for a private repository.") from None
@@ -361,11 +362,14 @@ def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
             _fetch_one(hfh, where, commit, name, _expected(siblings.get(name)), timeout)
     if where.revision != commit:  # so that HF_HUB_OFFLINE finds this revision by its name later
         ref = os.path.join(where.storage, "refs", where.revision)
-        os.makedirs(os.path.dirname(ref), exist_ok=True)
         tmp = f"{ref}.{os.getpid()}.tmp"  # every host of a job may write it into one shared cache
-        with open(tmp, "w") as f:
-            f.write(commit)
-        os.replace(tmp, ref)
+        try:
+            os.makedirs(os.path.dirname(ref), exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(commit)
+            os.replace(tmp, ref)
+        except OSError as e:  # a read-only shared cache that already holds the files: fine, as for the library
+            logging.info("%s: could not record %s -> %s in the cache (%s)", where.name, where.revision, commit, e)
     logging.info("%s: commit %s in %s", where.name, commit, where.cache)
     return os.path.join(where.storage, "snapshots", commit)
 
