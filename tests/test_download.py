@@ -68,8 +68,8 @@ class _Server:
     response is cut off half way (to test resuming); ``etag=False`` sends none."""
 
     def __init__(self, files, cut=(), etag=True, ranges=True, if_range=True, status=None, content_type=None,
-                 stall=(), stall_s=3.0):
-        self.files, self.cut, self.etag = dict(files), set(cut), etag
+                 stall=(), stall_s=3.0, length=True):
+        self.files, self.cut, self.etag, self.length = dict(files), set(cut), etag, length  # length: Content-Length
         self.content_type, self.stall, self.stall_s = content_type, set(stall), stall_s  # stall: half, then silence
         self.ranges, self.if_range, self.status = ranges, if_range, status  # ranges=False: always 200
         self.requests: list[tuple[str, str | None]] = []
@@ -94,11 +94,18 @@ class _Server:
                 if_range_ok = not outer.if_range or self.headers.get("If-Range") in (None, tag)
                 if rng and outer.ranges and if_range_ok:
                     start = int(rng.split("=")[1].split("-")[0])
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 else:
                     self.send_response(200)
-                self.send_header("Content-Length", str(len(data) - start))
+                if outer.length:
+                    self.send_header("Content-Length", str(len(data) - start))
                 if outer.etag:
                     self.send_header("ETag", tag)
                 if outer.content_type:
@@ -484,3 +491,18 @@ def test_a_kept_archive_that_fails_its_check_is_fetched_again(server, tmp_path):
     download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=0, timeout=10)
     assert [p for p, _ in srv.requests if p.endswith(TRAIN_INPUT)] == ["/2018/" + TRAIN_INPUT]
     assert len(isic.find_pairs(str(dest), "train")) == 3
+
+
+def test_a_body_without_a_length_cut_short_is_completed_not_accepted(server, tmp_path):
+    files = _isic_archives()
+    srv = server(files, cut={TRAIN_INPUT}, length=False)  # HTTP/1.0, no Content-Length: a cut looks like the end
+    dest = str(tmp_path / "isic")
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=2, timeout=10, backoff=0)
+    half = f"bytes={len(files[TRAIN_INPUT]) // 2}-"
+    assert [r for p, r in srv.requests if p.endswith(TRAIN_INPUT)] == [None, half, half]  # asked, then resumed
+    with zipfile.ZipFile(io.BytesIO(files[TRAIN_INPUT])) as z:
+        assert _train_image_bytes(dest) == z.read(f"{isic.SPLIT_FOLDERS['train'][0]}/ISIC_0000000.jpg")
+    # A whole body without a length: one more request, answered 416, confirms the end.
+    srv2 = server(files, length=False)
+    download.download("isic2018", str(tmp_path / "b"), splits=("train",), base_url=srv2.url, retries=0, timeout=10)
+    assert [r for p, r in srv2.requests if p.endswith(TRAIN_INPUT)] == [None, f"bytes={len(files[TRAIN_INPUT])}-"]

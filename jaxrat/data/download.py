@@ -13,7 +13,8 @@ CRC. An archive kept from an earlier run that fails these checks is fetched agai
 answer (a login or error page sent with status 200) is refused before a byte is saved; an archive
 larger than the disk's free space is refused before writing, and a disk that fills up anyway ends the
 download at once, its partial file removed. Bytes received before a stall (``--timeout`` seconds
-without data) or a cut are kept and the next try resumes after them. Extraction goes to a temporary
+without data) or a cut are kept and the next try resumes after them; a body sent without a length
+is complete only when a Range request for what follows it is answered 416. Extraction goes to a temporary
 folder renamed into place (macOS ``__MACOSX``/``._*`` metadata
 left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
 and top-level folders of each archive extracted, so a rerun skips it while those folders exist.
@@ -146,6 +147,8 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                         have += len(chunk)
             if total >= 0 and have != total:
                 raise ConnectionError(f"got {have} of {total} bytes")
+            if total < 0:  # no length: a closed connection looks like the end, so ask whether there is more
+                _confirm_end(url, have, etag, timeout)
             move_into_place(part, path)
             os.remove(meta_path)
             return meta
@@ -185,6 +188,24 @@ def _refuse_html(resp, url: str) -> None:
         resp.close()
         raise DataError(f"{url} answered with an HTML page ({kind}), not the file: a login or error page; check the "
                         f"URL or --base-url.")
+
+
+def _confirm_end(url: str, have: int, etag: str | None, timeout: float) -> None:
+    """After a body sent without a length, ask for the bytes after ``have``: 416 (nothing there)
+    confirms the end; 206 means the body was cut short (ConnectionError: the caller resumes). A
+    server without Range support cannot tell; then the checksums and the zip check decide."""
+    headers = {"User-Agent": "jaxrat-download", "Range": f"bytes={have}-"}
+    if etag:
+        headers["If-Range"] = etag
+    try:
+        with _open(url, headers, timeout) as resp:
+            if resp.status == 206:
+                raise ConnectionError(f"the body ended after {have} bytes without a length and the server has more")
+            logging.warning("%s sent no length and ignores Range requests: only the checksums and the zip "
+                            "check can tell whether its %d bytes are all of it", url, have)
+    except urllib.error.HTTPError as e:
+        if e.code != 416:
+            raise
 
 
 def _check_space(part: str, need: int, url: str) -> None:
