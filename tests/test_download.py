@@ -506,3 +506,21 @@ def test_a_body_without_a_length_cut_short_is_completed_not_accepted(server, tmp
     srv2 = server(files, length=False)
     download.download("isic2018", str(tmp_path / "b"), splits=("train",), base_url=srv2.url, retries=0, timeout=10)
     assert [r for p, r in srv2.requests if p.endswith(TRAIN_INPUT)] == [None, f"bytes={len(files[TRAIN_INPUT])}-"]
+
+
+def test_a_pinned_size_refuses_another_file_before_writing_and_checks_a_kept_one(server, tmp_path, capsys):
+    files = _isic_archives()
+    srv = server(files)
+    good = {"sha256": hashlib.sha256(files[TRAIN_INPUT]).hexdigest(), "size": len(files[TRAIN_INPUT])}
+    dest = tmp_path / "a"
+    with pytest.raises(DataError, match=rf"offers {good['size']} bytes but its pinned size is {good['size'] + 1}"):
+        download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=2, timeout=10,
+                          backoff=0, checksums={TRAIN_INPUT: {"size": good["size"] + 1}})
+    assert len([p for p, _ in srv.requests if p.endswith(TRAIN_INPUT)]) == 1
+    assert not [f for f in os.listdir(dest / "downloads") if f.startswith(TRAIN_INPUT)]
+    download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=0, timeout=10,
+                      checksums={TRAIN_INPUT: good})
+    assert len(isic.find_pairs(str(dest), "train")) == 3
+    (tmp_path / "sums.json").write_text('{"x": [1]}')
+    assert download.main(["isic2018", "--dest", str(tmp_path / "c"), "--checksums", str(tmp_path / "sums.json")]) == 2
+    assert "pass a JSON object name -> sha256 or" in capsys.readouterr().err
