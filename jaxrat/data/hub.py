@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds without data before a read is retried")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "httpx2"):  # huggingface_hub's HTTP client logs every request at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         repo_id, revision = parse(a.model, a.revision)
         folder = download_model(repo_id, revision=revision, cache_dir=a.dest, endpoint=a.endpoint,
