@@ -87,6 +87,7 @@ def _offline() -> bool:
 def _import_hub():
     try:
         import huggingface_hub
+        import huggingface_hub.errors  # noqa: F401  (a submodule: hfh.errors only once imported)
     except ImportError:
         raise UserError("hf: models are downloaded with huggingface_hub; install it with pip install "
                         "'jaxrat[hub]', or point pretrained at a downloaded folder.") from None
@@ -221,11 +222,11 @@ def _short(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _transfer(hfh: Any, timeout: float | None) -> Iterator[None]:
+def _transfer(timeout: float | None) -> Iterator[None]:
     """huggingface_hub reads its read timeout and chunk size from module constants (the timeout from
     ``HF_HUB_DOWNLOAD_TIMEOUT`` at import). After a cut or a stall it resumes from the last whole chunk
     it wrote, so a smaller chunk than its 10 MB keeps more of what arrived."""
-    c = hfh.constants
+    import huggingface_hub.constants as c  # a submodule: not an attribute until imported
     old = c.HF_HUB_DOWNLOAD_TIMEOUT, c.DOWNLOAD_CHUNK_SIZE
     c.HF_HUB_DOWNLOAD_TIMEOUT = timeout or c.HF_HUB_DOWNLOAD_TIMEOUT
     c.DOWNLOAD_CHUNK_SIZE = min(c.DOWNLOAD_CHUNK_SIZE, _RESUME_CHUNK)
@@ -357,9 +358,8 @@ def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
                             f"is incomplete, pick another revision.")
         names += _index_shards(index)
     _check_space(where, commit, names, siblings)
-    with _transfer(hfh, timeout):
-        for name in names:
-            _fetch_one(hfh, where, commit, name, _expected(siblings.get(name)), timeout)
+    for name in names:
+        _fetch_one(hfh, where, commit, name, _expected(siblings.get(name)), timeout)
     if where.revision != commit:  # so that HF_HUB_OFFLINE finds this revision by its name later
         ref = os.path.join(where.storage, "refs", where.revision)
         tmp = f"{ref}.{os.getpid()}.tmp"  # every host of a job may write it into one shared cache
@@ -389,7 +389,8 @@ def download_model(repo_id: str, *, revision: str = "main", cache_dir: str | Non
     try:
         if _offline():
             return _from_cache(where, "HF_HUB_OFFLINE is set")
-        return _fetch(hfh, where, timeout)
+        with _transfer(timeout):
+            return _fetch(hfh, where, timeout)
     except BaseException:
         _tidy(where, storage_existed, cache_existed)
         raise
