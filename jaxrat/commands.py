@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("jaxrat.report", "one study page from the sweeps, searches and tables under a folder"),
     "launch": ("jaxrat.launch", "render (and submit) a SLURM or LSF job script for a training run"),
     "checkpoints": ("jaxrat.checkpoints", "list a run's checkpoints: size, eval metrics, best, latest"),
-    "download": ("jaxrat.download", "download and verify ISIC 2018 or COCO 2017 into the official layout"),
+    "download": ("jaxrat.download", "download and verify ISIC 2018, COCO 2017 or a hub model (hf:OWNER/NAME)"),
 }
 
 

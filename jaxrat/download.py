@@ -1,10 +1,22 @@
-"""``python -m jaxrat.download DATASET --dest DIR``: download official dataset archives
-(:mod:`jaxrat.data.download`; also ``python -m jaxrat.data.download``)."""
+"""``jaxrat download DATASET --dest DIR`` (also ``python -m jaxrat.download``): official dataset archives
+(:mod:`jaxrat.data.download`); ``jaxrat download hf:OWNER/NAME[@REV]``: a pretrained model from the
+Hugging Face hub into its cache (:mod:`jaxrat.data.hub`)."""
 
 import sys
 
-from jaxrat.data.download import main
 from jaxrat.runtime.command_line import run_argparse
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch on the first argument: ``hf:...`` is a model, anything else a dataset."""
+    if argv and argv[0].startswith("hf:"):
+        from jaxrat.data import hub
+
+        return hub.main(argv)
+    from jaxrat.data import download
+
+    return download.main(argv)
+
 
 if __name__ == "__main__":
     sys.exit(run_argparse(main, sys.argv[1:]))

@@ -7,17 +7,25 @@ Each archive is fetched to ``DEST/downloads/NAME.part`` and resumed with an HTTP
 request after an interruption (``If-Range`` on the ETag, so a changed file restarts from zero).
 Before extraction it is checked: the byte count against ``Content-Length``; its MD5 against the
 ETag when the server's ETag is a plain MD5 (S3 and most static servers for single-part
-uploads); its SHA-256 against a value you pin with ``--checksums FILE`` (the registry below pins
-none: the official values could not be read from this project's machines); and every zip member's
-CRC. Extraction goes to a temporary folder renamed into place (macOS ``__MACOSX``/``._*`` metadata
-left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
+uploads); its SHA-256 and size against values you pin with ``--checksums FILE`` (the registry below
+pins none: the official values could not be read from this project's machines); and every zip
+member's CRC. An archive kept from an earlier run that fails these checks is fetched again. A
+``text/html`` answer (a login or error page sent with status 200) is refused before a byte is saved;
+an archive larger than the disk's free space, or of another length than the pinned one, is refused
+before writing, and a disk that fills up anyway ends the download at once, its partial file removed.
+Bytes received before a stall (``--timeout`` seconds without data) or a cut are kept and the next try
+resumes after them; a body sent without a length is complete only when a Range request for what
+follows it is answered 416. Extraction goes to a temporary folder renamed into place (macOS
+``__MACOSX``/``._*`` metadata left out), and ``DEST/.jaxrat_downloads.json`` records the SHA-256
 and top-level folders of each archive extracted, so a rerun skips it while those folders exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import http.client
 import json
@@ -41,11 +49,13 @@ _CHUNK = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class Archive:
     """One archive: file name, URL relative to the dataset's base URL, split, and its SHA-256 if
-    pinned (None: not pinned here; the ETag MD5 and the zip CRCs still check it)."""
+    pinned, and its size in bytes if pinned (None: not pinned here; the ETag MD5 and the zip CRCs
+    still check it)."""
 
     name: str
     split: str
     sha256: str | None = None
+    size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +101,12 @@ def _open(url: str, headers: dict[str, str], timeout: float):
     return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
 
 
-def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backoff: float = 1.0) -> dict:
+def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backoff: float = 1.0,
+          size: int | None = None) -> dict:
     """Download ``url`` to ``path``, resuming ``path + '.part'``; returns {"etag", "size"}.
 
-    Retries network errors up to ``retries`` times, each time continuing where it stopped."""
+    Retries network errors up to ``retries`` times, each time continuing where it stopped. ``size``
+    (pinned): a server offering another length is refused before a byte is written."""
     part, meta_path = path + ".part", path + ".part.json"
     meta = _read_meta(meta_path)
     last_error = None
@@ -111,12 +123,14 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
             headers.update({"Range": f"bytes={have}-", "If-Range": meta["etag"]})
         try:
             resp = _open(url, headers, timeout)
+            _refuse_html(resp, url)
             if resp.status == 206 and not _continues(resp, have, meta.get("etag")):
                 # Appending this would splice two versions or misplace bytes: start again.
                 logging.warning("%s: the server's partial answer does not continue our file; restarting", url)
                 resp.close()
                 os.remove(part)
                 resp = _open(url, {"User-Agent": "jaxrat-download"}, timeout)
+                _refuse_html(resp, url)
             with resp:
                 etag = resp.headers.get("ETag")
                 if resp.status == 206:
@@ -126,14 +140,23 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                 else:  # 200: a fresh start (no partial file, no Range support, or the file changed)
                     total = int(resp.headers.get("Content-Length", -1))
                     mode, have = "wb", 0
+                if size is not None and total >= 0 and total != size:
+                    raise DataError(f"{url} offers {total} bytes but its pinned size is {size}; it is another file: "
+                                    f"check --base-url and the --checksums entry.")
+                total = size if size is not None and total < 0 else total
+                _check_space(part, total - have if total >= 0 else -1, url)
                 meta = {"etag": etag, "size": total}
                 _write_meta(meta_path, meta)
                 with open(part, mode) as out:
-                    for chunk in iter(lambda: resp.read(_CHUNK), b""):
+                    # read1: whatever has arrived, so a stall or a cut loses nothing already received
+                    # (read(n) waits for n bytes and drops them all when the socket times out).
+                    for chunk in iter(lambda: resp.read1(_CHUNK), b""):
                         out.write(chunk)
                         have += len(chunk)
             if total >= 0 and have != total:
                 raise ConnectionError(f"got {have} of {total} bytes")
+            if total < 0:  # no length: a closed connection looks like the end, so ask whether there is more
+                _confirm_end(url, have, etag, timeout)
             move_into_place(part, path)
             os.remove(meta_path)
             return meta
@@ -147,6 +170,13 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                                 "check the URL or --base-url.") from None
             last_error = e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                # Retrying cannot help and the partial file is what fills the disk: give the space back.
+                for leftover in (part, meta_path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(leftover)
+                raise DataError(f"The disk holding {os.path.dirname(path)} is full ({e.strerror}) while downloading "
+                                f"{url}; the partial file was removed: free space or choose another --dest.") from None
             last_error = e
         if attempt < retries:
             logging.warning("download of %s interrupted (%s); retry %d of %d", url, last_error, attempt + 1, retries)
@@ -157,6 +187,41 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
     else:
         fix = "check the network connection and --base-url, then run the same command again"
     raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); {fix}.")
+
+
+def _refuse_html(resp, url: str) -> None:
+    """A login or error page sent with status 200 is not the archive: refused before a byte is saved."""
+    kind = (resp.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+    if kind in ("text/html", "application/xhtml+xml"):
+        resp.close()
+        raise DataError(f"{url} answered with an HTML page ({kind}), not the file: a login or error page; check the "
+                        f"URL or --base-url.")
+
+
+def _confirm_end(url: str, have: int, etag: str | None, timeout: float) -> None:
+    """After a body sent without a length, ask for the bytes after ``have``: 416 (nothing there)
+    confirms the end; 206 means the body was cut short (ConnectionError: the caller resumes). A
+    server without Range support cannot tell; then the checksums and the zip check decide."""
+    headers = {"User-Agent": "jaxrat-download", "Range": f"bytes={have}-"}
+    if etag:
+        headers["If-Range"] = etag
+    try:
+        with _open(url, headers, timeout) as resp:
+            if resp.status == 206:
+                raise ConnectionError(f"the body ended after {have} bytes without a length and the server has more")
+            logging.warning("%s sent no length and ignores Range requests: only the checksums and the zip "
+                            "check can tell whether its %d bytes are all of it", url, have)
+    except urllib.error.HTTPError as e:
+        if e.code != 416:
+            raise
+
+
+def _check_space(part: str, need: int, url: str) -> None:
+    """Refuse before writing when the server's length does not fit on the disk (``need`` < 0: unknown)."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(part))).free
+    if need > free:
+        raise DataError(f"{url} is {need / 1e9:.2f} GB but the disk holding {os.path.dirname(part)} has "
+                        f"{free / 1e9:.2f} GB free; free space or choose another --dest.")
 
 
 def _read_meta(meta_path: str) -> dict:
@@ -185,13 +250,15 @@ def _continues(resp, have: int, etag: str | None) -> bool:
     return not (etag and new_tag and new_tag != etag)
 
 
-def verify(path: str, *, etag: str | None, sha256: str | None) -> str:
-    """Check ``path`` against the ETag MD5 (when it is one), a pinned SHA-256 and its zip CRCs;
-    returns its SHA-256. A corrupt archive is deleted so the next run downloads it again."""
+def verify(path: str, *, etag: str | None, sha256: str | None, size: int | None = None) -> str:
+    """Check ``path`` against a pinned size, the ETag MD5 (when it is one), a pinned SHA-256 and its
+    zip CRCs; returns its SHA-256. A corrupt archive is deleted so the next run downloads it again."""
     name = os.path.basename(path)
     digest = _file_digest(path, "sha256")
     tag = (etag or "").strip('"')
     problems = []
+    if size is not None and os.path.getsize(path) != size:
+        problems.append(f"it has {os.path.getsize(path)} bytes, not the pinned {size}")
     if re.fullmatch(r"[0-9a-f]{32}", tag) and _file_digest(path, "md5") != tag:
         problems.append(f"its MD5 differs from the server's ETag {tag}")
     if sha256 and digest != sha256.lower():
@@ -284,14 +351,15 @@ def download(
     *,
     splits: tuple[str, ...] | None = None,
     base_url: str | None = None,
-    checksums: dict[str, str] | None = None,
+    checksums: dict[str, str | dict] | None = None,
     keep_archives: bool = False,
     retries: int = 5,
     timeout: float = 60.0,
     backoff: float = 1.0,
 ) -> list[str]:
     """Fetch, verify and extract ``dataset``'s archives (those of ``splits``) into ``dest``;
-    returns the names of the archives extracted by this call (already extracted ones are skipped)."""
+    returns the names of the archives extracted by this call (already extracted ones are skipped).
+    ``checksums``: archive file name -> its SHA-256, or {"sha256": ..., "size": bytes} (either may be left out)."""
     if dataset not in DATASETS:
         raise DataError(f"Unknown dataset {dataset!r}; use one of {sorted(DATASETS)}.")
     spec = DATASETS[dataset]
@@ -313,16 +381,27 @@ def download(
         if splits and arc.split not in splits:
             continue
         fname = os.path.basename(arc.name)
-        pinned = (checksums or {}).get(fname) or arc.sha256
+        pin = (checksums or {}).get(fname)
+        pin = pin if isinstance(pin, dict) else {"sha256": pin}
+        pinned, size = pin.get("sha256") or arc.sha256, pin.get("size") or arc.size
         if _extracted(state.get(fname), dest, pinned):
             logging.info("%s already extracted in %s", fname, dest)
             continue
         path = os.path.join(downloads, fname)
         meta = {"etag": None}
-        if not os.path.exists(path):
+        kept = os.path.exists(path)  # an archive a run before this one fetched (--keep-archives, a kill)
+        if not kept:
             logging.info("downloading %s", base + arc.name)
-            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff)
-        digest = verify(path, etag=meta.get("etag"), sha256=pinned)
+            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff, size=size)
+        try:
+            digest = verify(path, etag=meta.get("etag"), sha256=pinned, size=size)
+        except DataError as e:
+            if not kept:
+                raise
+            # verify() deleted it; a kept archive that no longer checks out is fetched again, not trusted.
+            logging.warning("%s in %s fails its check (%s); downloading it again", fname, downloads, e)
+            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff, size=size)
+            digest = verify(path, etag=meta.get("etag"), sha256=pinned, size=size)
         entries = extract(path, dest)
         state[fname] = {"sha256": digest, "entries": entries}
         _save_state(dest, state)
@@ -335,12 +414,15 @@ def download(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; user errors print one sentence and return 2."""
-    p = argparse.ArgumentParser(prog="python -m jaxrat.data.download", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxrat.data.download", description=__doc__.split("\n")[0],
+                                epilog="A pretrained model from the Hugging Face hub: jaxrat download "
+                                       "hf:OWNER/NAME[@REVISION] (its own --help).")
     p.add_argument("dataset", choices=sorted(DATASETS))
     p.add_argument("--dest", required=True, help="folder to extract into (the config's data.data_dir)")
     p.add_argument("--splits", default="", help="comma-separated subset, e.g. train,validation")
     p.add_argument("--base-url", default=None, help="a mirror serving the same file names")
-    p.add_argument("--checksums", default=None, help="JSON file {archive file name: sha256} to pin")
+    p.add_argument("--checksums", default=None,
+                   help='JSON file {archive file name: sha256 or {"sha256": ..., "size": bytes}} to pin')
     p.add_argument("--keep-archives", action="store_true", help="keep the zips after extraction")
     p.add_argument("--retries", type=int, default=5)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without data before a retry")
@@ -352,9 +434,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with open(args.checksums) as f:
                     checksums = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
+                if not isinstance(checksums, dict) or not all(
+                        isinstance(v, str) or (isinstance(v, dict) and set(v) <= {"sha256", "size"})
+                        for v in checksums.values()):
+                    raise ValueError("not an object of names to a sha256 or {sha256, size}")
+            except (OSError, ValueError) as e:  # ValueError: not JSON, or not of that shape
                 raise DataError(f"Cannot read --checksums {args.checksums} ({e}); "
-                                "pass a JSON object name -> sha256.") from None
+                                'pass a JSON object name -> sha256 or {"sha256": ..., "size": bytes}.') from None
         splits = tuple(s for s in args.splits.split(",") if s) or None
         done = download(args.dataset, args.dest, splits=splits, base_url=args.base_url, checksums=checksums,
                         keep_archives=args.keep_archives, retries=args.retries, timeout=args.timeout)

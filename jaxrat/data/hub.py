@@ -1,84 +1,431 @@
-"""Download a pretrained model folder from the Hugging Face hub: resumable, cached, no pickle first.
+"""Pretrained model folders from the Hugging Face hub, through ``huggingface_hub`` (``pip install 'jaxrat[hub]'``).
 
-    python -m jaxrat.data.hub timm/beit_base_patch16_224.in22k_ft_in22k_in1k --dest ~/weights
-    python -m jaxrat.data.hub microsoft/beit-base-patch16-224 --dest ~/weights --revision main
+    --config.model.pretrained=hf:timm/vit_base_patch16_224.augreg2_in21k_ft_in1k[@REVISION]
+    jaxrat download hf:microsoft/beit-base-patch16-224[@REVISION] [--dest CACHE] [--timeout S]
 
-writes ``DEST/<owner>--<name>/`` with ``config.json`` and the weights, ready for
-``--config.model.pretrained=DEST/<owner>--<name>``. The weights are ``model.safetensors`` when the
-repository has it (tensors only), else ``pytorch_model.bin`` (read later only with
-``torch.load(weights_only=True)``). Files already there are kept (the cache); an interrupted
-download resumes from its ``.part`` file with an HTTP Range request (:func:`jaxrat.data.download.fetch`).
-``--endpoint`` (default ``$HF_ENDPOINT`` or https://huggingface.co) points at a mirror. Gated or
-private repositories need a token, which this command does not send: download those with
-``huggingface-cli download`` and point ``pretrained`` at the folder.
+Files land in (or are reused from) the standard Hugging Face cache (``$HF_HUB_CACHE``, else
+``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``; ``--dest`` names another), one snapshot folder per
+commit, so two revisions never share a file. Only ``config.json`` and one set of weights are fetched:
+``model.safetensors`` (or its shards) when the repository has it (tensors only), else
+``pytorch_model.bin`` (read later only with ``torch.load(weights_only=True)``). ``HF_TOKEN`` is sent for
+gated and private repositories, ``HF_ENDPOINT`` names a mirror, ``HF_HUB_OFFLINE=1`` uses the cache
+alone; all three are read when the download starts.
+
+Every file is checked after the download and again each time it is taken from the cache: its size
+and SHA-256 against the hub's (``X-Linked-Size``/``X-Linked-Etag``, the repository listing's LFS
+entry), its git object id for files kept in git, and that it is not an HTML page (a login or error
+page served with status 200). A file that fails is deleted and fetched once more; a second failure,
+like every other problem (offline and not cached, 401 gated, 404, a cut connection, a full disk), ends
+in one sentence. A failed first download leaves no empty folders in the cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
 import logging
 import os
+import re
+import shutil
 import sys
-import urllib.parse
+from typing import Any, Iterator
 
-from jaxrat.data.download import fetch
 from jaxrat.runtime.errors import DataError, UserError
 
-WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+PREFIX = "hf:"
+# In order of preference: tensors-only formats first, so a repository holding both is never unpickled.
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+           "pytorch_model.bin.index.json", "open_clip_pytorch_model.bin")
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 20
+_RESUME_CHUNK = 1 << 20  # bytes: what a cut connection may cost at most
 
 
-def folder_for(repo_id: str, dest: str) -> str:
-    """Where ``repo_id`` lands under ``dest`` (the hub cache's ``owner--name`` spelling)."""
-    return os.path.join(os.path.expanduser(dest), repo_id.replace("/", "--"))
+# ------------------------------------------------------------------------------------ naming
+
+def is_hub(value: str) -> bool:
+    """Whether a ``pretrained`` value names a hub repository (``hf:OWNER/NAME[@REV]``)."""
+    return str(value).startswith(PREFIX)
 
 
-def download_model(repo_id: str, dest: str, *, revision: str = "main", endpoint: str | None = None,
-                   retries: int = 5, timeout: float = 60.0) -> str:
-    """Fetch ``config.json`` and the first of :data:`WEIGHTS` the repository has; returns the folder."""
-    if repo_id.count("/") != 1 or repo_id.startswith("/") or ".." in repo_id:
-        raise UserError(f"{repo_id!r} is not a hub repository id; write OWNER/NAME, e.g. "
-                        f"timm/vit_base_patch16_224.augreg2_in21k_ft_in1k.")
-    base = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
-    folder = folder_for(repo_id, dest)
-    os.makedirs(folder, exist_ok=True)
+def parse(spec: str, revision: str | None = None) -> tuple[str, str]:
+    """``(repo_id, revision)`` of ``hf:OWNER/NAME[@REV]`` (the ``hf:`` optional); ``revision``
+    fills in when the spec names none, else ``main``."""
+    body = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
+    repo_id, at, rev = body.partition("@")
+    if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id or (at and not rev):
+        raise UserError(f"{spec!r} is not a hub model; write hf:OWNER/NAME or hf:OWNER/NAME@REVISION, e.g. "
+                        f"hf:timm/vit_base_patch16_224.augreg2_in21k_ft_in1k.")
+    if rev and revision and rev != revision:
+        raise UserError(f"{spec!r} names revision {rev} but --revision says {revision}; give one of them.")
+    return repo_id, rev or revision or "main"
 
-    def get(name: str) -> None:
+
+def _cache_dir(cache_dir: str | None) -> str:
+    """The hub cache, read from the environment now (not when huggingface_hub was imported)."""
+    if cache_dir:
+        return os.path.abspath(os.path.expanduser(cache_dir))
+    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    return os.path.abspath(os.path.join(os.path.expanduser(home), "hub"))
+
+
+def _offline() -> bool:
+    return (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().upper() in (
+        "1", "ON", "YES", "TRUE")
+
+
+def _import_hub():
+    try:
+        import huggingface_hub
+        import huggingface_hub.errors  # noqa: F401  (a submodule: hfh.errors only once imported)
+    except ImportError:
+        raise UserError("hf: models are downloaded with huggingface_hub; install it with pip install "
+                        "'jaxrat[hub]', or point pretrained at a downloaded folder.") from None
+    return huggingface_hub
+
+
+@dataclasses.dataclass
+class _Where:
+    repo_id: str
+    revision: str
+    cache: str
+    endpoint: str
+
+    @property
+    def storage(self) -> str:
+        return os.path.join(self.cache, "models--" + self.repo_id.replace("/", "--"))
+
+    @property
+    def name(self) -> str:
+        return f"{self.repo_id}@{self.revision}"
+
+
+# ------------------------------------------------------------------------------------ checking
+
+def _digest(path: str, h: Any) -> str:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git_blob_id(path: str) -> str:
+    h = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    return _digest(path, h)
+
+
+def _looks_like_html(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(512).lstrip().lower()
+    return head.startswith((b"<!doctype html", b"<html", b"<head", b"<?xml"))
+
+
+def problem(path: str, *, size: int | None = None, sha256: str | None = None, git_id: str | None = None) -> str | None:
+    """What is wrong with a fetched file (None: nothing found). The expected values come from the
+    hub; without them the cache's blob name (the ETag the file was stored under) says what to check."""
+    etag = os.path.basename(os.path.realpath(path))
+    if sha256 is None and _SHA256.fullmatch(etag):
+        sha256 = etag
+    if git_id is None and sha256 is None and _COMMIT.fullmatch(etag):
+        git_id = etag
+    if _looks_like_html(path):
+        return "it is an HTML or XML page (a login or error page), not the file"
+    have = os.path.getsize(path)
+    if size is not None and have != size:
+        return f"it has {have} bytes, the hub says {size}"
+    if sha256 and _digest(path, hashlib.sha256()) != sha256:
+        return f"its SHA-256 is not the hub's {sha256}"
+    if git_id and not sha256 and _git_blob_id(path) != git_id:
+        return f"its git object id is not the hub's {git_id}"
+    return None
+
+
+def _expected(sibling: Any) -> dict[str, Any]:
+    """The size/sha256/git id the repository listing gives for one file."""
+    if sibling is None:
+        return {}
+    lfs = getattr(sibling, "lfs", None)
+    if lfs is not None:
+        return {"size": lfs.size, "sha256": lfs.sha256}
+    return {"size": sibling.size, "git_id": sibling.blob_id}
+
+
+def _remove(path: str) -> None:
+    """Delete a cached file: its blob and the snapshot's link to it."""
+    blob = os.path.realpath(path)
+    for p in {blob, path}:
+        with contextlib.suppress(OSError):  # gone already, or a read-only cache (the next download says so)
+            os.remove(p)
+
+
+# ------------------------------------------------------------------------------------ errors
+
+@contextlib.contextmanager
+def _explained(hfh: Any, where: _Where, filename: str | None = None) -> Iterator[None]:
+    """Turn what huggingface_hub raises into one sentence naming the problem and the fix."""
+    e_ = hfh.errors
+    what = f"{where.name}" + (f" file {filename}" if filename else "")
+    try:
+        yield
+    except e_.GatedRepoError as e:
+        sent = "the token in HF_TOKEN has no access to it" if os.environ.get("HF_TOKEN") else "no token was sent"
+        raise DataError(f"{where.repo_id} is a gated repository on {where.endpoint} and {sent} (HTTP "
+                        f"{_status(e)}); accept its terms on the hub and set HF_TOKEN to a token of the account that "
+                        f"did.") from None
+    except e_.RepositoryNotFoundError as e:
+        raise DataError(f"{where.repo_id} is not on {where.endpoint} or is private (HTTP {_status(e)}); check the "
+                        f"repository id, or set HF_TOKEN for a private repository.") from None
+    except e_.RevisionNotFoundError:
+        raise DataError(f"{where.repo_id} has no revision {where.revision} on {where.endpoint} (HTTP 404); give a "
+                        f"branch, tag or commit it has (hf:{where.repo_id}@REVISION).") from None
+    except e_.RemoteEntryNotFoundError:
+        raise DataError(f"{what} is not on {where.endpoint} (HTTP 404); the repository changed while it was "
+                        f"downloaded, run the same command again.") from None
+    except (e_.LocalEntryNotFoundError, e_.OfflineModeIsEnabled, e_.FileMetadataError) as e:
+        cause = e.__cause__ or e
+        raise DataError(f"Cannot download {what} from {where.endpoint} ({_short(cause)}) and it is not in the "
+                        f"cache {where.cache}; check the network and HF_ENDPOINT.") from None
+    except e_.HfHubHTTPError as e:
+        raise DataError(f"{where.endpoint} answered HTTP {_status(e)} for {what}; check HF_ENDPOINT and HF_TOKEN, "
+                        f"or run the same command again later.") from None
+    except e_.HTTPError as e:  # the transport: refused, timed out, cut
+        raise DataError(f"Download of {what} from {where.endpoint} failed ({_short(e)}); check the network and "
+                        f"HF_ENDPOINT, raise --timeout for a slow link, and run the same command again.") from None
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"The disk holding {where.cache} is full ({e.strerror}) while downloading {what}; free "
+                            f"space or set HF_HUB_CACHE (or --dest) to a larger disk.") from None
+        if "Consistency check failed" in str(e):
+            raise DataError(f"Download of {what} ended short of its size ({_short(e)}); the connection was cut, "
+                            f"run the same command again.") from None
+        raise DataError(f"Cannot write {what} into {where.cache} ({_short(e)}); set HF_HUB_CACHE (or --dest) to "
+                        f"a writable folder.") from None
+
+
+def _status(e: Any) -> Any:
+    return getattr(getattr(e, "response", None), "status_code", "?")
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _transfer(timeout: float | None) -> Iterator[None]:
+    """huggingface_hub reads its read timeout and chunk size from module constants (the timeout from
+    ``HF_HUB_DOWNLOAD_TIMEOUT`` at import). After a cut or a stall it resumes from the last whole chunk
+    it wrote, so a smaller chunk than its 10 MB keeps more of what arrived."""
+    import huggingface_hub.constants as c  # a submodule: not an attribute until imported
+    old = c.HF_HUB_DOWNLOAD_TIMEOUT, c.DOWNLOAD_CHUNK_SIZE
+    c.HF_HUB_DOWNLOAD_TIMEOUT = timeout or c.HF_HUB_DOWNLOAD_TIMEOUT
+    c.DOWNLOAD_CHUNK_SIZE = min(c.DOWNLOAD_CHUNK_SIZE, _RESUME_CHUNK)
+    try:
+        yield
+    finally:
+        c.HF_HUB_DOWNLOAD_TIMEOUT, c.DOWNLOAD_CHUNK_SIZE = old
+
+
+def _tidy(where: _Where, storage_existed: bool, cache_existed: bool) -> None:
+    """After a failure: drop the empty folders this call made in the cache (a new repository's
+    folder entirely when it holds no file bytes), never anything that holds data."""
+    storage = where.storage
+    if os.path.isdir(storage):
+        blobs = os.path.join(storage, "blobs")
+        has_bytes = os.path.isdir(blobs) and any(os.path.getsize(os.path.join(blobs, b)) for b in os.listdir(blobs))
+        if not storage_existed and not has_bytes:
+            shutil.rmtree(storage, ignore_errors=True)
+        else:
+            for root, _, _ in sorted(os.walk(storage), key=lambda t: -len(t[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(root)  # only empty folders go
+    locks = os.path.join(where.cache, ".locks", os.path.basename(storage))
+    if not os.path.isdir(storage):
+        shutil.rmtree(locks, ignore_errors=True)
+    if not cache_existed and os.path.isdir(where.cache):
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(where.cache, ".locks"))  # only when empty
+        if set(os.listdir(where.cache)) <= {"CACHEDIR.TAG"}:
+            shutil.rmtree(where.cache, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ fetching
+
+def _index_shards(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return sorted(set(json.load(f).get("weight_map", {}).values()))
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"{path} is not a readable shard index ({e}); run the same command again.") from None
+
+
+def _from_cache(where: _Where, reason: str) -> str:
+    """The snapshot folder of ``where`` already in the cache, checked; ``reason`` says why the hub is not asked."""
+    commit = where.revision if _COMMIT.fullmatch(where.revision) else None
+    ref = os.path.join(where.storage, "refs", where.revision)
+    if commit is None and os.path.isfile(ref):
+        with open(ref) as f:
+            commit = f.read().strip()
+    folder = os.path.join(where.storage, "snapshots", commit) if commit else ""
+    weights = next((n for n in WEIGHTS if folder and os.path.isfile(os.path.join(folder, n))), None)
+    if weights is None:
+        raise DataError(f"{reason} and {where.name} is not in the Hugging Face cache {where.cache}; download it "
+                        f"once with network (jaxrat download hf:{where.name}), or unset HF_HUB_OFFLINE.")
+    names = ["config.json"] if os.path.isfile(os.path.join(folder, "config.json")) else []
+    names.append(weights)
+    if weights.endswith(".index.json"):
+        names += _index_shards(os.path.join(folder, weights))
+    for name in names:
         path = os.path.join(folder, name)
-        if os.path.exists(path):
-            logging.info("%s: %s already downloaded", repo_id, name)
-            return
-        url = f"{base}/{repo_id}/resolve/{urllib.parse.quote(revision, safe='')}/{name}"
-        fetch(url, path, retries=retries, timeout=timeout)
+        if not os.path.isfile(path):
+            raise DataError(f"{where.name} is only partly in the cache {where.cache} ({name} is missing) and "
+                            f"{reason}; download it again with network.")
+        bad = problem(path)
+        if bad:
+            _remove(path)
+            raise DataError(f"The cached {where.name} file {name} is damaged ({bad}) and {reason}; it was removed, "
+                            f"download it again with network.")
+    logging.info("%s: commit %s from the cache %s (%s)", where.name, commit, where.cache, reason)
+    return folder
 
-    get("config.json")
-    missing = []
-    for name in WEIGHTS:
+
+def _fetch_one(hfh: Any, where: _Where, commit: str, name: str, expected: dict, timeout: float | None) -> str:
+    """Download (or reuse) one file of the snapshot, check it, and fetch it once more if it fails."""
+    for attempt in range(2):
+        with _explained(hfh, where, name):
+            path = hfh.hf_hub_download(where.repo_id, name, revision=commit, cache_dir=where.cache,
+                                       endpoint=where.endpoint, force_download=attempt > 0,
+                                       etag_timeout=timeout or 10.0)
+        bad = problem(path, **expected)
+        if bad is None:
+            return path
+        _remove(path)
+        if attempt == 0:
+            logging.warning("%s: %s failed its check (%s); fetching it again", where.name, name, bad)
+    raise DataError(f"{where.endpoint} sent {where.name} file {name} twice and both times {bad}; it was deleted: "
+                    f"check HF_ENDPOINT (a proxy or login page in the way?) and HF_TOKEN.")
+
+
+def _check_space(where: _Where, commit: str, names: list[str], siblings: dict) -> None:
+    folder = os.path.join(where.storage, "snapshots", commit)
+    need = sum((_expected(siblings.get(n)).get("size") or 0) for n in names
+               if not os.path.isfile(os.path.join(folder, n)))
+    probe = where.cache
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise DataError(f"{where.name} needs {need / 1e6:.1f} MB but the disk holding {where.cache} has "
+                        f"{free / 1e6:.1f} MB free; free space or set HF_HUB_CACHE (or --dest) to a larger disk.")
+
+
+def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
+    api = hfh.HfApi(endpoint=where.endpoint)
+    info = unreachable = None
+    with _explained(hfh, where):
         try:
-            get(name)
-            return folder
-        except DataError as e:
-            if "HTTP 404" not in str(e):
-                raise
-            missing.append(name)
-    raise DataError(f"{repo_id} at {revision} has none of {', '.join(missing)} on {base}; check the repository "
-                    f"id, or download its weights yourself and point pretrained at them.")
+            info = api.model_info(where.repo_id, revision=where.revision, files_metadata=True,
+                                  timeout=timeout or 10.0)
+        except hfh.errors.HfHubHTTPError:
+            raise  # the hub answered (401, 404): the cache must not hide that
+        except (hfh.errors.HTTPError, hfh.errors.OfflineModeIsEnabled) as e:
+            unreachable = e
+    if info is None:  # as huggingface_hub does: without a network, what the cache holds
+        return _from_cache(where, f"{where.endpoint} cannot be reached ({_short(unreachable)})")
+    commit = info.sha
+    siblings = {s.rfilename: s for s in info.siblings or []}
+    weights = next((n for n in WEIGHTS if n in siblings), None)
+    if weights is None:
+        raise DataError(f"{where.name} has none of {', '.join(WEIGHTS)} on {where.endpoint}; check the repository "
+                        f"id, or download its weights yourself and point pretrained at them.")
+    names = (["config.json"] if "config.json" in siblings else []) + [weights]
+    if weights.endswith(".index.json"):  # the index first: it names the shards to fetch
+        _check_space(where, commit, names, siblings)
+        index = _fetch_one(hfh, where, commit, weights, _expected(siblings.get(weights)), timeout)
+        missing = [s for s in _index_shards(index) if s not in siblings]
+        if missing:
+            raise DataError(f"{where.name}: {weights} names {missing[0]}, which the repository lacks; the upload "
+                            f"is incomplete, pick another revision.")
+        names += _index_shards(index)
+    _check_space(where, commit, names, siblings)
+    for name in names:
+        _fetch_one(hfh, where, commit, name, _expected(siblings.get(name)), timeout)
+    if where.revision != commit:  # so that HF_HUB_OFFLINE finds this revision by its name later
+        ref = os.path.join(where.storage, "refs", where.revision)
+        tmp = f"{ref}.{os.getpid()}.tmp"  # every host of a job may write it into one shared cache
+        try:
+            os.makedirs(os.path.dirname(ref), exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(commit)
+            os.replace(tmp, ref)
+        except OSError as e:  # a read-only shared cache that already holds the files: fine, as for the library
+            logging.info("%s: could not record %s -> %s in the cache (%s)", where.name, where.revision, commit, e)
+    logging.info("%s: commit %s in %s", where.name, commit, where.cache)
+    return os.path.join(where.storage, "snapshots", commit)
+
+
+def download_model(repo_id: str, *, revision: str = "main", cache_dir: str | None = None,
+                   endpoint: str | None = None, timeout: float | None = None) -> str:
+    """Fetch (or find in the cache) ``config.json`` and the weights of ``repo_id`` at ``revision``,
+    checked; returns the snapshot folder, which :func:`jaxrat.models.backbones.weights.read_weights` reads.
+
+    ``cache_dir``: default the Hugging Face cache; ``endpoint``: default ``$HF_ENDPOINT`` or
+    huggingface.co; ``timeout``: seconds without data before a read is retried (default the library's)."""
+    repo_id, revision = parse(repo_id, revision)
+    hfh = _import_hub()
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    where = _Where(repo_id, revision, _cache_dir(cache_dir), endpoint)
+    cache_existed, storage_existed = os.path.isdir(where.cache), os.path.isdir(where.storage)
+    try:
+        if _offline():
+            return _from_cache(where, "HF_HUB_OFFLINE is set")
+        with _transfer(timeout):
+            return _fetch(hfh, where, timeout)
+    except BaseException:
+        _tidy(where, storage_existed, cache_existed)
+        raise
+
+
+def resolve_pretrained(value: str) -> str:
+    """A ``config.model.pretrained`` value as a local path: ``hf:OWNER/NAME[@REV]`` downloaded (or
+    found in the cache), anything else unchanged."""
+    if not is_hub(value):
+        return value
+    repo_id, revision = parse(value)
+    return download_model(repo_id, revision=revision)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxrat.data.hub", description=__doc__.split("\n\n")[0])
-    p.add_argument("repo_id", help="OWNER/NAME on the hub")
-    p.add_argument("--dest", required=True, help="folder for the model folders")
-    p.add_argument("--revision", default="main")
+    """``jaxrat download hf:OWNER/NAME[@REV]`` (also ``python -m jaxrat.data.hub``); user errors print one
+    sentence and return 2."""
+    p = argparse.ArgumentParser(prog="jaxrat download", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="hf:OWNER/NAME[@REVISION] (the hf: may be left out here)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default main)")
+    p.add_argument("--dest", default=None, help="the cache folder (default the Hugging Face cache: HF_HUB_CACHE)")
     p.add_argument("--endpoint", default=None, help="hub URL (default $HF_ENDPOINT or https://huggingface.co)")
-    p.add_argument("--retries", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=None, help="seconds without data before a read is retried")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "httpx2"):  # huggingface_hub's HTTP client logs every request at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        folder = download_model(a.repo_id, a.dest, revision=a.revision, endpoint=a.endpoint, retries=a.retries)
+        repo_id, revision = parse(a.model, a.revision)
+        folder = download_model(repo_id, revision=revision, cache_dir=a.dest, endpoint=a.endpoint,
+                                timeout=a.timeout)
     except UserError as e:
         print(f"jaxrat: error: {e}", file=sys.stderr)
         return 2
-    print(f"--config.model.pretrained={folder}")
+    print(f"--config.model.pretrained={folder}" if a.dest else f"--config.model.pretrained=hf:{repo_id}@{revision}")
     return 0
 
 

@@ -211,9 +211,10 @@ class Restored:
 
 def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
     from jaxrat.checkpointing.init_from import place_arrays
+    from jaxrat.data.hub import resolve_pretrained
     from jaxrat.models.backbones.weights import pretrained_arrays
 
-    path = str(config.model.pretrained)
+    path = resolve_pretrained(str(config.model.pretrained))  # hf:OWNER/NAME[@REV]: the hub cache's folder
     arrays = pretrained_arrays(path, abstract_params)
     logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
     return place_arrays(arrays, abstract_params, include=config.get("init_from_include", ""),

@@ -1,5 +1,6 @@
 """The downloader against a local HTTP server (127.0.0.1 only) serving generated ISIC zips."""
 
+import errno
 import hashlib
 import http.server
 import io
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 
 import numpy as np
@@ -65,8 +67,10 @@ class _Server:
     """Serves ``files`` with Range/If-Range and an MD5 ETag; ``cut`` names files whose first
     response is cut off half way (to test resuming); ``etag=False`` sends none."""
 
-    def __init__(self, files, cut=(), etag=True, ranges=True, if_range=True, status=None):
-        self.files, self.cut, self.etag = dict(files), set(cut), etag
+    def __init__(self, files, cut=(), etag=True, ranges=True, if_range=True, status=None, content_type=None,
+                 stall=(), stall_s=3.0, length=True):
+        self.files, self.cut, self.etag, self.length = dict(files), set(cut), etag, length  # length: Content-Length
+        self.content_type, self.stall, self.stall_s = content_type, set(stall), stall_s  # stall: half, then silence
         self.ranges, self.if_range, self.status = ranges, if_range, status  # ranges=False: always 200
         self.requests: list[tuple[str, str | None]] = []
         outer = self
@@ -90,15 +94,31 @@ class _Server:
                 if_range_ok = not outer.if_range or self.headers.get("If-Range") in (None, tag)
                 if rng and outer.ranges and if_range_ok:
                     start = int(rng.split("=")[1].split("-")[0])
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 else:
                     self.send_response(200)
-                self.send_header("Content-Length", str(len(data) - start))
+                if outer.length:
+                    self.send_header("Content-Length", str(len(data) - start))
                 if outer.etag:
                     self.send_header("ETag", tag)
+                if outer.content_type:
+                    self.send_header("Content-Type", outer.content_type)
                 self.end_headers()
                 body = data[start:]
+                if name in outer.stall:
+                    outer.stall.discard(name)
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    time.sleep(outer.stall_s)
+                    self.close_connection = True
+                    return
                 if name in outer.cut:
                     outer.cut.discard(name)
                     self.wfile.write(body[: len(body) // 2])
@@ -387,3 +407,120 @@ def test_coco2017_archives_extract_to_the_layout_the_reader_uses(server, tmp_pat
                                                    "/zips/train2017.zip", "/zips/val2017.zip"]
     assert len(coco.CocoDetection(dest, "validation").records) == 2
     assert len(coco.CocoDetection(dest, "train").records) == 3
+
+
+LOGIN_PAGE = b"<!DOCTYPE html><html><body><form action=/login>Sign in to download</form></body></html>"
+
+
+def test_a_200_html_login_page_is_refused_before_it_is_saved(server, tmp_path):
+    files = _isic_archives()
+    files[TRAIN_INPUT] = LOGIN_PAGE
+    srv = server(files, content_type="text/html; charset=utf-8")
+    dest = tmp_path / "isic"
+    with pytest.raises(DataError, match=r"answered with an HTML page \(text/html\), not the file: a login or error "
+                                        r"page; check the URL or --base-url"):
+        download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=2, timeout=10,
+                          backoff=0)
+    assert len([p for p, _ in srv.requests if p.endswith(TRAIN_INPUT)]) == 1  # not retried
+    assert not [f for f in os.listdir(dest / "downloads") if f.startswith(TRAIN_INPUT)]  # nothing saved
+
+
+def test_a_stall_keeps_the_bytes_received_and_resumes_after_the_timeout(server, tmp_path):
+    files = _isic_archives()
+    srv = server(files, stall={TRAIN_INPUT}, stall_s=3.0)
+    dest = str(tmp_path / "isic")
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=2, timeout=1, backoff=0)
+    ranges = [r for p, r in srv.requests if p.endswith(TRAIN_INPUT)]
+    assert ranges == [None, f"bytes={len(files[TRAIN_INPUT]) // 2}-"]  # the first half was kept
+    assert len(isic.find_pairs(dest, "train")) == 3
+
+
+def test_too_little_space_is_refused_before_writing_and_a_full_disk_is_not_retried(server, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    files = _isic_archives()
+    srv = server(files)
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
+    dest = tmp_path / "a"
+    with pytest.raises(DataError, match=r"is 0.00 GB but the disk holding .* has 0.00 GB free; free space or choose "
+                                        r"another --dest"):
+        download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=3, timeout=10,
+                          backoff=0)
+    assert len(srv.requests) == 1 and os.listdir(dest / "downloads") == []
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)
+    real_open = open
+
+    class Full:  # a disk that fills up after 1000 bytes of the archive
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    def fake_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return Full(f) if str(path).endswith(".part") and "b" in mode else f
+
+    monkeypatch.setattr(download, "open", fake_open, raising=False)
+    dest = tmp_path / "b"
+    n = len(srv.requests)
+    with pytest.raises(DataError, match=r"The disk holding .* is full \(No space left on device\) while downloading "
+                                        r".*; the partial file was removed"):
+        download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=3, timeout=10,
+                          backoff=0)
+    assert len(srv.requests) == n + 1 and os.listdir(dest / "downloads") == []
+
+
+def test_a_kept_archive_that_fails_its_check_is_fetched_again(server, tmp_path):
+    files = _isic_archives()
+    srv = server(files)
+    dest = tmp_path / "isic"
+    (dest / "downloads").mkdir(parents=True)
+    (dest / "downloads" / TRAIN_INPUT).write_bytes(files[TRAIN_INPUT][:-100])  # cut short by an earlier run
+    download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=0, timeout=10)
+    assert [p for p, _ in srv.requests if p.endswith(TRAIN_INPUT)] == ["/2018/" + TRAIN_INPUT]
+    assert len(isic.find_pairs(str(dest), "train")) == 3
+
+
+def test_a_body_without_a_length_cut_short_is_completed_not_accepted(server, tmp_path):
+    files = _isic_archives()
+    srv = server(files, cut={TRAIN_INPUT}, length=False)  # HTTP/1.0, no Content-Length: a cut looks like the end
+    dest = str(tmp_path / "isic")
+    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=2, timeout=10, backoff=0)
+    half = f"bytes={len(files[TRAIN_INPUT]) // 2}-"
+    assert [r for p, r in srv.requests if p.endswith(TRAIN_INPUT)] == [None, half, half]  # asked, then resumed
+    with zipfile.ZipFile(io.BytesIO(files[TRAIN_INPUT])) as z:
+        assert _train_image_bytes(dest) == z.read(f"{isic.SPLIT_FOLDERS['train'][0]}/ISIC_0000000.jpg")
+    # A whole body without a length: one more request, answered 416, confirms the end.
+    srv2 = server(files, length=False)
+    download.download("isic2018", str(tmp_path / "b"), splits=("train",), base_url=srv2.url, retries=0, timeout=10)
+    assert [r for p, r in srv2.requests if p.endswith(TRAIN_INPUT)] == [None, f"bytes={len(files[TRAIN_INPUT])}-"]
+
+
+def test_a_pinned_size_refuses_another_file_before_writing_and_checks_a_kept_one(server, tmp_path, capsys):
+    files = _isic_archives()
+    srv = server(files)
+    good = {"sha256": hashlib.sha256(files[TRAIN_INPUT]).hexdigest(), "size": len(files[TRAIN_INPUT])}
+    dest = tmp_path / "a"
+    with pytest.raises(DataError, match=rf"offers {good['size']} bytes but its pinned size is {good['size'] + 1}"):
+        download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=2, timeout=10,
+                          backoff=0, checksums={TRAIN_INPUT: {"size": good["size"] + 1}})
+    assert len([p for p, _ in srv.requests if p.endswith(TRAIN_INPUT)]) == 1
+    assert not [f for f in os.listdir(dest / "downloads") if f.startswith(TRAIN_INPUT)]
+    download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=0, timeout=10,
+                      checksums={TRAIN_INPUT: good})
+    assert len(isic.find_pairs(str(dest), "train")) == 3
+    (tmp_path / "sums.json").write_text('{"x": [1]}')
+    assert download.main(["isic2018", "--dest", str(tmp_path / "c"), "--checksums", str(tmp_path / "sums.json")]) == 2
+    assert "pass a JSON object name -> sha256 or" in capsys.readouterr().err
