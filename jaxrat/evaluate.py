@@ -23,12 +23,14 @@ from typing import Any
 
 from absl import flags
 
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_json
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint to evaluate: a step number, 'best' or 'latest' (default: the "
                             "best when the run ranked one, else the latest).")
 _NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step, split, TTA).")
@@ -62,7 +64,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
         tta = parse_tta(_TTA.value)
         if _TILE.value:
             check_tiling(_TILE.value, _OVERLAP.value)
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
         from jaxrat.checkpointing.reading import open_checkpoint
         from jaxrat.inference.checkpoint_choice import choose
         from jaxrat.trainer.evaluation import READ_ITEMS

@@ -15,11 +15,13 @@ import shutil
 
 from absl import flags
 
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import unwritable
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
                             "run ranked one, else the latest).")
 _OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
@@ -50,7 +52,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
         why = unwritable(_OUT.value)  # before the minutes of loading and exporting
         if why:
             raise UserError(f"Cannot write the export to {_OUT.value} ({why}); pass --out a folder you can write to.")
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
         predictor = Predictor(portable(config), workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value or 0)
         check = export_model(predictor, _OUT.value, platforms=platforms, batch=_BATCH.value)
         shutil.copyfile(exported.__file__, os.path.join(_OUT.value, "exported.py"))

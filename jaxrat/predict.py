@@ -17,11 +17,13 @@ import logging
 
 from absl import flags
 
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
                             "run ranked one, else the latest).")
 _INPUT = flags.DEFINE_string("input", None, "A folder (recursive), an image, a glob or a text file of paths.")
@@ -59,7 +61,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
         inputs = expand_inputs(_INPUT.value)
         from jaxrat.trainer.evaluation import open_trained_run
 
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
         import jax
 
         from jaxrat.inference.predictor import Predictor
