@@ -137,8 +137,13 @@ class WorkdirLock:
     time on the same host, by an expired lease from another host.
     """
 
+    lock_name = LOCK_NAME
+    what = "workdir"  # the folder as the refusal names it
+    user = "run"  # who holds it
+    instead = "use another --workdir"  # the way around a live holder
+
     def __init__(self, workdir: str, lease_s: float = DEFAULT_LEASE_S) -> None:
-        self.path = os.path.join(workdir, LOCK_NAME)
+        self.path = os.path.join(workdir, self.lock_name)
         self.lease_s = float(lease_s)
         self.me = Holder.this_process()
         self._stop = threading.Event()
@@ -165,8 +170,8 @@ class WorkdirLock:
                                 holder.describe() if holder else "an unknown run", reason)
                 self._start_heartbeat()
                 return
-        raise WorkdirInUse(f"The workdir lock {self.path} keeps changing hands; another run is starting on this "
-                           f"workdir at the same time: wait for it or use another --workdir.")
+        raise WorkdirInUse(f"The {self.what} lock {self.path} keeps changing hands; another {self.user} is starting "
+                           f"on this {self.what} at the same time: wait for it or {self.instead}.")
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours."""
@@ -320,11 +325,24 @@ class WorkdirLock:
 
     def _in_use_message(self, holder: Holder | None, age: float) -> str:
         if holder is None:
-            return (f"The workdir {os.path.dirname(self.path)} is locked by a run whose lock file {self.path} is "
-                    f"unreadable (refreshed {age:.0f} s ago); wait {self.lease_s - age:.0f} s for its lease to "
-                    f"expire, or use another --workdir.")
+            return (f"The {self.what} {os.path.dirname(self.path)} is locked by a {self.user} whose lock file "
+                    f"{self.path} is unreadable (refreshed {age:.0f} s ago); wait {self.lease_s - age:.0f} s for its "
+                    f"lease to expire, or {self.instead}.")
         stop = f"scancel {holder.slurm_job_id}" if holder.slurm_job_id else f"kill {holder.pid} on {holder.host}"
         if _previous_incarnation(holder, self.me):  # scancel would end this start too
             stop = f"kill {holder.pid} on {holder.host}: an earlier start of this job still runs there"
-        return (f"The workdir {os.path.dirname(self.path)} is in use by another run ({holder.describe()}, last "
-                f"heartbeat {max(age, 0):.0f} s ago): wait for it to end, stop it ({stop}), or use another --workdir.")
+        return (f"The {self.what} {os.path.dirname(self.path)} is in use by another {self.user} ({holder.describe()}, "
+                f"last heartbeat {max(age, 0):.0f} s ago): wait for it to end, stop it ({stop}), or {self.instead}.")
+
+
+OUTPUT_LOCK_NAME = ".jaxrat-output.lock"
+
+
+class OutputFolderLock(WorkdirLock):
+    """``OUT/.jaxrat-output.lock``: one predict or evaluate writing into a folder at a time, held and
+    taken over exactly as the workdir lock is; the second writer is refused naming the first."""
+
+    lock_name = OUTPUT_LOCK_NAME
+    what = "output folder"
+    user = "command"
+    instead = "pass another --out"
