@@ -2,6 +2,9 @@
 
 The lock file holds the holder's identity (:class:`Holder`); its mtime is a lease that the holder
 refreshes from a daemon thread. A lock whose holder is provably gone is taken over with a warning.
+A holder told to stop (SIGTERM: it checkpoints, then ends) says so in ``WORKDIR/run.lock.stopping``
+(its token), so a sweep rerun waits for a stopping run as long as its heartbeat goes on, and does
+not wait for one that is training.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import socket
 import threading
 import time
 import uuid
+from typing import Callable
 
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_bytes
 
 LOCK_NAME = "run.lock"
 DEFAULT_LEASE_S = 120.0
+STOPPING_SUFFIX = ".stopping"  # LOCK_NAME + this: the holder (its token) was told to stop and is stopping
+STOPPING_POLL_S = 0.5  # how soon the heartbeat notices that the holder was told to stop
 
 
 class WorkdirInUse(UserError):
@@ -142,8 +148,13 @@ class WorkdirLock:
     user = "run"  # who holds it
     instead = "use another --workdir"  # the way around a live holder
 
-    def __init__(self, workdir: str, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def __init__(self, workdir: str, lease_s: float = DEFAULT_LEASE_S,
+                 stopping: Callable[[], bool] | None = None) -> None:
+        """``stopping``: whether this process was told to stop (e.g. :func:`jaxrat.cluster.preemption.signalled`);
+        once it says so, the heartbeat writes ``LOCK.stopping`` with this holder's token."""
         self.path = os.path.join(workdir, self.lock_name)
+        self.stopping_path = self.path + STOPPING_SUFFIX
+        self._stopping = stopping
         self.lease_s = float(lease_s)
         self.me = Holder.this_process()
         self._stop = threading.Event()
@@ -179,6 +190,8 @@ class WorkdirLock:
         if self._beat is not None:
             self._beat.join(timeout=5)
         if self.held and self._owner_token() == self.me.token:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.stopping_path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         self.held = False
@@ -312,7 +325,15 @@ class WorkdirLock:
     def _heartbeat(self) -> None:
         # utime, not a rewrite: a holder that wakes after a takeover can only refresh the new
         # holder's lease, never overwrite its identity.
-        while not self._stop.wait(self.lease_s / 4):
+        beat = self.lease_s / 4
+        poll = min(beat, STOPPING_POLL_S) if self._stopping is not None else beat
+        marked, last = False, time.monotonic()
+        while not self._stop.wait(poll):
+            if not marked and self._stopping is not None and self._stopping():
+                marked = self._mark_stopping()
+            if time.monotonic() - last < beat - poll / 2:  # a lease refresh every `beat`
+                continue
+            last = time.monotonic()
             try:
                 if self._owner_token() != self.me.token:
                     logging.error("the workdir lock %s is no longer held by this run (another run took it over "
@@ -322,6 +343,16 @@ class WorkdirLock:
                 os.utime(self.path)
             except OSError as e:  # a storage hiccup: the next beat tries again
                 logging.warning("could not refresh the workdir lock %s: %s", self.path, e)
+
+    def _mark_stopping(self) -> bool:
+        """Write ``LOCK.stopping`` (this holder's token and when) while the lock is still ours."""
+        try:
+            if self._owner_token() == self.me.token:
+                write_bytes(self.stopping_path, json.dumps({"token": self.me.token, "since": time.time()}).encode())
+                return True
+        except OSError as e:  # a storage hiccup: a later poll tries again
+            logging.warning("could not mark the workdir lock %s as stopping: %s", self.path, e)
+        return False
 
     def _in_use_message(self, holder: Holder | None, age: float) -> str:
         if holder is None:
