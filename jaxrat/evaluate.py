@@ -23,12 +23,14 @@ from typing import Any
 
 from absl import flags
 
-from jaxrat.runtime import device_errors
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
+from jaxrat.runtime import device_errors, output_folder
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_json
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint to evaluate: a step number, 'best' or 'latest' (default: the "
                             "best when the run ranked one, else the latest).")
 _NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step, split, TTA).")
@@ -62,7 +64,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
         tta = parse_tta(_TTA.value)
         if _TILE.value:
             check_tiling(_TILE.value, _OVERLAP.value)
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
+        if _OUT.value:  # before the checkpoint is opened: never the run's files, its data, unwritable or full
+            output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="evaluate")
         from jaxrat.checkpointing.reading import open_checkpoint
         from jaxrat.inference.checkpoint_choice import choose
         from jaxrat.trainer.evaluation import READ_ITEMS
@@ -79,7 +83,29 @@ def main(argv: list[str], overrides: list[str]) -> None:
 
 
 def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
-    """Evaluate the held checkpoint ``opened`` (and tile or save predictions, when asked)."""
+    """Evaluate the held checkpoint ``opened`` (and tile or save predictions, when asked), holding
+    the output folder's lock (process 0): a second evaluate into it is refused, naming this one."""
+    import jax
+
+    from jaxrat.trainer.evaluation import eval_dir
+    from jaxrat.trainer.workdir_lock import OutputFolderLock
+
+    step = opened.step
+    out_dir = os.path.abspath(os.path.expanduser(_OUT.value)) if _OUT.value else \
+        eval_dir(workdir, _NAME.value or _default_name(f"step_{step}"))
+    if not _OUT.value:
+        output_folder.check(out_dir, output_folder.run_inputs(workdir, config), command="evaluate")
+    lock = OutputFolderLock(out_dir) if jax.process_index() == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        _evaluate_into(out_dir, config, workdir, opened, tta)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _evaluate_into(out_dir: str, config: Any, workdir: str, opened: Any, tta: Any) -> None:
     import jax
 
     from jaxrat.inference.augment import TTAModel
@@ -100,7 +126,7 @@ def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
     context: dict = {}
     _, metrics = evaluate_checkpoint(config, workdir, str(step), name, wrap_model=wrap, per_image=per_image,
                                      prepared=lambda task: swap_to_train(task, _SPLIT.value), context=context,
-                                     out_dir=_OUT.value or None, opened=opened)
+                                     out_dir=out_dir, opened=opened)
     if _TILE.value or _SAVE.value:
         from jaxrat.inference import split_eval
         from jaxrat.inference.predictor import Predictor

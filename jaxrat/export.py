@@ -15,11 +15,13 @@ import shutil
 
 from absl import flags
 
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
+from jaxrat.runtime import output_folder
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
-from jaxrat.runtime.fileio import unwritable
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
                             "run ranked one, else the latest).")
 _OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
@@ -47,10 +49,12 @@ def main(argv: list[str], overrides: list[str]) -> None:
         from jaxrat.inference.predictor import Predictor
         from jaxrat.trainer.evaluation import open_trained_run
 
-        why = unwritable(_OUT.value)  # before the minutes of loading and exporting
-        if why:
-            raise UserError(f"Cannot write the export to {_OUT.value} ({why}); pass --out a folder you can write to.")
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
+        # Before the minutes of loading and exporting: never the run's files or its data, writable,
+        # not full; --overwrite replaces only a previous export's files.
+        output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="export", what="export")
+        output_folder.claim(_OUT.value, command="export", overwrite=_OVERWRITE.value,
+                            files=[exported.MODEL_FILE, exported.CONTRACT_FILE, "exported.py"])
         predictor = Predictor(portable(config), workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value or 0)
         check = export_model(predictor, _OUT.value, platforms=platforms, batch=_BATCH.value)
         shutil.copyfile(exported.__file__, os.path.join(_OUT.value, "exported.py"))

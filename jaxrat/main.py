@@ -15,12 +15,13 @@ from ml_collections import config_flags
 
 from jaxrat.cluster import preemption
 from jaxrat.config import check_override_args, load_config
-from jaxrat.config.loader import describe_packaged
+from jaxrat.config.loader import ALLOW_IMPORT_HELP, describe_packaged
 from jaxrat.runtime import command_line, device_errors, hugepages, platform_hint
 from jaxrat.runtime.console import fail, quiet_libraries
 from jaxrat.runtime.errors import ConfigError, UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the resolved config go (required).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _CONFIG_HELP = (("--config CONFIG[:VARIANT]", "a config file, a packaged config's name (e.g. isic:demo) or a run's "
                  "config.json (required)"),
                 ("--list-configs", "list the packaged configs and their variants, then exit"))
@@ -81,6 +82,17 @@ def _take_config(argv: list[str]) -> tuple[str | None, list[str]]:
     return spec, rest
 
 
+def _allowed_imports(argv: list[str]) -> list[str]:
+    """The ``--allow_import`` values in ``argv``: a config.json --config is loaded before absl parses flags."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--allow_import="):
+            found.append(arg.split("=", 1)[1])
+        elif arg == "--allow_import" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+    return found
+
+
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.main`` and ``jaxrat train``)."""
     hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/runtime/hugepages.py)
@@ -100,7 +112,7 @@ def run() -> None:
         if not spec:
             raise ConfigError("Pass --config with a config file or a packaged config's name, e.g. --config isic:demo "
                               "(--list-configs lists them).")
-        config = load_config(spec)
+        config = load_config(spec, _allowed_imports(argv))
         check_override_args(argv[1:], config=config, spec=spec)
     except UserError as e:
         fail(str(e))

@@ -14,14 +14,19 @@ writes the merged CSV/JSON.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 
 from absl import flags
 
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
+from jaxrat.runtime.interrupt import Stopped, raise_on_signals
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint: a step number, 'best' or 'latest' (default: the best when the "
                             "run ranked one, else the latest).")
 _INPUT = flags.DEFINE_string("input", None, "A folder (recursive), an image, a glob or a text file of paths.")
@@ -40,14 +45,17 @@ flags.mark_flags_as_required(["workdir", "input", "out"])
 
 
 def main(argv: list[str], overrides: list[str]) -> None:
-    """Load the run, expand the inputs, predict, say how many were written and skipped."""
+    """Load the run, expand the inputs, predict, say how many were written and skipped; SIGTERM or
+    Ctrl-C end it in one line, with no temporary file left."""
     quiet_libraries()
+    lock = None
     try:
+        raise_on_signals()
         if argv[1:]:
             raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --input, --out and options (--help).")
         from jaxrat.inference.augment import parse_tta
         from jaxrat.inference.inputs import expand_inputs
-        from jaxrat.inference.run import Options, predict_files, prepare_output
+        from jaxrat.inference.run import Options, check_output, claim_output, predict_files
 
         tta = parse_tta(_TTA.value)
         options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
@@ -59,19 +67,27 @@ def main(argv: list[str], overrides: list[str]) -> None:
         inputs = expand_inputs(_INPUT.value)
         from jaxrat.trainer.evaluation import open_trained_run
 
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
         import jax
 
         from jaxrat.inference.predictor import Predictor
+        from jaxrat.runtime.output_folder import run_inputs
+        from jaxrat.trainer.workdir_lock import OutputFolderLock
 
         if jax.process_index() == 0:
-            prepare_output(_OUT.value, inputs, _INPUT.value, _OVERWRITE.value)
-        sync = None
+            check_output(_OUT.value, inputs, _INPUT.value, run_inputs(workdir, config))  # before minutes of loading
+            lock = OutputFolderLock(_OUT.value)
+            lock.acquire()
+            claim_output(_OUT.value, inputs, _OVERWRITE.value)
+        sync, run_id = None, ""
         if jax.process_count() > 1:
+            import numpy as np
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("predict: output folder ready")
             sync = lambda: multihost_utils.sync_global_devices("predict: parts written")  # noqa: E731
+            # One name for this prediction's part files, the same in every process.
+            run_id = f"{int(multihost_utils.broadcast_one_to_all(np.int64(time.time_ns() % 2**62))):x}"
         from jaxrat.inference.checkpoint_choice import choose
 
         predictor = Predictor(config, workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value, tta=tta)
@@ -79,12 +95,21 @@ def main(argv: list[str], overrides: list[str]) -> None:
                      tta.describe(), f", tiles {options.tile} px" if options.tile else "")
         with device_errors.in_a_sentence(lambda: f"--batch (now {predictor.batch_size})"):
             counts = predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),
-                                   process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync)
+                                   process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync,
+                                   run_id=run_id)
         if jax.process_index() == 0:
             skipped = f"; {counts['skipped']} skipped (see {_OUT.value}/skipped.txt)" if counts["skipped"] else ""
             print(f"jaxrat: predicted {counts['images']} images into {_OUT.value}{skipped}", flush=True)
+    except Stopped as e:
+        sys.stderr.write(("\n" if _PROGRESS.value else "") + f"jaxrat: predict stopped by {e.name}; {_OUT.value} "
+                         f"holds the images finished so far: rerun with --overwrite to predict them all.\n")
+        sys.stderr.flush()
+        sys.exit(e.exit_code)
     except UserError as e:
         fail(str(e))
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def run() -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from absl import flags
 
+from jaxrat.config.loader import ALLOW_IMPORT_HELP
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
+_ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
 _SIZES = flags.DEFINE_string("sizes", None, "Input sizes in pixels, comma-separated, e.g. 128,192,256,384,512.")
 _SPACINGS = flags.DEFINE_string("spacings", "1", "Spacing factors >= 1, comma-separated (1: the image as resized; "
                                 "2: recorded at twice the pixel size, i.e. half the detail).")
@@ -35,7 +37,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
             raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --sizes, --spacings, --step and "
                             f"--config.KEY=VALUE.")
         sizes, spacings = parse_sizes(_SIZES.value), parse_spacings(_SPACINGS.value)
-        workdir, config = open_trained_run(_WORKDIR.value, overrides)
+        workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
         import jax
 
         with device_errors.in_a_sentence(lambda: f"--config.data.eval_batch_size (now {config.data.eval_batch_size})"):

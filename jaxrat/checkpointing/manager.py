@@ -153,10 +153,10 @@ class Checkpointer:
         if not self.policy.tracks_best or jax.process_index() != 0:
             return
         kept = set(self._mngr.all_steps()) - {self._inflight}
-        ranked = [(v if self.policy.best_mode == "max" else -v, s) for s, v in self._metric.items() if s in kept]
+        ranked = [s for s in self._metric if s in kept]
         if not ranked:
             return
-        step = max(ranked)[1]
+        step = max(ranked, key=lambda s: store.rank(self._metric[s], s, self.policy.best_mode))
         pointer = {"step": step, "metric": self.policy.best_metric, "mode": self.policy.best_mode,
                    "value": self._metric[step]}
         path = os.path.join(self.directory, store.BEST_FILE)

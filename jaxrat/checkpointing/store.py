@@ -94,6 +94,13 @@ def stopped_early(meta: dict[str, Any]) -> bool:
     return bool((meta.get(EARLY_STOP_KEY) or {}).get("stopped"))
 
 
+def rank(value: float, step: int, mode: str) -> tuple[float, int]:
+    """The one order of "best" (the largest wins): the higher value (``mode`` "max") or the lower
+    ("min"), and on a tie the later step, which is the one Orbax's keep-best keeps. The pointer,
+    its fallback, the run summary and the sweep tables all rank with it, so they name one step."""
+    return (value if mode == "max" else -value, step)
+
+
 def best_step(directory: str) -> tuple[int, dict[str, Any]] | None:
     """(step, pointer) of the best committed checkpoint, or None when none was ranked.
 
@@ -115,11 +122,11 @@ def best_step(directory: str) -> tuple[int, dict[str, Any]] | None:
         value = (meta.get("metrics") or {}).get(name) if name else None
         if value is not None:
             pointer = {"step": step, "metric": name, "mode": mode, "value": value}
-            ranked.append((value if mode == "max" else -value, step, pointer))
+            ranked.append((rank(value, step, mode), pointer))
     if not ranked:
         return None
-    _, step, pointer = max(ranked)
-    return step, pointer
+    pointer = max(ranked, key=lambda r: r[0])[1]
+    return pointer["step"], pointer
 
 
 def resolve(spec: str) -> tuple[str, int]:

@@ -8,7 +8,7 @@ import glob
 import importlib.util
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import ml_collections as mlc
 
@@ -43,11 +43,35 @@ def resolve_config_path(path: str) -> str:
                       f"name ({names}), e.g. --config isic:demo.")
 
 
-def load_config(spec: str) -> mlc.ConfigDict:
+ALLOW_IMPORT_HELP = ("A module (or package) whose task a run's config.json may name as task.name='module:Class'; "
+                     "repeat for several. A config.json is data: only jaxrat's own tasks are imported without it.")
+
+
+def check_task_import(config: mlc.ConfigDict, source: str, allow_import: Sequence[str] = ()) -> None:
+    """Refuse a config read as data (a run's ``config.json``) whose ``task.name`` would import code
+    from outside jaxrat, unless the user named that module (or a package above it) in ``allow_import``.
+
+    A config *file* is code and runs when loaded; a ``config.json`` in a shared workdir is data that
+    anyone could have written, so the module it names is imported only with the reader's consent.
+    """
+    task = config.get("task")
+    name = str(task.get("name", "")) if task is not None else ""
+    module, sep, _ = name.partition(":")
+    if not sep or module == "jaxrat" or module.startswith("jaxrat."):
+        return  # a built-in name, or jaxrat's own code
+    if any(module == m or module.startswith(m.rstrip(".") + ".") for m in allow_import if m):
+        return
+    raise ConfigError(f"{source} names the task {name!r}, which would import and run the module {module}; a "
+                      f"run's config.json is data, so only jaxrat's built-in tasks are imported from it: pass "
+                      f"--allow-import {module} if you trust that code.")
+
+
+def load_config(spec: str, allow_import: Sequence[str] = ()) -> mlc.ConfigDict:
     """Load ``path[:variant]`` the way ml_collections' ``--config`` flag does: ``get_config(variant)``.
 
     ``path`` may also name a packaged config (``isic:demo``, see :func:`resolve_config_path`) or be
-    a run's ``config.json`` (the resolved config a run wrote; no variant). A missing file or an
+    a run's ``config.json`` (the resolved config a run wrote; no variant), whose task is imported only
+    if built-in or in ``allow_import`` (:func:`check_task_import`). A missing file or an
     unknown variant (the file's ``get_config`` raising ValueError) is a ConfigError naming it.
     Config files use it to build on each other (``isic_multiscale.py`` loads ``isic.py``), and
     ``jaxrat.main`` loads its ``--config`` with it.
@@ -57,7 +81,9 @@ def load_config(spec: str) -> mlc.ConfigDict:
         if variant:
             raise ConfigError(f"--config {spec}: a config.json is one resolved config and has no variants; "
                               f"drop :{variant}.")
-        return read_config_json(path)
+        config = read_config_json(path)
+        check_task_import(config, path, allow_import)
+        return config
     module = load_config_module(path)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"Config file {path} defines no get_config(); see configs/isic.py for the shape of one.")

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import ast
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import ml_collections as mlc
 
-from jaxrat.config.loader import check_value, flatten, read_config_json
+from jaxrat.config.loader import check_task_import, check_value, flatten, read_config_json
 from jaxrat.runtime.errors import ConfigError, UserError
 
 
-def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:
+def load_run_config(workdir: str, overrides: Sequence[str] = (), allow_import: Sequence[str] = ()) -> mlc.ConfigDict:
     """The run's resolved config with ``--config.a.b=value`` overrides applied (types kept).
+
+    A task the file names outside jaxrat is refused unless its module is in ``allow_import``
+    (:func:`jaxrat.config.loader.check_task_import`); a ``--config.task.name`` override is the
+    user's own choice and is not checked.
 
     Synthetic data is pinned to the side it was generated at in training (``data.synthetic_image_size``,
     which follows ``data.image_size`` when 0), so an override of ``data.image_size`` evaluates the
@@ -23,6 +27,8 @@ def load_run_config(workdir: str, overrides: list[str] = ()) -> mlc.ConfigDict:
     if not os.path.isfile(path):
         raise UserError(f"{path} not found; pass the --workdir of a training run.")
     config = read_config_json(path)
+    if not any(o.removeprefix("--config.").startswith("task.name=") for o in overrides):
+        check_task_import(config, path, allow_import)
     data = config.get("data")
     if data is not None and data.get("synthetic") and "image_size" in data:
         data.synthetic_image_size = int(data.get("synthetic_image_size", 0) or data.image_size)

@@ -19,6 +19,7 @@ from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_e
 
 LOCK = "run.lock"  # jaxrat.trainer.workdir_lock.LOCK_NAME (a layer this one does not import)
 LEASE_S = 120.0  # jaxrat.trainer.workdir_lock.DEFAULT_LEASE_S: a holder elsewhere silent this long is gone
+STOPPING = LOCK + ".stopping"  # jaxrat.trainer.workdir_lock.STOPPING_SUFFIX: its holder was told to stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,21 @@ def live_local_holder(workdir: str) -> int | None:
     if found and found[0] and holder.get("host") == socket.gethostname():
         return found[1]
     return None
+
+
+def holder_stopping(workdir: str) -> bool:
+    """Whether the run holding ``WORKDIR/run.lock`` said it was told to stop and is stopping (its
+    token in ``run.lock.stopping``); a run that is training says nothing."""
+    token = _read_json(os.path.join(workdir, LOCK)).get("token")
+    return bool(token) and _read_json(os.path.join(workdir, STOPPING)).get("token") == token
+
+
+def heartbeat_age(workdir: str) -> float | None:
+    """Seconds since the holder of ``WORKDIR/run.lock`` last refreshed it, or None without a lock."""
+    try:
+        return time.time() - os.path.getmtime(os.path.join(workdir, LOCK))
+    except OSError:
+        return None
 
 
 def run_status(workdir: str, total: int | None) -> str:

@@ -16,6 +16,7 @@ import logging
 import os
 from typing import Any
 
+from jaxrat.checkpointing.store import rank
 from jaxrat.experiments import stats as repeat_stats
 from jaxrat.experiments.status import run_status
 from jaxrat.experiments.sweep import MANIFEST
@@ -84,9 +85,7 @@ def summarize_run(workdir: str, name: str, overrides: tuple[str, ...] = ()) -> R
     best_metric, best_mode = checkpoint.get("best_metric") or "", checkpoint.get("best_mode") or "max"
     best = None
     if best_metric in history:
-        points = sorted(history[best_metric].items())
-        step, value = (max if best_mode == "max" else min)(points, key=lambda p: p[1])
-        best = (step, value)
+        best = max(history[best_metric].items(), key=lambda p: rank(p[1], p[0], best_mode))
     total = config.get("num_train_steps")
     state = run_status(workdir, total if isinstance(total, int) else None)
     return RunSummary(name, state, last_step, eval_step, last_eval,

@@ -25,7 +25,14 @@ from typing import Any
 
 from jaxrat.cluster.jobscript import ELEMENT_NAME
 from jaxrat.config import check_override_args, load_config, load_config_module
-from jaxrat.experiments.status import RunState, live_local_holder, run_state  # noqa: F401  (sweep's API)
+from jaxrat.experiments.status import (  # noqa: F401  (sweep's API)
+    LEASE_S,
+    RunState,
+    heartbeat_age,
+    holder_stopping,
+    live_local_holder,
+    run_state,
+)
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 
@@ -216,24 +223,39 @@ def die_with_parent() -> None:
         pass
 
 
-LOCK_WAIT_S = 120.0  # how long a rerun waits for the run of a killed sweep or tuner to finish stopping
+MARK_GRACE_S = 5.0  # how long a holder told to stop may take to say so (its heartbeat notices in 0.5 s)
 
 
-def wait_for_stopping_run(workdir: str, what: str, wait_s: float | None = None) -> None:
-    """Wait (up to :data:`LOCK_WAIT_S`) while a live run on this host holds ``workdir``.
+def wait_for_stopping_run(workdir: str, what: str, wait_s: float | None = None) -> int | None:
+    """Wait while a run on this host that was told to stop still holds ``workdir``; return the
+    process id of a live holder that is training instead (the caller must not start beside it), or
+    None once the workdir is free.
 
     A sweep or tuner killed with -9 leaves its training to stop on the parent-death SIGTERM: it
-    saves and releases the workdir within seconds, and a rerun started meanwhile found it locked
-    and counted the variant as failed. A lock whose holder is dead is taken over by the run itself.
+    saves and releases the workdir, and a rerun started meanwhile found it locked and counted the
+    variant as failed. A stopping run says so beside its lock (``run.lock.stopping``) and is waited
+    for as long as its heartbeat goes on, however long its save takes; a run that is training says
+    nothing and is reported at once (after :data:`MARK_GRACE_S`, the time a just-signalled run needs
+    to say it is stopping). A lock whose holder is dead, or whose heartbeat stopped, is left to the
+    run's own lock, which takes it over or names it. ``wait_s``: an upper bound, for tests.
     """
-    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
-    deadline, said = time.monotonic() + wait_s, False
-    while (pid := live_local_holder(workdir)) is not None and time.monotonic() < deadline:
-        if not said:
-            print(f"{what}: {workdir} is held by process {pid}, a run still stopping; waiting up to "
-                  f"{wait_s:.0f} s for it", flush=True)
-            said = True
+    start, said = time.monotonic(), False
+    while (pid := live_local_holder(workdir)) is not None:
+        waited = time.monotonic() - start
+        if wait_s is not None and waited > wait_s:
+            return None
+        if holder_stopping(workdir):
+            age = heartbeat_age(workdir)
+            if age is not None and age > LEASE_S:
+                return None
+            if not said:
+                print(f"{what}: {workdir} is held by process {pid}, a run still stopping; waiting for it while its "
+                      f"heartbeat goes on", flush=True)
+                said = True
+        elif waited > MARK_GRACE_S:
+            return pid
         time.sleep(0.5)
+    return None
 
 
 def _train(cmd: list[str]) -> int:
@@ -264,6 +286,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
     42) or an interrupt does, since whoever asked this process to stop meant the whole sweep.
     """
     failed: list[str] = []
+    busy: list[str] = []
     for i, v in enumerate(variants, 1):
         workdir = os.path.join(root, v.name)
         args = [*v.overrides, *common]
@@ -278,7 +301,12 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
         print(f"{head}: {what}: {shlex.join(cmd)}", flush=True)
         if dry_run:
             continue
-        wait_for_stopping_run(workdir, head)
+        training = wait_for_stopping_run(workdir, head)
+        if training is not None:
+            print(f"{head}: {workdir} is being trained by process {training} on this host; skipped (not counted "
+                  f"as failed): rerun the sweep once it ends", flush=True)
+            busy.append(v.name)
+            continue
         try:
             status = _train(cmd)
         except KeyboardInterrupt:
@@ -294,5 +322,7 @@ def run_local(config: str, root: str, variants: list[Variant], common: Sequence[
     if failed:
         print(f"sweep: {len(failed)} of {len(variants)} variants failed ({', '.join(failed)}); their logs are "
               "above, and a rerun resumes them", flush=True)
-        return 1
-    return 0
+    if busy:
+        print(f"sweep: {len(busy)} of {len(variants)} variants are being trained by another process "
+              f"({', '.join(busy)}); rerun the sweep once they end", flush=True)
+    return 1 if failed or busy else 0

@@ -133,8 +133,11 @@ def best_sweep_file(s: dict[str, Any]) -> str | None:
     if not s["best"] or not s.get("config"):
         return None
     overrides = [*s["best"]["overrides"], *s.get("common", [])]
-    return (f'"""Written by python -m jaxrat.tune: trial {s["best"]["number"]} of {s["root"]}, '
-            f'{s.get("metric")} {s["best"]["value"]!r}."""\n\n'
+    # Every embedded string goes in as a Python literal (repr), the docstring too: a root named with
+    # quotes or newlines must not become code in a file the user will run.
+    doc = f'Written by python -m jaxrat.tune: trial {s["best"]["number"]} of {s["root"]}, ' \
+          f'{s.get("metric")} {s["best"]["value"]!r}.'
+    return (f"{doc!r}\n\n"
             "from jaxrat.config import load_config\n\n"
             f"CONFIG = {s['config']!r}\n"
             f"BEST = {overrides!r}\n\n\n"

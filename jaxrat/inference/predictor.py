@@ -107,11 +107,12 @@ class Predictor:
         self._ops = self._eval_ops()
 
     @classmethod
-    def from_workdir(cls, workdir: str, step: str = "latest", overrides: Sequence[str] = (), **kw: Any) -> Predictor:
+    def from_workdir(cls, workdir: str, step: str = "latest", overrides: Sequence[str] = (),
+                     allow_import: Sequence[str] = (), **kw: Any) -> Predictor:
         """The run in ``workdir`` (its config with ``--config.KEY=VALUE`` ``overrides``) at ``step``
-        ("latest", "best" or a number)."""
+        ("latest", "best" or a number); ``allow_import``: modules its config.json may name a task from."""
         workdir = os.path.abspath(os.path.expanduser(workdir))
-        return cls(load_run_config(workdir, list(overrides)), workdir, step, **kw)
+        return cls(load_run_config(workdir, list(overrides), allow_import), workdir, step, **kw)
 
     # ------------------------------------------------------------------------------- setup
     def _read_label_names(self, data_dir: str) -> None:

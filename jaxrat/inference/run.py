@@ -9,12 +9,14 @@ per process, and process 0 merges them once every process is done. An unreadable
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
+import uuid
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,7 +24,8 @@ import numpy as np
 from jaxrat.data.imageio import BadFileError, load_rgb_upright
 from jaxrat.inference import writers
 from jaxrat.inference.inputs import InputImage
-from jaxrat.runtime.errors import DataError, UserError
+from jaxrat.runtime import output_folder
+from jaxrat.runtime.errors import DataError
 
 
 @dataclasses.dataclass
@@ -59,27 +62,38 @@ class Progress:
         sys.stderr.flush()
 
 
-def prepare_output(out: str, inputs: Sequence[InputImage], input_spec: str, overwrite: bool) -> None:
-    """Refuse an output folder inside the input folder, or an existing non-empty one without ``overwrite``."""
-    out_abs = os.path.realpath(out)
-    src = os.path.realpath(os.path.expanduser(input_spec))
-    if os.path.isdir(src) and (out_abs == src or out_abs.startswith(src.rstrip(os.sep) + os.sep)):
-        raise UserError(f"--out {out} lies inside the input folder {input_spec}, which jaxrat never writes into; "
-                        f"choose an output folder outside it.")
-    if any(os.path.realpath(i.path) == out_abs for i in inputs):
-        raise UserError(f"--out {out} is one of the input files; choose an output folder.")
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise UserError(f"--out {out} exists and is not empty; choose a new folder or pass --overwrite.")
-        for name in writers.OUTPUT_NAMES:
-            p = os.path.join(out, name)
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.remove(p)
-    elif os.path.exists(out) and not os.path.isdir(out):
-        raise UserError(f"--out {out} is a file; choose a folder.")
-    os.makedirs(out, exist_ok=True)
+# Per image, the files a prediction may write ({stem}: see writers.output_names); the manifest lists
+# them all, so --overwrite removes a previous run's files whatever its task and options were.
+PER_IMAGE_FILES = ("masks/{stem}.png", "probs/{stem}.png", "probs/{stem}.npy", "overlays/{stem}.jpg",
+                   "boxes/{stem}.jpg")
+
+
+def check_output(out: str, inputs: Sequence[InputImage], input_spec: str,
+                 guarded: Sequence[output_folder.Guarded] = ()) -> None:
+    """Refuse (one sentence, before any work) an ``out`` that is, contains or lies inside the input
+    folder, an input file, a ``guarded`` path (the run's files, its dataset) or a training workdir,
+    or that cannot be written or is full. The folder exists afterwards."""
+    src = os.path.expanduser(input_spec)
+    folder = [output_folder.Guarded(src, "the input folder")] if os.path.isdir(src) else []
+    output_folder.check(out, [*folder, *guarded], command="predict", input_files=[i.path for i in inputs])
+
+
+def claim_output(out: str, inputs: Sequence[InputImage], overwrite: bool) -> None:
+    """An empty ``out``, or with ``overwrite`` one a prediction wrote (only its listed files are
+    removed); then the manifest of what this prediction writes."""
+    output_folder.claim(out, command="predict", overwrite=overwrite,
+                        files=[n for n in writers.OUTPUT_NAMES if "." in n.lstrip(".")],
+                        each=PER_IMAGE_FILES, stems=list(writers.output_names(inputs).values()))
+    for name in os.listdir(out):  # part files of a prediction killed before it merged them (the lock is ours)
+        if name == ".parts" or name.startswith(".parts-"):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+
+
+def prepare_output(out: str, inputs: Sequence[InputImage], input_spec: str, overwrite: bool,
+                   guarded: Sequence[output_folder.Guarded] = ()) -> None:
+    """:func:`check_output`, then :func:`claim_output` (the command takes the folder's lock between them)."""
+    check_output(out, inputs, input_spec, guarded)
+    claim_output(out, inputs, overwrite)
 
 
 def read(item: InputImage, predictor: Any, full: bool) -> tuple[np.ndarray, tuple[int, int]]:
@@ -91,12 +105,15 @@ def read(item: InputImage, predictor: Any, full: bool) -> tuple[np.ndarray, tupl
 
 def predict_files(predictor: Any, inputs: Sequence[InputImage], out: str, options: Options, *,
                   process_index: int = 0, process_count: int = 1, progress: bool = True,
-                  sync: Any = None) -> dict[str, Any]:
-    """Predict ``inputs`` into ``out`` (prepared by :func:`prepare_output`); returns counts."""
+                  sync: Any = None, run_id: str = "") -> dict[str, Any]:
+    """Predict ``inputs`` into ``out`` (prepared by :func:`prepare_output`); returns counts.
+
+    The part files go to ``OUT/.parts-RUN_ID`` (every process passes the same ``run_id``; a single
+    process draws one), so a second prediction into the folder never reads or removes this one's."""
     stems = writers.output_names(inputs)
     mine = list(inputs)[process_index::process_count]
-    parts = os.path.join(out, ".parts")
-    os.makedirs(parts, exist_ok=True)
+    run_id = run_id or (uuid.uuid4().hex if process_count == 1 else "shared")
+    parts = parts_dir(out, run_id)
     rows: list[dict] = []
     results: list[dict] = []
     skipped: list[str] = []
@@ -127,13 +144,24 @@ def predict_files(predictor: Any, inputs: Sequence[InputImage], out: str, option
         if len(batch) >= predictor.batch_size:
             flush()
     flush()
-    writers.write_json(os.path.join(parts, f"part-{process_index:05d}.json"),
-                       {"rows": rows, "results": results, "skipped": skipped})
+    try:
+        os.makedirs(parts, exist_ok=True)  # only now: a prediction stopped before leaves no folder behind
+        writers.write_json(os.path.join(parts, f"part-{process_index:05d}.json"),
+                           {"rows": rows, "results": results, "skipped": skipped})
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(parts)
+        raise
     if sync is not None:
         sync()
     if process_index == 0:
-        return merge_parts(predictor, out, inputs, process_count)
+        return merge_parts(predictor, out, inputs, process_count, run_id)
     return {"images": len(rows), "skipped": len(skipped)}
+
+
+def parts_dir(out: str, run_id: str) -> str:
+    """``OUT/.parts-RUN_ID``: one prediction's part files."""
+    return os.path.join(out, f".parts-{run_id}")
 
 
 def _write_one(predictor: Any, out: str, stem: str, item: InputImage, image: np.ndarray, pred: Any,
@@ -156,9 +184,10 @@ def _write_one(predictor: Any, out: str, stem: str, item: InputImage, image: np.
     rows.append(row)
 
 
-def merge_parts(predictor: Any, out: str, inputs: Sequence[InputImage], process_count: int) -> dict[str, Any]:
+def merge_parts(predictor: Any, out: str, inputs: Sequence[InputImage], process_count: int,
+                run_id: str) -> dict[str, Any]:
     """Process 0: every process's part file into the CSV (and JSON), in input order."""
-    parts = os.path.join(out, ".parts")
+    parts = parts_dir(out, run_id)
     rows, results, skipped = [], [], []
     for p in range(process_count):
         with open(os.path.join(parts, f"part-{p:05d}.json")) as f:

@@ -180,14 +180,25 @@ def move_into_place(src: str | os.PathLike, dst: str | os.PathLike, *, sync: boo
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
 
-def unwritable(folder: str | os.PathLike) -> str | None:
+def unwritable(folder: str | os.PathLike, probe_bytes: int = 0) -> str | None:
     """Why files cannot be written in ``folder`` (created if missing), e.g. "Read-only file
     system"; None when they can. A probe file is made and removed: permissions alone do not tell
-    (root ignores them, a read-only mount does not show in them)."""
+    (root ignores them, a read-only mount does not show in them). With ``probe_bytes`` that many
+    bytes are written and synced first, so a full disk ("No space left on device") shows too: an
+    empty file needs no data block."""
     try:
         os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-"):
-            pass
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        try:
+            left = memoryview(bytes(probe_bytes))
+            while left:
+                left = left[os.write(fd, left):]
+            if probe_bytes:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
     except OSError as e:
         return e.strerror or str(e)
     return None

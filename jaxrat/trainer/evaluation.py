@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections as mlc
@@ -30,11 +30,13 @@ from jaxrat.trainer.step import make_eval_step
 READ_ITEMS = ("params", "ema_params")  # what an evaluation reads, checked before it is trusted
 
 
-def open_trained_run(workdir: str, overrides: list[str]) -> tuple[str, mlc.ConfigDict]:
+def open_trained_run(workdir: str, overrides: list[str],
+                     allow_import: Sequence[str] = ()) -> tuple[str, mlc.ConfigDict]:
     """The absolute ``workdir`` and its run's config with ``overrides``, the runtime started as for
-    training (``jax.distributed`` from the launcher's environment, the compilation cache)."""
+    training (``jax.distributed`` from the launcher's environment, the compilation cache).
+    ``allow_import``: modules the run's config.json may name a task from (``--allow-import``)."""
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    config = load_run_config(workdir, overrides)
+    config = load_run_config(workdir, overrides, allow_import)
     cluster.initialize(config.distributed)
     compile_cache.enable(config.train.get("compilation_cache_dir", ""))
     return workdir, config

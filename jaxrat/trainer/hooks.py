@@ -19,6 +19,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule
+from jaxrat.checkpointing.store import rank
 from jaxrat.cluster import Preempted, PreemptionWatch
 from jaxrat.runtime import console
 from jaxrat.runtime.errors import ConfigError, UserError
@@ -229,7 +230,8 @@ class Evaluation:
         value = named.get(c.best_metric)
         if value is None:
             return
-        if self.best is None or (value > self.best["value"] if c.best_mode == "max" else value < self.best["value"]):
+        best = self.best
+        if best is None or rank(value, step, c.best_mode) > rank(best["value"], best["step"], c.best_mode):
             self.best = {"metric": c.best_metric, "mode": c.best_mode, "value": float(value), "step": step}
 
 

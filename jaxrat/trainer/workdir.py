@@ -161,7 +161,9 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
                                 "to (--workdir).")
             if settings.get("lock", True):
-                lock = WorkdirLock(workdir, settings.get("lease_seconds", DEFAULT_LEASE_S))
+                from jaxrat.cluster import preemption
+
+                lock = WorkdirLock(workdir, settings.get("lease_seconds", DEFAULT_LEASE_S), preemption.signalled)
                 lock.acquire()
             save = check_config(config, workdir, bool(settings.get("allow_config_change", False)))
             if not has_checkpoint(workdir):

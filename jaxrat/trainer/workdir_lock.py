@@ -2,6 +2,9 @@
 
 The lock file holds the holder's identity (:class:`Holder`); its mtime is a lease that the holder
 refreshes from a daemon thread. A lock whose holder is provably gone is taken over with a warning.
+A holder told to stop (SIGTERM: it checkpoints, then ends) says so in ``WORKDIR/run.lock.stopping``
+(its token), so a sweep rerun waits for a stopping run as long as its heartbeat goes on, and does
+not wait for one that is training.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import socket
 import threading
 import time
 import uuid
+from typing import Callable
 
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_bytes
 
 LOCK_NAME = "run.lock"
 DEFAULT_LEASE_S = 120.0
+STOPPING_SUFFIX = ".stopping"  # LOCK_NAME + this: the holder (its token) was told to stop and is stopping
+STOPPING_POLL_S = 0.5  # how soon the heartbeat notices that the holder was told to stop
 
 
 class WorkdirInUse(UserError):
@@ -137,8 +143,18 @@ class WorkdirLock:
     time on the same host, by an expired lease from another host.
     """
 
-    def __init__(self, workdir: str, lease_s: float = DEFAULT_LEASE_S) -> None:
-        self.path = os.path.join(workdir, LOCK_NAME)
+    lock_name = LOCK_NAME
+    what = "workdir"  # the folder as the refusal names it
+    user = "run"  # who holds it
+    instead = "use another --workdir"  # the way around a live holder
+
+    def __init__(self, workdir: str, lease_s: float = DEFAULT_LEASE_S,
+                 stopping: Callable[[], bool] | None = None) -> None:
+        """``stopping``: whether this process was told to stop (e.g. :func:`jaxrat.cluster.preemption.signalled`);
+        once it says so, the heartbeat writes ``LOCK.stopping`` with this holder's token."""
+        self.path = os.path.join(workdir, self.lock_name)
+        self.stopping_path = self.path + STOPPING_SUFFIX
+        self._stopping = stopping
         self.lease_s = float(lease_s)
         self.me = Holder.this_process()
         self._stop = threading.Event()
@@ -165,8 +181,8 @@ class WorkdirLock:
                                 holder.describe() if holder else "an unknown run", reason)
                 self._start_heartbeat()
                 return
-        raise WorkdirInUse(f"The workdir lock {self.path} keeps changing hands; another run is starting on this "
-                           f"workdir at the same time: wait for it or use another --workdir.")
+        raise WorkdirInUse(f"The {self.what} lock {self.path} keeps changing hands; another {self.user} is starting "
+                           f"on this {self.what} at the same time: wait for it or {self.instead}.")
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours."""
@@ -174,6 +190,8 @@ class WorkdirLock:
         if self._beat is not None:
             self._beat.join(timeout=5)
         if self.held and self._owner_token() == self.me.token:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.stopping_path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         self.held = False
@@ -307,7 +325,15 @@ class WorkdirLock:
     def _heartbeat(self) -> None:
         # utime, not a rewrite: a holder that wakes after a takeover can only refresh the new
         # holder's lease, never overwrite its identity.
-        while not self._stop.wait(self.lease_s / 4):
+        beat = self.lease_s / 4
+        poll = min(beat, STOPPING_POLL_S) if self._stopping is not None else beat
+        marked, last = False, time.monotonic()
+        while not self._stop.wait(poll):
+            if not marked and self._stopping is not None and self._stopping():
+                marked = self._mark_stopping()
+            if time.monotonic() - last < beat - poll / 2:  # a lease refresh every `beat`
+                continue
+            last = time.monotonic()
             try:
                 if self._owner_token() != self.me.token:
                     logging.error("the workdir lock %s is no longer held by this run (another run took it over "
@@ -318,13 +344,36 @@ class WorkdirLock:
             except OSError as e:  # a storage hiccup: the next beat tries again
                 logging.warning("could not refresh the workdir lock %s: %s", self.path, e)
 
+    def _mark_stopping(self) -> bool:
+        """Write ``LOCK.stopping`` (this holder's token and when) while the lock is still ours."""
+        try:
+            if self._owner_token() == self.me.token:
+                write_bytes(self.stopping_path, json.dumps({"token": self.me.token, "since": time.time()}).encode())
+                return True
+        except OSError as e:  # a storage hiccup: a later poll tries again
+            logging.warning("could not mark the workdir lock %s as stopping: %s", self.path, e)
+        return False
+
     def _in_use_message(self, holder: Holder | None, age: float) -> str:
         if holder is None:
-            return (f"The workdir {os.path.dirname(self.path)} is locked by a run whose lock file {self.path} is "
-                    f"unreadable (refreshed {age:.0f} s ago); wait {self.lease_s - age:.0f} s for its lease to "
-                    f"expire, or use another --workdir.")
+            return (f"The {self.what} {os.path.dirname(self.path)} is locked by a {self.user} whose lock file "
+                    f"{self.path} is unreadable (refreshed {age:.0f} s ago); wait {self.lease_s - age:.0f} s for its "
+                    f"lease to expire, or {self.instead}.")
         stop = f"scancel {holder.slurm_job_id}" if holder.slurm_job_id else f"kill {holder.pid} on {holder.host}"
         if _previous_incarnation(holder, self.me):  # scancel would end this start too
             stop = f"kill {holder.pid} on {holder.host}: an earlier start of this job still runs there"
-        return (f"The workdir {os.path.dirname(self.path)} is in use by another run ({holder.describe()}, last "
-                f"heartbeat {max(age, 0):.0f} s ago): wait for it to end, stop it ({stop}), or use another --workdir.")
+        return (f"The {self.what} {os.path.dirname(self.path)} is in use by another {self.user} ({holder.describe()}, "
+                f"last heartbeat {max(age, 0):.0f} s ago): wait for it to end, stop it ({stop}), or {self.instead}.")
+
+
+OUTPUT_LOCK_NAME = ".jaxrat-output.lock"
+
+
+class OutputFolderLock(WorkdirLock):
+    """``OUT/.jaxrat-output.lock``: one predict or evaluate writing into a folder at a time, held and
+    taken over exactly as the workdir lock is; the second writer is refused naming the first."""
+
+    lock_name = OUTPUT_LOCK_NAME
+    what = "output folder"
+    user = "command"
+    instead = "pass another --out"

@@ -52,3 +52,16 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     proc = _evaluate(wd, "--out=/sys/jaxrat_eval")  # a folder that cannot be written: one sentence
     assert proc.returncode == 2 and "Cannot write the evaluation to /sys/jaxrat_eval" in proc.stderr
     assert "Traceback" not in proc.stderr
+    from jaxrat.trainer.workdir_lock import OutputFolderLock
+
+    busy = os.path.join(wd, "eval", "busy")
+    lock = OutputFolderLock(busy)  # another evaluate writing there: this live process
+    os.makedirs(busy)
+    lock.acquire()
+    try:
+        proc = _evaluate(wd, "--name=busy")
+    finally:
+        lock.release()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"The output folder {busy} is in use by another command (process {os.getpid()}" in proc.stderr
+    assert os.listdir(busy) == []

@@ -371,7 +371,8 @@ def test_a_rerun_waits_for_the_run_still_stopping_in_its_workdir(tmp_path, capsy
     from jaxrat.experiments.sweep import wait_for_stopping_run
 
     stopping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
-    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": stopping.pid}))
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": stopping.pid, "token": "t"}))
+    (tmp_path / "run.lock.stopping").write_text(json.dumps({"token": "t"}))  # it was told to stop
     t0 = time.monotonic()
     wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)
     assert stopping.poll() is not None or stopping.wait(5) == 0
@@ -380,6 +381,76 @@ def test_a_rerun_waits_for_the_run_still_stopping_in_its_workdir(tmp_path, capsy
     t0 = time.monotonic()
     wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=60)  # its holder is gone: the run takes over
     assert time.monotonic() - t0 < 1
+
+
+def _held_by(workdir, proc, stopping):
+    import json
+    import socket
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": proc.pid, "token": "t"}))
+    if stopping:
+        (workdir / "run.lock.stopping").write_text(json.dumps({"token": "t"}))
+
+
+def test_a_rerun_tells_a_training_run_from_a_stopping_one_by_its_heartbeat(tmp_path, capsys):
+    from jaxrat.experiments.sweep import MARK_GRACE_S, wait_for_stopping_run
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _held_by(tmp_path, live, stopping=False)  # training: reported at once, never waited for
+        t0 = time.monotonic()
+        assert wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=30) == live.pid
+        assert time.monotonic() - t0 < MARK_GRACE_S + 5 and "still stopping" not in capsys.readouterr().out
+        _held_by(tmp_path, live, stopping=True)  # stopping, but its heartbeat stopped long ago: not waited for
+        old = time.time() - 3600
+        os.utime(tmp_path / "run.lock", (old, old))
+        t0 = time.monotonic()
+        assert wait_for_stopping_run(str(tmp_path), "sweep [1/1] base", wait_s=30) is None
+        assert time.monotonic() - t0 < 5
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_run_told_to_stop_says_so_beside_its_lock_until_it_releases_it(tmp_path):
+    import threading
+
+    from jaxrat.experiments.status import holder_stopping
+    from jaxrat.trainer.workdir_lock import WorkdirLock
+
+    told = threading.Event()
+    lock = WorkdirLock(str(tmp_path), lease_s=60, stopping=told.is_set)
+    lock.acquire()
+    try:
+        time.sleep(1.0)
+        assert not holder_stopping(str(tmp_path))
+        told.set()
+        deadline = time.monotonic() + 5
+        while not holder_stopping(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert holder_stopping(str(tmp_path))
+    finally:
+        lock.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_sweep_skips_a_variant_another_process_trains_without_calling_it_failed(tmp_path, capsys):
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _held_by(root / "base", live, stopping=False)
+        status = sweep.run_local(TOY, str(root), sweep.load_sweep(TOY), python=str(fake))
+    finally:
+        live.kill()
+        live.wait()
+    out = capsys.readouterr().out
+    assert status == 1
+    assert f"is being trained by process {live.pid} on this host; skipped (not counted as failed)" in out
+    assert "variants failed" not in out and "1 of 3 variants are being trained by another process (base)" in out
 
 
 def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_path, capsys):

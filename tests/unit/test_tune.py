@@ -106,6 +106,29 @@ def test_the_summary_and_the_best_variant_file(tmp_path, monkeypatch):
         ("best", ("--config.optimizer.learning_rate=0.003", "--config.num_train_steps=4"))]
 
 
+def test_the_best_variant_file_embeds_a_hostile_root_as_text_not_code(tmp_path):
+    # A root (and metric) holding a docstring's closing quotes and a newline, then code: the
+    # generated file must carry them as text and run nothing.
+    evil = '"""\nimport os; os.mkdir("INJECTED")\n"""'
+    root = tmp_path / f"study{evil}"
+    root.mkdir()
+    (root / tune_summary.SETTINGS).write_text(json.dumps({"config": str(REPO / TOY), "metric": f"eval/dice{evil}"}))
+    study = tune.open_study(str(root), "maximize")
+    t = study.ask()
+    t.set_user_attr("overrides", ["--config.optimizer.learning_rate=0.01"])
+    study.tell(t, 0.5)
+    tune_summary.write(str(root))
+    text = (root / tune_summary.BEST_SWEEP).read_text()
+    module = __import__("ast").parse(text)
+    assert [type(n).__name__ for n in module.body] == ["Expr", "ImportFrom", "Assign", "Assign", "FunctionDef",
+                                                       "FunctionDef"]
+    doc = __import__("ast").get_docstring(module)
+    assert str(root) in doc and f"eval/dice{evil}" in doc
+    variants = load_sweep(str(root / tune_summary.BEST_SWEEP))
+    assert [v.overrides for v in variants] == [("--config.optimizer.learning_rate=0.01",)]
+    assert not (tmp_path / "INJECTED").exists() and not (REPO / "INJECTED").exists()
+
+
 def test_slurm_dry_run_is_an_array_of_workers_on_one_study(tmp_path, capsys):
     from jaxrat import tune as cli
 
