@@ -66,8 +66,8 @@ def test_zero_255_and_one_bit_masks_with_several_classes_are_refused(tmp_path, m
 
 def test_a_zero_255_sample_is_not_refused_when_a_later_mask_has_a_class(tmp_path, monkeypatch):
     monkeypatch.setattr(label_check, "SAMPLE", 2)
-    masks = [_lesion(255)] * 7 + [_lesion(1)]
-    pairs = [(f"i{i}", os.path.join(_dataset(str(tmp_path / "d"), masks), "masks", f"im{i:02d}.png")) for i in range(8)]
+    root = _dataset(str(tmp_path / "d"), [_lesion(255)] * 7 + [_lesion(1)])
+    pairs = [(f"i{i}", os.path.join(root, "masks", f"im{i:02d}.png")) for i in range(8)]
     label_check.check_split(pairs, "train", 2, None, label_check.HistogramCache(None))  # im07 holds class 1
     with pytest.raises(DataError, match="hold only 0 and 255"):
         label_check.check_split(pairs[:7], "train", 2, None, label_check.HistogramCache(None))
