@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrat.data import folds
+from jaxrat.data import folds, label_check
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
@@ -133,8 +133,13 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
                 else float(_get(data_cfg, "val_fraction", 0.2)))
     kw = dict(images=_get(data_cfg, "images_folder", "images"), masks=_get(data_cfg, "masks_folder", "masks"),
               pairs_csv=_get(data_cfg, "pairs_csv", ""), val_fraction=fraction, seed=seed, policy=policy)
-    loader = (isic.DecodePair() if num_classes == 1
-              else sf.DecodeLabelPair(num_classes, tuple(tuple(p) for p in _get(data_cfg, "label_map", ()))))
+    label_map = tuple(tuple(p) for p in _get(data_cfg, "label_map", ()))
+    loader = isic.DecodePair() if num_classes == 1 else sf.DecodeLabelPair(num_classes, label_map)
+    stats = label_check.HistogramCache(os.path.join(workdir, label_check.LABEL_STATS_NAME))
+
+    def check_labels(pairs: list, split: str) -> None:
+        if num_classes > 1:  # binary masks are thresholded: no ignore value, and label_map does not apply
+            label_check.check_split(pairs, split, num_classes, sf.label_table(label_map, num_classes), stats)
     if folds.settings(data_cfg)[0]:
         pairs = sf.find_pairs(data_dir, "train", **kw) + sf.find_pairs(data_dir, "validation", **kw)
         pairs = isic.check_pairs(sorted(pairs), policy, f"the dataset in {data_dir}")
@@ -142,6 +147,8 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
                             process_index=process_index, workdir=workdir)
         assert parts is not None
         k, fold = folds.settings(data_cfg)[:2]
+        check_labels(parts[0], f"train-fold{fold}of{k}")
+        check_labels(parts[1], f"fold{fold}of{k}")
         return (ExampleSource(parts[0], loader, policy, f"folder/train-fold{fold}of{k}"),
                 ExampleSource(parts[1], loader, policy, f"folder/fold{fold}of{k}"))
     out = []
@@ -150,6 +157,7 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
         if not pairs:
             raise DataError(f"No image/mask pairs for the {split} split in {data_dir}; check the folders "
                             f"(or --config.data.val_fraction).")
+        check_labels(pairs, split)
         out.append(ExampleSource(pairs, loader, policy, f"folder/{split}"))
     return out[0], out[1]
 

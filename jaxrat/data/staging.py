@@ -4,6 +4,9 @@ Several processes of one node may call :func:`stage` at once: one copies under a
 lock, the others wait and reuse the copy. A copy is reused only when its manifest (relative
 path, size and mtime of every file) matches the source and its files are all still there, so a
 changed dataset is re-staged; a copy killed half way is never used, and the next call removes it.
+Links to folders (a ``masks`` linked from elsewhere) are followed, each real folder once: the
+manifest lists, and the copy holds, exactly the files training reads, so a changed file behind a
+link is re-staged too, and a link loop is copied once instead of forever.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import shutil
 import stat
 import time
 
+from jaxrat.runtime import folders
 from jaxrat.runtime.errors import DataError
 from jaxrat.runtime.fileio import move_into_place, write_json
 
@@ -26,15 +30,32 @@ _MANIFEST = ".jaxrat_staged.json"
 
 def _manifest(src: str) -> dict:
     files = {}
-    for root, dirs, names in os.walk(src):
-        dirs.sort()
-        for name in sorted(names):
+    for root, _, names in folders.walk(src):
+        for name in names:
             path = os.path.join(root, name)
             st = os.stat(path)
             # Nanoseconds: a file rewritten at the same size within one second must still count
             # as changed.
             files[os.path.relpath(path, src)] = [st.st_size, st.st_mtime_ns]
     return {"source": os.path.abspath(src), "files": files}
+
+
+def _listed_only(src: str, files: dict):
+    """A ``copytree`` ignore that copies only the manifest's files: what the walk skipped (a
+    folder reached a second time through a link) is never copied."""
+    keep = set(files)
+    parents = {os.path.dirname(rel) for rel in keep}
+    for rel in list(parents):
+        while rel:
+            rel = os.path.dirname(rel)
+            parents.add(rel)
+
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        here = os.path.relpath(folder, src)
+        rels = {n: os.path.normpath(os.path.join(here, n)) for n in names}
+        return [n for n, rel in rels.items() if rel not in keep and rel not in parents]
+
+    return ignore
 
 
 def _intact(dest: str, want: dict) -> bool:
@@ -114,7 +135,7 @@ def _stage_locked(src: str, dest: str) -> str:
             _remove(os.path.join(parent, name))
     tmp = f"{dest}.tmp-{os.getpid()}"
     try:
-        shutil.copytree(src, tmp)
+        shutil.copytree(src, tmp, ignore=_listed_only(src, want["files"]))
         _make_owner_writable(tmp)
         write_json(os.path.join(tmp, _MANIFEST), want)
     except BaseException:

@@ -10,6 +10,7 @@ import dataclasses
 import glob
 import os
 
+from jaxrat.runtime import folders
 from jaxrat.runtime.errors import UserError
 
 # A folder's files are all tried, whatever their extension (an image saved as .dat is still read;
@@ -32,9 +33,8 @@ def expand_inputs(spec: str) -> list[InputImage]:
     path = os.path.expanduser(spec)
     if os.path.isdir(path):
         found = []
-        for root, dirs, files in os.walk(path, followlinks=True):
-            dirs.sort()
-            for f in sorted(files):
+        for root, _, files in folders.walk(path):  # links followed, each real folder once (loops end)
+            for f in files:
                 if not f.startswith("."):  # every file is tried: one that is no image lands in skipped.txt
                     full = os.path.join(root, f)
                     found.append(InputImage(full, os.path.relpath(full, path).replace(os.sep, "/")))
@@ -48,7 +48,7 @@ def expand_inputs(spec: str) -> list[InputImage]:
     if os.path.isfile(path):
         return [InputImage(path, os.path.basename(path))]
     if glob.has_magic(path):
-        matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        matches = folders.glob_files(path)
         if not matches:
             raise UserError(f"--input {spec}: the pattern matches no file; check the pattern.")
         return _relative_to_common(matches)

@@ -133,3 +133,31 @@ def test_a_failed_copy_leaves_nothing_and_names_the_fix(tmp_path, monkeypatch):
     msg = str(err.value)  # one cause, not one line per file that could not be written
     assert "No space left on device copying" in msg and "more file" in msg and msg.count("No space") == 1
     assert _leftovers(local) == [] and not [n for n in os.listdir(local) if not n.endswith(".lock")]
+
+
+def test_a_linked_masks_folder_is_staged_and_a_changed_mask_restaged(tmp_path):
+    masks = tmp_path / "elsewhere" / "masks"
+    masks.mkdir(parents=True)
+    (masks / "m0.png").write_bytes(b"old mask")
+    src = tmp_path / "data"
+    (src / "images").mkdir(parents=True)
+    (src / "images" / "m0.png").write_bytes(b"image")
+    os.symlink(masks, src / "masks")  # a folder linked into the dataset, as clusters' shared data often is
+    local = str(tmp_path / "local")
+    dest = staging.stage(str(src), local)
+    assert open(os.path.join(dest, "masks", "m0.png"), "rb").read() == b"old mask"
+    assert not os.path.islink(os.path.join(dest, "masks"))  # a copy, not a link back to the shared disk
+    (masks / "m0.png").write_bytes(b"the new mask")
+    assert staging.stage(str(src), local) == dest
+    assert open(os.path.join(dest, "masks", "m0.png"), "rb").read() == b"the new mask"
+
+
+@pytest.mark.timeout(60)
+def test_a_link_loop_in_the_dataset_is_staged_once(tmp_path):
+    src = _source(str(tmp_path / "src"))
+    os.symlink("..", os.path.join(src, "sub", "up"))  # copytree copied sub/up/sub/up/... to the link limit
+    dest = staging.stage(src, str(tmp_path / "local"))
+    copied = sorted(os.path.relpath(os.path.join(r, f), dest) for r, _, fs in os.walk(dest) for f in fs)
+    assert copied == sorted([staging._MANIFEST, "f0.bin", "f2.bin", "f4.bin"]
+                            + [os.path.join("sub", f"f{i}.bin") for i in (1, 3, 5)])
+    assert staging.stage(src, str(tmp_path / "local")) == dest  # reused: the manifest matches the walk

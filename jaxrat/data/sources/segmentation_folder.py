@@ -45,19 +45,24 @@ def _stem(path: str) -> str:
 
 
 def _match(images: list[str], mask_dir: str, policy: BadFilePolicy) -> list[tuple[str, str]]:
-    """(image, mask) for every image whose mask (same stem, optional suffix) is in ``mask_dir``."""
-    masks: dict[str, str] = {}
+    """(image, mask) for every image whose mask (same stem, optional suffix) is in ``mask_dir``;
+    an image with two candidate masks is refused, since either choice could be the wrong one."""
+    masks: dict[str, list[str]] = {}
     for path in _images_in(mask_dir):
-        masks.setdefault(_stem(path).lower(), path)
+        masks.setdefault(_stem(path).lower(), []).append(path)
     pairs = []
     for image in images:
         stem = _stem(image).lower()
-        mask = next((masks[stem + s] for s in MASK_SUFFIXES if stem + s in masks), None)
-        if mask is None:
+        found = [m for s in MASK_SUFFIXES for m in masks.get(stem + s, ()) if m != image]
+        if len(found) > 1:
+            names = " and ".join(os.path.basename(m) for m in found[:3])
+            raise DataError(f"{image} has {len(found)} candidate masks in {mask_dir} ({names}); remove or rename "
+                            f"all but one, or list the pairs in a CSV with --config.data.pairs_csv.")
+        if not found:
             policy.handle(BadFileError(image, f"no mask with its name in {mask_dir}",
                                        "add its mask or remove the image, or set --config.data.on_bad_file=skip"))
             continue
-        pairs.append((image, mask))
+        pairs.append((image, found[0]))
     return pairs
 
 
@@ -78,18 +83,45 @@ def _csv_pairs(path: str, policy: BadFilePolicy) -> dict[str, list[tuple[str, st
         raise DataError(f"Cannot read the pairs CSV {path} ({e}); fix --config.data.pairs_csv.") from None
     if not rows or not {"image", "mask"} <= set(rows[0]):
         raise DataError(f"{path} needs the columns image,mask (and optionally split); add a header line.")
+    _check_split_column(path, rows)
     out: dict[str, list[tuple[str, str]]] = {}
     for row in rows:
-        image, mask = (os.path.join(root, row[k].strip()) for k in ("image", "mask"))
+        image, mask = (os.path.join(root, (row[k] or "").strip()) for k in ("image", "mask"))
         if not os.path.isfile(image) or not os.path.isfile(mask):
             missing = image if not os.path.isfile(image) else mask
             policy.handle(BadFileError(missing, f"listed in {path} but not found",
                                        "fix the CSV row, or set --config.data.on_bad_file=skip"))
             continue
-        split = (row.get("split") or "").strip().lower()
-        split = next((s for s, names in SPLIT_NAMES.items() if split in names), split or "pool")
-        out.setdefault(split, []).append((image, mask))
+        out.setdefault(_split_of(row) or "pool", []).append((image, mask))
     return out
+
+
+def _split_of(row: dict) -> str:
+    """The split a CSV row names ("" when none, the raw value when unknown)."""
+    value = (row.get("split") or "").strip().lower()
+    return next((s for s, names in SPLIT_NAMES.items() if value in names), value)
+
+
+def _check_split_column(path: str, rows: list[dict]) -> None:
+    """Refuse split values that are no split, and rows without one beside rows with one: either
+    would leave rows out of training without a word."""
+    known = {name for names in SPLIT_NAMES.values() for name in names}
+    unknown: dict[str, int] = {}
+    for line, row in enumerate(rows, start=2):
+        value = (row.get("split") or "").strip()
+        if value and value.lower() not in known:
+            unknown.setdefault(value, line)
+    if unknown:
+        value, line = next(iter(unknown.items()))
+        others = f" (and {len(unknown) - 1} other unknown value(s))" if len(unknown) > 1 else ""
+        raise DataError(f"{path} line {line}: split {value!r}{others} is not a split; write one of "
+                        f"{', '.join(sorted(known))} in the split column, or leave it empty in every row to "
+                        f"split by --config.data.val_fraction.")
+    blank = [line for line, row in enumerate(rows, start=2) if not _split_of(row)]
+    if blank and len(blank) < len(rows):
+        raise DataError(f"{path}: {len(blank)} of {len(rows)} rows (first at line {blank[0]}) have no split while "
+                        f"the others have one; give every row a split, or none to split by "
+                        f"--config.data.val_fraction.")
 
 
 def _split_pool(pool: list[tuple[str, str]], split: str, fraction: float, seed: int) -> list[tuple[str, str]]:
@@ -147,8 +179,9 @@ def label_table(label_map: Sequence[Sequence[int]], num_classes: int) -> np.ndar
     return table
 
 
-def load_labels(path, table: np.ndarray | None, num_classes: int) -> np.ndarray:
-    """A mask as uint8 (H, W) classes: palette indices or grey levels, through ``table``."""
+def load_stored(path) -> np.ndarray:
+    """A mask's stored values as uint8 (H, W): palette indices or grey levels (a 1-bit mask reads
+    as 0 and 255, a colour one by its luminance)."""
     try:
         with Image.open(path) as img:
             img.load()
@@ -161,7 +194,13 @@ def load_labels(path, table: np.ndarray | None, num_classes: int) -> np.ndarray:
     if arr.max(initial=0) > 255:
         raise BadFileError(source_name(path), f"holds value {int(arr.max())}; masks are label maps of 0-255",
                            "save the mask as an 8-bit or palette PNG")
-    labels = arr.astype(np.uint8) if table is None else table[arr.astype(np.uint8)]
+    return arr.astype(np.uint8)
+
+
+def load_labels(path, table: np.ndarray | None, num_classes: int) -> np.ndarray:
+    """A mask as uint8 (H, W) classes: palette indices or grey levels, through ``table``."""
+    stored = load_stored(path)
+    labels = stored if table is None else table[stored]
     bad = np.unique(labels[(labels >= num_classes) & (labels != IGNORE_INDEX)])
     if bad.size:
         raise BadFileError(source_name(path), f"has label value(s) {bad[:5].tolist()} but model.num_classes="

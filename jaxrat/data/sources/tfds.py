@@ -19,6 +19,7 @@ import numpy as np
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.imageio import binary_mask
 from jaxrat.data.pipeline import ExampleSource
+from jaxrat.runtime import folders
 from jaxrat.runtime.errors import DataError
 
 
@@ -32,8 +33,8 @@ def data_source(name: str, split: str, data_dir: str, *, encoded: Sequence[str] 
     hint = f" ({how_to_prepare})" if how_to_prepare else ""
     not_prepared = (f"TFDS dataset {name!r} split {split!r} is not prepared as ArrayRecord in {data_dir} ({{}}); "
                     f"prepare it{hint} or fix --config.data.data_dir.")
-    if data_dir and not glob.glob(os.path.join(glob.escape(data_dir), name.split(":")[0], "**", "dataset_info.json"),
-                                  recursive=True):
+    if data_dir and not folders.glob_files(os.path.join(glob.escape(data_dir), name.split(":")[0], "**",
+                                                        "dataset_info.json")):
         # tfds would otherwise start preparing it there: a mistyped folder would be created, then fail.
         raise DataError(not_prepared.format("no dataset_info.json"))
     try:
