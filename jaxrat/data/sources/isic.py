@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxrat.data import imageio
 from jaxrat.data import transforms as T
-from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.badfiles import BadFilePolicy, refuse_once
 from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size, source_name
 from jaxrat.runtime.errors import DataError
 
@@ -166,13 +166,14 @@ def _pairs_from_split_file(data_dir: str, split: str, split_file: str, policy: B
     return out
 
 
+@refuse_once
 def find_pairs(
     data_dir: str, split: str, *, split_file: str = "", policy: BadFilePolicy | None = None, check: bool = True
 ) -> list[tuple[str, str]]:
     """Sorted (image_path, mask_path) pairs of ``split``; raise DataError naming what is missing.
 
-    With ``check`` every pair's headers are checked (cheap) and bad pairs fail or are skipped
-    according to ``policy`` (default: fail).
+    With ``check`` every pair's headers are checked (cheap) and bad pairs fail (all of them listed
+    in one error) or are skipped according to ``policy`` (default: fail).
     """
     policy = policy or BadFilePolicy()
     if split_file:
