@@ -420,9 +420,9 @@ def test_arrayrecord_converter_and_reader_name_a_missing_folder_and_their_own_sw
     out = str(tmp_path / "tfds")
     with pytest.raises(DataError, match=r"ISIC 2018 data not found: looked for .*nope.*fix --src"):
         isic_arrayrecord.prepare(str(tmp_path / "nope"), out)  # tfds only asserted, with a traceback
-    assert prepare_isic.main(["--src", d, "--out", out]) == 2  # fail: #5 has no mask
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"jaxrat: error: {img(5)}: its mask") and err.endswith("or set --on-bad-file=skip.")
+    assert prepare_isic.main(["--src", d, "--out", out]) == 2  # fail: every bad pair listed, #5 has no mask
+    err = capsys.readouterr().err.strip()
+    assert f"\n  {img(5)}: its mask" in err and "or set --on-bad-file=skip to leave them out:" in err
     typo = str(tmp_path / "typo")
     with pytest.raises(DataError, match=f"not prepared as ArrayRecord in {typo} .*fix --config.data.data_dir"):
         isic_arrayrecord.example_source(typo, "train", BadFilePolicy())

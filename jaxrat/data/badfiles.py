@@ -125,7 +125,7 @@ def refusal(found: list[BadFileError]) -> DataError:
     if len(unique) > LISTED:
         lines.append(f"  ... and {len(unique) - LISTED} more")
     return DataError(f"{len(unique)} bad files in the dataset; fix or remove each of them, or set "
-                     f"--config.data.on_bad_file=skip to train without them:\n" + "\n".join(lines))
+                     f"--config.data.on_bad_file=skip to leave them out:\n" + "\n".join(lines))
 
 
 def _append_once(path: str, line: str) -> int:
