@@ -104,8 +104,9 @@ def check_pair(image_path: str, mask_path: str) -> None:
     if isize != msize:
         hint = ""
         if msize == isize[::-1] and imageio.exif_orientation(image_path) >= 5:
-            # Pixels are read as stored (EXIF ignored), so a mask drawn on the upright view is turned.
-            hint = " (the mask fits the image as its EXIF orientation shows it: save the image upright)"
+            # Images are read upright (EXIF applied), so a mask drawn on the stored pixels is turned.
+            hint = (" (the mask fits the image as stored, before its EXIF orientation turns it: draw the mask on the "
+                    "photo as viewers show it, or save the image upright without the orientation tag)")
         raise BadFileError(
             mask_path, f"mask is {msize[0]}x{msize[1]} but its image {image_path} is {isize[0]}x{isize[1]}{hint}",
             "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
