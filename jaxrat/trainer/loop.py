@@ -18,7 +18,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy
-from jaxrat.cluster import Preempted, PreemptionWatch
+from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
@@ -173,8 +173,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
                 break
         run.finish()
         status = "finished"
-    except Preempted:
-        status = "preempted"
+    except Preempted as e:
+        status = "interrupted" if isinstance(e, Interrupted) else "preempted"
         raise
     except BaseException as e:  # the summary says why, so every table can say "failed: <why>"
         error = (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
