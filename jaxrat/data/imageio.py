@@ -73,17 +73,16 @@ def _open(path: Source, draft_to: tuple[int, int] | None = None) -> tuple[Image.
         raise BadFileError(name, problem)
     try:
         img = Image.open(io.BytesIO(path.data) if isinstance(path, Encoded) else path)
-        size, orientation = img.size, _orientation(img)
-        if orientation in _QUARTER_TURNS:
-            size = size[::-1]
+        size = img.size
         if draft_to is not None and img.format == "JPEG":
             # JPEG can decode at 1/2, 1/4 or 1/8 scale for free; draft keeps the result >= draft_to
-            # (asked of the stored pixels, which a quarter turn swaps).
-            img.draft("RGB", draft_to[::-1] if orientation in _QUARTER_TURNS else draft_to)
+            # (asked of the stored pixels, which a quarter turn swaps; a JPEG's EXIF is in its header).
+            img.draft("RGB", draft_to[::-1] if _orientation(img) in _QUARTER_TURNS else draft_to)
         img.load()  # decode now so truncated files fail here, not later
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise BadFileError(name, f"not a readable image ({type(e).__name__}: {e})") from None
-    return upright(img, name, orientation), size
+    orientation = _orientation(img)  # after load: a PNG may carry its EXIF after the pixels
+    return upright(img, name, orientation), size[::-1] if orientation in _QUARTER_TURNS else size
 
 
 # EXIF orientations that turn the image a quarter (swapping width and height).
