@@ -169,9 +169,10 @@ class MulticlassEval(EvalAccumulator):
             return []
         k = len(self._names)
         rows = np.concatenate(self._rows) if self._rows else np.zeros((0, 2 + 3 * k), np.int64)
-        if jax.process_count() > 1:
+        if jax.process_count() > 1:  # int32 (JAX's default width): an image's pixel counts, exact to 2^31
             from jax.experimental import multihost_utils
 
+            rows = rows.astype(np.int32)
             rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
         rows = rows[rows[:, 1] > 0]
         rows = rows[np.argsort(rows[:, 0], kind="stable")]
