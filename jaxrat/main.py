@@ -50,6 +50,9 @@ def main(argv: list[str]) -> None:
 
         try:
             train_and_evaluate(config, _WORKDIR.value)
+        except cluster.Interrupted as e:  # Ctrl-C: one line, the shell's status for an interrupted command
+            sys.stderr.write(f"jaxrat: {e}\n")
+            sys.exit(cluster.INTERRUPTED_EXIT_CODE)
         except cluster.Preempted as e:
             logging.warning("%s", e)
             sys.exit(cluster.PREEMPTED_EXIT_CODE)

@@ -53,3 +53,31 @@ def snapshot(root: str) -> dict[str, bytes]:
             with open(os.path.join(d, f), "rb") as fh:
                 out[os.path.relpath(os.path.join(d, f), root)] = fh.read()
     return out
+
+
+# Runs exported.py from an export folder in a process where importing jaxrat fails, and saves what
+# predict_image returns (an array, or {head: array} as an .npz).
+_LOADER = """
+import importlib.util, json, sys
+sys.modules["jaxrat"] = None  # any import of jaxrat now raises ImportError
+import numpy as np
+spec = importlib.util.spec_from_file_location("exported", sys.argv[1] + "/exported.py")
+exported = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(exported)
+out = exported.load(sys.argv[1]).predict_image(sys.argv[2])
+np.savez(sys.argv[3], **(out if isinstance(out, dict) else {"out": out}))
+"""
+
+
+def run_exported_loader(export_dir: str, image: str, save_to: str, env: dict) -> dict:
+    """``exported.load(export_dir).predict_image(image)`` without jaxrat importable; the arrays it
+    returned by name (``out`` for one array)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _LOADER, export_dir, image, save_to], cwd=os.path.dirname(save_to),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(save_to) as f:
+        return dict(f)

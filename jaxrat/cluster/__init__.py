@@ -10,11 +10,20 @@ package does not import JAX.
 from jaxrat.cluster.detect import ClusterSpec, detect
 from jaxrat.cluster.init import WorldInfo, initialize
 from jaxrat.cluster.peers import stop_if_peer_lost
-from jaxrat.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch, preemption_requested
+from jaxrat.cluster.preemption import (
+    INTERRUPTED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    Interrupted,
+    Preempted,
+    PreemptionWatch,
+    preemption_requested,
+)
 
 __all__ = [
+    "INTERRUPTED_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "ClusterSpec",
+    "Interrupted",
     "Preempted",
     "PreemptionWatch",
     "WorldInfo",

@@ -6,6 +6,13 @@ checkpoint save: with several processes JAX's preemption sync point agrees on th
 process a signal handler sets a flag. The run then exits with :data:`PREEMPTED_EXIT_CODE`, on which
 the job scripts requeue.
 
+Ctrl-C (SIGINT) is the same stop asked for by a person: the first one saves at the next step
+boundary and the run exits with :data:`INTERRUPTED_EXIT_CODE` (130, as shells report an
+interrupted command) and one line saying how to resume; a second one ends the process at once
+(the default action, restored by the first: no traceback, even inside a compile). Only flags are
+set in the handlers, so a Ctrl-C that arrives while a checkpoint is being written (in a thread, a
+callback, a finaliser) is never raised there and lost: the loop honours it at its next check.
+
 JAX is imported inside the functions: :mod:`jaxrat.launch` reads :data:`PREEMPTED_EXIT_CODE` from
 here to render job scripts without loading JAX.
 """
@@ -20,13 +27,20 @@ from typing import Any
 
 # Exit status after a preemption checkpoint; the job scripts requeue the job on it.
 PREEMPTED_EXIT_CODE = 42
+# Exit status after Ctrl-C: 128 + SIGINT, what shells report for an interrupted command.
+INTERRUPTED_EXIT_CODE = 130
 
 
 class Preempted(Exception):
     """A preemption signal arrived; a checkpoint was written and the run should exit for requeue."""
 
 
+class Interrupted(Preempted):
+    """Ctrl-C: stopped as for a preemption (checkpoint saved), exit :data:`INTERRUPTED_EXIT_CODE`."""
+
+
 _sigterm = threading.Event()
+_sigint = threading.Event()
 _handler_installed = False
 _processes = 1  # set by note_process_count once the world is known; a signal handler must not ask JAX
 _forwarded = False
@@ -48,8 +62,26 @@ def _on_sigusr1(signum: int, frame: Any) -> None:
         _sigterm.set()
 
 
+def _on_sigint(signum: int, frame: Any) -> None:
+    _sigint.set()
+    # A second Ctrl-C ends the process at once, as the default action does (status 130 in a shell):
+    # no Python code runs for it, so no traceback, and it works inside a long compile or step too.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # os.write, not logging: a handler may run while the main thread holds the logging lock.
+    os.write(2, b"\njaxrat: Ctrl-C: stopping at the next step to save a checkpoint (Ctrl-C again exits now)\n")
+    if _processes > 1:  # every process must stop at the same step: JAX's notifier listens for SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        _sigterm.set()
+
+
+def interrupted() -> bool:
+    """Whether the stop was asked for with Ctrl-C (SIGINT) in this process."""
+    return _sigint.is_set()
+
+
 def install_handlers() -> None:
-    """Handle SIGTERM and SIGUSR1 from here on: call it on the first line of a command's ``main``.
+    """Handle SIGTERM, SIGUSR1 and SIGINT from here on: call it on the first line of a command's ``main``.
 
     Installed lazily (at the first step's check) they left data preparation and the first compile
     (30-120 s) to the default actions: a SIGTERM ended the run with -15, which the job script does
@@ -61,6 +93,7 @@ def install_handlers() -> None:
         return
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
+    signal.signal(signal.SIGINT, _on_sigint)
     _handler_installed = True
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxrat.data import folds, label_check
-from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
+from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy, refuse_once
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
@@ -38,6 +38,7 @@ def synthetic_image_size(data_cfg: Any) -> int:
     return int(_get(data_cfg, "synthetic_image_size", 0) or data_cfg.image_size)
 
 
+@refuse_once
 def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int, num_classes: int = 1
 ) -> tuple[ExampleSource, ExampleSource]:
@@ -165,6 +166,7 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
 CLASSIFICATION_SOURCES = ("csv", "folder")
 
 
+@refuse_once
 def resolve_classification(
     data_cfg: Any, heads: tuple[str, ...], workdir: str, *, seed: int, process_index: int
 ) -> tuple[ExampleSource, ExampleSource, dict[str, list], tuple[int, ...]]:

@@ -4,6 +4,10 @@ Odd but valid files are converted, never rejected: grayscale, palette, CMYK, RGB
 float images all come back as uint8 RGB; PNG and JPEG are both fine whatever the extension says.
 Broken files raise :class:`BadFileError` (a :class:`DataError`) naming the file and the problem,
 so the bad-file policy (``jaxrat.data.badfiles``) can fail or skip them.
+
+Every image and mask is turned by its EXIF orientation (:func:`upright`), in training, evaluation
+and prediction alike: pixels and sizes are the image as viewers and annotation tools show it, so a
+phone photo and the mask drawn on it line up.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def _size_problem(path: Source) -> str | None:
 
 
 def _open(path: Source, draft_to: tuple[int, int] | None = None) -> tuple[Image.Image, tuple[int, int]]:
-    """Open and fully decode ``path``; returns (image, size as stored on disk (w, h))."""
+    """Open and fully decode ``path``, turned upright; returns (image, full upright size (w, h))."""
     problem = _size_problem(path)
     name = source_name(path)
     if problem:
@@ -71,23 +75,52 @@ def _open(path: Source, draft_to: tuple[int, int] | None = None) -> tuple[Image.
         img = Image.open(io.BytesIO(path.data) if isinstance(path, Encoded) else path)
         size = img.size
         if draft_to is not None and img.format == "JPEG":
-            # JPEG can decode at 1/2, 1/4 or 1/8 scale for free; draft keeps the result >= draft_to.
-            img.draft("RGB", draft_to)
+            # JPEG can decode at 1/2, 1/4 or 1/8 scale for free; draft keeps the result >= draft_to
+            # (asked of the stored pixels, which a quarter turn swaps; a JPEG's EXIF is in its header).
+            img.draft("RGB", draft_to[::-1] if _orientation(img) in _QUARTER_TURNS else draft_to)
         img.load()  # decode now so truncated files fail here, not later
-        return img, size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise BadFileError(name, f"not a readable image ({type(e).__name__}: {e})") from None
+    orientation = _orientation(img)  # after load: a PNG may carry its EXIF after the pixels
+    return upright(img, name, orientation), size[::-1] if orientation in _QUARTER_TURNS else size
+
+
+# EXIF orientations that turn the image a quarter (swapping width and height).
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(0x0112, 1) or 1)
+    except (ValueError, OSError, SyntaxError, TypeError):  # a damaged EXIF block: the pixels are still good
+        return 1
+
+
+def upright(img: Image.Image, name: str = "", orientation: int | None = None) -> Image.Image:
+    """``img`` turned as its EXIF orientation says (as a viewer shows it): the one place jaxrat
+    applies the orientation, for images and masks alike."""
+    orientation = _orientation(img) if orientation is None else orientation
+    if orientation == 1:
+        return img
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(img)
+    except (ValueError, OSError, SyntaxError, TypeError) as e:
+        raise BadFileError(name or str(getattr(img, "filename", "")),
+                           f"its EXIF orientation cannot be applied ({e})") from None
 
 
 def probe(path: str) -> tuple[int, int]:
-    """(width, height) from the file header only; raises BadFileError for missing, empty or non-image
-    files. Cheap (no pixel decoding), so a whole dataset can be checked before training."""
+    """(width, height) as the image is shown (EXIF orientation applied) from the file header only;
+    raises BadFileError for missing, empty or non-image files. Cheap (no pixel decoding), so a whole
+    dataset can be checked before training."""
     problem = _size_problem(path)
     if problem:
         raise BadFileError(path, problem)
     try:
         with Image.open(path) as img:
-            return img.size
+            return img.size[::-1] if _orientation(img) in _QUARTER_TURNS else img.size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise BadFileError(path, f"not a readable image ({type(e).__name__}: {e})") from None
 
@@ -96,8 +129,8 @@ def exif_orientation(path: str) -> int:
     """The EXIF orientation tag of an image file (1: upright, 5-8: turned a quarter), 1 if none."""
     try:
         with Image.open(path) as img:
-            return int(img.getexif().get(0x0112, 1) or 1)
-    except (OSError, ValueError, SyntaxError, TypeError):
+            return _orientation(img)
+    except (OSError, ValueError, SyntaxError):
         return 1
 
 
@@ -138,34 +171,12 @@ def _convert(name: str, img: Image.Image, convert):
 
 
 def load_rgb_with_size(path: Source, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
-    """Decode ``path`` (a file or :class:`Encoded` bytes) as uint8 RGB; with ``at_least=(w, h)`` a
-    JPEG may be decoded at a reduced scale that is still at least that large (much faster for big
-    photos resized for training).
-    Returns (pixels, original (w, h)). EXIF orientation is ignored: pixels come as stored, which is
-    what masks and box annotations are drawn on (see docs/data.md)."""
+    """Decode ``path`` (a file or :class:`Encoded` bytes) as uint8 RGB, turned by its EXIF
+    orientation; with ``at_least=(w, h)`` a JPEG may be decoded at a reduced scale that is still at
+    least that large (much faster for big photos resized for training).
+    Returns (pixels, (w, h) of the full-size upright image)."""
     img, size = _open(path, at_least)
     return _convert(source_name(path), img, to_rgb), size
-
-
-def load_rgb_upright(path: Source, at_least: tuple[int, int] | None = None) -> tuple[np.ndarray, tuple[int, int]]:
-    """Like :func:`load_rgb_with_size`, but turned as the EXIF orientation says (as a viewer shows
-    the photo): for prediction on new images, whose outputs must lie on the image as seen. Returns
-    (pixels, (w, h) of the full-size upright image)."""
-    from PIL import ImageOps
-
-    img, (w, h) = _open(path, at_least)
-    try:
-        orientation = int(img.getexif().get(0x0112, 1) or 1)
-    except (ValueError, OSError, SyntaxError, TypeError):  # a damaged EXIF block: the pixels are still good
-        orientation = 1
-    if orientation != 1:
-        try:
-            img = ImageOps.exif_transpose(img)
-        except (ValueError, OSError, SyntaxError, TypeError) as e:
-            raise BadFileError(source_name(path), f"its EXIF orientation cannot be applied ({e})") from None
-        if orientation in (5, 6, 7, 8):
-            w, h = h, w
-    return _convert(source_name(path), img, to_rgb), (w, h)
 
 
 def load_rgb(path: str) -> np.ndarray:

@@ -134,7 +134,8 @@ def heartbeat_age(workdir: str) -> float | None:
 
 def run_status(workdir: str, total: int | None) -> str:
     """The run's status in words: "running", "finished", "stopped early at step N", "failed: REASON",
-    "preempted at step N", "killed at step N", "stopped at step N of T", or "not started"."""
+    "preempted at step N", "interrupted at step N" (Ctrl-C), "killed at step N", "stopped at step N of T", or
+    "not started"."""
     held = lock_holder(workdir)
     state = run_state(workdir, total) if total is not None else None
     step = state.step if state else None
@@ -150,8 +151,8 @@ def run_status(workdir: str, total: int | None) -> str:
     status = summary.get("status")
     if status == "failed":
         return "failed: " + (summary.get("error") or "see its log")
-    if status == "preempted":
-        return "preempted" + at
+    if status in ("preempted", "interrupted"):
+        return status + at
     if status == "finished" and state is None:
         return "finished"
     if step is None and not os.path.exists(os.path.join(workdir, "metrics.jsonl")):

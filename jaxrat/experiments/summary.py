@@ -3,7 +3,8 @@
 Each subfolder of the root with a ``metrics.jsonl`` is a run. Per run the table holds its state
 (finished, or the step its newest checkpoint reached), its last evaluation's metrics, the best
 value of ``config.checkpoint.best_metric`` over its evaluations (with the step), and its last
-training loss. The plot draws every evaluation metric against the step, one line per run.
+training loss; the markdown table shows at most :data:`MAX_COLUMNS` of them (:func:`narrow`), the
+CSV all. The plot draws every evaluation metric against the step, one line per run.
 """
 
 from __future__ import annotations
@@ -131,6 +132,28 @@ def table(runs: list[RunSummary]) -> tuple[list[str], list[list[Any]]]:
     return header, rows
 
 
+# Columns of the markdown table (a terminal's width); summary.csv keeps every column.
+MAX_COLUMNS = 10
+# Eval metrics shown first when the table must choose (after each run's ranked metric).
+_PREFERRED = ("eval/dice", "eval/iou", "eval/top1", "eval/AP", "eval/AP50", "eval/accuracy", "eval/loss")
+
+
+def narrow(header: list[str], rows: list[list[Any]], limit: int = MAX_COLUMNS
+           ) -> tuple[list[str], list[list[Any]], list[str]]:
+    """(header, rows, hidden columns) of the table cut to ``limit`` columns: the run, its state and
+    steps, the best value and train loss and overrides always; of the last eval's metrics the ranked
+    one first, then the usual ones (:data:`_PREFERRED`), then the rest, as many as fit."""
+    metrics = [h for h in header if h.startswith(EVAL_PREFIX)]
+    fixed = [h for h in header if h not in metrics]
+    ranked = [h[len("best "):].rsplit(" (", 1)[0] for h in header if h.startswith("best ") and h.endswith(")")]
+    order = [m for m in ranked if m in metrics] + [m for m in _PREFERRED if m in metrics]
+    order = list(dict.fromkeys(order + metrics))
+    keep = set(fixed) | set(order[:max(2, limit - len(fixed))])
+    cols = [i for i, h in enumerate(header) if h in keep]
+    return ([header[i] for i in cols], [[row[i] for i in cols] for row in rows],
+            [h for h in header if h not in keep])
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return ""
@@ -195,7 +218,10 @@ def plot(runs: list[RunSummary], path: str) -> bool:
 def study_markdown(root: str, runs: list[RunSummary]) -> tuple[str, dict[str, Any] | None]:
     """The per-run table, then (for a sweep over folds/seeds) the variants' mean ± sd and paired
     differences (:mod:`jaxrat.experiments.stats`); and those numbers."""
-    text = to_markdown(*table(runs))
+    header, rows, hidden = narrow(*table(runs))
+    text = to_markdown(header, rows)
+    if hidden:
+        text += f"\n{len(hidden)} more columns in summary.csv: {', '.join(hidden)}.\n"
     numbers = repeat_stats.compute(root, runs)
     if numbers is not None:
         primary = sorted({r.best_metric for r in runs if r.best_metric})

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from jaxrat.cluster import PREEMPTED_EXIT_CODE
+from jaxrat.cluster import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from jaxrat.config import check_override_args, load_config, load_config_module
 from jaxrat.experiments.sweep import _value, die_with_parent, train_command, wait_for_stopping_run
 from jaxrat.runtime.errors import ConfigError, UserError
@@ -265,7 +265,7 @@ class Interrupted(Exception):
 
 
 # A trial's training process that ended like this was stopped from outside (its checkpoint is kept).
-PREEMPTED_STATUSES = (PREEMPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGINT, -signal.SIGUSR1)
+PREEMPTED_STATUSES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGINT, -signal.SIGUSR1)
 
 
 def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[str, str] | None = None,

@@ -6,12 +6,14 @@ it next to the exported files and use it anywhere jax runs::
     from exported import load
     model = load("export_dir")              # reads model.jax and model.json
     probs = model(pixels)                   # pixels: (batch, size, size, 3) RGB values 0..255
-    prob = model.predict_image("photo.jpg") # segmentation: (H, W) probabilities at the photo's size
+    prob = model.predict_image("photo.jpg") # binary segmentation: (H, W) probabilities at the photo's size;
+                                            # multi-class (H, W, classes); classification {head: probs}
 
 ``model.json`` holds the input contract: ``image_size``, ``channel_order`` (RGB),
 ``input_range`` (0..255; the ImageNet normalisation ``mean``/``std`` is applied inside the model),
-``batch_size`` (the exported batch, null for any; :class:`Exported` pads and splits other sizes), ``threshold``,
-``labels`` and what each output means.
+``batch_size`` (the exported batch, null for any; :class:`Exported` pads and splits other sizes), ``threshold``
+(binary segmentation; null otherwise), ``classes`` (segmentation) or ``labels`` (classification, per head),
+``outputs`` and ``output_shape`` (what each output means).
 """
 
 from __future__ import annotations
@@ -52,27 +54,46 @@ class Exported:
             outs.append(jax.tree.map(lambda x, m=m: np.asarray(x)[:m], out))
         return jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
 
-    def predict_image(self, path: str) -> np.ndarray:
-        """Segmentation: the foreground probability of the image file ``path`` at its full size,
-        preprocessed as ``jaxrat.predict`` does (reduced-scale JPEG decoding, EXIF orientation,
-        bilinear resizes; stretched, not letterboxed, unless the contract says ``letterbox``)."""
+    def predict_image(self, path: str) -> Any:
+        """The model's answer for the image file ``path``, preprocessed as ``jaxrat.predict`` does
+        (reduced-scale JPEG decoding, EXIF orientation, bilinear resizes; stretched, not
+        letterboxed, unless the contract says ``letterbox``). Binary segmentation: (H, W)
+        foreground probabilities at the photo's size; multi-class segmentation: (H, W, classes)
+        class probabilities (``argmax(-1)`` is the label map, ``contract["classes"]`` names them);
+        classification: ``{head: (classes,) probabilities}`` (``contract["labels"]`` names them)."""
         from PIL import Image
 
+        task = self.contract.get("task", "segmentation")
+        if task not in ("segmentation", "classification"):
+            raise ValueError(f"predict_image reads one image for segmentation or classification; this export is "
+                             f"{task}: call the model on pixels (and pad_mask) as contract['input'] says.")
         image, (h, w) = read_upright(path, self.image_size)
         s = self.image_size
         if self.contract.get("letterbox"):
             scale = min(s / h, s / w)
             ch, cw = max(1, min(s, round(h * scale))), max(1, min(s, round(w * scale)))
-            canvas = np.zeros((s, s, 3), np.uint8)
-            canvas[:ch, :cw] = np.asarray(Image.fromarray(image).resize((cw, ch), Image.BILINEAR))
-            prob = self(canvas[None])[0][:ch, :cw]
+            pixels = np.zeros((s, s, 3), np.uint8)
+            pixels[:ch, :cw] = np.asarray(Image.fromarray(image).resize((cw, ch), Image.BILINEAR))
         else:
-            resized = image if image.shape[:2] == (s, s) else np.asarray(
+            ch, cw = s, s
+            pixels = image if image.shape[:2] == (s, s) else np.asarray(
                 Image.fromarray(image).resize((s, s), Image.BILINEAR))
-            prob = self(resized[None])[0]
-        if prob.shape == (h, w):
-            return np.asarray(prob, np.float32)
-        return np.asarray(Image.fromarray(np.ascontiguousarray(prob, np.float32)).resize((w, h), Image.BILINEAR))
+        out = self(pixels[None])
+        if task == "classification":
+            return {head: np.asarray(p[0], np.float32) for head, p in zip(self.contract["heads"], out)}
+        prob = np.asarray(out[0], np.float32)[:ch, :cw]
+        if prob.ndim == 3:  # class probabilities: each class's map resized on its own
+            return np.stack([_resized(prob[..., k], h, w) for k in range(prob.shape[-1])], -1)
+        return _resized(prob, h, w)
+
+
+def _resized(prob: np.ndarray, h: int, w: int) -> np.ndarray:
+    """A (h', w') float map resized (bilinear) to (h, w), as jaxrat maps probabilities back."""
+    from PIL import Image
+
+    if prob.shape == (h, w):
+        return np.asarray(prob, np.float32)
+    return np.asarray(Image.fromarray(np.ascontiguousarray(prob, np.float32)).resize((w, h), Image.BILINEAR))
 
 
 def read_upright(path: str, at_least: int) -> tuple[np.ndarray, tuple[int, int]]:

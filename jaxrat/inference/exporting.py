@@ -2,7 +2,8 @@
 ``python -m jaxrat.export`` runs.
 
 The function takes RGB pixel values 0..255 at the training size (normalisation inside) and returns
-probabilities (segmentation (B, S, S); classification one (B, classes) array per head) or
+probabilities (binary segmentation (B, S, S), multi-class (B, S, S, classes); classification one
+(B, classes) array per head) or
 detections (scores, class indices, boxes normalised x1, y1, x2, y2 on the canvas). The weights are
 constants of the serialised program. The model is built with ``config.model.kernels="portable"``
 where the config has that key (no platform-specific custom calls, which cannot be serialised).
@@ -35,8 +36,9 @@ def portable(config: Any) -> Any:
     return config
 
 
-def contract(predictor: Any, batch: int, platforms: Sequence[str]) -> dict[str, Any]:
-    """The JSON written beside the program: what goes in, what comes out."""
+def contract(predictor: Any, batch: int, platforms: Sequence[str], out_avals: Sequence[Any] = ()) -> dict[str, Any]:
+    """The JSON written beside the program: what goes in, what comes out (``out_avals``: the
+    program's output shapes, which size each classification head's labels)."""
     from jaxrat.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
     s = predictor.image_size
@@ -52,11 +54,24 @@ def contract(predictor: Any, batch: int, platforms: Sequence[str]) -> dict[str, 
         "threshold": predictor.threshold, "workdir": predictor.workdir, "step": predictor.step,
     }
     if predictor.kind == "segmentation":
-        c["outputs"] = f"float32 (batch, {s}, {s}) foreground probability; a pixel is foreground at >= threshold"
+        names = list(getattr(predictor.task, "class_names", ()))
+        if len(names) > 1:  # class maps: softmax over the classes, the argmax is the label
+            c["outputs"] = (f"float32 (batch, {s}, {s}, {len(names)}) softmax probability of each class in the "
+                            f"order of classes; a pixel's label is the most likely class (0: {names[0]})")
+            c["output_shape"] = ["batch", s, s, len(names)]
+            c["classes"], c["threshold"] = names, None
+        else:
+            c["outputs"] = f"float32 (batch, {s}, {s}) foreground probability; a pixel is foreground at >= threshold"
+            c["output_shape"] = ["batch", s, s]
+            c["classes"] = ["background", "foreground"]
     elif predictor.kind == "classification":
         c["outputs"] = "one float32 (batch, classes) softmax probability array per head, in the order of heads"
         c["heads"] = list(predictor.task.heads)
-        c["labels"] = {h: predictor.labels.get(h, []) for h in predictor.task.heads}
+        sizes = [int(a.shape[-1]) for a in out_avals] if out_avals else [0] * len(c["heads"])
+        c["output_shape"] = {h: ["batch", n] for h, n in zip(c["heads"], sizes)}
+        # Every class named (its number where the data had no label string), in output order.
+        c["labels"] = {h: [predictor.label_name(h, i) for i in range(n)] for h, n in zip(c["heads"], sizes)}
+        c["threshold"] = None
     else:
         c["input"] += f"; second input float32 pad_mask (batch, {s}, {s}), 1 on padding"
         c["outputs"] = ("scores (batch, K), class indices (batch, K) into categories, boxes (batch, K, 4) x1, y1, "
@@ -95,7 +110,7 @@ def export_model(predictor: Any, out: str, *, platforms: Sequence[str] = ("cpu",
                         f"{fix}.") from None
     os.makedirs(out, exist_ok=True)
     fileio.write_bytes(os.path.join(out, MODEL_FILE), exp.serialize())
-    fileio.write_json(os.path.join(out, CONTRACT_FILE), contract(predictor, batch, platforms), indent=2)
+    fileio.write_json(os.path.join(out, CONTRACT_FILE), contract(predictor, batch, platforms, exp.out_avals), indent=2)
     return verify(predictor, out, seed)
 
 

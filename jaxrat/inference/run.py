@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxrat.data.imageio import BadFileError, load_rgb_upright
+from jaxrat.data.imageio import BadFileError, load_rgb_with_size
 from jaxrat.inference import writers
 from jaxrat.inference.inputs import InputImage
 from jaxrat.runtime import output_folder
@@ -99,7 +99,7 @@ def prepare_output(out: str, inputs: Sequence[InputImage], input_spec: str, over
 def read(item: InputImage, predictor: Any, full: bool) -> tuple[np.ndarray, tuple[int, int]]:
     """(pixels, full (h, w)): decoded at a reduced JPEG scale no smaller than the model input unless ``full``."""
     s = predictor.image_size
-    image, (w, h) = load_rgb_upright(item.path, None if full else (s, s))
+    image, (w, h) = load_rgb_with_size(item.path, None if full else (s, s))
     return image, (h, w)
 
 

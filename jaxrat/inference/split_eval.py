@@ -67,7 +67,7 @@ def tiled_segmentation(predictor: Any, task: Any, tile: int, overlap: float) -> 
     rows = []
     for i in range(p, len(source), count):
         pair = source.records[i]
-        image, _ = load_rgb_with_size(pair[0])  # as stored, like the masks (EXIF ignored, as in training)
+        image, _ = load_rgb_with_size(pair[0])  # upright, like the masks (as in training)
         mask = source.loader.original_mask(pair).astype(bool)
         pred = predictor.predict_tiled(image, tile, overlap).mask
         tp = int(np.count_nonzero(pred & mask))

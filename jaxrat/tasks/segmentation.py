@@ -116,7 +116,8 @@ class SegmentationTask(ImageTask):
         d = self.config.data
         return pipeline.eval_batches(self.val_source, image_size=d.image_size, global_batch=global_batch,
                                      process_index=process_index, process_count=process_count,
-                                     with_index=self.eval_original_resolution, **pipeline.eval_options(d))
+                                     with_index=self.eval_original_resolution or self.num_classes > 1,
+                                     **pipeline.eval_options(d))
 
     def loss(self, model: nnx.Module, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         kw = dict(bce_weight=self.bce_weight, dice_weight=self.dice_weight)
@@ -153,7 +154,8 @@ class SegmentationTask(ImageTask):
 
     def new_eval(self) -> EvalAccumulator:
         if self.num_classes > 1:
-            return multiclass.MulticlassEval(self.class_names, log_images=bool(self.config.train.log_images))
+            return multiclass.MulticlassEval(self.class_names, log_images=bool(self.config.train.log_images),
+                                             name=lambda i: record_name(self.val_source.records[i], i))
         return _SegmentationEval(log_images=bool(self.config.train.log_images), threshold=self.threshold,
                                  original=self._original_resolution() if self.eval_original_resolution else None,
                                  name=lambda i: record_name(self.val_source.records[i], i))

@@ -10,7 +10,7 @@ and ``iou_all`` over every class; ``pixel_accuracy`` the share of valid pixels l
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,16 +109,41 @@ def default_palette(num_classes: int) -> np.ndarray:
     return np.concatenate([base, rng.integers(40, 256, (num_classes - len(base), 3), dtype=np.uint8)])
 
 
-class MulticlassEval(EvalAccumulator):
-    """Adds the per-batch counts; logs the first images with their true and predicted classes."""
+# The predicted class of each pixel, on the device: the host fetches one byte a pixel, not C floats.
+_labels = jax.jit(lambda probs: jnp.argmax(probs, -1).astype(jnp.uint8))
 
-    def __init__(self, names: Sequence[str], log_images: bool) -> None:
+
+def image_counts(pred: np.ndarray, mask: np.ndarray, num_classes: int) -> np.ndarray:
+    """Per image and class the (tp, fp, fn) pixel counts of predicted classes ``pred`` (B, H, W)
+    against class maps ``mask`` (B, H, W[, 1]), ignored pixels left out: an int64 array (B, C, 3)."""
+    truth = np.asarray(mask).reshape(np.shape(pred)).astype(np.int64)
+    keep = truth != IGNORE_INDEX
+    out = np.zeros((len(truth), num_classes, 3), np.int64)
+    for c in range(num_classes):
+        p, t = (pred == c) & keep, (truth == c) & keep
+        tp = np.count_nonzero(p & t, axis=(1, 2))
+        out[:, c] = np.stack([tp, np.count_nonzero(p, axis=(1, 2)) - tp, np.count_nonzero(t, axis=(1, 2)) - tp], -1)
+    return out
+
+
+class MulticlassEval(EvalAccumulator):
+    """Adds the per-batch counts; logs the first images with their true and predicted classes;
+    with ``name`` (index -> image name) and batches carrying ``index``, keeps each image's per-class
+    counts at the model's resolution for :meth:`per_image`."""
+
+    def __init__(self, names: Sequence[str], log_images: bool, name: Callable[[int], str] | None = None) -> None:
         super().__init__()
         self._names, self._want_images = tuple(names), log_images
         self._images: dict[str, np.ndarray] = {}
+        self._name = name
+        self._rows: list[np.ndarray] = []  # (index, valid, tp_0, fp_0, fn_0, tp_1, ...) per image
 
     def update(self, sums: Mapping[str, jax.Array], batch: Batch, outputs: Any) -> None:
         self.add_sums(sums)
+        if self._name is not None and "index" in batch:
+            counts = image_counts(host_rows(_labels(outputs)), batch["mask"], len(self._names))
+            head = np.stack([np.asarray(batch["index"], np.int64), np.asarray(batch["valid"]) > 0], -1)
+            self._rows.append(np.concatenate([head, counts.reshape(len(counts), -1)], -1))
         if self._want_images and not self._images:
             from jaxrat.data.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
@@ -134,6 +159,40 @@ class MulticlassEval(EvalAccumulator):
 
     def finalize(self) -> dict[str, float]:
         return finalize(self.fetched_totals(), self._names)
+
+    def per_image(self) -> list[dict[str, Any]]:
+        """One row per valid eval image, in example order: ``image``, ``dice`` and ``iou`` (the mean
+        over foreground classes), ``pixel_accuracy``, then ``dice/<class>`` and ``iou/<class>`` of
+        every class (1 where the class is neither in the mask nor predicted, as in :func:`finalize`).
+        A collective under several processes."""
+        if self._name is None:
+            return []
+        k = len(self._names)
+        rows = np.concatenate(self._rows) if self._rows else np.zeros((0, 2 + 3 * k), np.int64)
+        if jax.process_count() > 1:  # int32 (JAX's default width): an image's pixel counts, exact to 2^31
+            from jax.experimental import multihost_utils
+
+            rows = rows.astype(np.int32)
+            rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+        rows = rows[rows[:, 1] > 0]
+        rows = rows[np.argsort(rows[:, 0], kind="stable")]
+        out = []
+        for r in rows:
+            counts = r[2:].reshape(k, 3).astype(np.float64)
+            row: dict[str, Any] = {"image": self._name(int(r[0]))}
+            dice, iou = {}, {}
+            for c, name in enumerate(self._names):
+                tp, fp, fn = counts[c]
+                dice[name] = 2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn > 0 else 1.0
+                iou[name] = tp / (tp + fp + fn) if tp + fp + fn > 0 else 1.0
+            fg = self._names[1:]
+            pixels = counts[:, 0].sum() + counts[:, 1].sum()  # every kept pixel is predicted as one class
+            row.update(dice=float(np.mean([dice[n] for n in fg])), iou=float(np.mean([iou[n] for n in fg])),
+                       pixel_accuracy=float(counts[:, 0].sum() / pixels) if pixels else 1.0)
+            for name in self._names:
+                row[f"dice/{name}"], row[f"iou/{name}"] = float(dice[name]), float(iou[name])
+            out.append(row)
+        return out
 
     def images(self) -> dict[str, np.ndarray]:
         return self._images

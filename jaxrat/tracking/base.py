@@ -39,7 +39,8 @@ class Tracker(Protocol):
         """Push what is buffered."""
 
     def close(self, status: str = "finished") -> None:
-        """End the run (``status``: "finished", "failed" or "preempted") and release files and threads."""
+        """End the run (``status``: "finished", "failed", "preempted" or "interrupted") and release files and
+        threads."""
 
 
 class TrackerBase:

@@ -30,7 +30,7 @@ FAILURES_BEFORE_PAUSE = 3
 PAUSE_S = 60.0
 MAX_PARAMS_PER_CALL = 100  # the server's limit for log_batch
 MAX_PARAM_LENGTH = 6000
-STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
+STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED", "interrupted": "KILLED"}
 
 
 def _require_mlflow() -> None:

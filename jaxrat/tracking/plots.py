@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping, Sequence
+import textwrap
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -37,21 +38,29 @@ def _series(rows: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def eval_keys(rows: Sequence[Mapping], best_metric: str = "", limit: int = 4) -> list[str]:
-    """The eval metrics to draw: the ranked one first, then the usual ones, then the task's others."""
+def eval_keys(rows: Sequence[Mapping], best_metric: str = "", limit: int = 4,
+              foreground: Sequence[str] = ()) -> list[str]:
+    """The eval metrics to draw: the ranked one first, then the usual ones, then the task's others.
+    ``foreground``: a multi-class segmentation's foreground class names: then the classes' mean
+    Dice (``eval/dice``) and each foreground class's (``eval/dice/<class>``), never the background's."""
     present = {k for r in rows for k in r if k.startswith("eval/") and not k.startswith("eval/orig/")
                and isinstance(r[k], (int, float)) and k != "eval/num_images"}
+    per_class = [f"eval/dice/{c}" for c in foreground if f"eval/dice/{c}" in present]
+    if per_class:
+        mean = [k for k in (best_metric, "eval/dice") if k in present and not k.startswith("eval/dice/")]
+        return list(dict.fromkeys(mean)) + per_class[:max(limit, 8)]
     order = [best_metric] if best_metric in present else []
     order += [k for k in _PREFERRED if k in present and k not in order]
     order += sorted(present - set(order))
     return order[:limit]
 
 
-def write_curves(workdir: str, best_metric: str = "") -> str | None:
-    """``WORKDIR/curves.png`` from ``WORKDIR/metrics.jsonl``; None when there is nothing to draw."""
+def write_curves(workdir: str, best_metric: str = "", foreground: Sequence[str] = ()) -> str | None:
+    """``WORKDIR/curves.png`` from ``WORKDIR/metrics.jsonl``; None when there is nothing to draw.
+    ``foreground``: see :func:`eval_keys`."""
     rows = read_rows(os.path.join(workdir, "metrics.jsonl"))
     panels = [k for k in ("train/loss", "train/learning_rate") if _series(rows, k)[0]]
-    panels += eval_keys(rows, best_metric)
+    panels += eval_keys(rows, best_metric, foreground=foreground)
     if not panels:
         return None
     import matplotlib
@@ -67,7 +76,7 @@ def write_curves(workdir: str, best_metric: str = "") -> str | None:
         ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
         if key == "train/learning_rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-        ax.set_title(key)
+        ax.set_title("eval/dice (mean over the classes)" if key == "eval/dice" and foreground else key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
@@ -81,6 +90,18 @@ def write_curves(workdir: str, best_metric: str = "") -> str | None:
 
 def write_confusion(workdir: str, head: str, confusion: np.ndarray, labels: Sequence[str] = ()) -> str:
     """``WORKDIR/confusion_<head>.png``: counts, coloured by the share of each true class."""
+    import matplotlib.pyplot as plt
+
+    fig = confusion_figure(head, confusion, labels)
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in head)
+    path = os.path.join(workdir, f"confusion_{safe}.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def confusion_figure(head: str, confusion: np.ndarray, labels: Sequence[str] = ()) -> Any:
+    """The matplotlib figure :func:`write_confusion` saves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,10 +124,7 @@ def write_confusion(workdir: str, head: str, confusion: np.ndarray, labels: Sequ
                             color="white" if rows[i, j] > 0.5 else "black")
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    ax.set_title(f"{head}: confusion (rows: true class)")
+    # Wrapped to the figure's width: a long head name in one line ran past a small matrix's edges.
+    ax.set_title(textwrap.fill(f"{head}: confusion (rows: true class)", max(16, int(side * 7))), fontsize=10)
     fig.tight_layout()
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in head)
-    path = os.path.join(workdir, f"confusion_{safe}.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return fig

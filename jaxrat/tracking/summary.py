@@ -21,8 +21,15 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _table(rows: Mapping[str, Any]) -> list[str]:
-    return ["| | |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in rows.items())]
+def _score(v: Any) -> str:
+    """A metric with four decimals kept (0.9700, not 0.97, which reads as rounded to 2 digits)."""
+    if isinstance(v, float) and (v == 0 or 1e-3 <= abs(v) < 1e4):
+        return f"{v:.4f}"
+    return _fmt(v)
+
+
+def _table(rows: Mapping[str, Any], fmt: Any = _fmt) -> list[str]:
+    return ["| | |", "|---|---|", *(f"| {k} | {fmt(v)} |" for k, v in rows.items())]
 
 
 def markdown(s: Mapping[str, Any]) -> str:
@@ -41,11 +48,11 @@ def markdown(s: Mapping[str, Any]) -> str:
         "hardware": f"{hw.get('device_count', '')} x {hw.get('device_kind', '')} ({hw.get('backend', '')}) in "
                     f"{hw.get('process_count', '')} process(es)",
         "mesh": s.get("mesh"),
-        "best": f"{best.get('metric')} {_fmt(best.get('value'))} at step {best.get('step')}" if best else "",
+        "best": f"{best.get('metric')} {_score(best.get('value'))} at step {best.get('step')}" if best else "",
     })
     for title, key in (("Last eval", "last_eval"), ("Last train window", "last_train")):
         if s.get(key):
-            lines += ["", f"## {title}", "", *_table(s[key])]
+            lines += ["", f"## {title}", "", *_table(s[key], _score)]
     if ck:
         lines += ["", "## Checkpoints", "", *_table({k: v for k, v in ck.items() if v})]
     if s.get("plots"):

@@ -16,7 +16,7 @@ from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 from jaxrat.tracking.base import TrackerBase
 
-STATUS_EXIT_CODE = {"finished": 0, "failed": 1, "preempted": 1}
+STATUS_EXIT_CODE = {"finished": 0, "failed": 1, "preempted": 1, "interrupted": 1}
 
 
 class WandbTracker(TrackerBase):

@@ -125,7 +125,7 @@ class MetricWriter:
         self._each("flush")
 
     def close(self, status: str = "finished") -> None:
-        """End every tracker's run (``status``: "finished", "failed" or "preempted")."""
+        """End every tracker's run (``status``: "finished", "failed", "preempted" or "interrupted")."""
         self._each("close", status)
         self.trackers = []
 

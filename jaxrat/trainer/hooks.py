@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule
 from jaxrat.checkpointing.store import rank
-from jaxrat.cluster import Preempted, PreemptionWatch
+from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch, preemption
 from jaxrat.runtime import console
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import Task
@@ -271,6 +271,8 @@ class Saver:
         self.save(step, state, data_state, "preemption", eval_pending=eval_pending)
         self.ckpt.wait()
         where = "during evaluation " if eval_pending else ""
+        if preemption.interrupted():
+            raise Interrupted(f"interrupted {where}at step {step}; run the same command to resume")
         raise Preempted(f"preempted {where}at step {step}: checkpoint saved, exit for requeue")
 
     def last_good(self) -> str:
@@ -380,6 +382,9 @@ def stop_if_preempted(watch: PreemptionWatch, step: int) -> None:
         return
     watch.hold_signals()
     kept = f"the checkpoint of step {step} is kept" if step else "no checkpoint yet"
+    if preemption.interrupted():
+        raise Interrupted(f"interrupted before step {step + 1} (during start-up, {kept}); run the same command to "
+                          "resume")
     raise Preempted(f"preempted before step {step + 1} (during start-up): nothing to save, {kept}; exit for requeue")
 
 

@@ -18,7 +18,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy
-from jaxrat.cluster import Preempted, PreemptionWatch
+from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
@@ -76,6 +76,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     """
     t_created = time.perf_counter()
     workdir = os.path.abspath(workdir)
+    check_is_folder(workdir)
     existed = os.path.isdir(workdir)
     fresh = not existed or not os.listdir(workdir)
     started: list[bool] = []
@@ -91,6 +92,17 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
         if fresh and not started and jax.process_index() == 0:
             _clear(workdir, remove_folder=not existed)
         raise
+
+
+def check_is_folder(workdir: str) -> None:
+    """Refuse a ``workdir`` that is a file (or lies under one) before anything is written."""
+    path = workdir
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path) if os.path.dirname(path) != path else ""
+    if path and not os.path.isdir(path):
+        what = "is a file, not a folder" if path == workdir else f"is not a folder: {path} is a file"
+        raise UserError(f"--workdir {workdir} {what}; pass a folder for the run (a new one, or a run's workdir to "
+                        "resume it).")
 
 
 def _clear(workdir: str, remove_folder: bool) -> None:
@@ -173,8 +185,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
                 break
         run.finish()
         status = "finished"
-    except Preempted:
-        status = "preempted"
+    except Preempted as e:
+        status = "interrupted" if isinstance(e, Interrupted) else "preempted"
         raise
     except BaseException as e:  # the summary says why, so every table can say "failed: <why>"
         error = (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
@@ -186,7 +198,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
                                         wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
                                         kernels=spec.kernels, error=error, **run.summary(done))
             confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
-            run_summary.publish(writer, workdir, summary, confusions)
+            classes = tuple(getattr(w.task, "class_names", ()))  # multi-class segmentation: background first
+            run_summary.publish(writer, workdir, summary, confusions, classes[1:] if len(classes) > 1 else ())
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
         writer.close(status)

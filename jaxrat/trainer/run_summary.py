@@ -13,7 +13,7 @@ import os
 import socket
 import subprocess
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import ml_collections as mlc
@@ -107,14 +107,15 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
     }
 
 
-def draw(workdir: str, best_metric: str, confusions: dict[str, tuple[Any, list[str]]] | None) -> list[str]:
+def draw(workdir: str, best_metric: str, confusions: dict[str, tuple[Any, list[str]]] | None,
+         foreground: Sequence[str] = ()) -> list[str]:
     """The run's pictures (:mod:`jaxrat.tracking.plots`): the curves, and each confusion matrix; a
     picture that cannot be drawn costs a warning, never the summary."""
     from jaxrat.tracking import plots
 
     paths: list[str] = []
     try:
-        curves = plots.write_curves(workdir, best_metric)
+        curves = plots.write_curves(workdir, best_metric, foreground)
         paths += [curves] if curves else []
         for head, (matrix, labels) in (confusions or {}).items():
             paths.append(plots.write_confusion(workdir, head, matrix, labels))
@@ -124,13 +125,14 @@ def draw(workdir: str, best_metric: str, confusions: dict[str, tuple[Any, list[s
 
 
 def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any],
-            confusions: dict[str, tuple[Any, list[str]]] | None = None) -> None:
+            confusions: dict[str, tuple[Any, list[str]]] | None = None, foreground: Sequence[str] = ()) -> None:
     """Draw the plots, write the files (process 0), hand them and the checkpoint paths to the
-    trackers; a write that fails costs a warning. ``confusions``: {head: (matrix, class names)}."""
+    trackers; a write that fails costs a warning. ``confusions``: {head: (matrix, class names)};
+    ``foreground``: a multi-class segmentation's foreground classes (their curves are drawn)."""
     if jax.process_index() != 0:
         return
     pictures = draw(workdir, str((summary.get("config") or {}).get("checkpoint", {}).get("best_metric", "")),
-                    confusions)
+                    confusions, foreground)
     summary = {**summary, "plots": [os.path.basename(p) for p in pictures]}
     try:
         paths = write_summary(workdir, summary) + pictures

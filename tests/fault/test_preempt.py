@@ -184,3 +184,36 @@ def test_init_from_best_starts_a_new_run_and_a_shape_mismatch_names_the_paramete
     assert run.wait() == 2
     err = run.output().strip().splitlines()[-1]
     assert err.startswith("jaxrat: error: init_from: params/") and "in this model" in err, err
+
+
+def test_ctrl_c_saves_at_the_next_step_and_a_second_one_exits_at_once(tmp_path, compile_cache):
+    """Ctrl-C while a checkpoint is being written: honoured after that save, at the next step
+    boundary, with a checkpoint, status 130, one closing line and no traceback; twice: out at once."""
+    from jaxrat.cluster import INTERRUPTED_EXIT_CODE
+
+    wd = str(tmp_path / "wd")
+    ckdir = os.path.join(wd, "checkpoints")
+    args = ["--config.num_train_steps=400", "--config.checkpoint.every_steps=1", "--config.train.eval_every=1000"]
+    run = Run(wd, args, cached_env(1, compile_cache), str(tmp_path / "1.log"))
+    wait_until(lambda: save_started(ckdir, 3), [run], what="the save of step 3")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == INTERRUPTED_EXIT_CODE == 130, run.output()[-4000:]
+    out = run.output()
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    m = re.search(r"jaxrat: interrupted at step (\d+); run the same command to resume\n$", out)
+    assert m, out[-3000:]
+    step = int(m.group(1))
+    assert step >= 3 and store.committed_steps(ckdir)[-1] == step
+    assert store.step_metadata(ckdir, step)["reason"] == "preemption"
+    assert json.load(open(os.path.join(wd, "summary.json")))["status"] == "interrupted"
+    assert "Status: **interrupted**" in open(os.path.join(wd, "summary.md")).read()
+
+    run = Run(wd, args, cached_env(1, compile_cache), str(tmp_path / "2.log"))
+    wait_until(lambda: len(train_steps_logged(wd)) >= step + 2, [run], what="two steps after the resume")
+    run.proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "Ctrl-C again exits now" in run.output(), [run], what="the first Ctrl-C's notice")
+    run.proc.send_signal(signal.SIGINT)  # while it finishes the step and saves (seconds)
+    assert run.wait(timeout=30) == -signal.SIGINT, run.output()[-4000:]  # a shell reports 130
+    out = run.output()
+    assert f"resumed from step {step}" in out and "Traceback" not in out, out[-4000:]
+    assert "jaxrat: interrupted at step" not in out

@@ -84,7 +84,7 @@ def _session_ends(session: int, timeout: float = 15) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_a_signal_during_start_up_exits_for_requeue_with_nothing_to_save(tmp_path, compile_cache, sig):
     """The handlers were installed at the first step's check: a SIGTERM during data preparation or
     the first compile ended the run with -15 (not requeued), SIGUSR1 killed it outright, and the
@@ -105,8 +105,14 @@ def test_a_signal_during_start_up_exits_for_requeue_with_nothing_to_save(tmp_pat
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
     text = open(log).read()
-    assert code == PREEMPTED_EXIT_CODE, text[-3000:]
-    assert "nothing to save" in text and "preempted before step 1" in text, text[-3000:]
+    if sig == signal.SIGINT:  # Ctrl-C: the same stop, said for a person, with the shell's status
+        assert code == 130 and "Traceback" not in text, text[-3000:]
+        last = text.rstrip().splitlines()[-1]
+        assert last == ("jaxrat: interrupted before step 1 (during start-up, no checkpoint yet); run the same "
+                        "command to resume"), text[-3000:]
+    else:
+        assert code == PREEMPTED_EXIT_CODE, text[-3000:]
+        assert "nothing to save" in text and "preempted before step 1" in text, text[-3000:]
     assert not os.path.exists(os.path.join(wd, "run.lock"))
     _session_ends(proc.pid)
 

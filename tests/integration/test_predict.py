@@ -235,6 +235,7 @@ def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
     assert contract["image_size"] == 32 and contract["channel_order"] == "RGB" and contract["batch_size"] == 2
     assert contract["normalisation"]["mean"][0] == pytest.approx(0.485 * 255) and contract["threshold"] == 0.5
     assert contract["platforms"] == ["cpu", "cuda"]
+    assert contract["output_shape"] == ["batch", 32, 32] and contract["classes"] == ["background", "foreground"]
 
     src = tmp_path / "in"
     write_inputs(str(src))

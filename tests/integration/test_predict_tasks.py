@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from predict_inputs import EXPECTED_SIZES, write_inputs
+from predict_inputs import EXPECTED_SIZES, run_exported_loader, write_inputs
 from runner import REPO, env_with_devices, run_main
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,26 @@ def test_classification_top_k_labels_and_per_image_truth(tmp_path):
         assert r["shape/top1_label"] in shapes and r["shape/top2_label"] in shapes
         assert float(r["shape/top1_probability"]) >= float(r["shape/top2_probability"])
         assert "shape/top3_label" not in r and "kind/top1_label" in r
+
+    # The export's labels name every class of each head, and the loader, with jaxrat not importable,
+    # gives predict's probabilities for a photo (EXIF-turned) without --tta.
+    exp = os.path.join(str(tmp_path), "export")
+    proc = _cmd("jaxrat.export", f"--workdir={wd}", f"--out={exp}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    contract = json.load(open(os.path.join(exp, "model.json")))
+    assert contract["heads"] == ["shape", "kind"] and sorted(contract["labels"]["shape"]) == sorted(shapes)
+    assert contract["output_shape"]["kind"] == ["batch", len(contract["labels"]["kind"])]
+    out2 = str(tmp_path / "out2")
+    proc = _cmd("jaxrat.predict", "--noprogress", f"--workdir={wd}", f"--input={src}", f"--out={out2}", "--top_k=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(r for r in _rows(os.path.join(out2, "predictions.csv")) if r["image"] == "sub/exif6.jpg")
+    got = run_exported_loader(exp, os.path.join(src, "sub", "exif6.jpg"), str(tmp_path / "loaded.npz"),
+                              env_with_devices(1))
+    assert set(got) == {"shape", "kind"} and got["shape"].shape == (3,)
+    for r in (1, 2, 3):
+        label = row[f"shape/top{r}_label"]
+        p = got["shape"][contract["labels"]["shape"].index(label)]
+        assert p == pytest.approx(float(row[f"shape/top{r}_probability"]), abs=1e-5)
 
     proc = _cmd("jaxrat.evaluate", f"--workdir={wd}", "--name=cls")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,6 +9,7 @@ import json
 import logging
 
 import numpy as np
+import pytest
 
 from jaxrat.runtime import console
 from jaxrat.tracking import plots
@@ -73,3 +74,28 @@ def test_a_classification_run_leaves_curves_and_a_confusion_matrix(tmp_path):
     page = (tmp_path / "summary.md").read_text()
     for name in ("curves.png", "confusion_shape.png", "confusion_kind.png"):
         assert (tmp_path / name).is_file() and f"]({name})" in page
+
+
+def test_multiclass_curves_show_the_mean_and_each_foreground_class_not_the_background():
+    row = {"step": 5, "eval/dice": 0.8, "eval/iou": 0.7, "eval/dice_all": 0.85, "eval/loss": 0.3,
+           "eval/pixel_accuracy": 0.9, "eval/dice/background": 0.99, "eval/iou/background": 0.98,
+           "eval/dice/disc": 0.7, "eval/iou/disc": 0.6, "eval/dice/square": 0.9, "eval/iou/square": 0.8}
+    assert plots.eval_keys([row], "eval/dice", foreground=("disc", "square")) == [
+        "eval/dice", "eval/dice/disc", "eval/dice/square"]
+
+
+@pytest.mark.parametrize("head, n", [("shape", 2), ("a_rather_long_head_name", 3), ("kind", 9)])
+def test_the_confusion_matrix_title_fits_the_picture(head, n):
+    import matplotlib.pyplot as plt
+
+    fig = plots.confusion_figure(head, np.eye(n) * 3, [f"class {i}" for i in range(n)])
+    fig.canvas.draw()
+    box = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+    plt.close(fig)
+
+
+def test_summary_page_keeps_four_decimals_of_the_best_score():
+    page = markdown({"workdir": "w", "best": {"metric": "eval/dice", "value": 0.9700000286102295, "step": 150},
+                     "last_eval": {"eval/dice": 0.9700000286102295, "eval/num_images": 8}})
+    assert "eval/dice 0.9700 at step 150" in page and "| eval/dice | 0.9700 |" in page

@@ -4,6 +4,7 @@ against numpy, and a run that trains, evaluates and predicts label PNGs on such 
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from jaxrat.data.sources import segmentation_folder as sf
 from jaxrat.data.synthetic import segmentation as synthetic
 from jaxrat.runtime.errors import DataError
 from jaxrat.tasks import segmentation_multiclass as mc
+from predict_inputs import run_exported_loader
 from runner import REPO, env_with_devices
 
 
@@ -51,6 +53,31 @@ def test_per_class_dice_and_iou_match_numpy():
     keep = (truth != 255) & valid[:, None, None]
     assert got["pixel_accuracy"] == pytest.approx(np.sum((pred == truth) & keep) / keep.sum(), abs=1e-6)
     assert got["num_images"] == 3
+
+
+def test_per_image_rows_hold_each_images_per_class_scores():
+    rng = np.random.default_rng(1)
+    probs = rng.random((3, 6, 5, 3)).astype(np.float32)
+    truth = rng.integers(0, 3, size=(3, 6, 5)).astype(np.uint8)
+    truth[0, 0] = 255
+    valid = np.array([1, 1, 0], np.float32)
+    names = ("bg", "a", "b")
+    acc = mc.MulticlassEval(names, log_images=False, name=lambda i: f"img{i}.png")
+    sums = mc.eval_sums(jnp.log(jnp.asarray(probs)), jnp.asarray(truth[..., None], jnp.float32), jnp.asarray(valid),
+                        ce_weight=1.0, dice_weight=1.0)
+    # Example order, whatever the batch order; the padding row (valid 0) is left out.
+    acc.update(sums, {"mask": truth[..., None], "valid": valid, "index": np.array([7, 2, 2])}, jnp.asarray(probs))
+    acc.finalize()
+    rows = acc.per_image()
+    assert [r["image"] for r in rows] == ["img2.png", "img7.png"]
+    pred = probs.argmax(-1)
+    for r, i in zip(rows, (1, 0)):
+        for c, name in enumerate(names):
+            dice, iou = _numpy_per_class(pred[i:i + 1], truth[i:i + 1], np.ones(1, bool), c)
+            assert r[f"dice/{name}"] == pytest.approx(dice) and r[f"iou/{name}"] == pytest.approx(iou)
+        assert r["dice"] == pytest.approx((r["dice/a"] + r["dice/b"]) / 2)
+        keep = truth[i] != 255
+        assert r["pixel_accuracy"] == pytest.approx(np.mean(pred[i][keep] == truth[i][keep]))
 
 
 def _pair(root, image_name, mask_name, size=(12, 10), value=1):
@@ -137,3 +164,20 @@ def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_pat
         dice, iou = _numpy_per_class(pred, truth, np.ones(len(val), bool), c)
         assert reported[f"eval/dice/{name}"] == pytest.approx(dice, abs=1e-6), name
         assert reported[f"eval/iou/{name}"] == pytest.approx(iou, abs=1e-6), name
+    per_image = list(csv.DictReader(open(work / "eval" / "check" / "per_image.csv")))
+    assert sorted(r["image"] for r in per_image) == sorted(os.path.basename(p[0]) for p in val)
+    names = [k[len("eval/dice/"):] for k in reported if k.startswith("eval/dice/")]
+    assert len(names) == 3 and all(f"dice/{n}" in per_image[0] and f"iou/{n}" in per_image[0] for n in names)
+
+    # The export: a (1, S, S, 3) class-probability program, its classes named, and the loader's
+    # label map at each photo's size equal to predict's masks, in a process where jaxrat cannot import.
+    exp = tmp_path / "export"
+    jaxrat("export", f"--workdir={work}", f"--out={exp}", "--step=latest")
+    contract = json.loads((exp / "model.json").read_text())
+    assert contract["output_shape"] == ["batch", 32, 32, 3] and sorted(contract["classes"]) == sorted(names)
+    assert contract["threshold"] is None and "softmax" in contract["outputs"]
+    for image, _ in val[:2]:
+        probs = run_exported_loader(str(exp), image, str(tmp_path / "loaded.npz"), env)["out"]
+        png = np.asarray(Image.open(out / "masks" / (os.path.splitext(os.path.basename(image))[0] + ".png")))
+        assert probs.shape == (*png.shape, 3) and np.allclose(probs.sum(-1), 1, atol=1e-3)
+        assert np.mean(probs.argmax(-1) == png) > 0.999  # ties aside, predict's labels

@@ -115,3 +115,19 @@ def test_missing_or_broken_files(root, tmp_path):
     with pytest.raises(DataError, match="000000000999.jpg: file not found"):
         coco.CocoDetection(bad, "validation")
     assert len(coco.CocoDetection(bad, "validation", policy=BadFilePolicy("skip"))) == 8
+
+
+def test_a_photo_turned_by_exif_is_read_upright_and_annotations_of_its_stored_pixels_are_named(tmp_path):
+    from PIL import Image
+
+    from jaxrat.data.imageio import BadFileError
+
+    path = str(tmp_path / "a.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 12 wide, 8 high; shown 8 wide, 12 high
+    Image.fromarray(np.zeros((8, 12, 3), np.uint8)).save(path, exif=exif)
+    rec = {"path": path, "width": 8, "height": 12, "labels": np.zeros(0, np.int32), "is_crowd": np.zeros(0, np.int32),
+           "boxes": np.zeros((0, 4), np.float32), "area": np.zeros(0, np.float32), "image_id": 1}
+    assert coco.DecodeCoco().map(rec)["image"].shape == (12, 8, 3)
+    with pytest.raises(BadFileError, match=r"image is 8x12 but its annotations say 12x8 \(they describe it as stored"):
+        coco.DecodeCoco().map({**rec, "width": 12, "height": 8})

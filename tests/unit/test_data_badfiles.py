@@ -139,6 +139,33 @@ def test_fail_policy_names_the_file_and_the_problem(broken, victim, problem):
     assert f"ISIC_{victim:07d}" in msg and problem in msg and "on_bad_file=skip" in msg
 
 
+def test_fail_policy_lists_every_bad_file_in_one_refusal(broken, tmp_path):
+    d, img, mask = broken
+    with pytest.raises(DataError) as e:
+        isic.find_pairs(d, "train")
+    msg = str(e.value)
+    assert msg.startswith("4 bad files in the dataset;") and "on_bad_file=skip" in msg
+    for bad in (img(1), img(2), mask(4), img(5)):  # the truncated JPEG's header is sound: found when read
+        assert f"\n  {bad}: " in msg
+
+    from jaxrat.data import datasets
+    from jaxrat.data.synthetic import segmentation as synthetic_segmentation
+
+    # A whole dataset, both splits: 25 images without masks, named up to 20, the rest counted.
+    data = synthetic_segmentation.write_dataset(str(tmp_path / "folder"), num_images=30, size=8, seed=0)
+    masks = sorted(os.listdir(os.path.join(data, "masks")))
+    for name in masks[:25]:
+        os.remove(os.path.join(data, "masks", name))
+    import ml_collections as mlc
+
+    cfg = mlc.ConfigDict(dict(name="folder", data_dir=data, synthetic=False, synthetic_train=0, synthetic_val=0,
+                              val_fraction=0.5, on_bad_file="fail"))
+    with pytest.raises(DataError) as e:
+        datasets.resolve_segmentation(cfg, str(tmp_path / "wd"), seed=0, process_index=0)
+    msg = str(e.value)
+    assert msg.startswith("25 bad files") and msg.count("no mask with its name") == 20 and msg.endswith("and 5 more")
+
+
 def test_truncated_image_fails_when_read(broken):
     d, img, _ = broken
     pairs = isic.find_pairs(d, "train", policy=BadFilePolicy("skip"))
@@ -393,9 +420,9 @@ def test_arrayrecord_converter_and_reader_name_a_missing_folder_and_their_own_sw
     out = str(tmp_path / "tfds")
     with pytest.raises(DataError, match=r"ISIC 2018 data not found: looked for .*nope.*fix --src"):
         isic_arrayrecord.prepare(str(tmp_path / "nope"), out)  # tfds only asserted, with a traceback
-    assert prepare_isic.main(["--src", d, "--out", out]) == 2  # fail: #5 has no mask
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"jaxrat: error: {img(5)}: its mask") and err.endswith("or set --on-bad-file=skip.")
+    assert prepare_isic.main(["--src", d, "--out", out]) == 2  # fail: every bad pair listed, #5 has no mask
+    err = capsys.readouterr().err.strip()
+    assert f"\n  {img(5)}: its mask" in err and "or set --on-bad-file=skip to leave them out:" in err
     typo = str(tmp_path / "typo")
     with pytest.raises(DataError, match=f"not prepared as ArrayRecord in {typo} .*fix --config.data.data_dir"):
         isic_arrayrecord.example_source(typo, "train", BadFilePolicy())

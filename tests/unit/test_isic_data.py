@@ -141,26 +141,40 @@ def test_case_variants_and_stray_files_in_the_official_folders(tmp_path):
         "isic_0000002.jpeg", "ISIC_0000001.JPG"]
 
 
-def test_exif_rotated_jpeg_is_read_as_stored_so_its_mask_stays_aligned(tmp_path):
+@pytest.mark.parametrize("stored_hw", [(12, 12), (8, 12)])
+def test_exif_rotated_photo_is_read_upright_like_its_mask_everywhere(tmp_path, stored_hw):
+    """A phone photo stored sideways with orientation 6 and a mask drawn on it as viewers show it
+    (upright): training's, evaluation's and prediction's readers all see the upright photo."""
+    from jaxrat.data.imageio import load_rgb_with_size
+    from jaxrat.data.sources import segmentation_folder as sf
+
     d = str(tmp_path)
     synthetic_isic.write_dataset(d, 2, 1, 16)
     img_dir, mask_dir = (os.path.join(d, f) for f in isic.SPLIT_FOLDERS["train"])
-    image = np.zeros((8, 12, 3), np.uint8)
-    image[:, :4] = 255  # left third bright, and the mask says so, in stored pixels
-    mask = np.zeros((8, 12), np.uint8)
-    mask[:, :4] = 255
+    h, w = stored_hw
+    stored = np.zeros((h, w, 3), np.uint8)
+    stored[:, :4] = 255  # the left columns as stored: the top rows once turned (90 degrees clockwise)
+    shown = np.rot90(stored[..., 0], -1)
+    mask = np.where(shown > 127, 255, 0).astype(np.uint8)  # drawn on the upright view
+    assert mask[:4].all() and not mask[4:].any()
     exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90 degrees to display"
-    Image.fromarray(image).save(os.path.join(img_dir, "ISIC_0000000.jpg"), exif=exif, quality=95)
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    Image.fromarray(stored).save(os.path.join(img_dir, "ISIC_0000000.jpg"), exif=exif, quality=95)
     Image.fromarray(mask).save(os.path.join(mask_dir, "ISIC_0000000_segmentation.png"))
-    pair = isic.find_pairs(d, "train")[0]
-    ex = isic.DecodePair().map(pair)
-    assert ex["image"].shape == (8, 12, 3)
+    pair = isic.find_pairs(d, "train")[0]  # the sizes agree once the photo is turned
+    ex = isic.DecodePair().map(pair)  # training and evaluation
+    assert ex["image"].shape == (w, h, 3)
     np.testing.assert_array_equal(ex["image"][..., 0] > 127, ex["mask"] > 0)
-    # A mask drawn on the upright view is the image's size turned: named, with the reason.
-    Image.fromarray(mask.T.copy()).save(pair[1])
-    with pytest.raises(DataError, match=r"mask is 8x12 but its image .* is 12x8 \(the mask fits the image as its EXIF"):
-        isic.find_pairs(d, "train")
+    labels = sf.DecodeLabelPair(num_classes=2).map((pair[0], pair[1]))  # multi-class folders
+    np.testing.assert_array_equal(labels["image"][..., 0] > 127, labels["mask"] > 0)
+    pixels, size = load_rgb_with_size(pair[0], (4, 4))  # prediction (a reduced-scale JPEG decode)
+    assert size == (h, w)
+    # A mask drawn on the stored pixels of a non-square photo: named, with the reason.
+    if h != w:
+        Image.fromarray(np.where(stored[..., 0] > 127, 255, 0).astype(np.uint8)).save(pair[1])
+        with pytest.raises(DataError, match=rf"mask is {w}x{h} but its image .* is {h}x{w} \(the mask fits the "
+                                            r"image as stored"):
+            isic.find_pairs(d, "train")
 
 
 def test_images_unpacked_one_folder_too_deep_are_pointed_at(tmp_path):

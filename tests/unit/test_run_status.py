@@ -42,6 +42,10 @@ def test_every_status_word(tmp_path):
     fake_checkpoint(preempted, 4)
     _summary(preempted, status="preempted", steps={"last": 4})
     assert run_status(str(preempted), 6) == "preempted at step 4"
+    interrupted = tmp_path / "interrupted"  # Ctrl-C: saved at a step, as for a preemption
+    fake_checkpoint(interrupted, 3)
+    _summary(interrupted, status="interrupted", steps={"last": 3})
+    assert run_status(str(interrupted), 6) == "interrupted at step 3"
     killed = tmp_path / "killed"  # kill -9: the lock stays, its holder is gone; an old summary says otherwise
     fake_checkpoint(killed, 4)
     _summary(killed, status="preempted", steps={"last": 2})

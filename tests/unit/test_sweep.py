@@ -291,6 +291,22 @@ def test_summary_table_of_fake_runs(tmp_path):
     assert (root / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_wide_table_shows_the_chosen_columns_and_keeps_the_rest_in_the_csv(tmp_path):
+    names = ("background", "disc", "square")
+    row = {"step": 4, "eval/dice": 0.8, "eval/iou": 0.7, "eval/dice_all": 0.85, "eval/iou_all": 0.75,
+           "eval/pixel_accuracy": 0.9, "eval/loss": 0.3, "eval/num_images": 8.0,
+           **{f"eval/{m}/{c}": 0.5 for c in names for m in ("dice", "iou")}}
+    fake_run(tmp_path, "a", [{"step": 4, "train/loss": 0.4}, row])
+    fake_run(tmp_path, "b", [{"step": 4, "train/loss": 0.5}, row])
+    text = summary.report(str(tmp_path))
+    full = next(csv.reader(io.StringIO((tmp_path / "summary.csv").read_text())))
+    assert len(full) == 21
+    shown = (tmp_path / "summary.md").read_text().splitlines()[0].strip("| ").split(" | ")
+    assert len(shown) == summary.MAX_COLUMNS and shown[:5] == ["run", "state", "step", "eval step", "eval/dice"]
+    assert "best eval/dice (max)" in shown and "overrides" in shown and "eval/dice/background" not in shown
+    assert "11 more columns in summary.csv: eval/dice_all," in text
+
+
 def test_min_mode_best_and_plot_skipped_without_matplotlib(tmp_path, monkeypatch, caplog):
     losses = [{"step": 1, "eval/loss": 0.5}, {"step": 2, "eval/loss": 0.3}, {"step": 3, "eval/loss": 0.4}]
     fake_run(tmp_path, "r", losses, total=3, best="eval/loss", mode="min")

@@ -156,7 +156,7 @@ def test_workers_started_together_draw_different_parameters_and_a_rerun_the_same
 
 
 @pytest.mark.parametrize("end, interrupted", [("os.kill(os.getpid(), signal.SIGTERM)", True), ("sys.exit(42)", True),
-                                              ("sys.exit(1)", False)])
+                                              ("sys.exit(130)", True), ("sys.exit(1)", False)])
 def test_a_trial_stopped_from_outside_is_interrupted_and_one_that_fails_is_failed(tmp_path, end, interrupted):
     """scancel sends SIGTERM to the worker and its trial alike; the trial may die (or save and exit
     42) before the worker's handler runs. That is a preemption to resume, not a failed trial."""

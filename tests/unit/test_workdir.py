@@ -290,3 +290,16 @@ def test_a_workdir_that_cannot_be_written_is_one_sentence(tmp_path):
         with pytest.raises(UserError, match=r"^Cannot write to the workdir .* train in a folder you can write to"):
             with wdm.hold(_smoke(), wd):
                 pass
+
+
+def test_a_workdir_that_is_a_file_says_it_is_not_a_folder(tmp_path):
+    from jaxrat.runtime.errors import UserError
+    from jaxrat.trainer.loop import train_and_evaluate
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    with pytest.raises(UserError, match=rf"^--workdir {blocker} is a file, not a folder; pass a folder for the run"):
+        train_and_evaluate(_smoke(), str(blocker))
+    with pytest.raises(UserError, match=rf"^--workdir {blocker}/run is not a folder: {blocker} is a file; pass"):
+        train_and_evaluate(_smoke(), str(blocker / "run"))
+    assert blocker.read_text() == "mine"

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_rgb_with_size
+from jaxrat.data.imageio import BadFileError, exif_orientation, load_rgb_with_size
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.runtime.errors import DataError
 
@@ -68,7 +68,11 @@ class DecodeCoco(grain.transforms.Map):
     def map(self, rec: dict[str, Any]) -> T.Example:
         image, (w, h) = load_rgb_with_size(rec["path"], self.at_least)
         if (w, h) != (rec["width"], rec["height"]):
-            raise BadFileError(rec["path"], f"image is {w}x{h} but its annotations say {rec['width']}x{rec['height']}")
+            # Images are read upright (EXIF applied): annotations made on the sideways pixels are turned.
+            turned = (" (they describe it as stored, before its EXIF orientation turns it)"
+                      if (h, w) == (rec["width"], rec["height"]) and exif_orientation(rec["path"]) >= 5 else "")
+            raise BadFileError(rec["path"], f"image is {w}x{h} but its annotations say {rec['width']}x{rec['height']}"
+                                            f"{turned}")
         keep = np.ones(len(rec["labels"]), bool) if self.include_crowd else rec["is_crowd"] == 0
         return {
             "image": image,

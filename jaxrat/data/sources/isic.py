@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxrat.data import imageio
 from jaxrat.data import transforms as T
-from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.badfiles import BadFilePolicy, refuse_once
 from jaxrat.data.imageio import BadFileError, load_mask, load_rgb_with_size, source_name
 from jaxrat.runtime.errors import DataError
 
@@ -104,8 +104,9 @@ def check_pair(image_path: str, mask_path: str) -> None:
     if isize != msize:
         hint = ""
         if msize == isize[::-1] and imageio.exif_orientation(image_path) >= 5:
-            # Pixels are read as stored (EXIF ignored), so a mask drawn on the upright view is turned.
-            hint = " (the mask fits the image as its EXIF orientation shows it: save the image upright)"
+            # Images are read upright (EXIF applied), so a mask drawn on the stored pixels is turned.
+            hint = (" (the mask fits the image as stored, before its EXIF orientation turns it: draw the mask on the "
+                    "photo as viewers show it, or save the image upright without the orientation tag)")
         raise BadFileError(
             mask_path, f"mask is {msize[0]}x{msize[1]} but its image {image_path} is {isize[0]}x{isize[1]}{hint}",
             "the mask must match its image: fix or remove the pair, or set --config.data.on_bad_file=skip",
@@ -166,13 +167,14 @@ def _pairs_from_split_file(data_dir: str, split: str, split_file: str, policy: B
     return out
 
 
+@refuse_once
 def find_pairs(
     data_dir: str, split: str, *, split_file: str = "", policy: BadFilePolicy | None = None, check: bool = True
 ) -> list[tuple[str, str]]:
     """Sorted (image_path, mask_path) pairs of ``split``; raise DataError naming what is missing.
 
-    With ``check`` every pair's headers are checked (cheap) and bad pairs fail or are skipped
-    according to ``policy`` (default: fail).
+    With ``check`` every pair's headers are checked (cheap) and bad pairs fail (all of them listed
+    in one error) or are skipped according to ``policy`` (default: fail).
     """
     policy = policy or BadFilePolicy()
     if split_file:

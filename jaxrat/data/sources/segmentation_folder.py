@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_rgb_with_size, source_name
+from jaxrat.data.imageio import BadFileError, load_rgb_with_size, source_name, upright
 from jaxrat.data.sources.folder import IMAGE_EXTENSIONS
 from jaxrat.runtime.errors import ConfigError, DataError
 
@@ -185,6 +185,7 @@ def load_stored(path) -> np.ndarray:
     try:
         with Image.open(path) as img:
             img.load()
+            img = upright(img, source_name(path))  # as the image it is drawn on (imageio)
             arr = np.asarray(img if img.mode in ("P", "L", "I;16", "I") else img.convert("L"))
     except (OSError, ValueError, SyntaxError) as e:
         raise BadFileError(source_name(path), f"unreadable mask ({e})",

@@ -16,6 +16,7 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.data import transforms as T
+from jaxrat.data.badfiles import refuse_once
 from jaxrat.data.options import eval_coarsen, loader_options, option
 from jaxrat.data.sources.coco import DecodeCoco, PadBoxes
 from jaxrat.runtime.errors import ConfigError
@@ -115,6 +116,7 @@ def example_batch(config: mlc.ConfigDict) -> dict[str, np.ndarray]:
             "image_id": np.zeros((1,), np.int32), "orig_size": np.zeros((1, 2), f), "content_size": np.zeros((1, 2), f)}
 
 
+@refuse_once
 def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     """(train, validation) :class:`CocoDetection` for ``config.data``; writes synthetic COCO if asked."""
     from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
