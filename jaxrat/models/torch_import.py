@@ -51,22 +51,17 @@ def _to_numpy(value: Any) -> np.ndarray:
 
 
 def read_state_dict(source: str | os.PathLike | Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-    """A reference state dict as numpy arrays, from a mapping or a ``.pt``/``.pth``/``.npz`` file.
+    """A reference state dict as numpy arrays, from a mapping or a ``.pt``/``.pth``/``.safetensors``/
+    ``.npz`` file (:func:`jaxrat.checkpointing.weight_files.read_arrays`). This model's filter, the
+    name and layout mapping, is :func:`convert_state_dict`.
 
     ``prefix`` (e.g. ``"backbone."``) is stripped and entries without it are dropped, for state
     dicts saved from a wrapper model.
     """
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if path.suffix == ".npz":
-            with np.load(path) as data:
-                source = {k: data[k] for k in data.files}
-        else:
-            import torch  # the reference extra
+        from jaxrat.checkpointing.weight_files import read_arrays
 
-            source = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(source, Mapping) and "state_dict" in source and isinstance(source["state_dict"], Mapping):
-                source = source["state_dict"]
+        source = read_arrays(source)  # jaxrat's one weight reader: .pt/.pth (weights_only), .safetensors, .npz
     out = {}
     for key, value in source.items():
         if key.startswith(prefix):
