@@ -51,6 +51,8 @@ def test_a_field_the_user_set_otherwise_is_one_sentence_with_both_values(tmp_pat
     with pytest.raises(ConfigError, match=r"backbone_fields\.patch_size is 16 but .* says 8"):
         backbone_fields("vit_base_patch16_224", {"patch_size": 16}, folder)
     assert backbone_fields("vit_base_patch16_224", {"depth": 2}, folder)["depth"] == 2  # agreeing is fine
+    with pytest.raises(ConfigError, match=r"pretrained .*gone does not exist, and the backbone's architecture"):
+        backbone_fields("vit_base_patch16_224", {}, str(tmp_path / "gone"))
     with pytest.raises(ConfigError, match=r"config.model.backbone is 'swin_tiny_patch4_window7_224' \(a swin\) "
                                           r"but .* describes a vit"):
         backbone_fields("swin_tiny_patch4_window7_224", {}, folder)

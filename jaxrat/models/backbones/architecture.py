@@ -211,6 +211,10 @@ def resolve(arch: str, defaults: Mapping[str, Any], user: Mapping[str, Any], pre
     """The fields of backbone ``arch`` (``defaults``, the name's own) with the file's laid over them,
     then the ``user``'s; a user field that contradicts the file is a ConfigError naming both values."""
     fields = {**defaults}
+    if pretrained and not pretrained.startswith("hf:") and not os.path.exists(os.path.expanduser(pretrained)):
+        # its config.json would give fields: building without it could silently build another model
+        raise ConfigError(f"config.model.pretrained {pretrained} does not exist, and the backbone's architecture is "
+                          f"read from the file's config.json; point it at the weights (a file or Hugging Face folder).")
     if pretrained:
         origin, kind, from_file, where = file_fields(pretrained)
         if from_file:
