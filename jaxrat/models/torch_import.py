@@ -114,10 +114,11 @@ def convert_state_dict(
     missing: list[str] = []
 
     def convert(path, leaf):
-        key, kind = _torch_key(tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path), np.ndim(leaf))
+        names = tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
+        key, kind = _torch_key(names, np.ndim(leaf))
         if key not in sd:
             if not key.startswith("abs_pos."):
-                missing.append(key)
+                missing.append(f"{key} (the model's {'/'.join(map(str, names))})")
             return np.asarray(leaf)
         used.add(key)
         w = sd[key]
@@ -126,7 +127,8 @@ def convert_state_dict(
         elif kind == "conv":
             w = np.transpose(w, tuple(range(2, w.ndim)) + (1, 0))
         if w.shape != np.shape(leaf):
-            raise ValueError(f"{key}: reference shape {w.shape} does not match Flax shape {np.shape(leaf)}; "
+            raise ValueError(f"the file's {key} (the model's {'/'.join(map(str, names))}): reference shape {w.shape} "
+                             f"does not match Flax shape {np.shape(leaf)}; "
                              f"check the config")
         return w.astype(np.float32)
 
