@@ -119,3 +119,33 @@ def test_pretrained_arrays_land_under_backbone_and_honour_include_exclude(tmp_pa
     assert "backbone/blocks/0/attn/qkv/kernel" in placed
     with pytest.raises(ConfigError, match="has no backbone"):
         pretrained_arrays(tmp_path / "w.safetensors", {"heads": abstract["heads"]})
+
+
+def test_the_log_says_whose_architecture_and_resampling_apply(tmp_path, caplog):
+    import json
+    import logging
+
+    import jax
+
+    from jaxrat.models.backbones.weights import pretrained_arrays
+
+    abstract = {"backbone": {}}
+    for name, shape in _expected().items():
+        node = abstract["backbone"]
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = jax.ShapeDtypeStruct(shape, np.float32)
+    for origin, config, says in [
+            ("hf", {"model_type": "vit", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "intermediate_size": 64, "image_size": 32, "patch_size": 8}, "Hugging Face"),
+            ("timm", {"architecture": "vit_tiny_patch16_224", "model_args": {"patch_size": 8}}, "timm")]:
+        folder = tmp_path / origin
+        folder.mkdir()
+        save_file(_timm_state(), str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            pretrained_arrays(folder, abstract)
+        assert f"pretrained: a {says} vit; architecture from {folder / 'config.json'}" in caplog.text
+        assert f"resampled as {says} does it" in caplog.text
