@@ -23,8 +23,9 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     ``params_from`` names the checkpoint item read as ``"params"``: ``"ema_params"`` reads the
     moving average of a run trained with ``optimizer.ema_decay``.
 
-    ``spec`` is ``PATH[:STEP|:best|:latest]`` (a jaxrat run) or a ``.npz`` of parameters by path
-    (``python -m jaxrat.models.torch_import``); arrays land on the shardings of ``abstract_state``.
+    ``spec`` is ``PATH[:STEP|:best|:latest]`` (a jaxrat run) or a file of parameters by path (a
+    ``.npz`` from ``python -m jaxrat.models.torch_import``, or ``.safetensors``/``.pth``), read by
+    :func:`jaxrat.checkpointing.weight_files.read_arrays`; arrays land on the shardings of ``abstract_state``.
     ``include``/``exclude``: regexes searched in parameter paths (``backbone/...``, as
     :func:`jaxrat.runtime.tree_paths.named_leaves` spells them): only included, not excluded ones load.
     ``strict``: every parameter must load (a shape difference, or a parameter one side lacks, ends
@@ -43,7 +44,8 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     renames = _renames(rename)
     if _is_npz(spec) or renames:
         if optimizer:
-            raise ConfigError(f"init_from={spec}: a .npz or init_from_rename loads parameters only; drop "
+            raise ConfigError(f"init_from={spec}: a weights file (.npz, .safetensors, .pth) or init_from_rename "
+                              f"loads parameters only; drop "
                               f"--config.checkpoint.init_optimizer.")
         return {"params": _load_arrays(spec, abstract_state["params"], want, select, strict, renames)}
     keys = [params_from] + (["opt_state"] if optimizer else [])
@@ -156,7 +158,10 @@ def _subtree(tree: Any, names: list[str]) -> Any:
 
 
 def _is_npz(spec: str) -> bool:
-    return spec.endswith(".npz") and os.path.isfile(os.path.expanduser(spec))
+    """Whether ``spec`` is a file of parameters by path (.npz, .safetensors, a torch state dict), not a run."""
+    from jaxrat.checkpointing.weight_files import is_weight_file
+
+    return is_weight_file(spec) and os.path.isfile(os.path.expanduser(spec))
 
 
 # Where a backbone-only .npz (torch_import converts the reference backbone) lives in jaxrat's models.
@@ -175,21 +180,11 @@ def _renames(rename: str) -> list[tuple[str, str]]:
 
 
 def _source_arrays(spec: str) -> dict[str, Any]:
-    """Every parameter of a .npz, or of a jaxrat checkpoint read onto the host, by path."""
-    import numpy as np
+    """Every parameter of a weights file, or of a jaxrat checkpoint read onto the host, by path
+    (:func:`jaxrat.checkpointing.weight_files.read_arrays`, jaxrat's one weight reader)."""
+    from jaxrat.checkpointing.weight_files import read_arrays
 
-    if _is_npz(spec):
-        with np.load(os.path.expanduser(spec)) as data:
-            return {k: data[k] for k in data.files}
-    with open_checkpoint(spec, ["params"]) as opened, ocp.PyTreeCheckpointer() as ckptr:
-        where = os.path.join(opened.where, "state")
-        meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(where)).tree["params"]
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device),
-                                         meta)}
-        restored = ckptr.restore(where, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True))
-    return {k: np.asarray(v) for k, v in named_leaves(restored["params"]).items()}
+    return read_arrays(spec) if _is_npz(spec) else read_arrays(spec, "params")
 
 
 def _load_arrays(spec: str, abstract_params: Any, want: dict[str, Any], select: Callable[[str], bool],

@@ -13,12 +13,14 @@ Variants (``--config configs/classification.py:VARIANT``):
   beit    the FungiTastic fine-tuning: BEiT-base from a timm file or Hugging Face folder
           (``--config.model.pretrained=PATH``, required), 224 px, class weights, macro-F1 picks the
           best checkpoint, layer-wise learning-rate decay 0.65, lr 1e-4 at batch 64.
-  beit_demo  the demo's synthetic data with a tiny BEiT (random init unless ``pretrained`` is given).
+  beit_demo  the demo's synthetic data with a tiny BEiT (random init unless ``pretrained`` is given;
+          no layer-wise lr decay, which is a fine-tuning recipe).
 
 Expected (demo): top-1 0.97 on both heads after 300 steps, ~1 min on a 2-core CPU
 (docs/tasks.md; the README quotes this line, tests/unit/test_docs.py keeps them equal).
 Expected (rat_demo): top-1 0.98 on both heads after 600 steps (0.95 at 400), ~2 min on a 2-core CPU
 (measured once on 4096 synthetic images; on the demo's 512 the RAT overfit and reached 0.82).
+Expected (beit_demo): top-1 0.93 (shape) and 0.91 (kind) after 600 steps (docs/tasks.md).
 """
 
 from __future__ import annotations
@@ -133,9 +135,16 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
             c.model.backbone_fields = {"img_size": size, "patch_size": 4, "embed_dim": 64, "depth": 4,
                                        "num_heads": 4}
             c.optimizer.learning_rate = 1e-3
-            c.optimizer.layer_decay = 0.9
-            c.num_train_steps = 400
-            c.data.synthetic_train = 2048
+            # From random weights, no layer-wise decay: it is a fine-tuning recipe that keeps pretrained
+            # lower layers near their start, and on random ones it starves them (0.9**4 gave the first
+            # block 2/3 of the rate; top-1 0.61 / 0.58 after 400 steps on 2048 images). Set it again
+            # (e.g. 0.65) with a pretrained file.
+            c.optimizer.layer_decay = 0.0
+            # 4096 images seen ~5 times each, as the RAT demo's: a transformer overfits the CNN demo's 512
+            c.num_train_steps = 600
+            c.data.synthetic_train = 4096
+            c.train.eval_every = 200
+            c.checkpoint.every_steps = 200
         else:
             c.task.class_weights = "inverse"
             c.checkpoint.best_metric = "eval/label/macro_f1"

@@ -49,11 +49,10 @@ class SwinUNet(nnx.Module):
     def __init__(self, *, backbone: str = "swin_tiny_patch4_window7_224", backbone_fields: Any = None,
                  num_classes: int = 1, in_channels: int = 3, pretrained: str = "", kernels: KernelPolicy,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
-        del pretrained
-        fields = fields_of(backbone, dict(backbone_fields or {}))
+        fields = fields_of(backbone, dict(backbone_fields or {}), pretrained)
         if fields.pop("kind") != "swin":
             raise ConfigError(f"swin_unet needs a Swin backbone, got {backbone!r}; use transunet for a ViT.")
-        self.backbone = build_backbone(backbone, kernels=kernels, dtype=dtype, rngs=rngs,
+        self.backbone = build_backbone(backbone, kernels=kernels, dtype=dtype, rngs=rngs, pretrained=pretrained,
                                        **{**dict(backbone_fields or {}), "num_classes": 0, "in_channels": in_channels})
         widths, depths, heads = self.backbone.widths, tuple(fields["depths"]), tuple(fields["num_heads"])
         patch = int(fields.get("patch_size", 4))

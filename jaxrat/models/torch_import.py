@@ -51,22 +51,17 @@ def _to_numpy(value: Any) -> np.ndarray:
 
 
 def read_state_dict(source: str | os.PathLike | Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-    """A reference state dict as numpy arrays, from a mapping or a ``.pt``/``.pth``/``.npz`` file.
+    """A reference state dict as numpy arrays, from a mapping or a ``.pt``/``.pth``/``.safetensors``/
+    ``.npz`` file (:func:`jaxrat.checkpointing.weight_files.read_arrays`). This model's filter, the
+    name and layout mapping, is :func:`convert_state_dict`.
 
     ``prefix`` (e.g. ``"backbone."``) is stripped and entries without it are dropped, for state
     dicts saved from a wrapper model.
     """
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if path.suffix == ".npz":
-            with np.load(path) as data:
-                source = {k: data[k] for k in data.files}
-        else:
-            import torch  # the reference extra
+        from jaxrat.checkpointing.weight_files import read_arrays
 
-            source = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(source, Mapping) and "state_dict" in source and isinstance(source["state_dict"], Mapping):
-                source = source["state_dict"]
+        source = read_arrays(source)  # jaxrat's one weight reader: .pt/.pth (weights_only), .safetensors, .npz
     out = {}
     for key, value in source.items():
         if key.startswith(prefix):
@@ -119,10 +114,11 @@ def convert_state_dict(
     missing: list[str] = []
 
     def convert(path, leaf):
-        key, kind = _torch_key(tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path), np.ndim(leaf))
+        names = tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
+        key, kind = _torch_key(names, np.ndim(leaf))
         if key not in sd:
             if not key.startswith("abs_pos."):
-                missing.append(key)
+                missing.append(f"{key} (the model's {'/'.join(map(str, names))})")
             return np.asarray(leaf)
         used.add(key)
         w = sd[key]
@@ -131,7 +127,8 @@ def convert_state_dict(
         elif kind == "conv":
             w = np.transpose(w, tuple(range(2, w.ndim)) + (1, 0))
         if w.shape != np.shape(leaf):
-            raise ValueError(f"{key}: reference shape {w.shape} does not match Flax shape {np.shape(leaf)}; "
+            raise ValueError(f"the file's {key} (the model's {'/'.join(map(str, names))}): reference shape {w.shape} "
+                             f"does not match Flax shape {np.shape(leaf)}; "
                              f"check the config")
         return w.astype(np.float32)
 

@@ -36,16 +36,16 @@ class TransUNet(nnx.Module):
       skip_features: widths of the CNN skip levels at 1/1, 1/2, 1/4, ... (at most log2(patch) levels).
       decoder_features: widths of the decoder's conv blocks from 1/(patch/2) up to 1/1.
       num_classes: output channels (1: a binary mask's logits).
-      pretrained: read by the trainer, not here.
+      pretrained: the file whose config gives the backbone's architecture (its weights load in the trainer).
     """
 
     def __init__(self, *, backbone: str = "vit_base_patch16_224", backbone_fields: Any = None,
                  skip_features: Sequence[int] = (32, 64, 128), decoder_features: Sequence[int] = (256, 128, 64, 32),
                  num_classes: int = 1, in_channels: int = 3, pretrained: str = "", kernels: KernelPolicy,
                  dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
-        del pretrained
         fields = {**dict(backbone_fields or {}), "num_classes": 0, "in_channels": in_channels}
-        self.backbone = build_backbone(backbone, kernels=kernels, dtype=dtype, rngs=rngs, **fields)
+        self.backbone = build_backbone(backbone, kernels=kernels, dtype=dtype, rngs=rngs, pretrained=pretrained,
+                                       **fields)
         if not hasattr(self.backbone, "patch_size"):
             raise ConfigError(f"transunet needs a ViT or BEiT backbone, got {backbone!r}; use swin_unet for Swin.")
         ups = int(round(math.log2(self.backbone.patch_size)))

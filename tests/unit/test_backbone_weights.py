@@ -54,13 +54,15 @@ def test_missing_file_and_key_and_shape_each_one_sentence(tmp_path):
     state = _timm_state()
     del state["blocks.0.mlp.fc1.weight"]
     save_file(state, str(tmp_path / "partial.safetensors"))
-    with pytest.raises(ConfigError, match=r"lack blocks/0/mlp/fc1/kernel of \d+ backbone parameters"):
+    with pytest.raises(ConfigError, match=r"lack the model's blocks/0/mlp/fc1/kernel \(the file's "
+                                          r"'blocks.0.mlp.fc1.weight'\) of \d+ backbone parameters"):
         load_backbone_weights(tmp_path / "partial.safetensors", _expected())
     state = _timm_state()
     state["blocks.0.attn.proj.weight"] = np.zeros((16, 8), np.float32)
     save_file(state, str(tmp_path / "shape.safetensors"))
-    with pytest.raises(ConfigError, match=r"blocks/0/attn/proj/kernel has shape \(8, 16\) in the file but "
-                                          r"\(16, 16\) in the model"):
+    with pytest.raises(ConfigError, match=r"the file's 'blocks.0.attn.proj.weight' \(the model's "
+                                          r"blocks/0/attn/proj/kernel\) has shape \(8, 16\) after conversion but "
+                                          r"the model's is \(16, 16\)"):
         load_backbone_weights(tmp_path / "shape.safetensors", _expected())
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="not a readable safetensors"):
@@ -83,7 +85,9 @@ def test_pickle_with_more_than_tensors_is_refused_without_running_it(tmp_path, c
     torch.save(state, tmp_path / "ok.pth")
     assert set(load_backbone_weights(tmp_path / "ok.pth", _expected())) == set(_expected())
     torch.save({"state_dict": state, "extra": Payload()}, tmp_path / "evil.pth")
-    with pytest.raises(ConfigError, match="holds more than plain tensors.*weights_only=True"):
+    # torch's own reason, not its last line (a pointer to its documentation)
+    with pytest.raises(ConfigError, match=r"holds more than plain tensors \(Unsupported global: GLOBAL \S*print "
+                                          r"was not an allowed global\); .*weights_only=True"):
         load_backbone_weights(tmp_path / "evil.pth", _expected())
     assert "code ran" not in capsys.readouterr().out
     (tmp_path / "raw.bin").write_bytes(pickle.dumps({"a": Payload()}))
@@ -115,3 +119,33 @@ def test_pretrained_arrays_land_under_backbone_and_honour_include_exclude(tmp_pa
     assert "backbone/blocks/0/attn/qkv/kernel" in placed
     with pytest.raises(ConfigError, match="has no backbone"):
         pretrained_arrays(tmp_path / "w.safetensors", {"heads": abstract["heads"]})
+
+
+def test_the_log_says_whose_architecture_and_resampling_apply(tmp_path, caplog):
+    import json
+    import logging
+
+    import jax
+
+    from jaxrat.models.backbones.weights import pretrained_arrays
+
+    abstract = {"backbone": {}}
+    for name, shape in _expected().items():
+        node = abstract["backbone"]
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = jax.ShapeDtypeStruct(shape, np.float32)
+    for origin, config, says in [
+            ("hf", {"model_type": "vit", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "intermediate_size": 64, "image_size": 32, "patch_size": 8}, "Hugging Face"),
+            ("timm", {"architecture": "vit_tiny_patch16_224", "model_args": {"patch_size": 8}}, "timm")]:
+        folder = tmp_path / origin
+        folder.mkdir()
+        save_file(_timm_state(), str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            pretrained_arrays(folder, abstract)
+        assert f"pretrained: a {says} vit; architecture from {folder / 'config.json'}" in caplog.text
+        assert f"resampled as {says} does it" in caplog.text

@@ -55,11 +55,13 @@ def test_round_trip_through_torch_layout():
 def test_mismatched_state_dicts_are_rejected():
     model = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(0), kernels=ops.resolve("auto"))
     sd = torch_layout(model)
-    with pytest.raises(ValueError, match="missing"):
+    # both names: the file's key and the model's parameter path
+    with pytest.raises(ValueError, match=r"missing \[\"init_proj.bias \(the model's init_proj/bias\)\"\]"):
         convert_state_dict({k: v for k, v in sd.items() if k != "init_proj.bias"}, model)
     with pytest.raises(ValueError, match="unused"):
         convert_state_dict(sd | {"head.weight": np.zeros(3)}, model)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match=r"the file's init_proj.bias \(the model's init_proj/bias\): reference "
+                                         r"shape \(5,\) does not match"):
         convert_state_dict(sd | {"init_proj.bias": np.zeros(5)}, model)
     convert_state_dict(sd | {"head.weight": np.zeros(3)}, model, strict=False)
 

@@ -44,20 +44,25 @@ def _architectures() -> dict[str, dict[str, Any]]:
 ARCHITECTURES = _architectures()
 
 
-def backbone_fields(arch: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The constructor fields of ``arch`` with ``overrides`` applied (a ConfigError for an unknown name)."""
+def backbone_fields(arch: str, overrides: dict[str, Any] | None = None, pretrained: str = "") -> dict[str, Any]:
+    """The constructor fields of ``arch``, with those the ``pretrained`` file's config states laid over
+    them (:mod:`jaxrat.models.backbones.architecture`), then ``overrides`` (a ConfigError for an
+    unknown name, or an override that contradicts the file)."""
+    from jaxrat.models.backbones.architecture import resolve
+
     if arch not in ARCHITECTURES:
         raise ConfigError(f"unknown backbone {arch!r}; choose one of {sorted(ARCHITECTURES)}.")
-    return {**ARCHITECTURES[arch], **dict(overrides or {})}
+    return resolve(arch, ARCHITECTURES[arch], dict(overrides or {}), str(pretrained or ""))
 
 
 def build_backbone(arch: str, *, kernels: KernelPolicy, dtype: Any = jnp.float32, rngs: nnx.Rngs,
-                   **overrides: Any) -> nnx.Module:
-    """The backbone ``arch`` (a name of :data:`ARCHITECTURES`) with ``overrides`` of its fields."""
+                   pretrained: str = "", **overrides: Any) -> nnx.Module:
+    """The backbone ``arch`` (a name of :data:`ARCHITECTURES`) with the fields the ``pretrained``
+    file states, then ``overrides``; the weights themselves load elsewhere (:mod:`.weights`)."""
     from jaxrat.models.backbones.swin import SwinTransformer
     from jaxrat.models.backbones.vit import VisionTransformer
 
-    fields = backbone_fields(arch, overrides)
+    fields = backbone_fields(arch, overrides, pretrained)
     kind = fields.pop("kind")
     cls = SwinTransformer if kind == "swin" else VisionTransformer
     if kind != "swin":

@@ -4,8 +4,10 @@
 timm's; :func:`timm_to_jaxrat` turns timm's names and layouts into these backbones' (Linear
 ``(out, in)`` -> kernel ``(in, out)``, Conv ``(out, in, kh, kw)`` -> ``(kh, kw, in, out)``, LayerNorm
 ``weight`` -> ``scale``); :func:`fit` resamples what depends on the image size (ViT position
-embeddings, BEiT and Swin bias tables) to the model's, as timm does when it loads them. Pure numpy:
-converting needs neither torch nor the model libraries.
+embeddings, BEiT and Swin bias tables) to the model's, as the file's library does when it loads
+them. :func:`checkpoint_filter` is the three in a row (timm's ``checkpoint_filter_fn``), on the
+named arrays :func:`jaxrat.checkpointing.weight_files.read_arrays` reads. Pure numpy: converting
+needs neither torch nor the model libraries.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ def is_hf(state: Mapping[str, np.ndarray]) -> bool:
     return any(re.match(r"^(?:vit|beit|swin)\.|^embeddings\.", k) for k in state)
 
 
-def hf_to_timm(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A Hugging Face ViT/BEiT/Swin state dict with timm's names (q, k and v joined into ``qkv``)."""
+def hf_to_timm(state: Mapping[str, np.ndarray], sources: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """A Hugging Face ViT/BEiT/Swin state dict with timm's names (q, k and v joined into ``qkv``);
+    ``sources``, when given, receives timm name -> the file's key (the query's for a joined qkv)."""
+    sources = {} if sources is None else sources
     renamed: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
     for key, value in state.items():
         name = re.sub(r"^(?:vit|beit|swin)\.", "", key)
         if name.startswith("pooler.dense") or name.endswith("relative_position_index"):
@@ -61,26 +66,35 @@ def hf_to_timm(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if m:
             name = f"layers.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
         renamed[name] = value
+        origin[name] = key
     out: dict[str, np.ndarray] = {}
     groups: dict[str, dict[str, np.ndarray]] = {}
     for name, value in renamed.items():
         m = re.match(r"^(.*\.attn)\.(query|key|value|q|k|v)\.(weight|bias)$", name)
         if m:
-            groups.setdefault(m.group(1), {})[_QKV.get(m.group(2), m.group(2)) + m.group(3)] = value
+            part = _QKV.get(m.group(2), m.group(2))
+            groups.setdefault(m.group(1), {})[part + m.group(3)] = value
+            if part == "q":  # the joined qkv is named by its query's key; BEiT's v_bias by its value's
+                sources[f"{m.group(1)}.qkv.{m.group(3)}"] = sources[f"{m.group(1)}.q_{m.group(3)}"] = origin[name]
+            elif part == "v":
+                sources[f"{m.group(1)}.v_{m.group(3)}"] = origin[name]
         else:
             out[name] = value
+            sources[name] = origin[name]
     for prefix, parts in groups.items():
         out[f"{prefix}.qkv.weight"] = np.concatenate([parts["qweight"], parts["kweight"], parts["vweight"]])
         if "kbias" in parts:  # ViT, Swin: one bias over q, k and v
             out[f"{prefix}.qkv.bias"] = np.concatenate([parts["qbias"], parts["kbias"], parts["vbias"]])
-        else:  # BEiT: q and v biases, k none
+        elif "qbias" in parts:  # BEiT: q and v biases, k none
             out[f"{prefix}.q_bias"], out[f"{prefix}.v_bias"] = parts["qbias"], parts["vbias"]
     return out
 
 
-def timm_to_jaxrat(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """timm names and layouts to this package's parameter paths (``blocks/0/attn/qkv/kernel``)."""
+def timm_to_jaxrat(state: Mapping[str, np.ndarray], sources: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """timm names and layouts to this package's parameter paths (``blocks/0/attn/qkv/kernel``);
+    ``sources``, when given, is rekeyed in place from timm names to these paths."""
     out = {}
+    renamed: dict[str, str] = {}
     for key, value in state.items():
         if key.endswith(("relative_position_index", "attn_mask", "k_bias")):
             continue  # buffers, recomputed here
@@ -97,7 +111,30 @@ def timm_to_jaxrat(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             else:
                 last = "scale"
         out["/".join([*parts[:-1], last])] = np.ascontiguousarray(value)
+        renamed["/".join([*parts[:-1], last])] = key
+    if sources is not None:
+        timm_sources = dict(sources)
+        sources.clear()
+        sources.update({ours: timm_sources.get(theirs, theirs) for ours, theirs in renamed.items()})
     return out
+
+
+def file_name(name: str) -> str:
+    """The timm name of a parameter path of these backbones (what a timm file calls it)."""
+    parts = name.split("/")
+    last = {"kernel": "weight", "scale": "weight"}.get(parts[-1], parts[-1])
+    return ".".join([*parts[:-1], last])
+
+
+def checkpoint_filter(state: Mapping[str, np.ndarray], expected: Mapping[str, tuple],
+                      origin: str = "") -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """timm's ``checkpoint_filter_fn`` for these backbones: a timm or Hugging Face state dict
+    (``origin`` "timm"/"hf"; default: by its names) as (arrays by this package's paths, resampled to
+    the ``expected`` shapes; path -> the file's own key, for messages)."""
+    hf = is_hf(state)
+    sources: dict[str, str] = {}
+    named = timm_to_jaxrat(hf_to_timm(state, sources) if hf else state, sources)
+    return fit(named, expected, origin or ("hf" if hf else "timm")), sources
 
 
 def resize_rel_table(table: np.ndarray, window: tuple[int, int], extra: int) -> np.ndarray:
@@ -133,10 +170,17 @@ def resize_rel_table(table: np.ndarray, window: tuple[int, int], extra: int) -> 
     return np.concatenate([resized, tail]).astype(np.float32)
 
 
-def fit(arrays: dict[str, np.ndarray], expected: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+def fit(arrays: dict[str, np.ndarray], expected: Mapping[str, tuple], origin: str = "timm") -> dict[str, np.ndarray]:
     """``arrays`` with position embeddings and bias tables of another image size resampled to the
-    ``expected`` shapes (the model's); every other entry unchanged."""
-    from jaxrat.models.backbones.vit import resample_pos_embed
+    ``expected`` shapes (the model's) as the library the file comes from (``origin``: "timm" or
+    "hf") does it; every other entry unchanged.
+
+    timm: ``resample_abs_pos_embed`` (bicubic, antialiased) and ``resize_rel_pos_bias_table``
+    (BEiT's geometric spacing). Hugging Face: plain bicubic for position embeddings and bilinear for
+    BEiT's tables (``align_corners=False``, no antialias); its Swin never resizes a table (its
+    window is the config's), so a Swin table of another window follows timm's rule.
+    """
+    from jaxrat.models.backbones.vit import resample_grid, resample_pos_embed
 
     out = dict(arrays)
     for name, value in arrays.items():
@@ -145,9 +189,14 @@ def fit(arrays: dict[str, np.ndarray], expected: Mapping[str, tuple]) -> dict[st
             continue
         if name == "pos_embed" and value.ndim == 3 and value.shape[-1] == want[-1]:
             side = int(round((want[1] - 1) ** 0.5))
-            out[name] = np.asarray(resample_pos_embed(value, (side, side)))
+            out[name] = np.asarray(resample_pos_embed(value, (side, side), rule=origin))
         elif name.endswith("relative_position_bias_table") and value.shape[1] == want[1]:
             extra = 3 if name.startswith("blocks/") else 0  # BEiT's class-token entries
             side = int(round((want[0] - extra) ** 0.5))
-            out[name] = resize_rel_table(value, ((side + 1) // 2,) * 2, extra)
+            if origin == "hf" and extra:
+                src = int(round((value.shape[0] - extra) ** 0.5))
+                body = resample_grid(value[:-extra].reshape(src, src, -1), (side, side), "bilinear")
+                out[name] = np.concatenate([body.reshape(side * side, -1), value[-extra:]]).astype(np.float32)
+            else:
+                out[name] = resize_rel_table(value, ((side + 1) // 2,) * 2, extra)
     return out

@@ -53,11 +53,12 @@ class SwinBlock(nnx.Module):
     """Window attention (shifted when ``shift``) and MLP, each pre-norm with a residual."""
 
     def __init__(self, dim: int, heads: int, window: int, shift: int, *, mlp_ratio: float, kernels: KernelPolicy,
-                 dtype: Any, rngs: nnx.Rngs) -> None:
+                 dtype: Any, rngs: nnx.Rngs, eps: float = EPS, qkv_bias: bool = True) -> None:
         self.window, self.shift = window, shift
-        self.norm1 = layer_norm(dim, EPS, dtype, rngs)
-        self.attn = Attention(dim, heads, rel_table=(2 * window - 1) ** 2, kernels=kernels, dtype=dtype, rngs=rngs)
-        self.norm2 = layer_norm(dim, EPS, dtype, rngs)
+        self.norm1 = layer_norm(dim, eps, dtype, rngs)
+        self.attn = Attention(dim, heads, qkv_bias="all" if qkv_bias else "none", rel_table=(2 * window - 1) ** 2,
+                              kernels=kernels, dtype=dtype, rngs=rngs)
+        self.norm2 = layer_norm(dim, eps, dtype, rngs)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), dtype=dtype, rngs=rngs)
 
     def _attend(self, x: Array) -> Array:
@@ -90,8 +91,8 @@ class SwinBlock(nnx.Module):
 class PatchMerging(nnx.Module):
     """2x2 neighbours concatenated (timm's order), LayerNorm, linear ``4 * dim -> out`` without bias."""
 
-    def __init__(self, dim: int, out: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
-        self.norm = layer_norm(4 * dim, EPS, dtype, rngs)
+    def __init__(self, dim: int, out: int, *, dtype: Any, rngs: nnx.Rngs, eps: float = EPS) -> None:
+        self.norm = layer_norm(4 * dim, eps, dtype, rngs)
         self.reduction = nnx.Linear(4 * dim, out, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
@@ -106,13 +107,14 @@ class SwinStage(nnx.Module):
     """An optional patch merging, then ``depth`` blocks alternating plain and shifted windows."""
 
     def __init__(self, dim: int, out: int, depth: int, heads: int, resolution: int, window: int, *,
-                 downsample: bool, mlp_ratio: float, kernels: KernelPolicy, dtype: Any, rngs: nnx.Rngs) -> None:
+                 downsample: bool, mlp_ratio: float, kernels: KernelPolicy, dtype: Any, rngs: nnx.Rngs,
+                 eps: float = EPS, qkv_bias: bool = True) -> None:
         if downsample:
-            self.downsample = PatchMerging(dim, out, dtype=dtype, rngs=rngs)
+            self.downsample = PatchMerging(dim, out, dtype=dtype, rngs=rngs, eps=eps)
             resolution = (resolution + 1) // 2
         self.blocks = nnx.List([
             SwinBlock(out, heads, *window_and_shift(resolution, window, i % 2 == 1), mlp_ratio=mlp_ratio,
-                      kernels=kernels, dtype=dtype, rngs=rngs)
+                      kernels=kernels, dtype=dtype, rngs=rngs, eps=eps, qkv_bias=qkv_bias)
             for i in range(depth)])
 
     def __call__(self, x: Array) -> Array:
@@ -129,25 +131,28 @@ class SwinTransformer(nnx.Module):
     Args:
       img_size: the image side windows and shifts are laid out for.
       num_classes: a linear ``head`` (timm's ``head.fc``) on the pooled features when > 0.
+      eps: the LayerNorms' epsilon (torch's 1e-5, timm's and Hugging Face's default).
+      qkv_bias: biases on the attention's q, k and v.
       kernels: the resolved kernel policy (:mod:`jaxrat.ops.policy`).
     """
 
     def __init__(self, *, img_size: int = 224, patch_size: int = 4, in_channels: int = 3, embed_dim: int = 96,
                  depths: Sequence[int] = (2, 2, 6, 2), num_heads: Sequence[int] = (3, 6, 12, 24),
-                 window_size: int = 7, mlp_ratio: float = 4.0, num_classes: int = 0, kernels: KernelPolicy,
-                 dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
-        self.patch_embed = PatchEmbed(patch_size, in_channels, embed_dim, norm_eps=EPS, dtype=dtype, rngs=rngs)
+                 window_size: int = 7, mlp_ratio: float = 4.0, num_classes: int = 0, eps: float = EPS,
+                 qkv_bias: bool = True, kernels: KernelPolicy, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        self.patch_embed = PatchEmbed(patch_size, in_channels, embed_dim, norm_eps=eps, dtype=dtype, rngs=rngs)
         self.widths = [embed_dim * 2 ** i for i in range(len(depths))]
         resolution = img_size // patch_size
         stages = []
         for i, (depth, heads) in enumerate(zip(depths, num_heads)):
             dim = self.widths[max(i - 1, 0)]
             stages.append(SwinStage(dim, self.widths[i], depth, heads, resolution, window_size, downsample=i > 0,
-                                    mlp_ratio=mlp_ratio, kernels=kernels, dtype=dtype, rngs=rngs))
+                                    mlp_ratio=mlp_ratio, kernels=kernels, dtype=dtype, rngs=rngs, eps=eps,
+                                    qkv_bias=qkv_bias))
             if i > 0:
                 resolution = (resolution + 1) // 2
         self.layers = nnx.List(stages)
-        self.norm = layer_norm(self.widths[-1], EPS, dtype, rngs)
+        self.norm = layer_norm(self.widths[-1], eps, dtype, rngs)
         if num_classes:
             self.head = nnx.Linear(self.widths[-1], int(num_classes), dtype=dtype, rngs=rngs)
 
