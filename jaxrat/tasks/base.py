@@ -128,7 +128,7 @@ class Task(abc.ABC):
         """
         from jaxrat.models import build_model
 
-        return build_model(self.config.model, dtype=dtype, rngs=rngs, kernels=kernels)
+        return build_model(local_model_config(self.config.model), dtype=dtype, rngs=rngs, kernels=kernels)
 
     # ------------------------------------------------------------------------- inside jit
     @abc.abstractmethod
@@ -217,3 +217,17 @@ def load_task(config: mlc.ConfigDict) -> Task:
         raise ConfigError(f"config.task.name={name!r}: {module_name} has no Task subclass {class_name}; "
                           f"name a class derived from jaxrat.tasks.base.Task.")
     return cls(config)
+
+
+def local_model_config(model_config: mlc.ConfigDict) -> mlc.ConfigDict:
+    """``model_config`` with a hub ``pretrained`` (``hf:OWNER/NAME[@REV]``) replaced by its local
+    folder in the Hugging Face cache (downloaded if needed), so that the model is built from the
+    architecture its ``config.json`` states; any other value is returned unchanged (not copied)."""
+    from jaxrat.data.hub import is_hub, resolve_pretrained
+
+    pretrained = str(model_config.get("pretrained", "") or "")
+    if not is_hub(pretrained):
+        return model_config
+    local = mlc.ConfigDict(model_config.to_dict())
+    local.pretrained = resolve_pretrained(pretrained)
+    return local

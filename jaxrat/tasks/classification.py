@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from jaxrat.runtime.errors import ConfigError
-from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows, record_name
+from jaxrat.tasks.base import Batch, EvalAccumulator, host_rows, local_model_config, record_name
 from jaxrat.tasks.class_weights import class_weights
 from jaxrat.tasks.image_task import ImageTask
 from jaxrat.tasks.mixing import mix_batch
@@ -76,7 +76,7 @@ class ClassificationTask(ImageTask):
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model
 
-        model_config = mlc.ConfigDict(self.config.model.to_dict())
+        model_config = mlc.ConfigDict(local_model_config(self.config.model).to_dict())
         model_config.num_classes = tuple(self.num_classes)
         return build_model(model_config, dtype=dtype, rngs=rngs, kernels=kernels)
 

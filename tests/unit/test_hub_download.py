@@ -239,7 +239,9 @@ def test_pretrained_hf_spec_loads_through_the_trainer(serve, monkeypatch):
     from test_backbone_weights import _expected, _timm_state
 
     state = _timm_state()
-    serve({"timm/tiny": {"main": {"config.json": b"{}", "model.safetensors": save_arrays(state)}}})
+    # a timm folder: its config.json names the architecture (a bare "{}" is no model config and is refused)
+    serve({"timm/tiny": {"main": {"config.json": b'{"architecture": "vit_tiny_patch16_224"}',
+                                  "model.safetensors": save_arrays(state)}}})
     abstract = {"backbone": {}}
     for name, shape in _expected().items():
         node = abstract["backbone"]
@@ -264,3 +266,23 @@ def test_jaxrat_download_takes_a_model_and_prints_the_pretrained_value(serve, ca
     assert len(err) == 1 and err[0].startswith("jaxrat: error: org/nothere is not on")
     assert download.main(["hf:org/m", "--dest", str(tmp_path / "d")]) == 0
     assert capsys.readouterr().out.strip().endswith(f"snapshots/{commit_for('org/m', 'main')}")
+
+
+def test_an_hf_pretrained_is_built_with_the_architecture_its_config_states(serve):
+    # the model is built before the weights load: its config.json must be read from the hub's copy
+    import ml_collections as mlc
+
+    from jaxrat.models.backbones import backbone_fields
+    from jaxrat.tasks.base import local_model_config
+    from test_backbone_architecture import HF_VIT
+
+    serve({"org/vit": {"main": {"config.json": json.dumps(dict(HF_VIT, layer_norm_eps=1e-12)).encode(),
+                                "model.safetensors": save({"x": np.zeros(2, np.float32)})}}})
+    model = mlc.ConfigDict({"backbone": "vit_tiny_patch16_224", "pretrained": "hf:org/vit@main"})
+    local = local_model_config(model)
+    assert model.pretrained == "hf:org/vit@main"  # the run's config keeps what the user wrote
+    assert os.path.isdir(local.pretrained) and os.path.isfile(os.path.join(local.pretrained, "config.json"))
+    fields = backbone_fields(model.backbone, {}, local.pretrained)
+    assert fields["eps"] == 1e-12 and fields["embed_dim"] == HF_VIT["hidden_size"]
+    plain = mlc.ConfigDict({"pretrained": "/some/file.safetensors"})
+    assert local_model_config(plain) is plain

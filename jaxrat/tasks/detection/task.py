@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrat.runtime.errors import ConfigError
-from jaxrat.tasks.base import SHARD_TOTALS, Batch, EvalAccumulator, Task, host_rows
+from jaxrat.tasks.base import SHARD_TOTALS, Batch, EvalAccumulator, Task, host_rows, local_model_config
 from jaxrat.tasks.detection import boxes as box_ops
 from jaxrat.tasks.detection import data
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES, evaluate, to_coco_results
@@ -79,7 +79,7 @@ class DetectionTask(Task):
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model
 
-        model_config = mlc.ConfigDict(self.config.model.to_dict())
+        model_config = mlc.ConfigDict(local_model_config(self.config.model).to_dict())
         model_config.num_classes = self.num_classes
         model_config.focal = bool(self.t.focal)
         return build_model(model_config, dtype=dtype, rngs=rngs, kernels=kernels)
