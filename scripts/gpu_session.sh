@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
-DEADLINE=$((START + ${BUDGET_S:-520}))
+DEADLINE=$((START + ${BUDGET_S:-480}))
 
 stage() {  # stage NAME MAX_SECONDS COMMAND...: run it within what is left of the budget
   local name=$1 limit=$2 left
