@@ -62,14 +62,14 @@ def test_the_record_s_first_runs_are_fingerprinted_to_the_code_at_their_commits(
 
 
 def test_auto_on_a_gpu_takes_a_validated_form_and_holds_back_the_rest():
-    policy = ops.resolve("auto", "gpu", record=forms.validated(_record("mlp", "attention")))
+    policy = ops.resolve("auto", "gpu", validated=forms.validated(_record("mlp", "attention")))
     assert policy.gpu and policy.gpu_forms == {"mlp", "attention"}
     assert policy.uses("mlp") and not policy.uses("sparse_sga_sweep") and not policy.uses("layer_norm")
     # the same names on a CPU: the cpu form, no GPU form used
-    assert not ops.resolve("auto", "cpu", record=forms.validated(_record("mlp"))).uses("mlp")
-    everything = ops.resolve("gpu", gpu_forms="all", record=frozenset())
+    assert not ops.resolve("auto", "cpu", validated=forms.validated(_record("mlp"))).uses("mlp")
+    everything = ops.resolve("gpu", gpu_forms="all", validated=frozenset())
     assert everything.gpu_forms == forms.candidates() and "sparse_sga_products" not in everything.gpu_forms
-    named = ops.resolve("gpu", gpu_forms="layer_norm, sparse_sga_products", record=forms.validated(_record("mlp")))
+    named = ops.resolve("gpu", gpu_forms="layer_norm, sparse_sga_products", validated=forms.validated(_record("mlp")))
     assert named.gpu_forms == {"mlp", "layer_norm", "sparse_sga_products"}
     assert named.sparse_sga.products and named.sparse_sga.sweep_rows == 8
 
@@ -82,16 +82,16 @@ def test_a_form_whose_source_changed_after_validation_falls_back(tmp_path, monke
     copy = tmp_path / "repo"
     shutil.copytree(REPO / "jaxrat", copy / "jaxrat", ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(forms, "ROOT", copy)
-    before = ops.resolve("auto", "gpu", record=forms.validated(record))
+    before = ops.resolve("auto", "gpu", validated=forms.validated(record))
     assert before.gpu_forms == {"mlp", "sparse_sga_sweep"} and before.sparse_sga.sweep_rows == 8
 
     mlp = copy / "jaxrat/ops/gpu/mlp.py"
     mlp.write_text(mlp.read_text().replace("CHUNK = 128", "CHUNK = 64", 1))
-    assert "mlp" not in ops.resolve("auto", "gpu", record=forms.validated(record)).gpu_forms
+    assert "mlp" not in ops.resolve("auto", "gpu", validated=forms.validated(record)).gpu_forms
 
     sweep = copy / "jaxrat/ops/gpu/sparse_sga_sweep.py"
     sweep.write_text(sweep.read_text() + "\n# changed\n")
-    after = ops.resolve("auto", "gpu", record=forms.validated(record))
+    after = ops.resolve("auto", "gpu", validated=forms.validated(record))
     assert after.gpu_forms == {"sparse_sga_tap"} and after.sparse_sga.sweep_rows == 0  # the passes apart
     line = forms.Selection(after.gpu_forms, forms.candidates() - after.gpu_forms, "validated").line()
     assert "using sparse_sga_tap;" in line and "mlp" in line.split("held back")[1]
@@ -203,7 +203,7 @@ def test_the_auto_program_lowered_for_cuda_holds_only_the_record_s_forms(monkeyp
     from model_configs import rat_model
 
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
-    policy = ops.resolve("auto", "gpu", record=forms.validated(_record("mlp")))
+    policy = ops.resolve("auto", "gpu", validated=forms.validated(_record("mlp")))
     cfg = rat_model(num_classes=1, feature_dims=32, num_blocks=1, num_heads=2, iters=1, decoder_dim=16,
                     mlp_dropout=0.0, attention="sparse", mr_attention="windowed", mr_window=4)
     graphdef, params, rest = nnx.split(build_model(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), kernels=policy),

@@ -141,7 +141,7 @@ def platform_of(devices: Optional[Sequence] = None) -> str:
 def resolve(kernels: "str | KernelPolicy" = "auto", platform: Optional[str] = None, *,
             block_elements: Optional[int] = None, slice_batch: int = 1,
             process_count: Optional[int] = None, gpu_forms: "str | Iterable[str]" = "validated",
-            record: Optional[frozenset] = None) -> KernelPolicy:
+            validated: Optional[frozenset] = None) -> KernelPolicy:
     """Turn ``config.model.kernels`` into a :class:`KernelPolicy`, once per run.
 
     Args:
@@ -154,7 +154,7 @@ def resolve(kernels: "str | KernelPolicy" = "auto", platform: Optional[str] = No
       process_count: processes in the run (default ``jax.process_count()``), for the cpu block.
       gpu_forms: on the gpu form, which fused forms (``config.model.gpu_forms``): "validated" (those
         whose code passed on a GPU, :mod:`jaxrat.ops.forms`), "all" (the experimental set), or names.
-      record: the validated forms (default: from the record, :func:`jaxrat.ops.forms.validated`).
+      validated: the validated forms' names (default: from the record, :func:`jaxrat.ops.forms.validated`).
     """
     if isinstance(kernels, KernelPolicy):
         return kernels
@@ -176,15 +176,15 @@ def resolve(kernels: "str | KernelPolicy" = "auto", platform: Optional[str] = No
                 block_elements = cpu_block_elements_here()
     if form != "gpu":
         return KernelPolicy(form, int(block_elements), int(max(1, slice_batch)))
-    chosen = select_gpu_forms(gpu_forms, record)
+    chosen = select_gpu_forms(gpu_forms, validated)
     return KernelPolicy(form, int(block_elements), int(max(1, slice_batch)), chosen.used, blocks_of(chosen.used))
 
 
-def select_gpu_forms(gpu_forms: "str | Iterable[str]" = "validated", record: Optional[frozenset] = None):
+def select_gpu_forms(gpu_forms: "str | Iterable[str]" = "validated", validated: Optional[frozenset] = None):
     """:func:`jaxrat.ops.forms.select`: the fused forms a gpu run uses and those it holds back."""
     from jaxrat.ops.forms import select
 
-    return select(gpu_forms, record)
+    return select(gpu_forms, validated)
 
 
 def blocks_of(gpu_forms: Iterable[str]) -> SparseSGABlocks:
