@@ -240,9 +240,10 @@ def bf16_peak_flops(n: int, reps: int = 5) -> float:
     return matmul_flops_per_s(jnp.bfloat16, n, reps)
 
 
-def _with_kernels(config: Any, kernels: str) -> Any:
+def _with_kernels(config: Any, kernels: str, gpu_forms: str = "validated") -> Any:
     if kernels and "kernels" in config.model:
         config.model.kernels = kernels
+        config.model.gpu_forms = gpu_forms
     return config
 
 
@@ -278,15 +279,19 @@ def _time_step(spec: Any, state: Any, batch: Any, reps: int) -> dict[str, Any]:
     return out
 
 
-def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int, attention: str = "") -> dict[str, Any]:
-    """The trainer's ISIC RAT train step on synthetic lesions (``attention``: the SGA form, "" = the config's)."""
-    spec, state, batch_, row = isic_setup(config_path, size, batch, kernels, attention)
+def isic_step(config_path: str, size: int, batch: int, kernels: str, reps: int, attention: str = "",
+              gpu_forms: str = "validated") -> dict[str, Any]:
+    """The trainer's ISIC RAT train step on synthetic lesions (``attention``: the SGA form, "" = the config's;
+    ``gpu_forms``: ``model.gpu_forms``)."""
+    spec, state, batch_, row = isic_setup(config_path, size, batch, kernels, attention, gpu_forms)
     row.update(_time_step(spec, state, batch_, reps))
     return row
 
 
-def isic_setup(config_path: str, size: int, batch: int, kernels: str, attention: str = "") -> tuple:
-    """(state spec, initial state, one global batch, the row's description) of :func:`isic_step`."""
+def isic_setup(config_path: str, size: int, batch: int, kernels: str, attention: str = "",
+               gpu_forms: str = "validated", policy: Any = None) -> tuple:
+    """(state spec, initial state, one global batch, the row's description) of :func:`isic_step`;
+    ``policy``: a kernel policy to build with instead of resolving ``kernels`` and ``gpu_forms``."""
     from step_profile import isic_config
 
     from jaxrat.parallel.mesh import make_mesh
@@ -296,23 +301,25 @@ def isic_setup(config_path: str, size: int, batch: int, kernels: str, attention:
 
     base = load_config(config_path)
     config = isic_config(config_path, size, batch or base.data.batch_size, attention or base.model.rat.attention)
-    _with_kernels(config, kernels)
+    _with_kernels(config, kernels, gpu_forms)
     mesh = make_mesh(config.mesh.axes)
     task = load_task(config)
     with tempfile.TemporaryDirectory(prefix="jaxrat-gpu-bench-") as root:
         task.prepare_data(root)
-        spec = make_state_spec(config, mesh, task)
+        spec = make_state_spec(config, mesh, task, kernels=policy)
         data = task.train_iterator(0, local_batch=config.data.batch_size // jax.process_count(),
                                    process_index=jax.process_index(), process_count=jax.process_count(),
                                    processes_on_host=1)
         batch_ = to_global(_first_batch(data), spec.batch_sharding)
     state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
     row = {"step": "isic_rat", "config": config_path, "px": size, "global_batch": config.data.batch_size,
-           "devices": mesh.size, "attention": config.model.rat.attention, "dtype": str(jnp.dtype(spec.dtype))}
+           "devices": mesh.size, "attention": config.model.rat.attention, "dtype": str(jnp.dtype(spec.dtype)),
+           "gpu_forms": sorted(spec.kernels.gpu_forms) if spec.kernels.gpu else []}
     return spec, state, batch_, row
 
 
-def coco_step(config_spec: str, size: int, batch: int, kernels: str, reps: int) -> dict[str, Any]:
+def coco_step(config_spec: str, size: int, batch: int, kernels: str, reps: int,
+              gpu_forms: str = "validated") -> dict[str, Any]:
     """The trainer's COCO RAT-DETR train step on blank images with random boxes."""
     import coco_step as coco
 
@@ -323,7 +330,7 @@ def coco_step(config_spec: str, size: int, batch: int, kernels: str, reps: int) 
     config = load_config(config_spec)
     config.data.image_size = size or config.data.image_size
     config.data.batch_size = batch or config.data.batch_size
-    _with_kernels(config, kernels)
+    _with_kernels(config, kernels, gpu_forms)
     mesh = make_mesh(config.mesh.axes)
     spec = make_state_spec(config, mesh, coco._task(config))
     state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
@@ -388,6 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coco-size", type=int, default=0)
     parser.add_argument("--coco-batch", type=int, default=0, help="global batch (0: the config's)")
     parser.add_argument("--kernels", default="gpu", help="model.kernels for the steps, where the config has it")
+    parser.add_argument("--gpu-forms", default="validated",
+                        help="model.gpu_forms for the steps: validated, all, or form names separated by commas")
     parser.add_argument("--portable-max-px", type=int, default=512,
                         help="largest size at which the slow portable attention kernels are timed")
     parser.add_argument("--reps", type=int, default=5)
@@ -443,10 +452,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         md.append(kernel_table(rows))
         save(md)
     steps = []
-    runs = [("isic", lambda a=a: isic_step(args.config, args.isic_size, args.isic_batch, args.kernels, args.reps, a))
+    runs = [("isic", lambda a=a: isic_step(args.config, args.isic_size, args.isic_batch, args.kernels, args.reps, a,
+                                           args.gpu_forms))
             for a in args.isic_attention]
     runs.append(("coco", lambda: coco_step(args.coco_config, args.coco_size, args.coco_batch, args.kernels,
-                                           args.reps)))
+                                           args.reps, args.gpu_forms)))
     for name, run in runs:
         if name not in args.only:
             continue

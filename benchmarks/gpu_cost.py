@@ -173,14 +173,15 @@ def device_memory(compiled: Any) -> dict[str, int]:
 
 
 def _train_step(config: Any, device: jax.Device, batch: Callable[[Any, int, Any], dict],
-                num_classes: int = 0) -> tuple[Any, Any, dict]:
-    """The trainer's step of ``config`` on a one-device mesh of ``device``: (step, state shapes, batch shapes)."""
+                num_classes: int = 0, gpu_forms: str = "all") -> tuple[Any, Any, dict]:
+    """The trainer's step of ``config`` on a one-device mesh of ``device``: (step, state shapes, batch shapes);
+    ``gpu_forms``: ``model.gpu_forms`` (which fused forms: "validated", "all" or names)."""
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec
     from jaxrat.trainer.step import make_train_step
 
-    config.model.kernels = "gpu"
+    config.model.kernels, config.model.gpu_forms = "gpu", gpu_forms
     config.train.compute_dtype = "bfloat16"
     config.mesh.axes = (("data", 1), ("fsdp", 1))
     task = load_task(config)
@@ -192,7 +193,7 @@ def _train_step(config: Any, device: jax.Device, batch: Callable[[Any, int, Any]
 
 
 def isic_step(device: jax.Device, size: int = 256, batch: int = 16, attention: str = "sparse",
-              config: str = "configs/isic.py", **rat: Any) -> tuple[Any, Any, dict]:
+              config: str = "configs/isic.py", gpu_forms: str = "all", **rat: Any) -> tuple[Any, Any, dict]:
     """The ISIC RAT train step (``config``, ``model.rat.attention``, any other RAT fields) at ``size`` px."""
     from jaxrat.config import load_config
 
@@ -200,10 +201,11 @@ def isic_step(device: jax.Device, size: int = 256, batch: int = 16, attention: s
     c.data.image_size, c.data.batch_size = size, batch
     c.model.rat.update(dict(attention=attention, **rat))
     return _train_step(c, device, lambda c, b, shape: {"image": shape(b, size, size, 3),
-                                                       "mask": shape(b, size, size, 1)})
+                                                       "mask": shape(b, size, size, 1)}, gpu_forms=gpu_forms)
 
 
-def coco_step(device: jax.Device, size: int = 800, batch: int | None = None) -> tuple[Any, Any, dict]:
+def coco_step(device: jax.Device, size: int = 800, batch: int | None = None,
+              gpu_forms: str = "all") -> tuple[Any, Any, dict]:
     """The COCO RAT-DETR train step (``configs/coco.py``, its full RAT) at ``size`` px, the config's batch."""
     from jaxrat.config import load_config
 
@@ -217,22 +219,25 @@ def coco_step(device: jax.Device, size: int = 800, batch: int | None = None) -> 
         return {"image": shape(b, size, size, 3), "pad_mask": shape(b, size, size), "boxes": shape(b, n, 4),
                 "labels": shape(b, n, dtype=jnp.int32), "box_valid": shape(b, n)}
 
-    return _train_step(c, device, shapes, num_classes=80)
+    return _train_step(c, device, shapes, num_classes=80, gpu_forms=gpu_forms)
 
 
-def step_cost(name: str, args: argparse.Namespace, gpu: GpuModel) -> dict:
+def step_cost(name: str, args: argparse.Namespace, gpu: GpuModel, gpu_forms: str = "all") -> dict:
     device = target_device(gpu)
     if name == "quick":
-        made = isic_step(device, 32, 2, "sparse", config="configs/isic.py:demo", num_blocks=1)
+        made = isic_step(device, 32, 2, "sparse", config="configs/isic.py:demo", gpu_forms=gpu_forms, num_blocks=1)
     elif name.startswith("isic_"):
-        made = isic_step(device, args.size, args.batch, name.split("_", 1)[1])
+        made = isic_step(device, args.size, args.batch, name.split("_", 1)[1], gpu_forms=gpu_forms)
     else:
-        made = coco_step(device, args.coco_size, args.coco_batch)
+        made = coco_step(device, args.coco_size, args.coco_batch, gpu_forms)
     step, state, batch = made
     px, b = batch["image"].shape[1], batch["image"].shape[0]
     t = time.perf_counter()
     row = cost(step, state, batch, gpu=gpu, hlo_path=os.path.join(args.hlo_dir, f"{name}.hlo") if args.hlo_dir else "")
-    row.update(step=name, px=px, batch=b, wall_s=time.perf_counter() - t)
+    from jaxrat.ops.forms import select
+
+    row.update(step=name, px=px, batch=b, wall_s=time.perf_counter() - t, gpu_forms=gpu_forms,
+               forms_used=sorted(select(gpu_forms).used))
     return row
 
 
@@ -242,16 +247,19 @@ def _fmt(row: dict) -> str:
 
 
 def print_tables(rows: list[dict], kinds: int = 12) -> None:
-    print("| step | px | batch | compile s | compile CPU s | kernels | GB | GFLOP | est. ms |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("| step | model.gpu_forms | px | batch | compile s | compile CPU s | kernels | GB | GFLOP | est. ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['step']} | {r['px']} | {r['batch']} | {r['compile_s']:.1f} | {r['compile_cpu_s']:.1f} | "
-              + _fmt(r["total"]))
+        print(f"| {r['step']} | {r['gpu_forms']} | {r['px']} | {r['batch']} | {r['compile_s']:.1f} | "
+              f"{r['compile_cpu_s']:.1f} | " + _fmt(r["total"]))
     for r in rows:
-        print(f"\n{r['step']}, per named scope:\n\n| scope | kernels | GB | GFLOP | est. ms |\n|---|---|---|---|---|")
+        print(f"\n{r['step']} ({r['gpu_forms']}: {', '.join(r['forms_used']) or 'portable forms only'})")
+    for r in rows:
+        print(f"\n{r['step']} ({r['gpu_forms']}), per named scope:\n\n"
+              "| scope | kernels | GB | GFLOP | est. ms |\n|---|---|---|---|---|")
         for scope, s in r["by_scope"].items():
             print(f"| {scope} | " + _fmt(s))
-        print(f"\n{r['step']}, per kernel kind (the {kinds} costliest):\n\n"
+        print(f"\n{r['step']} ({r['gpu_forms']}), per kernel kind (the {kinds} costliest):\n\n"
               "| kind | kernels | GB | GFLOP | est. ms |\n|---|---|---|---|---|")
         for kind, s in list(r["by_kind"].items())[:kinds]:
             print(f"| {kind} | " + _fmt(s))
@@ -267,8 +275,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coco-batch", type=int, default=0, help="COCO batch (0: the config's)")
     parser.add_argument("--hlo-dir", default="", help="write each step's optimized HLO text here")
     parser.add_argument("--gpu", default="h100_sxm", help="a description in benchmarks/data/")
+    parser.add_argument("--gpu-forms", nargs="+", default=None,
+                        help="model.gpu_forms sets to price each step with, side by side (default: the validated "
+                             "set and the experimental one, 'validated all'; --quick: 'all')")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_cost.json"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.gpu_forms = args.gpu_forms or (["all"] if args.quick else ["validated", "all"])
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpu = load_gpu(args.gpu)
     rows = []
-    for name in ["quick"] if args.quick else args.steps:
-        rows.append(step_cost(name, args, gpu))
+    for name, forms in [(n, f) for n in (["quick"] if args.quick else args.steps) for f in args.gpu_forms]:
+        rows.append(step_cost(name, args, gpu, forms))
         r = rows[-1]
-        print(f"{name}: compiled in {r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU; lowered in "
+        print(f"{name} ({forms}): compiled in {r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU; lowered in "
               f"{r['lower_s']:.1f} s; load {r['load_avg_1min']:.1f}; {r['memory'].get('temp', 0) / 2**30:.2f} GiB "
               "of temporaries): "
               f"{r['total']['kernels']:,} kernels, {r['total']['bytes'] / 1e9:.2f} GB", flush=True)

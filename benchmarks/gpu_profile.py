@@ -28,6 +28,7 @@ if __name__ == "__main__" and "--keep-command-buffers" not in sys.argv:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
@@ -121,20 +122,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--attention", default="sparse", help="the SGA form (sparse or dense)")
     parser.add_argument("--kernels", default="gpu", help="model.kernels (portable where no GPU is)")
+    parser.add_argument("--gpu-forms", default="all", help="model.gpu_forms: validated, all, or form names")
     parser.add_argument("--steps", type=int, default=3, help="steps traced, back to back")
     parser.add_argument("--top", type=int, default=30, help="rows of the kind and op tables")
     parser.add_argument("--sparse-products", action="store_true",
-                        help="sparse SGA's group passes as matrix products (sparse_sga_kernels.PRODUCTS)")
+                        help="sparse SGA's group passes as matrix products (SparseSGABlocks.products)")
     parser.add_argument("--input-grad-by-xla", action="store_true",
                         help="the first SGA layer's input gradient as XLA's product of the projection's gradient, "
-                             "not in the keys' pass (sparse_sga_projection.MAX_FEATURES_IN_PASS = 0)")
+                             "not in the keys' pass (SparseSGABlocks.input_grad_features = 0)")
     parser.add_argument("--passes-apart", action="store_true",
                         help="sparse SGA's column sums and update, and d's gradient and the queries', as separate "
-                             "passes, not one sweep each (sparse_sga_sweep.ENABLED = False)")
+                             "passes, not one sweep each (SparseSGABlocks.sweep_rows = 0)")
     parser.add_argument("--keep-command-buffers", action="store_true",
                         help="profile the program as it trains (its CUDA graphs' kernels stay unattributed)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_profile"))
     return parser.parse_args(argv)
+
+
+def policy_of(args: argparse.Namespace, kernels: str) -> Any:
+    """The kernel policy the flags ask for: ``kernels`` and ``--gpu-forms`` resolved, sparse SGA's
+    switches (:class:`jaxrat.ops.policy.SparseSGABlocks`) as the flags set them."""
+    from jaxrat import ops
+
+    policy = ops.resolve(kernels, "gpu" if kernels == "gpu" else None, gpu_forms=args.gpu_forms)
+    changes = {"products": True} if args.sparse_products else {}
+    changes.update({"input_grad_features": 0} if args.input_grad_by_xla else {})
+    changes.update({"sweep_rows": 0} if args.passes_apart else {})
+    return dataclasses.replace(policy, sparse_sga=dataclasses.replace(policy.sparse_sga, **changes))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -145,20 +159,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv)
     os.chdir(REPO)
-    if args.sparse_products:
-        from jaxrat.ops.gpu import sparse_sga_kernels
-
-        sparse_sga_kernels.PRODUCTS = True
-    if args.input_grad_by_xla:
-        from jaxrat.ops.gpu import sparse_sga_projection
-
-        sparse_sga_projection.MAX_FEATURES_IN_PASS = 0
-    if args.passes_apart:
-        from jaxrat.ops.gpu import sparse_sga_sweep
-
-        sparse_sga_sweep.ENABLED = False
     kernels = args.kernels if gpu_bench.on_gpu() else "portable"
-    spec, state, batch, row = gpu_bench.isic_setup(args.config, args.size, args.batch, kernels, args.attention)
+    policy = policy_of(args, kernels)
+    spec, state, batch, row = gpu_bench.isic_setup(args.config, args.size, args.batch, kernels, args.attention,
+                                                   args.gpu_forms, policy)
     t = time.perf_counter()
     step = make_train_step(spec).lower(state, batch).compile()
     row["compile_s"] = time.perf_counter() - t
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trace = json.load(gzip.open(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz")[0]))
     result = attribute(device_events(trace), hlo_cost.kernels_of(text, H100), args.steps)
     result.update(row, command_buffers=args.keep_command_buffers, sparse_products=args.sparse_products,
+                  sparse_sga_blocks=dataclasses.asdict(policy.sparse_sga),
                   input_grad_by_xla=args.input_grad_by_xla, passes_apart=args.passes_apart,
                   device=jax.devices()[0].device_kind, jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))

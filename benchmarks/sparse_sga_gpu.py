@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxrat.ops.gpu import sparse_sga_kernels
 from jaxrat.ops.gpu.sparse_sga import _keys, _update, laid_out_update, lay_out_keys, sparse_update
+from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_grouping
 from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
 
@@ -61,8 +62,8 @@ def errors(got, want):
     return {n: float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for n, a, b in zip(("u", "dq", "dk", "dv"), got, want)}
 
 
-def fused(geom, normalise):
-    return lambda q, k, v: sparse_update(q, k, v, geom, normalise)
+def fused(geom, normalise, blocks=SparseSGABlocks()):
+    return lambda q, k, v: sparse_update(q, k, v, geom, normalise, blocks=blocks)
 
 
 def portable(geom, normalise):
@@ -73,18 +74,18 @@ def portable(geom, normalise):
     return f
 
 
-def parity(report, prefix: str = ""):
+def parity(report, prefix: str = "", blocks=SparseSGABlocks()):
     geom = Geometry((64, 64), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 2, 8, 16, jnp.float32)
     with jax.default_matmul_precision("highest"):
         for normalise in (True, False):
             exact = value_and_vjp(portable(geom, normalise), q, k, v, g)
             key = f"{prefix}f32_err_norm{int(normalise)}"
-            report[key] = errors(value_and_vjp(fused(geom, normalise), q, k, v, g), exact)
+            report[key] = errors(value_and_vjp(fused(geom, normalise, blocks), q, k, v, g), exact)
             print(prefix, "float32", normalise, report[key], flush=True)
         low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
         exact = value_and_vjp(portable(geom, True), q, k, v, g)
-    report[f"{prefix}bf16_err_fused"] = errors(value_and_vjp(fused(geom, True), *low, g), exact)
+    report[f"{prefix}bf16_err_fused"] = errors(value_and_vjp(fused(geom, True, blocks), *low, g), exact)
     report["bf16_err_portable"] = errors(value_and_vjp(portable(geom, True), *low, g), exact)
     print(prefix, "bfloat16 fused", report[f"{prefix}bf16_err_fused"], "portable", report["bf16_err_portable"],
           flush=True)
@@ -111,13 +112,13 @@ def on_slices(t):
     return f
 
 
-def three_iterations(geom):
+def three_iterations(geom, blocks=SparseSGABlocks()):
     """A layer's three grouping iterations through the API: keys laid out once, each call's queries
     moved by the last update, the keys' and values' gradients summed in one pass."""
     def f(q, k, v):
-        keys, out = lay_out_keys(k, v, geom, 3), 0.0
+        keys, out = lay_out_keys(k, v, geom, 3, blocks=blocks), 0.0
         for use in range(3):
-            u = laid_out_update(q, keys, use, geom)
+            u = laid_out_update(q, keys, use, geom, blocks=blocks)
             out, q = out + u, q + u
         return out
     return f
@@ -143,18 +144,15 @@ def speed(report):
 
 def products(report):
     """Stage 1's parity and stage 3's one call and a layer's three, with the passes as matrix products."""
-    sparse_sga_kernels.PRODUCTS, default = True, sparse_sga_kernels.PRODUCTS
-    try:
-        parity(report, "products_")
-        geom = Geometry((256, 256), (7, 7), (3, 3))
-        (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
-        for name, f in (("products", fused(geom, True)), ("products_x3", three_iterations(geom))):
-            loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
-            report[f"{name}_fwd"] = timed(f, q, k, v)
-            report[f"{name}_fwd_bwd"] = timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-            print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
-    finally:
-        sparse_sga_kernels.PRODUCTS = default
+    blocks = SparseSGABlocks(products=True)
+    parity(report, "products_", blocks)
+    geom = Geometry((256, 256), (7, 7), (3, 3))
+    (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
+    for name, f in (("products", fused(geom, True, blocks)), ("products_x3", three_iterations(geom, blocks))):
+        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
+        report[f"{name}_fwd"] = timed(f, q, k, v)
+        report[f"{name}_fwd_bwd"] = timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+        print(name, report[f"{name}_fwd"], report[f"{name}_fwd_bwd"], flush=True)
 
 
 def tiles(report):

@@ -28,31 +28,27 @@ def loop(x, w):
     return jax.lax.fori_loop(0, 5, lambda i, x: jnp.tanh(x @ w), x)
 
 
-def sparse_sga(q, k, v):
+def sparse_sga(q, k, v, products: bool = False):
     """The fused sparse SGA kernels forward and backward as a layer of two grouping iterations calls
     them (ISIC's kernel and stride): token-major queries, keys and values laid out once."""
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
+    from jaxrat.ops.policy import SparseSGABlocks
     from jaxrat.ops.portable.sparse_sga import Geometry
 
     geom = Geometry((64, 64), (7, 7), (3, 3))
+    blocks = SparseSGABlocks(products=products)
 
     def loss(q, k, v):
-        keys = lay_out_keys(k, v, geom, 2)
-        u = laid_out_update(q, keys, 0, geom)
-        return jnp.sum(laid_out_update(q + u, keys, 1, geom).astype(jnp.float32))
+        keys = lay_out_keys(k, v, geom, 2, blocks=blocks)
+        u = laid_out_update(q, keys, 0, geom, blocks=blocks)
+        return jnp.sum(laid_out_update(q + u, keys, 1, geom, blocks=blocks).astype(jnp.float32))
 
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
 def sparse_sga_products(q, k, v):
-    """:func:`sparse_sga` with the passes as matrix products (sparse_sga_kernels.PRODUCTS)."""
-    from jaxrat.ops.gpu import sparse_sga_kernels
-
-    sparse_sga_kernels.PRODUCTS, default = True, sparse_sga_kernels.PRODUCTS
-    try:
-        return sparse_sga(q, k, v)
-    finally:
-        sparse_sga_kernels.PRODUCTS = default
+    """:func:`sparse_sga` with the passes as matrix products (SparseSGABlocks.products)."""
+    return sparse_sga(q, k, v, products=True)
 
 
 def fused_mlp(x, w1, b1, w2, b2):

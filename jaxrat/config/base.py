@@ -82,6 +82,11 @@ def base_config() -> mlc.ConfigDict:
     # How the model's operations are computed (jaxrat.ops.policy): "auto" (the form for the platform
     # of the mesh's devices, resolved once at start-up), "cpu", "gpu" or "portable" (plain XLA ops).
     c.model.kernels = "auto"
+    # Which fused GPU forms the gpu form uses (jaxrat.ops.forms): "validated" (those whose code passed
+    # parity on a GPU, per jaxrat/ops/gpu/validated.json; the others take the portable form), "all"
+    # (every fused form of this version, validated or not), or form names separated by commas (each
+    # used whether validated or not, with the validated ones for the other operations).
+    c.model.gpu_forms = "validated"
 
     # The task owns its data, loss and metrics (jaxrat.tasks); its own fields (loss weights,
     # thresholds, ...) are set by the config files that choose it.

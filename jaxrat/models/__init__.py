@@ -70,6 +70,7 @@ def build_model(model_config: Any, *, dtype: Any = jnp.float32, rngs: nnx.Rngs, 
     cfg = dict(model_config)
     name = cfg.pop("name", None)
     cfg.pop("kernels", None)
+    cfg.pop("gpu_forms", None)  # the policy's too, resolved with it
     policy = ops.policy.require(kernels)
     if name not in _REGISTRY:
         raise ConfigError(

@@ -89,7 +89,8 @@ class LayerNorm(nnx.LayerNorm):
     def __call__(self, x: Array, *, mask: Optional[Array] = None, residual: Optional[Array] = None) -> Array:
         """The normalised ``x``, plus ``residual`` when given (a post-norm block's sum: on the gpu policy
         one kernel)."""
-        if self.kernels is None or not self.kernels.gpu or mask is not None or self.scale is None or self.bias is None:
+        if (self.kernels is None or not self.kernels.uses("layer_norm") or mask is not None or self.scale is None
+                or self.bias is None):
             y = super().__call__(x, mask=mask)
             return y if residual is None else residual + y
         return norm_ops.layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype or x.dtype, residual)

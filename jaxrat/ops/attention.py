@@ -53,9 +53,9 @@ def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Arra
                       unbatched_from=UNBATCHED_SLICE_ELEMENTS)
 
 
-def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array) -> bool:
-    """Whether the gpu form's fused kernel (cuDNN) takes these operands."""
-    if not policy.gpu:
+def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array, form: str) -> bool:
+    """Whether the gpu policy uses the fused GPU ``form`` (cuDNN) and that takes these operands."""
+    if not policy.uses(form):
         return False
     from jaxrat.ops.gpu import why_not
 
@@ -69,7 +69,7 @@ def _scaled(x: Array, scale: Optional[Array]) -> Array:
 def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
     """Dense SGA update: q (..., N_out, dh) groups, k (..., N_in, dh), v (..., N_in, dv) ->
     (..., N_out, dv); logits ``q @ k^T`` unscaled."""
-    if _fused(policy, q, k, v):
+    if _fused(policy, q, k, v, "dense_sga"):
         from jaxrat.ops.gpu import dense_sga
 
         return dense_sga(q, k, v, implementation="cudnn")
@@ -88,6 +88,13 @@ class SparseKeys(NamedTuple):
     tapes: tuple = ()  # fused: one per use (:func:`jaxrat.ops.gpu.sparse_sga.lay_out_keys`)
 
 
+def _sparse_fused(policy: KernelPolicy) -> bool:
+    """Whether the gpu policy uses one of sparse SGA's fused forms (its switches: ``policy.sparse_sga``)."""
+    from jaxrat.ops.forms import FORMS
+
+    return any(policy.uses(name) for name, form in FORMS.items() if form.operation == "sparse_sga")
+
+
 def _head_major(x: Array) -> Array:
     return x.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
 
@@ -98,13 +105,14 @@ def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTA
     projections make them, ready for ``uses`` calls of :func:`sparse_grouping_attention`, each with
     its own ``use`` index (on the gpu policy the calls' key and value gradients are summed in one
     pass over the keys, :func:`jaxrat.ops.gpu.sparse_sga.lay_out_keys`)."""
-    if policy.gpu:
+    if _sparse_fused(policy):
         from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
         n_out = int(np.prod(window.out))
         if gpu_sparse.supports(window, (k.shape[0], n_out, *k.shape[2:]), k.dtype) is None:
-            lay = lambda k, v: tuple(gpu_sparse.lay_out_keys(k, v, window, uses, normalise_columns))
+            lay = lambda k, v: tuple(gpu_sparse.lay_out_keys(k, v, window, uses, normalise_columns,
+                                                             blocks=policy.sparse_sga))
             k, v, tapes = per_device.over_batch(lay, k, v)
             return SparseKeys(k, v, window, True, normalise_columns, tapes)
     # Laid out once (here and above): those arrays are then what every iteration's backward keeps,
@@ -126,7 +134,7 @@ def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = 
     b, n_in, width = kv.shape
     dh = width // (2 * heads)
     phase, rotated = rotation if rotation is not None else (None, 0)
-    if policy.gpu:
+    if _sparse_fused(policy):
         from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
@@ -135,7 +143,8 @@ def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = 
             angles = phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)  # no head turned
 
             def lay(kv, angles):
-                return tuple(gpu_sparse.lay_out_projection(kv, angles, window, heads, uses, normalise_columns))
+                return tuple(gpu_sparse.lay_out_projection(kv, angles, window, heads, uses, normalise_columns,
+                                                           blocks=policy.sparse_sga))
 
             k, v, tapes = per_device.over_batch(lay, kv, replicated=(angles,))
             return SparseKeys(k, v, window, True, normalise_columns, tapes)
@@ -165,7 +174,7 @@ def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window
     width = kernel.shape[1]
     dh = width // (2 * heads)
     phase, rotated = rotation if rotation is not None else (None, 0)
-    if policy.gpu:
+    if _sparse_fused(policy) and policy.uses("sparse_sga_projection"):
         from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
         from jaxrat.ops.gpu import sparse_sga_projection as gpu_projection
@@ -178,7 +187,7 @@ def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window
 
             def lay(x, w, bias, angles):
                 return tuple(gpu_projection.lay_out_inputs(x, w, bias, angles, window, heads, uses,
-                                                           normalise_columns))
+                                                           normalise_columns, blocks=policy.sparse_sga))
 
             # the weights rounded here, as the Linear rounds them: a cast the train step makes with the
             # others' in one kernel (jaxrat/trainer/param_cast.py), and the backward's product needs
@@ -210,7 +219,8 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
 
         def fused(q, k, v, tape):  # only this use's tape goes in: the others get no cotangent from it
             laid = gpu_sparse.LaidOutKeys(k, v, (tape,))
-            return gpu_sparse.laid_out_update(q.astype(k.dtype), laid, 0, keys.window, keys.normalise_columns)
+            return gpu_sparse.laid_out_update(q.astype(k.dtype), laid, 0, keys.window, keys.normalise_columns,
+                                              blocks=policy.sparse_sga)
 
         return per_device.over_batch(fused, q, keys.k, keys.v, keys.tapes[use])
     return _head_major(sparse.sparse_update(_head_major(q), keys.k, keys.v, keys.window, keys.normalise_columns))
@@ -228,7 +238,7 @@ def sparse_grouping_maps(q: Array, k: Array, window: Window, *,
 
 def softmax_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
     """Plain softmax attention over the last two axes, (..., Nq, d) x (..., Nk, d) -> (..., Nq, dv)."""
-    if _fused(policy, q, k, v):
+    if _fused(policy, q, k, v, "attention"):
         from jaxrat.ops.gpu import fused_attention
 
         return fused_attention(q, k, v, implementation="cudnn")
@@ -240,7 +250,7 @@ def multires_attention(q: Array, k: Array, v: Array, segments: Sequence[tuple[in
     """Joint attention over concatenated segments, (B, N, H, dh) each, queries scaled and rotated;
     ``window`` None is the reference's global form (:func:`jaxrat.ops.portable.windowed_attention.multires_attention`;
     the gpu form: windows in the batch axis, padded keys by sequence lengths, :mod:`jaxrat.ops.gpu.multires`)."""
-    if _fused(policy, q, k, v):
+    if _fused(policy, q, k, v, "attention"):
         from jaxrat.ops.gpu import multires_attention as gpu_multires
 
         return gpu_multires(q, k, v, segments, window, implementation="cudnn")
@@ -265,7 +275,7 @@ def pack_keys(key_ok: Array, arrays: Sequence[Array], policy: KernelPolicy = POR
     length, where every call would otherwise gather its own keys and values (compiled for an H100,
     the COCO RAT-DETR step's six decoder layers spent 31.6 GB on it at 800 px). Softmax does not care
     about key order. Elsewhere the arrays are returned as they are."""
-    if not policy.gpu:
+    if not policy.uses("masked_attention"):
         return KeyPadding(key_ok), tuple(arrays)
     from jaxrat.ops.gpu import masked as gpu_masked
 
@@ -284,7 +294,7 @@ def masked_attention(q: Array, k: Array, v: Array, key_ok: Optional[Array | KeyP
     lengths = None
     if isinstance(key_ok, KeyPadding):
         key_ok, lengths = key_ok
-    if _fused(policy, heads(q), heads(k), heads(v)):
+    if _fused(policy, heads(q), heads(k), heads(v), "masked_attention"):
         from jaxrat.ops.gpu import masked_attention as gpu_masked
         from jaxrat.ops.gpu.fused import fused_attention_heads
 

@@ -57,7 +57,7 @@ def fused(policy: KernelPolicy, x_shape: tuple, hidden: int, dtype, dropout_rate
     """Whether the gpu policy's fused MLP takes this call: bfloat16 ones, as with the fused attention (a
     float32 model on the gpu policy is a parity run, and runs anywhere: XLA's products), with at least
     :data:`FUSED_HIDDEN_BYTES` of hidden activation."""
-    if not policy.gpu or len(x_shape) < 2 or dropout_rate >= 1.0 or jnp.dtype(dtype) != jnp.bfloat16:
+    if not policy.uses("mlp") or len(x_shape) < 2 or dropout_rate >= 1.0 or jnp.dtype(dtype) != jnp.bfloat16:
         return False
     if math.prod(x_shape[:-1]) * hidden * jnp.dtype(dtype).itemsize < FUSED_HIDDEN_BYTES:
         return False

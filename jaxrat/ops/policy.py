@@ -20,7 +20,7 @@ is how that program is lowered and inspected without a GPU.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from jaxrat.ops.portable.chunked_attention import DEFAULT_BLOCK_ELEMENTS
 
@@ -28,6 +28,32 @@ KERNELS = ("auto", "cpu", "gpu", "portable")
 FORMS = ("cpu", "gpu", "portable")
 # Device platforms (``jax.Device.platform``) per form; anything else (TPU, ...) runs portable.
 _PLATFORM_FORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseSGABlocks:
+    """How the gpu form's fused sparse SGA kernels run, fixed when the program is traced (the way
+    Pallas attention takes ``BlockSizes``): part of every kernel's static tiling, so no switch can
+    change a program after it was traced.
+
+    Attributes:
+      products: logits as matrix products over row segments on the tensor cores
+        (:mod:`jaxrat.ops.gpu.sparse_sga_products`), else tap by tap.
+      sweep_rows: output rows one program of a sweep takes (:mod:`jaxrat.ops.gpu.sparse_sga_sweep`:
+        the column sums and the update, and d's gradient and the queries', as one sweep down the
+        image each); 0 runs those passes apart.
+      input_grad_features: the first layer's keys' pass writes the layer's input gradient itself for
+        inputs of up to this many (power of two) channels (:mod:`jaxrat.ops.gpu.sparse_sga_projection`);
+        0: XLA's product of the projection's gradient.
+    """
+
+    products: bool = False
+    sweep_rows: int = 8
+    input_grad_features: int = 256
+
+    def __post_init__(self) -> None:
+        if self.sweep_rows < 0 or self.input_grad_features < 0:
+            raise ValueError(f"sweep_rows and input_grad_features must be >= 0, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +65,29 @@ class KernelPolicy:
       block_elements: largest (queries x key-chunk) block the chunked attention kernels hold per
         slice (cpu: from the last-level cache; else :data:`DEFAULT_BLOCK_ELEMENTS`).
       slice_batch: (batch x head) slices the chunked attention kernels process together at least.
+      gpu_forms: the fused GPU forms (:data:`jaxrat.ops.forms.FORMS`) the gpu form uses; an
+        operation whose form is not here takes the portable form. As constructed, every form the
+        main branch runs (:func:`resolve` narrows it to the validated ones).
+      sparse_sga: the fused sparse SGA kernels' switches.
     """
 
     form: str = "portable"
     block_elements: int = DEFAULT_BLOCK_ELEMENTS
     slice_batch: int = 1
+    gpu_forms: frozenset = dataclasses.field(default_factory=lambda: _candidates())
+    sparse_sga: SparseSGABlocks = SparseSGABlocks()
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
             raise ValueError(f"kernel form must be one of {FORMS}, got {self.form!r}")
         if self.block_elements < 1 or self.slice_batch < 1:
             raise ValueError(f"block_elements and slice_batch must be >= 1, got {self}")
+        from jaxrat.ops.forms import FORMS as GPU_FORMS
+
+        object.__setattr__(self, "gpu_forms", frozenset(self.gpu_forms))
+        unknown = sorted(set(self.gpu_forms) - set(GPU_FORMS))
+        if unknown:
+            raise ValueError(f"unknown GPU forms {unknown}; known: {sorted(GPU_FORMS)}")
 
     @property
     def cpu(self) -> bool:
@@ -58,6 +96,17 @@ class KernelPolicy:
     @property
     def gpu(self) -> bool:
         return self.form == "gpu"
+
+    def uses(self, gpu_form: str) -> bool:
+        """Whether this policy computes with the fused GPU form ``gpu_form`` (a name of
+        :data:`jaxrat.ops.forms.FORMS`): the gpu form with that form among its ``gpu_forms``."""
+        return self.form == "gpu" and gpu_form in self.gpu_forms
+
+
+def _candidates() -> frozenset:
+    from jaxrat.ops.forms import candidates
+
+    return candidates()
 
 
 PORTABLE = KernelPolicy("portable")
@@ -91,7 +140,8 @@ def platform_of(devices: Optional[Sequence] = None) -> str:
 
 def resolve(kernels: "str | KernelPolicy" = "auto", platform: Optional[str] = None, *,
             block_elements: Optional[int] = None, slice_batch: int = 1,
-            process_count: Optional[int] = None) -> KernelPolicy:
+            process_count: Optional[int] = None, gpu_forms: "str | Iterable[str]" = "validated",
+            validated: Optional[frozenset] = None) -> KernelPolicy:
     """Turn ``config.model.kernels`` into a :class:`KernelPolicy`, once per run.
 
     Args:
@@ -102,6 +152,9 @@ def resolve(kernels: "str | KernelPolicy" = "auto", platform: Optional[str] = No
         since every process of a run must compile the same program).
       slice_batch: attention slices processed together at least.
       process_count: processes in the run (default ``jax.process_count()``), for the cpu block.
+      gpu_forms: on the gpu form, which fused forms (``config.model.gpu_forms``): "validated" (those
+        whose code passed on a GPU, :mod:`jaxrat.ops.forms`), "all" (the experimental set), or names.
+      validated: the validated forms' names (default: from the record, :func:`jaxrat.ops.forms.validated`).
     """
     if isinstance(kernels, KernelPolicy):
         return kernels
@@ -121,4 +174,24 @@ def resolve(kernels: "str | KernelPolicy" = "auto", platform: Optional[str] = No
                 from jaxrat.ops.cpu.cache import cpu_block_elements_here
 
                 block_elements = cpu_block_elements_here()
-    return KernelPolicy(form, int(block_elements), int(max(1, slice_batch)))
+    if form != "gpu":
+        return KernelPolicy(form, int(block_elements), int(max(1, slice_batch)))
+    chosen = select_gpu_forms(gpu_forms, validated)
+    return KernelPolicy(form, int(block_elements), int(max(1, slice_batch)), chosen.used, blocks_of(chosen.used))
+
+
+def select_gpu_forms(gpu_forms: "str | Iterable[str]" = "validated", validated: Optional[frozenset] = None):
+    """:func:`jaxrat.ops.forms.select`: the fused forms a gpu run uses and those it holds back."""
+    from jaxrat.ops.forms import select
+
+    return select(gpu_forms, validated)
+
+
+def blocks_of(gpu_forms: Iterable[str]) -> SparseSGABlocks:
+    """The sparse SGA switches the chosen forms ran with (their fingerprinted ``blocks``)."""
+    from jaxrat.ops.forms import FORMS
+
+    fields: dict = {}
+    for name in sorted(gpu_forms):
+        fields.update(dict(FORMS[name].blocks))
+    return SparseSGABlocks(**fields)

@@ -29,7 +29,7 @@ def resize_linear(x: Array, grid: Sequence[int], policy: KernelPolicy = PORTABLE
     grid = tuple(int(g) for g in grid)
     if tuple(x.shape[1:-1]) == grid:
         return x
-    if policy.gpu and all(o >= i for o, i in zip(grid, x.shape[1:-1])):
+    if policy.uses("resize") and all(o >= i for o, i in zip(grid, x.shape[1:-1])):
         for axis, size in enumerate(grid, start=1):
             if x.shape[axis] != size:
                 x = _upsample(x, axis, size)

@@ -16,7 +16,7 @@ def rotate_heads(x: Array, phase: Array, heads: int, policy: KernelPolicy = PORT
     dh/2): :func:`turn_heads` of their cosines and sines in x's dtype, differentiated by autodiff, or
     on the cpu policy by the CPU's backward (:mod:`jaxrat.ops.cpu.rotate`), or on the gpu policy
     without concatenates and with the angles' gradient in one sum (:mod:`jaxrat.ops.gpu.rotate`)."""
-    if policy.gpu:
+    if policy.uses("rotate"):
         from jaxrat.ops.gpu.rotate import turn_heads as gpu_turn
 
         return gpu_turn(x, phase, heads)

@@ -43,8 +43,9 @@ class FusedAdamW:
     """``update(grads, opt_state, params, ok, norm) -> (params, opt_state)`` with the step applied only
     where ``ok``; built by :func:`fused_adamw`."""
 
-    def __init__(self, cfg: Any, schedule: optax.Schedule, *, interpret: bool = False) -> None:
-        self.cfg, self.schedule, self.interpret = cfg, schedule, interpret
+    def __init__(self, cfg: Any, schedule: optax.Schedule, *, interpret: bool = False,
+                 fused_ema: bool = True) -> None:
+        self.cfg, self.schedule, self.interpret, self.fused_ema = cfg, schedule, interpret, fused_ema
         self.hyper = adamw.Hyper(b1=float(cfg.b1), b2=float(cfg.b2), eps=ADAM_EPS, eps_root=0.0,
                                  weight_decay=float(cfg.weight_decay), clip=cfg.clip_norm > 0)
 
@@ -81,6 +82,8 @@ class FusedAdamW:
     def ema(self, averages: Any, params: Any, decay: jax.Array, ok: jax.Array) -> Optional[Any]:
         """The averages after the step (kept where not ``ok``) in a few kernels, or None where the
         multi-tensor kernel does not take them (then the step averages leaf by leaf)."""
+        if not self.fused_ema:  # the policy holds the "ema" form back
+            return None
         a_leaves, treedef = jax.tree.flatten(averages)
         p_leaves = jax.tree.leaves(params)
         if jax.tree.structure(params) != treedef or ema.supports(a_leaves, p_leaves) is not None:
@@ -96,6 +99,8 @@ def why_not(config: Any, kernels: Any, abstract_state: dict) -> Optional[str]:
     """Why the fused update does not apply to this run (one sentence), or None when it does."""
     if not kernels.gpu:
         return f"the kernel policy is {kernels.form}, not gpu"
+    if not kernels.uses("adamw"):
+        return "the gpu policy holds the fused AdamW form back (model.gpu_forms)"
     if config.sharding.zero != 0 or config.sharding.get("rules"):
         return "the optimizer state is sharded (sharding.zero > 0 or sharding rules)"
     if sorted(type(x).__name__ for x in _states(abstract_state["opt_state"])) != ["ScaleByAdamState",
@@ -113,4 +118,4 @@ def fused_adamw(config: Any, kernels: Any, abstract_state: dict, schedule: optax
     """A :class:`FusedAdamW` for this run, or None where :func:`why_not` says it does not apply."""
     if why_not(config, kernels, abstract_state) is not None:
         return None
-    return FusedAdamW(config.optimizer, schedule, interpret=interpret)
+    return FusedAdamW(config.optimizer, schedule, interpret=interpret, fused_ema=kernels.uses("ema"))

@@ -76,6 +76,21 @@ def best_of_run(this_part: dict[str, Any] | None, ck: dict[str, Any]) -> dict[st
     return this_part
 
 
+def kernels_summary(config: mlc.ConfigDict, kernels: Any) -> dict[str, Any]:
+    """The resolved kernel policy as the summary records it: on the gpu form, the fused forms used and
+    those held back (:mod:`jaxrat.ops.forms`)."""
+    from jaxrat.ops.forms import candidates
+
+    out = {"configured": config.model.get("kernels", "auto"), **dataclasses.asdict(kernels)}
+    if kernels.gpu:
+        out["gpu_forms_requested"] = str(config.model.get("gpu_forms", "validated"))
+        out["gpu_forms"] = sorted(kernels.gpu_forms)
+        out["gpu_forms_held_back"] = sorted(candidates() - kernels.gpu_forms)
+    else:
+        out["gpu_forms"] = []
+    return out
+
+
 def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.sharding.Mesh, first: int, last: int,
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
           last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
@@ -96,8 +111,7 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
         "hardware": hw, "mesh": hw["mesh"], "code": code_version(),
         "compute_dtype": resolve_compute_dtype(config.train.compute_dtype, mesh),
-        "kernels": None if kernels is None else {"configured": config.model.get("kernels", "auto"),
-                                                 **dataclasses.asdict(kernels)},
+        "kernels": None if kernels is None else kernels_summary(config, kernels),
         "last_train": last_train,
         "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},
         "best": best_of_run(best, ck), "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),

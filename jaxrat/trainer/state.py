@@ -49,12 +49,28 @@ def _is_key(x: Any) -> bool:
 
 
 def resolve_kernels(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> ops.KernelPolicy:
-    """``config.model.kernels`` resolved once for the run, from the platform of the mesh's devices."""
+    """``config.model.kernels`` resolved once for the run, from the platform of the mesh's devices (and,
+    on the gpu form, ``config.model.gpu_forms``: which fused forms)."""
+    from jaxrat.ops.forms import parse_request
+
+    gpu_forms = config.model.get("gpu_forms", "validated")
+    try:
+        parse_request(gpu_forms)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}.") from None
     try:
         return ops.resolve(config.model.get("kernels", "auto"), ops.policy.platform_of(mesh.devices.flat),
-                           process_count=jax.process_count())
+                           process_count=jax.process_count(), gpu_forms=gpu_forms)
     except ValueError as e:
         raise ConfigError(f"config.model.kernels: {e}.") from None
+
+
+def gpu_forms_line(config: mlc.ConfigDict, kernels: ops.KernelPolicy) -> str:
+    """The one line a gpu run logs: the fused forms it uses and those it holds back."""
+    from jaxrat.ops.forms import Selection, candidates
+
+    used = kernels.gpu_forms
+    return Selection(used, candidates() - used, str(config.model.get("gpu_forms", "validated"))).line()
 
 
 def check_kernels_run_here(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> None:
@@ -143,14 +159,18 @@ def concatenates_norm(config: mlc.ConfigDict) -> bool:
     return config.sharding.zero < 2 and not config.sharding.get("rules")
 
 
-def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task) -> StateSpec:
-    """Split the task's model abstractly and decide every sharding; nothing is allocated."""
+def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
+                    kernels: ops.KernelPolicy | None = None) -> StateSpec:
+    """Split the task's model abstractly and decide every sharding; nothing is allocated. ``kernels``: a
+    policy to build with instead of resolving ``config.model.kernels`` (benchmarks that vary its switches)."""
     compute_dtype = resolve_compute_dtype(config.train.compute_dtype, mesh)
     logging.info("compute dtype %s (train.compute_dtype=%s)", compute_dtype, config.train.compute_dtype)
     dtype = DTYPES[compute_dtype]
-    kernels = resolve_kernels(config, mesh)
+    kernels = resolve_kernels(config, mesh) if kernels is None else kernels
     logging.info("kernels: %s form (model.kernels=%s), attention block %d", kernels.form,
                  config.model.get("kernels", "auto"), kernels.block_elements)
+    if kernels.gpu:
+        logging.info("%s", gpu_forms_line(config, kernels))
     zero = config.sharding.zero
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")

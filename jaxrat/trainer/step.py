@@ -154,7 +154,7 @@ def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = No
     # once, cast, are cast in one kernel up front (each was a kernel of its own before its matmul).
     compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
     sharded = spec.config.sharding.zero != 0 or spec.config.sharding.get("rules")
-    if spec.kernels.gpu and not sharded and compute in NARROW:
+    if spec.kernels.uses("cast") and not sharded and compute in NARROW:
         step = cast_narrow_reads(step)
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())

@@ -81,7 +81,7 @@ def test_the_fused_sparse_sga_kernels_compile_for_the_h100(probe):
 
 
 def test_the_passes_as_matrix_products_compile_for_the_h100(probe):
-    """The same program with the passes as products over row segments (sparse_sga_kernels.PRODUCTS):
+    """The same program with the passes as products over row segments (SparseSGABlocks.products):
     Triton accepts their tiles (sides of 16 at least) and the same kernels run, sweeps included, nothing
     else. Products a use: lse 1, update 2, grad 4, colsum 1, gd 2 (the input tiles' twice in their sweep:
     its first rows, then each step's); the keys' pass 4 a use."""
@@ -147,7 +147,7 @@ def test_the_quick_step_is_priced_per_scope(tmp_path):
     out = tmp_path / "cost.json"
     proc = _run("benchmarks/gpu_cost.py", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| quick | 32 | 2 |" in proc.stdout
+    assert "| quick | all | 32 | 2 |" in proc.stdout
     row = json.loads(out.read_text())["rows"][0]
     assert row["step"] == "quick" and row["compile_s"] > 0
     assert row["memory"]["temp"] > 0 and row["memory"]["argument"] > 0

@@ -84,9 +84,9 @@ def test_cpu_and_portable_policies_compute_the_same_model(fields):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
 
 
-def _isic_step(kernels: str, size: int, devices: int = 2, dtype: str = "auto", **rat):
+def _isic_step(kernels: str, size: int, devices: int = 2, dtype: str = "auto", gpu_forms: str = "all", **rat):
     config = load_config("configs/isic.py")
-    config.model.kernels = kernels
+    config.model.kernels, config.model.gpu_forms = kernels, gpu_forms
     config.model.rat.update(rat)
     config.data.image_size = size
     config.data.batch_size = 2
@@ -171,7 +171,7 @@ def test_the_gpu_coco_rat_detr_step_is_fused_attention(cudnn_version):
     fused_attention_calls = load("hlo_calls").fused_attention_calls
 
     config = load_config("configs/coco.py")
-    config.model.kernels = "gpu"
+    config.model.kernels, config.model.gpu_forms = "gpu", "all"
     config.train.compute_dtype = "bfloat16"
     config.data.batch_size = 1
     config.mesh.axes = (("data", 1), ("fsdp", 1))

@@ -167,7 +167,7 @@ def test_supports_says_why_not_in_one_sentence():
 
 
 def test_the_policy_fuses_bfloat16_calls_on_the_gpu_only():
-    gpu, cpu = ops.resolve("gpu"), ops.resolve("cpu")
+    gpu, cpu = ops.resolve("gpu", gpu_forms="all"), ops.resolve("cpu")
     assert mlp_ops.fused(gpu, (16, 7396, 128), 512, jnp.bfloat16, 0.1)
     assert mlp_ops.fused(gpu, (16, 841, 128), 512, jnp.bfloat16, 0.1)  # 13.8 MB of hidden activation
     assert mlp_ops.fused(gpu, (16, 16, 128), 512, jnp.bfloat16, 0.1)  # 0.3 MB: the small layers' too

@@ -122,7 +122,7 @@ def test_keys_packed_once_are_gathered_once_for_every_layer():
     from jaxrat import ops
     from jaxrat.ops import attention as attn
 
-    gpu = ops.resolve("gpu")
+    gpu = ops.resolve("gpu", gpu_forms="all")
     memory, pos = zeros(2, 1200, 64), zeros(2, 1200, 64)
     q, w = zeros(2, 100, 64), zeros(64, 64)
     key_ok = jnp.ones((2, 1200), bool).at[1, 1000:].set(False)
@@ -195,7 +195,7 @@ def test_a_sparse_sga_layer_on_the_gpu_policy_lays_keys_and_values_out_once():
 
     iters = 3
     config = RATConfig(feature_dims=32, num_heads=2, iters=iters, sga_kernel_size=7, stride=3, mlp_dropout=0.0)
-    layer = SpatialGroupingAttention(config, "sparse", kernels=ops.resolve("gpu"), dtype=jnp.bfloat16,
+    layer = SpatialGroupingAttention(config, "sparse", kernels=ops.resolve("gpu", gpu_forms="all"), dtype=jnp.bfloat16,
                                      rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
@@ -227,7 +227,7 @@ def test_on_a_mesh_the_sparse_kernels_run_per_device_on_laid_out_keys():
     from jaxrat import ops
     from jaxrat.ops import attention as attn
 
-    gpu = ops.resolve("gpu")
+    gpu = ops.resolve("gpu", gpu_forms="all")
     window = attn.Window((64, 64), (7, 7), (3, 3))
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -252,7 +252,7 @@ def test_on_a_mesh_the_projection_kernel_runs_per_device_with_the_weights_whole(
     from jaxrat import ops
     from jaxrat.ops import attention as attn
 
-    gpu = ops.resolve("gpu")
+    gpu = ops.resolve("gpu", gpu_forms="all")
     window = attn.Window((64, 64), (7, 7), (3, 3))
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -133,7 +133,7 @@ def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1, shards: int = 0, ema
 
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
     config = load_config("configs/isic.py")
-    config.model.kernels = "gpu"
+    config.model.kernels, config.model.gpu_forms = "gpu", "all"
     config.model.rat.update(dict(feature_dims=32, num_blocks=1, num_heads=2, iters=1))
     config.data.image_size, config.data.batch_size = 32, 4
     config.train.compute_dtype = dtype

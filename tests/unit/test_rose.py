@@ -119,7 +119,7 @@ def test_gpu_rotation_without_concatenates_gives_the_complex_product_and_its_gra
     x = jax.random.normal(k[0], (4, 30, 3, 8)).astype(dtype)
     phase = jax.random.normal(k[1], (30, heads, 4)) * 3
     g = jax.random.normal(k[2], x.shape).astype(dtype)
-    out, vjp = jax.vjp(lambda *a: rotate_heads(*a, heads, ops.resolve("gpu")), x, phase)
+    out, vjp = jax.vjp(lambda *a: rotate_heads(*a, heads, ops.resolve("gpu", gpu_forms="all")), x, phase)
     want_out, want_vjp = jax.vjp(lambda *a: rotate_heads(*a, heads, ops.PORTABLE), x, phase)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     got, want = jax.jit(vjp)(g), want_vjp(g)

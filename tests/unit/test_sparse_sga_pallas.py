@@ -7,6 +7,7 @@ Shapes are tiny but chosen so that rows span several tiles and no grid divides b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxrat.ops.gpu.sparse_sga import hbm_bytes, laid_out_update, lay_out_keys, sparse_update, supports
+from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_grouping
 
 TRITON = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton\(")
@@ -44,8 +46,9 @@ def _heads_last(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def _fused(geom, normalise):
-    return lambda q, k, v: _heads_last(sparse_update(*map(_heads_last, (q, k, v)), geom, normalise, interpret=True))
+def _fused(geom, normalise, blocks=SparseSGABlocks()):
+    return lambda q, k, v: _heads_last(sparse_update(*map(_heads_last, (q, k, v)), geom, normalise, interpret=True,
+                                                     blocks=blocks))
 
 
 def _portable(geom, normalise):
@@ -80,12 +83,9 @@ CASES = [  # grid, kernel, stride, dh, dv, normalise_columns
 
 
 @pytest.fixture(params=[False, True], ids=["taps", "products"])
-def group_form(request, monkeypatch):
-    """The passes tap by tap (the default) and as matrix products over row segments."""
-    from jaxrat.ops.gpu import sparse_sga_kernels
-
-    monkeypatch.setattr(sparse_sga_kernels, "PRODUCTS", request.param)
-    return request.param
+def group_form(request):
+    """The kernels' switches: the passes tap by tap (the default) and as matrix products over row segments."""
+    return SparseSGABlocks(products=request.param)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "k{}s{}_{}".format(*c[1:3], "norm" if c[5] else "plain"))
@@ -93,7 +93,7 @@ def test_float32_matches_the_portable_kernel_forward_and_every_gradient(case, gr
     grid, kernel, stride, dh, dv, normalise = case
     geom = Geometry(grid, kernel, stride)
     (q, k, v), g = _inputs(geom, dh, dv, jnp.float32)
-    got = _value_and_vjp(_fused(geom, normalise), q, k, v, g)
+    got = _value_and_vjp(_fused(geom, normalise, group_form), q, k, v, g)
     want = _reference(case)
     for name, a, b in zip(("u", "dq", "dk", "dv"), got, want):
         assert a.shape == b.shape, name
@@ -106,26 +106,23 @@ TAIL = ((12, 10), (5, 5), (4, 4), 16, 16, True)  # the last window ends above th
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("case", [ISIC, CASES[1], TAIL], ids=["k7s3", "k3s1", "tail"])
-def test_sweeps_of_a_few_output_rows_a_program_match_the_portable_kernel(monkeypatch, case, rows):
+def test_sweeps_of_a_few_output_rows_a_program_match_the_portable_kernel(case, rows):
     """The column sums and the update, and d's gradient and the queries', each as one sweep over
     ``rows`` output rows a program: programs share their windows' overlap rows, the last one's rows
     run past the grid (clamped to its edge), and the input rows below the last window (TAIL) still
     get their statistics (the keys' pass reads them)."""
-    from jaxrat.ops.gpu import sparse_sga_sweep
-
-    monkeypatch.setattr(sparse_sga_sweep, "ROWS", rows)
     grid, kernel, stride, dh, dv, normalise = case
     geom = Geometry(grid, kernel, stride)
     assert -(-geom.out[0] // rows) > 1  # several programs a slice
     (q, k, v), g = _inputs(geom, dh, dv, jnp.float32)
-    got = _value_and_vjp(_fused(geom, normalise), q, k, v, g)
+    got = _value_and_vjp(_fused(geom, normalise, SparseSGABlocks(sweep_rows=rows)), q, k, v, g)
     for name, a, b in zip(("u", "dq", "dk", "dv"), got, _reference(case)):
         err = np.max(np.abs(a - b)) / np.max(np.abs(b))
         assert err < 1e-5, f"{name}: max error {err:.2e} of the largest entry"
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_the_sweeps_give_what_the_separate_passes_give(monkeypatch, rows, group_form):
+def test_the_sweeps_give_what_the_separate_passes_give(rows, group_form):
     """With and without the sweeps, float32 in interpret mode, every statistic and result of a call's
     forward and backward (the column sums d and d's gradient gd of the rows below the last window too,
     which no group reads but the keys' pass does): the same tile code in another order, in both forms."""
@@ -133,24 +130,24 @@ def test_the_sweeps_give_what_the_separate_passes_give(monkeypatch, rows, group_
     from jaxrat.ops.gpu import sparse_sga_kernels as K
     from jaxrat.ops.gpu import sparse_sga_sweep
 
-    monkeypatch.setattr(sparse_sga_sweep, "ROWS", rows)
     grid, kernel, stride, dh, dv, _ = TAIL
     geom = Geometry(grid, kernel, stride)
     (q, k, v), g = _inputs(geom, dh, dv, jnp.float32)
     b, h = q.shape[:2]
-    t = K.Tiling.of(geom, dh, dv, heads=h)
+    t = K.Tiling.of(geom, dh, dv, heads=h, blocks=dataclasses.replace(group_form, sweep_rows=rows))
+    assert sparse_sga_sweep.applies(t)
     assert t.Y > (t.OY - 1) * t.sy - t.py + t.ky  # input rows below the last window
     q, g = (x.transpose(0, 2, 1, 3).reshape(b, -1) for x in (q, g))  # token-major, as the layer gives them
     k, v = (x.reshape(b * h, -1) for x in (k, v))
 
-    def call():
+    def call(t):
         u, r, d = gs._forward(q, k, v, t, True, True)
         dq, _, _, tape = gs._update_bwd(t, True, True, (q, k, v, u, r, d), g)
         return [np.asarray(x) for x in (u, r, d, dq, *tape)]
 
-    swept = call()
-    monkeypatch.setattr(sparse_sga_sweep, "ENABLED", False)
-    for a, b in zip(swept, call()):
+    apart = t._replace(sweep_rows=0)
+    assert not sparse_sga_sweep.applies(apart)
+    for a, b in zip(call(t), call(apart)):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(b))))
 
@@ -176,8 +173,8 @@ def test_keys_laid_out_once_sum_the_gradients_of_every_use(case, group_form):
 
     def fused(q, k, v):  # token-major, as the layer calls it
         q, k, v = map(_heads_last, (q, k, v))
-        keys = lay_out_keys(k, v, geom, 3, normalise, interpret=True)
-        update = lambda q, k, v, use: laid_out_update(q, keys, use, geom, normalise, interpret=True)
+        keys = lay_out_keys(k, v, geom, 3, normalise, interpret=True, blocks=group_form)
+        update = lambda q, k, v, use: laid_out_update(q, keys, use, geom, normalise, interpret=True, blocks=group_form)
         return _heads_last(_iterations(update, q, k, v, w, 3))
 
     portable = lambda q, k, v: _iterations(lambda q, k, v, use: _portable(geom, normalise)(q, k, v), q, k, v, w, 3)
@@ -214,20 +211,21 @@ def test_a_projection_laid_out_whole_matches_split_turned_and_laid_out(geom, hea
     def two_uses(keys, q):
         total = jnp.sum(jnp.sin(keys.k)) + jnp.sum(keys.v ** 2)  # the laid-out keys used outside the updates too
         for use in range(2):
-            u = laid_out_update(q, keys, use, geom, normalise, interpret=True)
+            u = laid_out_update(q, keys, use, geom, normalise, interpret=True, blocks=group_form)
             total, q = total + jnp.sum(u * g), q + 0.5 * u
         return total
 
     def whole(kv, phase, q):
         angles = phase[:, :rotated] if rotated else None
-        return two_uses(lay_out_projection(kv, angles, geom, heads, 2, normalise, interpret=True), q)
+        return two_uses(lay_out_projection(kv, angles, geom, heads, 2, normalise, interpret=True, blocks=group_form), q)
 
     def plain(kv, phase, q):
         k, v = jnp.split(kv, 2, axis=-1)
         k = k.reshape(b, n_in, heads, dh)
         if rotated:
             k = rotate_heads(k, phase[:, :rotated], rotated, ops.PORTABLE)
-        return two_uses(lay_out_keys(k, v.reshape(b, n_in, heads, dh), geom, 2, normalise, interpret=True), q)
+        keys = lay_out_keys(k, v.reshape(b, n_in, heads, dh), geom, 2, normalise, interpret=True, blocks=group_form)
+        return two_uses(keys, q)
 
     got = jax.jit(jax.value_and_grad(whole, argnums=(0, 1, 2)))(kv, phase, q0)
     want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(kv, phase, q0)
@@ -262,15 +260,15 @@ def test_the_projection_kernel_matches_the_product_laid_out(geom, heads, dh, rot
     def two_uses(keys, q):
         total = jnp.sum(jnp.sin(keys.k)) + jnp.sum(keys.v ** 2)
         for use in range(2):
-            u = laid_out_update(q, keys, use, geom, interpret=True)
+            u = laid_out_update(q, keys, use, geom, interpret=True, blocks=group_form)
             total, q = total + jnp.sum(u * g), q + 0.5 * u
         return total
 
     def fused(x, w, bias, phase, q):
-        return two_uses(lay_out_inputs(x, w, bias, phase, geom, heads, 2, interpret=True), q)
+        return two_uses(lay_out_inputs(x, w, bias, phase, geom, heads, 2, interpret=True, blocks=group_form), q)
 
     def plain(x, w, bias, phase, q):
-        return two_uses(lay_out_projection(x @ w + bias, phase, geom, heads, 2, interpret=True), q)
+        return two_uses(lay_out_projection(x @ w + bias, phase, geom, heads, 2, interpret=True, blocks=group_form), q)
 
     args = (x, w, bias, phase, q0)
     got = jax.jit(jax.value_and_grad(fused, argnums=tuple(range(5))))(*args)
@@ -285,10 +283,9 @@ def test_the_projection_kernel_matches_the_product_laid_out(geom, heads, dh, rot
     (Geometry((10, 20), (5, 5), (2, 2)), 3, 64),  # XLA's product; rows of 20 in tiles of 32, masked
     (Geometry((8, 16), (7, 7), (3, 3)), 2, 256),  # the widest inputs the pass takes: tiles of 16
 ])
-def test_the_input_gradient_from_the_keys_pass_matches_xla_s_product(geom, heads, channels, group_form,
-                                                                       monkeypatch):
+def test_the_input_gradient_from_the_keys_pass_matches_xla_s_product(geom, heads, channels, group_form):
     """The layer input's gradient summed over the heads in the keys' pass (keys_pass_with_inputs)
-    against XLA's product of the projection's gradient (MAX_FEATURES_IN_PASS = 0). Float32, interpret
+    against XLA's product of the projection's gradient (input_grad_features 0). Float32, interpret
     mode: every gradient to 1e-5 of its largest entry."""
     from jaxrat.ops.gpu import sparse_sga_projection as gp
 
@@ -300,15 +297,14 @@ def test_the_input_gradient_from_the_keys_pass_matches_xla_s_product(geom, heads
             0.5 * jax.random.normal(ks[4], (b, n_out, heads, dh)))
     g = jax.random.normal(ks[5], (b, n_out, heads, dh))
 
-    def loss(x, w, bias, phase, q):
-        keys = gp.lay_out_inputs(x, w, bias, phase, geom, heads, 2, interpret=True)
-        u = laid_out_update(q, keys, 0, geom, interpret=True)
-        return jnp.sum(laid_out_update(q + u, keys, 1, geom, interpret=True) * g)
+    def loss(x, w, bias, phase, q, blocks):
+        keys = gp.lay_out_inputs(x, w, bias, phase, geom, heads, 2, interpret=True, blocks=blocks)
+        u = laid_out_update(q, keys, 0, geom, interpret=True, blocks=blocks)
+        return jnp.sum(laid_out_update(q + u, keys, 1, geom, interpret=True, blocks=blocks) * g)
 
-    grads = lambda: jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*args)
-    got = grads()
-    monkeypatch.setattr(gp, "MAX_FEATURES_IN_PASS", 0)
-    want = grads()
+    grads = lambda blocks: jax.jit(jax.grad(functools.partial(loss, blocks=blocks), argnums=tuple(range(5))))(*args)
+    got = grads(group_form)
+    want = grads(dataclasses.replace(group_form, input_grad_features=0))
     for name, a, e in zip(("dx", "dw", "db", "dphase", "dq"), got, want):
         a, e = np.asarray(a), np.asarray(e)
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e))), err_msg=name)
@@ -343,12 +339,12 @@ def test_a_use_that_gets_no_gradient_adds_nothing(group_form):
     q, k, v = map(_heads_last, (q, k, v))
 
     def two(q, k, v):
-        keys = lay_out_keys(k, v, geom, 2, interpret=True)
-        u = laid_out_update(q, keys, 0, geom, interpret=True)
-        unused = laid_out_update(q, keys, 1, geom, interpret=True)
+        keys = lay_out_keys(k, v, geom, 2, interpret=True, blocks=group_form)
+        u = laid_out_update(q, keys, 0, geom, interpret=True, blocks=group_form)
+        unused = laid_out_update(q, keys, 1, geom, interpret=True, blocks=group_form)
         return u + 0.0 * jax.lax.stop_gradient(unused)
 
-    one = lambda q, k, v: sparse_update(q, k, v, geom, interpret=True)
+    one = lambda q, k, v: sparse_update(q, k, v, geom, interpret=True, blocks=group_form)
     got, want = _value_and_vjp(two, q, k, v, _heads_last(g)), _value_and_vjp(one, q, k, v, _heads_last(g))
     for name, a, b in zip(("u", "dq", "dk", "dv"), got, want):
         assert np.all(np.isfinite(a)), name
@@ -379,7 +375,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_portable_kernel_in_bfloat16(grou
     geom = Geometry(*ISIC[:3])
     (q, k, v), g = _inputs(geom, *ISIC[3:5], jnp.float32)
     exact, ref = _reference(ISIC), _reference(ISIC, jnp.bfloat16)
-    got = _value_and_vjp(_fused(geom, True), *(x.astype(jnp.bfloat16) for x in (q, k, v)), g)
+    got = _value_and_vjp(_fused(geom, True, group_form), *(x.astype(jnp.bfloat16) for x in (q, k, v)), g)
     for name, a, b, e in zip(("u", "dq", "dk", "dv"), got, ref, exact):
         scale = np.max(np.abs(e))
         err, err_ref = np.max(np.abs(a - e)) / scale, np.max(np.abs(b - e)) / scale
@@ -415,23 +411,20 @@ def test_memory_traffic_is_a_few_reads_of_the_inputs_and_no_maps():
     assert sum(hbm_bytes(geom, q_shape, 16, jnp.bfloat16, False).values()) < 10 * keys
 
 
-def _isic_like(dtype=jnp.bfloat16):
+def _isic_like(dtype=jnp.bfloat16, blocks=SparseSGABlocks()):
     geom = Geometry((64, 64), (7, 7), (3, 3))
     n_out, n_in = int(np.prod(geom.out)), int(np.prod(geom.grid))
     spec = lambda n: jax.ShapeDtypeStruct((2, n, 8, 16), dtype)
-    loss = lambda q, k, v: jnp.sum(sparse_update(q, k, v, geom).astype(jnp.float32))
+    loss = lambda q, k, v: jnp.sum(sparse_update(q, k, v, geom, blocks=blocks).astype(jnp.float32))
     return geom, (spec(n_out), spec(n_in), spec(n_in)), loss
 
 
 @pytest.mark.parametrize("sweeps", [True, False], ids=["sweeps", "apart"])
-def test_the_gpu_form_lowers_to_triton_calls_only(monkeypatch, sweeps):
+def test_the_gpu_form_lowers_to_triton_calls_only(sweeps):
     """Lowered for CUDA (no GPU needed): forward, the log-sum-exps and one sweep (column sums, then the
     update; three passes apart); backward one sweep for the call (d's gradient, then the queries'; two
     apart) and one pass for the keys' and values' gradients; no XLA loop or matmul outside them."""
-    from jaxrat.ops.gpu import sparse_sga_sweep
-
-    monkeypatch.setattr(sparse_sga_sweep, "ENABLED", sweeps)
-    _, args, loss = _isic_like()
+    _, args, loss = _isic_like(blocks=SparseSGABlocks(sweep_rows=8 if sweeps else 0))
     lower = lambda f: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     fwd = lower(loss)
     both = lower(jax.value_and_grad(loss, argnums=(0, 1, 2)))
@@ -469,7 +462,7 @@ def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeyp
     assert gp.kernel_supports(grid[0] * grid[1], features, features // 2, jnp.float32) == projection_kernel
 
     def value_and_grads(policy):
-        layer = SpatialGroupingAttention(config, "sparse", kernels=ops.resolve(policy), rngs=nnx.Rngs(0))
+        layer = SpatialGroupingAttention(config, "sparse", kernels=policy, rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def loss(params, x):
@@ -479,7 +472,7 @@ def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeyp
         value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
         return [np.asarray(value)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
 
-    got, want = value_and_grads("gpu"), value_and_grads("portable")
+    got, want = value_and_grads(ops.KernelPolicy("gpu", sparse_sga=group_form)), value_and_grads(ops.PORTABLE)
     assert len(got) == len(want) > 10
     for a, b in zip(got, want):
         # a one-element leaf (the loss; temp's gradient: a sum over every logit, with cancellation) is

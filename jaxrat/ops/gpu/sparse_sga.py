@@ -60,6 +60,7 @@ import numpy as np
 from jaxrat.ops.gpu import sparse_sga_input_grad as G
 from jaxrat.ops.gpu import sparse_sga_kernels as K
 from jaxrat.ops.gpu import sparse_sga_sweep as S
+from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.chunked_attention import EPS
 from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -104,7 +105,7 @@ def supports(geom: Geometry, q_shape, dtype) -> str | None:
 
 
 def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_columns: bool = True, *,
-                 interpret: bool = False) -> LaidOutKeys:
+                 interpret: bool = False, blocks: SparseSGABlocks = SparseSGABlocks()) -> LaidOutKeys:
     """Lay token-major keys k (B, N_in, H, dh) and values v (B, N_in, H, dv) out for ``uses``
     :func:`laid_out_update` calls (a layer's grouping iterations), which must each pass their own
     ``use`` index.
@@ -120,7 +121,7 @@ def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_co
         raise ValueError(f"keys {k.shape} and values {v.shape} do not match the grid {geom.grid}")
     if uses < 1:
         raise ValueError(f"keys are laid out for at least one use, not {uses}")
-    t = K.Tiling.of(geom, dh, dv, heads=h)
+    t = K.Tiling.of(geom, dh, dv, heads=h, blocks=blocks)
     flat = lambda x: lay_out(x).reshape(b * h, -1)
     kf, vf, tapes = _keys(flat(k), flat(v.astype(k.dtype)), t, uses, normalise_columns, interpret)
     # tapes travel image-major (batch first, as per_device.over_batch splits them)
@@ -129,7 +130,8 @@ def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_co
 
 
 def lay_out_projection(kv: Array, phase: Array | None, geom: Geometry, heads: int, uses: int = 1,
-                       normalise_columns: bool = True, *, interpret: bool = False) -> LaidOutKeys:
+                       normalise_columns: bool = True, *, interpret: bool = False,
+                       blocks: SparseSGABlocks = SparseSGABlocks()) -> LaidOutKeys:
     """:func:`lay_out_keys` of a key-value projection's output ``kv`` (B, N_in, 2 H d): keys then
     values, H = ``heads`` of d each, the keys turned by RoSE's angles ``phase`` (N_in, Hr, d/2) of
     their first Hr heads (None: no rotation).
@@ -155,28 +157,29 @@ def lay_out_projection(kv: Array, phase: Array | None, geom: Geometry, heads: in
     # every head gets angles: zero (cos 1, sin 0) for those RoSE leaves
     rotated = phase.shape[1]
     full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - rotated), (0, 0)))
-    t = K.Tiling.of(geom, dh, dh, heads=heads)
+    t = K.Tiling.of(geom, dh, dh, heads=heads, blocks=blocks)
     kf, vf, tapes = _projected(kv, full, t, rotated, uses, normalise_columns, interpret)
     return LaidOutKeys(kf.reshape(b, heads, n_in, dh), vf.reshape(b, heads, n_in, dh),
                        tuple(tuple(x.reshape(b, -1) for x in tape) for tape in tapes))
 
 
 def sparse_update(q: Array, k: Array, v: Array, geom: Geometry, normalise_columns: bool = True, *,
-                  interpret: bool = False) -> Array:
+                  interpret: bool = False, blocks: SparseSGABlocks = SparseSGABlocks()) -> Array:
     """The sparse SGA update, token-major: q (B, N_out, H, dh) scaled queries, k (B, N_in, H, dh),
     v (B, N_in, H, dv).
 
     Returns (B, N_out, H, dv) in q's dtype; differentiable in q, k and v (fused backward).
     ``interpret`` runs the Pallas kernels in interpret mode (any backend, for tests).
     """
-    keys = lay_out_keys(k.astype(q.dtype), v.astype(q.dtype), geom, 1, normalise_columns, interpret=interpret)
-    return laid_out_update(q, keys, 0, geom, normalise_columns, interpret=interpret)
+    keys = lay_out_keys(k.astype(q.dtype), v.astype(q.dtype), geom, 1, normalise_columns, interpret=interpret,
+                        blocks=blocks)
+    return laid_out_update(q, keys, 0, geom, normalise_columns, interpret=interpret, blocks=blocks)
 
 
 def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, normalise_columns: bool = True, *,
-                    interpret: bool = False) -> Array:
+                    interpret: bool = False, blocks: SparseSGABlocks = SparseSGABlocks()) -> Array:
     """:func:`sparse_update` of token-major queries with keys and values already :func:`lay_out_keys`
-    (with the same ``normalise_columns``), as their ``use``-th call."""
+    (with the same ``normalise_columns`` and ``blocks``), as their ``use``-th call."""
     why = supports(geom, q.shape, q.dtype)
     if why is not None:
         raise ValueError(why)
@@ -191,7 +194,7 @@ def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, norma
         raise ValueError(f"use {use} of keys laid out for {len(keys.tapes)}")
     if len(keys.tapes[use]) != len(_TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN):
         raise ValueError("normalise_columns differs from the one the keys were laid out for")
-    t = K.Tiling.of(geom, dh, dv, heads=h)
+    t = K.Tiling.of(geom, dh, dv, heads=h, blocks=blocks)
     names = _TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN
     tape = tuple(x.reshape(s.shape) for x, s in zip(keys.tapes[use], _tape_shapes(t, b * h, q.dtype, names)))
     flat = lambda x: x.astype(keys.k.dtype).reshape(b * h, -1)
@@ -200,7 +203,8 @@ def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, norma
     return u.reshape(b, n_out, h, dv)
 
 
-def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True, uses: int = 1) -> dict[str, int]:
+def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True, uses: int = 1,
+              blocks: SparseSGABlocks = SparseSGABlocks()) -> dict[str, int]:
     """Bytes each pass reads and writes in device memory for ``uses`` calls with queries of
     ``q_shape`` (B, N_out, H, dh) on one layer's keys, counting every operand it touches once (the
     transposes around the passes not included). Per-call passes are summed over the calls.
@@ -215,7 +219,7 @@ def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool =
     size = dict(q=n_out * dh * e, g=n_out * dv * e, u=n_out * dv * e, dq=n_out * dh * e, r=n_out * 4,
                 delta=n_out * 4, k=n_in * dh * e, v=n_in * dv * e, dk=n_in * dh * e, dv=n_in * dv * e,
                 d=n_in * 4, gd=n_in * 4)
-    if normalise_columns and S.applies(K.Tiling.of(geom, dh, dv, heads=h)):
+    if normalise_columns and S.applies(K.Tiling.of(geom, dh, dv, heads=h, blocks=blocks)):
         passes = {"fwd groups lse": "q k | r", "fwd sweep colsum update": "q k v r | d u",
                   "bwd sweep gd dq": "q k v u r g d | gd dq delta"}
         per_use = "q g r delta d gd"

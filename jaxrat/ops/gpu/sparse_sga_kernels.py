@@ -19,9 +19,10 @@ Arrays are passed flat per slice, (B*H, N*d); loads use clipped indices under a 
 taps read a valid address and are masked), stores send masked lanes out of range, so the same
 code is right in Triton and in interpret mode.
 
-With ``Tiling.products`` (the module's ``PRODUCTS``) both kinds of tile compute their logits as
-matrix products instead: a tile against one contiguous run of keys (group tiles) or of covering
-groups (input tiles) per row, on the tensor cores, a band mask keeping each window's taps.
+With ``Tiling.products`` (from the policy's :class:`jaxrat.ops.policy.SparseSGABlocks`) both kinds of
+tile compute their logits as matrix products instead: a tile against one contiguous run of keys (group
+tiles) or of covering groups (input tiles) per row, on the tensor cores, a band mask keeping each
+window's taps.
 """
 
 from __future__ import annotations
@@ -52,12 +53,10 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     strided_refs,
     token_major,
 )
+from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
-# The passes' default form: False, tap by tap (measured on an H100); True, matrix products over row
-# segments (sparse_sga_products), not yet measured on a GPU.
-PRODUCTS = False
 
 
 def _pow2(n: int) -> int:
@@ -89,6 +88,8 @@ class Tiling(NamedTuple):
     unroll: bool = False  # the row loops as straight-line code
     products: bool = False  # logits as matrix products over row segments (sparse_sga_products)
     heads: int = 0  # > 0: group-level operands are token-major (B, N_out*heads*d), else per slice
+    sweep_rows: int = 0  # > 0: output rows a sweep program takes (sparse_sga_sweep); 0: the passes apart
+    input_grad_features: int = 0  # the first layer's keys' pass writes dx for inputs up to this wide
 
     @property
     def segment(self) -> int:
@@ -102,14 +103,16 @@ class Tiling(NamedTuple):
 
     @classmethod
     def of(cls, geom: Geometry, dh: int, dv: int, tw: int | None = None, tx: int = 64, warps: int = 4,
-           unroll: bool = False, products: bool | None = None, heads: int = 0) -> "Tiling":
+           unroll: bool = False, products: bool | None = None, heads: int = 0,
+           blocks: SparseSGABlocks = SparseSGABlocks()) -> "Tiling":
         """``tw`` None: 32 groups a tile tap by tap, 16 as products (at 32, compiled for an H100, the
         product form's gradient pass needs more than 255 registers a thread and spills; at 16 none does).
         ``heads`` > 0: queries, cotangents, updates and query gradients are read and written
-        token-major, (B, N_out * heads * d), in place; 0: as (B*H, N_out*d) slices like the keys."""
+        token-major, (B, N_out * heads * d), in place; 0: as (B*H, N_out*d) slices like the keys.
+        ``blocks``: the policy's switches (``products`` None takes theirs)."""
         (Y, X), (OY, OX) = geom.grid, geom.out
         (ky, kx), (sy, sx) = geom.kernel, geom.stride
-        products = PRODUCTS if products is None else products
+        products = blocks.products if products is None else products
         tw = (16 if products else 32) if tw is None else tw
         tw, tx = min(tw, _pow2(OX)), min(tx, _pow2(X))
         if products:  # a matrix product's sides are 16 at least
@@ -117,7 +120,8 @@ class Tiling(NamedTuple):
         else:
             dhp, dvp = _pow2(dh), _pow2(dv)
         return cls(Y, X, OY, OX, ky, kx, sy, sx, (ky - 1) // 2, (kx - 1) // 2, dh, dv, dhp, dvp,
-                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll, products, heads)
+                   tw, tx, (ky - 1) // sy + 1, (kx - 1) // sx + 1, warps, unroll, products, heads,
+                   blocks.sweep_rows, blocks.input_grad_features)
 
 
 def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):

@@ -15,7 +15,7 @@ projection's gradient token-major, keys turned back, and (inputs of at most
 image through every head and multiplying each head's gradients by its columns of ``W`` on chip; XLA's
 product then gives the weights' gradient. In the ISIC first layer, compiled for an H100, that drops
 cuBLAS's product for the inputs' gradient, which read the projection's gradient back (0.8 GB): the
-step moves 0.54 GB less. Wider inputs, and ``MAX_FEATURES_IN_PASS = 0``, take XLA's product.
+step moves 0.54 GB less. Wider inputs, and ``SparseSGABlocks.input_grad_features = 0``, take XLA's product.
 
 The angles' gradient is taken from the laid-out keys, as the token-major
 projection no longer exists: with g the turned-back gradient and k = R x the turned keys,
@@ -38,12 +38,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxrat.ops.gpu import sparse_sga as S
 from jaxrat.ops.gpu import sparse_sga_kernels as K
+from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
 TOKENS = 64  # inputs a program projects: the rows of its products
-# Inputs of at most this many channels get their gradient from the keys' pass itself (its float32 sums
-# of a tile, 64 x C, fit the registers); wider ones from XLA's product of the projection's gradient
+# Inputs of at most this many channels (and of SparseSGABlocks.input_grad_features) get their gradient from
+# the keys' pass itself (its float32 sums of a tile, 64 x C, fit the registers); wider ones from XLA's product
 MAX_FEATURES_IN_PASS = 256
 
 
@@ -133,7 +134,7 @@ def _bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool,
     shape = (bsz, n_in, 2 * heads * dh)
     times_w = lambda g: jax.lax.dot_general(g, w.astype(g.dtype), (((2,), (1,)), ((), ())))
     dx = None
-    if _pow2(x.shape[2]) and x.shape[2] <= MAX_FEATURES_IN_PASS:  # the keys' pass writes dx too
+    if _pow2(x.shape[2]) and x.shape[2] <= min(t.input_grad_features, MAX_FEATURES_IN_PASS):  # the keys' pass writes dx
         dkv, db, dx = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
                                             bias=True, weights=w)
     else:
@@ -163,7 +164,8 @@ _inputs_projected.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def lay_out_inputs(x: Array, w: Array, b: Array, phase: Array | None, geom: Geometry, heads: int, uses: int = 1,
-                   normalise_columns: bool = True, *, interpret: bool = False) -> S.LaidOutKeys:
+                   normalise_columns: bool = True, *, interpret: bool = False,
+                   blocks: SparseSGABlocks = SparseSGABlocks()) -> S.LaidOutKeys:
     """:func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection` of ``x @ w + b`` (x (B, N_in, C) in the
     compute dtype, ``w`` (C, 2 H d), ``b`` (2 H d,)), the product and the layout
     in one kernel where :func:`kernel_supports` says so; differentiable in x, w, b and the angles
@@ -181,7 +183,7 @@ def lay_out_inputs(x: Array, w: Array, b: Array, phase: Array | None, geom: Geom
         raise ValueError(f"RoSE angles {phase.shape} do not match {n_in} inputs of {heads} heads of {dh}")
     rotated = phase.shape[1]
     full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - rotated), (0, 0)))
-    t = K.Tiling.of(geom, dh, dh, heads=heads)
+    t = K.Tiling.of(geom, dh, dh, heads=heads, blocks=blocks)
     k, v, tapes = _inputs_projected(x, w, b, full, t, rotated, uses, normalise_columns, interpret)
     return S.LaidOutKeys(k.reshape(bsz, heads, n_in, dh), v.reshape(bsz, heads, n_in, dh),
                          tuple(tuple(a.reshape(bsz, -1) for a in tape) for tape in tapes))

@@ -29,17 +29,13 @@ from jax.experimental.pallas import triton as plgpu
 from jaxrat.ops.gpu import sparse_sga_kernels as K
 from jaxrat.ops.gpu.sparse_sga_tiles import clip
 
-# Output rows a program sweeps: fewer make more programs (the ISIC first layer's 86 rows x 128 slices
-# make 1,408 at 8) but recompute more overlap rows (ky - sy input rows per program: 4 of 28 there).
-ROWS = 8
-# Whether the normalised passes run as sweeps (False: as separate passes, as measured on an H100 on
-# 2026-11-27; `benchmarks/gpu_profile.py --passes-apart` profiles the step that way).
-ENABLED = True
-
 
 def applies(t: K.Tiling) -> bool:
-    """Whether ``t``'s passes can sweep: windows that leave no input row between them."""
-    return ENABLED and t.sy <= t.ky
+    """Whether ``t``'s passes sweep: asked for (``t.sweep_rows`` > 0, the output rows a program sweeps:
+    fewer make more programs, the ISIC first layer's 86 rows x 128 slices make 1,408 at 8, but recompute
+    more overlap rows, ky - sy input rows a program: 4 of 28 there; 0 runs the passes apart, as measured
+    on an H100 on 2026-11-27), and windows that leave no input row between them."""
+    return t.sweep_rows > 0 and t.sy <= t.ky
 
 
 def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int, exact: bool):
@@ -89,7 +85,7 @@ def sweep(modes: tuple[str, str], t: K.Tiling, ins: dict, outs: dict, eps: float
     "grad") that reads its statistic, as one kernel; operands and results as the two passes take and
     give them (the statistic among ``outs``)."""
     bh = ins["k"].shape[0]
-    rows = min(ROWS, t.OY)
+    rows = min(t.sweep_rows, t.OY)
     grid = (1, -(-t.OY // rows), bh)
     return K.call(_sweep_kernel, t, grid, ins, outs, f"sparse_sga_sweep_{modes[0]}_{modes[1]}", interpret,
                   modes=modes, eps=eps, rows=rows, exact=interpret)
