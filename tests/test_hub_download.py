@@ -52,3 +52,28 @@ def test_falls_back_to_pytorch_bin_and_names_what_is_missing(tmp_path):
         srv.close()
     with pytest.raises(UserError, match="not a hub repository id"):
         hub.download_model("../etc", str(tmp_path))
+
+
+def test_failed_download_names_endpoint_and_leaves_no_model_folder(tmp_path):
+    """A repository the server lacks (or one without weights) fails in one sentence naming the
+    command's own option, --endpoint (there is no --base-url here), and leaves no folder that
+    looks like a downloaded model; a partial weights file stays to resume from."""
+    srv = _Server({})
+    try:
+        endpoint = srv.url.rsplit("/2018/", 1)[0]
+        with pytest.raises(DataError) as err:
+            hub.download_model("org/absent", str(tmp_path), endpoint=endpoint, retries=0, timeout=10)
+        assert "--endpoint" in str(err.value) and "--base-url" not in str(err.value)
+        assert not (tmp_path / "org--absent").exists()
+        srv.files["config.json"] = b"{}"
+        with pytest.raises(DataError, match="has none of"):  # config.json only: not a model either
+            hub.download_model("org/noweights", str(tmp_path), endpoint=endpoint, retries=0, timeout=10)
+        assert not (tmp_path / "org--noweights").exists()
+        srv.status = 503  # the server fails: the message says how to use another one
+        with pytest.raises(DataError, match="mirror with --endpoint"):
+            hub.download_model("org/down", str(tmp_path), endpoint=endpoint, retries=0, timeout=10)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        srv.close()
+    assert hub.main(["org/x", "--dest", str(tmp_path), "--endpoint", "http://127.0.0.1:9", "--retries", "0"]) == 2
+    assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import urllib.parse
 
@@ -40,7 +41,23 @@ def download_model(repo_id: str, dest: str, *, revision: str = "main", endpoint:
                         f"timm/vit_base_patch16_224.augreg2_in21k_ft_in1k.")
     base = (endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
     folder = folder_for(repo_id, dest)
+    created = not os.path.isdir(folder)
     os.makedirs(folder, exist_ok=True)
+    try:
+        return _fetch_model(repo_id, folder, base, revision, retries, timeout)
+    except BaseException:
+        # A first download that failed leaves no folder that looks like a model (empty, or a
+        # config.json without weights); one holding a partial weights file stays, to resume from.
+        if created and not _resumable(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _resumable(folder: str) -> bool:
+    return any(n.endswith(".part") and os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+
+
+def _fetch_model(repo_id: str, folder: str, base: str, revision: str, retries: int, timeout: float) -> str:
 
     def get(name: str) -> None:
         path = os.path.join(folder, name)
@@ -48,7 +65,7 @@ def download_model(repo_id: str, dest: str, *, revision: str = "main", endpoint:
             logging.info("%s: %s already downloaded", repo_id, name)
             return
         url = f"{base}/{repo_id}/resolve/{urllib.parse.quote(revision, safe='')}/{name}"
-        fetch(url, path, retries=retries, timeout=timeout)
+        fetch(url, path, retries=retries, timeout=timeout, mirror_flag="--endpoint")
 
     get("config.json")
     missing = []
