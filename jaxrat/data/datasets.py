@@ -196,6 +196,12 @@ def resolve_classification(
         splits = [folder.folder_records(os.path.join(data_dir, s), policy=policy) for s in ("train", "val")]
         vocabs = [{"label": classes} for _, classes in splits]
     else:
+        for field, name in (("train_csv", train_csv), ("val_csv", val_csv)):
+            if not os.path.isfile(os.path.join(data_dir, name)):
+                raise DataError(f"CSV file {os.path.join(data_dir, name)} not found; write it there (an "
+                                f"{_get(data_cfg, 'image_column', 'image')!r} column and one per head), point "
+                                f"--config.data.{field} at yours (relative to data_dir), or, for one folder per "
+                                f"class (DIR/train/<class>/*, DIR/val/<class>/*), set --config.data.source=folder.")
         column = _get(data_cfg, "image_column", "image")
         splits = [folder.csv_records(os.path.join(data_dir, p), image_column=column, label_columns=heads,
                                      image_root=data_dir, policy=policy) for p in (train_csv, val_csv)]
