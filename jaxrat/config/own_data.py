@@ -9,8 +9,6 @@ the synthetic data's class names are not the user's (their classes are named by
 
 from __future__ import annotations
 
-import logging
-
 import ml_collections as mlc
 
 from jaxrat.data.synthetic.segmentation import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
@@ -26,6 +24,7 @@ def on_own_data(config: mlc.ConfigDict) -> mlc.ConfigDict:
         task = config.get("task")
         if task is not None and tuple(task.get("class_names", ()) or ()) == SYNTHETIC_CLASS_NAMES:
             task.class_names = ()
-    logging.info("data: synthetic data off: config.data.data_dir=%s is given, so training reads that dataset "
-                 "(and never writes into it)", data.data_dir)
+    from jaxrat.data.datasets import note_synthetic_off
+
+    note_synthetic_off(data.data_dir)
     return config

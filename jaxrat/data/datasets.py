@@ -38,6 +38,12 @@ def synthetic_image_size(data_cfg: Any) -> int:
     return int(_get(data_cfg, "synthetic_image_size", 0) or data_cfg.image_size)
 
 
+def note_synthetic_off(data_dir: str) -> None:
+    """The log line of a synthetic variant pointed at a dataset (the README promises it)."""
+    logging.info("data: synthetic data off: config.data.data_dir=%s is given, so training reads that dataset "
+                 "(and never writes into it)", data_dir)
+
+
 def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int, num_classes: int = 1
 ) -> tuple[ExampleSource, ExampleSource]:
@@ -78,8 +84,7 @@ def resolve_segmentation(
 
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and data_dir:
-        logging.info("data: no synthetic data: config.data.data_dir=%s is given, so training reads that dataset "
-                     "(and never writes into it)", data_dir)
+        note_synthetic_off(data_dir)
     elif data_cfg.synthetic:
         # One copy per process on its own disk: correct whether or not the workdir is shared.
         data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
@@ -117,6 +122,8 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
     from jaxrat.data.synthetic import segmentation as synthetic_segmentation
 
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
+    if data_cfg.synthetic and data_dir:
+        note_synthetic_off(data_dir)
     if data_cfg.synthetic and not data_dir:
         data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
         synthetic_segmentation.write_dataset(data_dir, data_cfg.synthetic_train + data_cfg.synthetic_val,
