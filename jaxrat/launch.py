@@ -18,6 +18,7 @@ signal (requeue at most ``--max-restarts`` times per job). The rendering itself 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import shlex
 import sys
@@ -32,6 +33,7 @@ from jaxrat.cluster.jobscript import (  # noqa: F401  (re-exported: the renderer
     submit,
     validate,
 )
+from jaxrat.config.loader import portable_spec
 from jaxrat.runtime.command_line import argparse_style, plain, prog
 from jaxrat.runtime.errors import UserError
 
@@ -60,7 +62,11 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, argparse.Namespace]:
     command = " ".join(shlex.quote(x) for x in ["python", "-m", "jaxrat.launch", *argv]
                        + (["--", *extra] if extra else []))
     command = re.sub(r" --(submit|wait)\b", "", command)
-    spec = JobSpec(config=a.config, workdir=a.workdir, extra_args=tuple(extra), command=command, **job_fields(p, a))
+    try:
+        config = portable_spec(a.config)
+    except UserError:
+        config = a.config  # main says why, with the other mistakes
+    spec = JobSpec(config=config, workdir=a.workdir, extra_args=tuple(extra), command=command, **job_fields(p, a))
     return spec, a
 
 
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status."""
     spec, a = parse_args(argparse_style(sys.argv[1:] if argv is None else argv))
     try:
+        spec = dataclasses.replace(spec, config=portable_spec(spec.config))
         scheduler = a.scheduler
         if scheduler == "auto":
             scheduler = detect_scheduler() or ("slurm" if not a.submit else "")

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
+from jaxrat.config.loader import portable_spec
 from jaxrat.experiments import sweep
 from jaxrat.experiments.summary import report
 from jaxrat.runtime.command_line import argparse_style, plain, prog
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.dry_run:
             sweep.write_manifest(a.root, a.config, variants, common)
         if not (a.slurm or a.lsf):
-            status = sweep.run_local(a.config, a.root, chosen, common, dry_run=a.dry_run, python=a.python)
+            status = sweep.run_local(a.config, a.root, chosen, common, dry_run=a.dry_run,
+                                     python=a.python or sys.executable)
             if not a.dry_run and any(Path(a.root, v.name, "metrics.jsonl").is_file() for v in variants):
                 sys.stdout.write(report(a.root))
             return status
@@ -105,7 +107,7 @@ def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], 
               file=sys.stderr)
         return 0
     command = " ".join(shlex.quote(x) for x in ["python", "-m", "jaxrat.sweep", *(x for x in argv if x != "--dry-run")])
-    spec = JobSpec(config=a.config, workdir=a.root, extra_args=tuple(common), command=command,
+    spec = JobSpec(config=portable_spec(a.config), workdir=a.root, extra_args=tuple(common), command=command,
                    array=tuple((v.name, v.overrides) for v in variants), array_indices=tuple(todo),
                    array_parallel=a.max_parallel, **job_fields(p, a))
     script = render(spec, scheduler)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
+from jaxrat.config.loader import portable_spec
 from jaxrat.runtime.command_line import argparse_style, plain, prog
 from jaxrat.runtime.console import fail
 from jaxrat.runtime.errors import UserError
@@ -58,9 +59,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse
     return a, rest, p
 
 
-def _absolute(config: str) -> str:
-    path, sep, arg = config.partition(":")
-    return os.path.abspath(path) + sep + arg
+def require_optuna() -> None:
+    """Stop in one sentence, before anything is written, where Optuna (the ``tune`` extra) is missing."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise UserError("jaxrat tune needs Optuna, which is not installed here; install the tune extra: "
+                        "pip install 'jaxrat[tune]' (in a clone: pip install -e '.[tune]').") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     a, common, p = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        require_optuna()
         from jaxrat.experiments import tune, tune_summary
 
         if a.summarize:
             s = tune_summary.write(a.root)
             sys.stdout.write(tune_summary.markdown(s))
             return 0
-        config = _absolute(a.config)
+        config = portable_spec(a.config)
         tune.load_search_space(config, common)  # mistakes end here, before anything is submitted
         metric, direction = tune.objective(config, common, a.metric, a.mode)
         if not a.workdir:
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.slurm or a.lsf:
             return _submit(a, p, argv, common)
         status = tune.run_worker(config, a.root, a.trials, common, metric=a.metric, mode=a.mode, seed=a.seed,
-                                 python=a.python, worker_index=_worker_index(a.workdir))
+                                 python=a.python or sys.executable, worker_index=_worker_index(a.workdir))
         s = tune_summary.write(a.root)
         sys.stdout.write(tune_summary.markdown(s))
         return status
@@ -110,7 +116,7 @@ def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], 
     command = " ".join(shlex.quote(x) for x in ["python", "-m", "jaxrat.tune", *(x for x in argv if x != "--dry-run")])
     fields = job_fields(p, a)
     fields["module"] = "jaxrat.tune"
-    spec = JobSpec(config=_absolute(a.config), workdir=os.path.abspath(a.root), extra_args=tuple(common),
+    spec = JobSpec(config=portable_spec(a.config), workdir=os.path.abspath(a.root), extra_args=tuple(common),
                    command=command, array=tuple((f"worker-{i}", worker_args) for i in range(a.workers)), **fields)
     script = render(spec, scheduler)
     if a.dry_run:

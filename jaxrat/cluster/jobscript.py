@@ -44,7 +44,7 @@ class JobSpec:
     mem: str | None = None
     job_name: str | None = None
     workdir: str | None = None
-    python: str = sys.executable
+    python: str | None = None  # None: this interpreter, or with setup lines the one they put on PATH
     module: str = "jaxrat.main"
     setup: tuple[str, ...] = ()
     stage_data: str | None = None
@@ -89,11 +89,12 @@ def validate(spec: JobSpec, scheduler: str) -> None:
     """Raise :class:`UserError` with one sentence for a request no scheduler could run."""
     if scheduler not in SCHEDULERS:
         raise UserError(f"--scheduler {scheduler!r} is unknown; use one of {', '.join(SCHEDULERS)} (or auto).")
+    # A packaged config's name (isic:demo) is resolved by jaxrat on the nodes; a file must exist
+    # (the commands hand it over as an absolute path, so the job runs from any folder).
     stem = spec.config.partition(":")[0]
-    if not stem.endswith(".py"):
-        raise UserError(f"--config {spec.config!r} is not a config file; pass e.g. configs/isic.py[:variant].")
-    if not Path(stem).is_file():
-        raise UserError(f"--config file {stem!r} does not exist here; run from the repository root or give its path.")
+    if ("/" in stem or stem.endswith((".py", ".json"))) and not Path(stem).is_file():
+        raise UserError(f"--config file {stem!r} does not exist; give its path, or a packaged config's name "
+                        f"(e.g. --config isic:demo).")
     if spec.nodes < 1:
         raise UserError(f"--nodes {spec.nodes} must be at least 1.")
     if spec.gpus_per_node < 0:
@@ -184,6 +185,15 @@ def _array_block(spec: JobSpec, scheduler: str) -> str:
     )
 
 
+def _python_after_setup(spec: JobSpec) -> str:
+    """The job's interpreter when ``--python`` is not given: with ``--setup`` lines (``module load``,
+    ``source .venv/bin/activate``, ``conda activate``) the ``python`` they put on PATH, found when the
+    job runs; without, this one (a shared file system's environment)."""
+    if spec.setup:
+        return '"$(command -v python3 || command -v python)"'
+    return _q(sys.executable)
+
+
 def render(spec: JobSpec, scheduler: str = "slurm") -> str:
     """The job script text for ``scheduler`` ("slurm" or "lsf")."""
     validate(spec, scheduler)
@@ -231,7 +241,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "signal_lead": str(spec.signal_lead),
         "signal_lead_min": str(max(1, spec.signal_lead // 60)),
         "config": '"$VARIANT_CONFIG"' if spec.array and _own_configs(spec) else _q(spec.config),
-        "python": _q(spec.python),
+        "python": _q(spec.python) if spec.python else _python_after_setup(spec),
         "cache_dir": _q(spec.cache_dir) if spec.cache_dir else '"$(dirname "$WORKDIR")/jax_cache"',
         "setup": "".join(f"{line}\n" for line in spec.setup),
         "stage": stage,
@@ -342,6 +352,9 @@ def node_resources(cpus_per_task: int | None, mem: str | None, gpus_per_node: in
         return cpus_per_task, mem
     shape = node_shape(partition)
     if shape is None:
+        missing = " and ".join(f for f, v in (("--cpus-per-task", cpus_per_task), ("--mem", mem)) if v is None)
+        print(f"jaxrat: could not size {missing} from the nodes (no sinfo here, or it failed), so SLURM's "
+              f"defaults apply; pass {missing} to set them.", file=sys.stderr)
         return cpus_per_task, mem
     cpus, mem_mib, gpus = shape
     share = min(1.0, gpus_per_node / gpus) if gpus else 1.0
@@ -366,7 +379,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPUs per process (default: the node's, by sinfo, shared by the GPUs and tasks requested)")
     p.add_argument("--mem", help="memory per node, e.g. 200G (default: the node's share, by sinfo; 0: all)")
     p.add_argument("--job-name")
-    p.add_argument("--python", default=sys.executable, help="python on the compute nodes (default: this one)")
+    p.add_argument("--python", help="python on the compute nodes (default: the one --setup activates, else this one)")
     p.add_argument("--module", default="jaxrat.main", help="entry module, e.g. jaxrat.evaluate")
     p.add_argument("--setup", action="append", default=[], help="shell line run before training (repeatable)")
     p.add_argument("--stage-data", metavar="SRC", help="copy this dataset directory to node-local disk first")

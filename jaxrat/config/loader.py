@@ -66,6 +66,22 @@ def check_task_import(config: mlc.ConfigDict, source: str, allow_import: Sequenc
                       f"--allow-import {module} if you trust that code.")
 
 
+def portable_spec(spec: str) -> str:
+    """``spec`` (``path[:variant]``) as another folder or machine loads it, for job scripts and child
+    processes: a packaged config by its name (every jaxrat install resolves it; a clone's
+    ``configs/NAME.py`` is that file), any other file (a config file, a run's ``config.json``) by its
+    absolute path. A spec naming neither is the ConfigError of :func:`resolve_config_path`."""
+    path, sep, variant = spec.partition(":")
+    if os.path.isfile(path):
+        name = os.path.splitext(os.path.basename(path))[0]
+        packaged = os.path.join(PACKAGED_DIR, name + ".py")
+        if path.endswith(".py") and os.path.isfile(packaged) and os.path.samefile(path, packaged):
+            return name + sep + variant  # a clone's configs/NAME.py is the packaged config
+        return os.path.abspath(path) + sep + variant
+    resolve_config_path(path)
+    return spec
+
+
 def load_config(spec: str, allow_import: Sequence[str] = ()) -> mlc.ConfigDict:
     """Load ``path[:variant]`` the way ml_collections' ``--config`` flag does: ``get_config(variant)``.
 

@@ -6,7 +6,9 @@ Variants (``--config configs/segmentation.py:VARIANT``, or ``--config segmentati
           (``data.pairs_csv``: columns image,mask[,split]). ``model.num_classes``: 1 for binary
           masks (0/255 or 0/1), C for class maps 0..C-1 (255: ignore; ``data.label_map`` maps other
           values, ``task.class_names`` names the classes). RAT as in configs/isic.py.
-  demo    synthetic discs and squares (3 classes with background) in images/ + masks/ palette PNGs.
+  demo    synthetic discs and squares (3 classes with background) in images/ + masks/ palette PNGs;
+          with ``--config.data.data_dir=DIR`` the demo's small RAT trains on your folder instead (the
+          laptop route: synthetic data off, classes named by ``task.class_names``, else class_<k>).
   smoke   tiny and fast, for tests (a small U-Net).
 
 Metrics (multi-class): Dice and IoU per class pooled over the split, their mean over the foreground
@@ -19,6 +21,7 @@ import ml_collections as mlc
 
 from jaxrat.config import load_config
 from jaxrat.config.loader import PACKAGED_DIR
+from jaxrat.data.synthetic.segmentation import CLASS_NAMES
 
 # What ``jaxrat train --list-configs`` lists ("" is the default variant).
 VARIANTS = ("", "demo", "smoke")
@@ -41,7 +44,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.checkpoint.best_metric = "eval/dice"
     if variant:
         c.model.num_classes = 3
-        c.task.class_names = ("background", "disc", "square")
+        c.task.class_names = CLASS_NAMES  # the synthetic data's; on your data (data_dir) yours or class_<k>
     if variant == "demo":
         c.data.synthetic_image_size = 64
     if variant == "smoke":

@@ -38,6 +38,12 @@ def synthetic_image_size(data_cfg: Any) -> int:
     return int(_get(data_cfg, "synthetic_image_size", 0) or data_cfg.image_size)
 
 
+def note_synthetic_off(data_dir: str) -> None:
+    """The log line of a synthetic variant pointed at a dataset (the README promises it)."""
+    logging.info("data: synthetic data off: config.data.data_dir=%s is given, so training reads that dataset "
+                 "(and never writes into it)", data_dir)
+
+
 @refuse_once
 def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int, num_classes: int = 1
@@ -79,8 +85,7 @@ def resolve_segmentation(
 
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and data_dir:
-        logging.info("data: no synthetic data: config.data.data_dir=%s is given, so training reads that dataset "
-                     "(and never writes into it)", data_dir)
+        note_synthetic_off(data_dir)
     elif data_cfg.synthetic:
         # One copy per process on its own disk: correct whether or not the workdir is shared.
         data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
@@ -118,6 +123,8 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
     from jaxrat.data.synthetic import segmentation as synthetic_segmentation
 
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
+    if data_cfg.synthetic and data_dir:
+        note_synthetic_off(data_dir)
     if data_cfg.synthetic and not data_dir:
         data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
         synthetic_segmentation.write_dataset(data_dir, data_cfg.synthetic_train + data_cfg.synthetic_val,
@@ -206,6 +213,12 @@ def resolve_classification(
         splits = [folder.folder_records(os.path.join(data_dir, s), policy=policy) for s in ("train", "val")]
         vocabs = [{"label": classes} for _, classes in splits]
     else:
+        for field, name in (("train_csv", train_csv), ("val_csv", val_csv)):
+            if not os.path.isfile(os.path.join(data_dir, name)):
+                raise DataError(f"CSV file {os.path.join(data_dir, name)} not found; write it there (an "
+                                f"{_get(data_cfg, 'image_column', 'image')!r} column and one per head), point "
+                                f"--config.data.{field} at yours (relative to data_dir), or, for one folder per "
+                                f"class (DIR/train/<class>/*, DIR/val/<class>/*), set --config.data.source=folder.")
         column = _get(data_cfg, "image_column", "image")
         splits = [folder.csv_records(os.path.join(data_dir, p), image_column=column, label_columns=heads,
                                      image_root=data_dir, policy=policy) for p in (train_csv, val_csv)]

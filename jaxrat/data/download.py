@@ -102,11 +102,12 @@ def _open(url: str, headers: dict[str, str], timeout: float):
 
 
 def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backoff: float = 1.0,
-          size: int | None = None) -> dict:
+          size: int | None = None, mirror_flag: str = "--base-url") -> dict:
     """Download ``url`` to ``path``, resuming ``path + '.part'``; returns {"etag", "size"}.
 
     Retries network errors up to ``retries`` times, each time continuing where it stopped. ``size``
-    (pinned): a server offering another length is refused before a byte is written."""
+    (pinned): a server offering another length is refused before a byte is written. ``mirror_flag``
+    is the calling command's option for another server, which its errors name."""
     part, meta_path = path + ".part", path + ".part.json"
     meta = _read_meta(meta_path)
     last_error = None
@@ -167,7 +168,7 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
                 continue
             if e.code in (403, 404, 410):
                 raise DataError(f"Download of {url} failed: HTTP {e.code} {e.reason}; "
-                                "check the URL or --base-url.") from None
+                                f"check the URL or {mirror_flag}.") from None
             last_error = e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -183,9 +184,9 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
     if os.path.exists(part) and os.path.getsize(part):
         fix = f"run the same command again to resume from {part}"
     elif isinstance(last_error, urllib.error.HTTPError):  # the server answered, so not the network
-        fix = "the server failed; run the same command again later or use a mirror with --base-url"
+        fix = f"the server failed; run the same command again later or use a mirror with {mirror_flag}"
     else:
-        fix = "check the network connection and --base-url, then run the same command again"
+        fix = f"check the network connection and {mirror_flag}, then run the same command again"
     raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); {fix}.")
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
+from jaxrat.config.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
@@ -75,6 +76,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     new or empty ``workdir`` as it found it: a stray config.json would make the fixed rerun a "resume".
     """
     t_created = time.perf_counter()
+    config = on_own_data(config)  # before config.json is written: a demo on the user's data is not the demo
     workdir = os.path.abspath(workdir)
     check_is_folder(workdir)
     existed = os.path.isdir(workdir)

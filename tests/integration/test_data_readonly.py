@@ -99,7 +99,7 @@ def test_synthetic_variant_pointed_at_a_dataset_reads_it_and_writes_nothing(user
         train, val = datasets.resolve_segmentation(cfg, wd, seed=0, process_index=0)
     assert (len(train), len(val)) == (8, 4)  # the user's images (#99 dropped by its header check), not 32 + 8
     assert all(p[0].startswith(d) for p in train.records)
-    assert "no synthetic data: config.data.data_dir=" in caplog.text
+    assert "synthetic data off: config.data.data_dir=" in caplog.text
     assert not os.path.exists(os.path.join(wd, "synthetic_data"))
     assert snapshot(d) == before
 
@@ -177,7 +177,7 @@ def test_runs_pointed_at_a_dataset_leave_it_byte_for_byte_unchanged(user_dataset
     proc = run_main(wd, f"--config.data.data_dir={d}", "--config.data.on_bad_file=skip", *extra,
                     config=ISIC_CONFIG + variant, timeout=600)
     if variant:
-        assert "no synthetic data: config.data.data_dir=" in proc.stdout + proc.stderr
+        assert "synthetic data off: config.data.data_dir=" in proc.stdout + proc.stderr
     assert not os.path.exists(os.path.join(wd, "synthetic_data"))
     assert "ISIC_0000099.jpg" in open(os.path.join(wd, "skipped_files.txt")).read()
     assert snapshot(d) == before

@@ -133,6 +133,21 @@ def test_label_map_ignore_and_out_of_range_values(tmp_path):
     assert set(np.unique(mask)) == {0, 2}
 
 
+def test_a_demo_variant_on_your_data_is_not_the_demo():
+    from jaxrat.config import load_config
+    from jaxrat.config.own_data import on_own_data
+
+    c = load_config("segmentation:demo")
+    assert on_own_data(c).data.synthetic and c.task.class_names == synthetic.CLASS_NAMES  # the demo itself
+    c.data.data_dir = "/my/data"
+    on_own_data(c)
+    assert not c.data.synthetic and c.task.class_names == ()
+    assert mc.class_names(c.task.class_names, 3) == ("class_0", "class_1", "class_2")
+    c = load_config("segmentation:demo")
+    c.data.data_dir, c.task.class_names = "/my/data", ("sky", "tree", "road")
+    assert on_own_data(c).task.class_names == ("sky", "tree", "road")  # the user's own names stay
+
+
 def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_path):
     data = synthetic.write_dataset(str(tmp_path / "my data"), num_images=24, size=32, seed=5)
     work, out = tmp_path / "run", tmp_path / "pred"
@@ -145,7 +160,13 @@ def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_pat
         return proc
 
     common = [f"--config.data.data_dir={data}", "--config.data.val_fraction=0.25"]
-    jaxrat("train", "--config", "segmentation:smoke", f"--workdir={work}", "--config.num_train_steps=4", *common)
+    trained = jaxrat("train", "--config", "segmentation:smoke", f"--workdir={work}", "--config.num_train_steps=4",
+                     *common)
+    # On the user's folder the variant is no longer the demo: its log says so, config.json too, and the
+    # classes are not the synthetic data's disc and square (no task.class_names given: class_<k>).
+    assert "synthetic data off" in trained.stderr
+    saved = json.loads((work / "config.json").read_text())
+    assert saved["data"]["synthetic"] is False and saved["task"]["class_names"] == []
     val = sf.find_pairs(data, "validation", val_fraction=0.25, seed=0)
     listing = tmp_path / "val.txt"
     listing.write_text("\n".join(p[0] for p in val) + "\n")
@@ -160,7 +181,7 @@ def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_pat
         truths.append(np.asarray(Image.open(mask)))
         assert (out / "overlays" / (os.path.splitext(os.path.basename(image))[0] + ".jpg")).is_file()
     pred, truth = np.stack(preds), np.stack(truths)
-    for c, name in enumerate(("background", "disc", "square")):
+    for c, name in enumerate(("class_0", "class_1", "class_2")):
         dice, iou = _numpy_per_class(pred, truth, np.ones(len(val), bool), c)
         assert reported[f"eval/dice/{name}"] == pytest.approx(dice, abs=1e-6), name
         assert reported[f"eval/iou/{name}"] == pytest.approx(iou, abs=1e-6), name

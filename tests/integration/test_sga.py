@@ -301,3 +301,58 @@ def test_small_slices_are_batched_but_cpu_runs_tile_sized_ones_alone():
     assert step(2000, 2000) == 1  # larger than a block: chunked, one at a time
     # Every other form batches small slices up to a block, tiles included.
     assert step(256, 256, unbatched=None) == DEFAULT_BLOCK_ELEMENTS // (256 * 256)
+
+
+def test_sparse_rounds_are_traced_once():
+    """The grouping rounds of a sparse layer are one loop (issue 58): unrolled, each round added its own
+    copy of the sparse kernel's ~1,300 operations (forward, recomputation, backward) to the train step,
+    and XLA's CPU compiler builds one machine-code kernel per fusion, so the ISIC RAT's step (4 layers
+    x 3 rounds) compiled for minutes. A third round must add (almost) nothing to the lowered program."""
+    import re
+
+    def operations(iters):
+        layer = SpatialGroupingAttention(16, 2, 7, 4, iters=iters, attention="sparse", mlp_dropout=0.1,
+                                         rngs=nnx.Rngs(0))
+        graph, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def loss(p, r, x):  # the layer's random stream made in the trace, as the trainer's is
+            return jnp.sum(nnx.merge(graph, p, jax.tree.map(lambda a: a, r))(x, (36, 36), (1.0, 1.0)).x ** 2)
+
+        x = jax.ShapeDtypeStruct((2, 36 * 36, 16), jnp.float32)
+        return len(re.findall(r"= (stablehlo|chlo)\.", jax.jit(jax.grad(loss)).lower(params, rest, x).as_text()))
+
+    two, three = operations(2), operations(3)
+    assert three < two + 50, (two, three)  # unrolled: 3514 -> 4847
+
+
+def test_looped_rounds_match_the_unrolled_rounds_with_dropout(monkeypatch):
+    """The loop runs the rounds' operations in the same order and advances dropout's stream as the
+    unrolled rounds did: the same outputs, random state and (to float rounding) gradients."""
+    layer = SpatialGroupingAttention(16, 2, 7, 4, iters=3, attention="sparse", mlp_dropout=0.1, rngs=nnx.Rngs(0))
+    graph, params, rest = nnx.split(layer, nnx.Param, ...)
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 20 * 20, 16))
+
+    def run():
+        def loss(p, r, x):
+            m = nnx.merge(graph, p, jax.tree.map(lambda a: a, r))
+            out = m(x, (20, 20), (1.0, 1.0)).x
+            return jnp.sum(out ** 2), (out, nnx.state(m, nnx.Not(nnx.Param)))
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest, x)
+
+    (_, (looped, state_l)), grads_l = run()
+
+    def unrolled(self, xo, keys, window, out_spacing):
+        for i in range(self.iters):
+            xo, _ = self._iteration(xo, None, None, keys, i, window, out_spacing)
+        return xo
+
+    monkeypatch.setattr(_SGA, "_looped_iterations", unrolled)
+    (_, (reference, state_u)), grads_u = run()
+    np.testing.assert_array_equal(looped, reference)
+    for a, b in zip(jax.tree.leaves(state_l), jax.tree.leaves(state_u)):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(grads_l), jax.tree.leaves(grads_u)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))

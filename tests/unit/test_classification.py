@@ -151,3 +151,19 @@ def test_rat_classifier_gives_one_logits_array_per_head(pool):
     with pytest.raises(ConfigError, match="model.pool"):
         build_model(mlc.ConfigDict(dict(name="rat_classifier", num_classes=(3,), pool="max")), rngs=nnx.Rngs(0),
                     kernels=ops.resolve("auto"))
+
+
+def test_a_missing_csv_names_the_field_and_the_folder_layout(tmp_path):
+    from jaxrat.data.datasets import resolve_classification
+    from jaxrat.runtime.errors import DataError
+
+    config = load_config("classification")
+    config.data.data_dir = str(tmp_path)
+    with pytest.raises(DataError) as err:
+        resolve_classification(config.data, ("label",), str(tmp_path / "wd"), seed=0, process_index=0)
+    said = str(err.value)
+    assert f"{tmp_path}/train.csv not found" in said
+    assert "--config.data.train_csv" in said and "--config.data.source=folder" in said and "<class>" in said
+    (tmp_path / "train.csv").write_text("image,label\n")
+    with pytest.raises(DataError, match="--config.data.val_csv"):
+        resolve_classification(config.data, ("label",), str(tmp_path / "wd"), seed=0, process_index=0)

@@ -252,3 +252,55 @@ def test_a_hand_submitted_script_logs_where_sbatch_runs(tmp_path):
     # SLURM opens --output before the script runs: a folder only the job would create cannot hold it.
     text = render("--workdir", str(tmp_path / "not" / "yet"))
     assert "#SBATCH --output=jaxrat-isic-%j.out\n" in text
+
+
+def test_config_names_files_and_config_json_render_a_config_that_loads_from_any_folder(tmp_path, capsys):
+    """Packaged names stay names (jaxrat resolves them wherever the job runs; a clone's configs/NAME.py
+    is one), any other file becomes its absolute path, so sbatch may run in any folder."""
+    run_json = tmp_path / "run" / "config.json"
+    run_json.parent.mkdir()
+    run_json.write_text('{"seed": 0}')
+    for given, expected in [("segmentation", "segmentation"), ("isic:demo", "isic:demo"),
+                            ("configs/isic.py:smoke", "isic:smoke"),
+                            ("tests/toy/sweep_config.py", str(REPO / "tests/toy/sweep_config.py")),
+                            (os.path.relpath(run_json, REPO), str(run_json))]:
+        assert L.main(["--config", given, "--scheduler", "slurm"]) == 0, given
+        text = capsys.readouterr().out
+        assert f"\nCONFIG={expected}\n" in text, (given, text[:900])
+    assert L.main(["--config", "nope:demo", "--scheduler", "slurm"]) == 2
+    assert "packaged config's name" in capsys.readouterr().err
+
+
+def test_the_python_is_the_one_the_setup_lines_activate(tmp_path):
+    """Without --python, a job with --setup runs the interpreter its setup puts on PATH (the
+    environment it activates), not the rendering machine's; --python still wins."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python3").write_text("#!/bin/sh\n")
+    (venv / "python3").chmod(0o755)
+    ran = tmp_path / "ran"
+    bindir = fake_bin(tmp_path, "srun", f'echo "$@" > {ran}\n')
+    for extra, expected in [([], str(venv / "python3")), (["--python", "/opt/py/bin/python"], "/opt/py/bin/python")]:
+        text = render("--setup", f"export PATH={venv}:$PATH", "--workdir", str(tmp_path / "run"), "--cache-dir",
+                      str(tmp_path / "cache"), *extra)
+        assert sys.executable not in text
+        script = tmp_path / "job.sh"
+        script.write_text(text)
+        env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "vm"}
+        proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert ran.read_text().split()[2] == expected  # srun --kill-on-bad-exit=0 --wait=120 PYTHON -m ...
+    assert f"PYTHON={sys.executable}\n" in render()  # no setup: this environment's interpreter
+
+
+def test_without_sinfo_one_line_says_so_and_the_flags_set_cpus_and_memory(tmp_path, capsys):
+    bindir = fake_bin(tmp_path, "sbatch", "exit 0\n")  # a login node whose sinfo is missing
+    proc = run_cli(["--config", "isic", "--gpus-per-node", "4"], f"{bindir}:/usr/bin:/bin")
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and "could not size --cpus-per-task and --mem" in said[0], proc.stderr
+    assert not [x for x in directives(proc.stdout) if x.startswith(("--cpus-per-task", "--mem"))]
+    proc = run_cli(["--config", "isic", "--gpus-per-node", "4", "--cpus-per-task", "6", "--mem", "100G"],
+                   f"{bindir}:/usr/bin:/bin")
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    assert {"--cpus-per-task=6", "--mem=100G"} <= set(directives(proc.stdout))

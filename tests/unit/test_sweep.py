@@ -487,6 +487,6 @@ def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     isic = os.path.join(REPO, "configs", "isic.py")
-    assert "  0) VARIANT=baseline; VARIANT_CONFIG=configs/ablations.py:demo; VARIANT_ARGS=() ;;" in out
+    assert "  0) VARIANT=baseline; VARIANT_CONFIG=ablations:demo; VARIANT_ARGS=() ;;" in out
     assert f"VARIANT=swin_unet; VARIANT_CONFIG={isic}:swin_unet_demo; VARIANT_ARGS=() ;;" in out
     assert 'CONFIG="$VARIANT_CONFIG"' in out and '--config="$CONFIG"' in out

@@ -374,3 +374,25 @@ def test_a_replaced_trial_counts_until_its_retry_is_queued(tmp_path):
     study._storage.set_trial_user_attr(yielded._trial_id, tune.REPLACED, True)
     study.tell(yielded, state=optuna.trial.TrialState.FAIL)
     assert [t.number for t in tune.counted(study)] == [0, late.number]
+
+
+def test_config_names_are_taken_from_any_folder(tmp_path, monkeypatch, capsys):
+    """``--config ablations:smoke`` is a packaged config's name, not a file in the current folder:
+    the search space loads and the job array's CONFIG stays the name."""
+    from jaxrat import tune as cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--config", "ablations:smoke", "--root", str(tmp_path / "search"), "--trials", "2", "--slurm",
+                     "--dry-run"]) == 0
+    assert "\nCONFIG=ablations:smoke\n" in capsys.readouterr().out
+    assert json.loads((tmp_path / "search" / tune_summary.SETTINGS).read_text())["config"] == "ablations:smoke"
+
+
+def test_without_optuna_one_sentence_names_the_extra_and_nothing_is_written(tmp_path, monkeypatch):
+    code = ("import sys; sys.modules['optuna'] = None; from jaxrat import tune; "
+            f"sys.exit(tune.main(['--config', {TOY!r}, '--root', {str(tmp_path / 'search')!r}, '--trials', '2']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and "needs Optuna" in said[0] and "pip install -e '.[tune]'" in said[0], proc.stderr
+    assert os.listdir(tmp_path) == []

@@ -17,6 +17,8 @@ from PIL import Image
 from jaxrat.runtime.fileio import write_json
 
 _MARKER = "jaxrat_synthetic.json"
+# The classes the demo's masks hold, by index (configs/segmentation.py's demo and smoke name them so).
+CLASS_NAMES = ("background", "disc", "square")
 # Class colours of the masks' palette (background, disc, square); the rest of the palette is black.
 PALETTE = ((0, 0, 0), (220, 40, 40), (40, 80, 220))
 

@@ -130,6 +130,30 @@ class SpatialGroupingAttention(nnx.Module):
         xo = self.norm2(self._merge_heads(u.astype(xo.dtype), self.reference_compat), residual=xo)
         return self.norm3(self.mlp(xo), residual=xo), q
 
+    def _looped_iterations(self, xo: Array, keys: attn.SparseKeys, window: attn.Window,
+                           out_spacing: tuple[float, ...]) -> Array:
+        """The grouping rounds of the stride-blocked sparse kernel as one loop whose body, the round,
+        is traced once. Unrolled, every round added its own copy of the kernel (nine block offsets,
+        forward, recomputation and backward) to the program, and XLA's CPU compiler makes one
+        machine-code kernel per fusion: the ISIC RAT's train step held ~5,200 of them and took
+        minutes to compile on a 2-core CPU (issue 58). The same operations in the same order: the
+        parameters are the loop's constants, dropout's random stream (when the MLP draws) its carry,
+        advanced as the unrolled rounds advance it. The rounds' ``use`` index only matters to the gpu
+        form's fused kernels, which keep the unrolled rounds."""
+        graphdef, params, rest = nnx.split(self, nnx.Param, ...)
+        draws = any(not d.deterministic and d.rate > 0.0 for d in (self.mlp.drop1, self.mlp.drop2))
+
+        def round_(carry, _):
+            xo, rest = carry
+            layer = nnx.merge(graphdef, params, rest)
+            xo, _ = layer._iteration(xo, None, None, keys, 0, window, out_spacing)
+            return (xo, nnx.state(layer, nnx.Not(nnx.Param)) if draws else rest), None
+
+        (xo, rest), _ = jax.lax.scan(round_, (xo, rest), None, length=self.iters)
+        if draws:  # else nothing changed (and a layer merged from constant state could not be updated)
+            nnx.update(self, rest)
+        return xo
+
     def __call__(
         self,
         x: Array,
@@ -173,8 +197,11 @@ class SpatialGroupingAttention(nnx.Module):
                 k = (k * temp.astype(k.dtype)).transpose(0, 2, 1, 3)
                 v = self._split_heads(v, self.reference_compat)
         q = None
-        for i in range(self.iters):
-            xo, q = self._iteration(xo, k, v, keys, i, window, out_spacing)
+        if self.iters > 1 and keys is not None and not keys.fused and not return_maps:  # maps need the last q
+            xo = self._looped_iterations(xo, keys, window, out_spacing)
+        else:
+            for i in range(self.iters):
+                xo, q = self._iteration(xo, k, v, keys, i, window, out_spacing)
 
         attn_q = attn_k = None
         if return_maps:
