@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import shutil
 import sys
 from typing import Any, Iterator
 
+from jaxrat.data.hub_checks import listed_checks, problem
 from jaxrat.runtime.errors import DataError, UserError
 
 PREFIX = "hf:"
@@ -42,8 +42,6 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
            "pytorch_model.bin.index.json", "open_clip_pytorch_model.bin")
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 1 << 20
 _RESUME_CHUNK = 1 << 20  # bytes: what a cut connection may cost at most
 
 
@@ -108,56 +106,6 @@ class _Where:
     @property
     def name(self) -> str:
         return f"{self.repo_id}@{self.revision}"
-
-
-# ------------------------------------------------------------------------------------ checking
-
-def _digest(path: str, h: Any) -> str:
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _git_blob_id(path: str) -> str:
-    h = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
-    return _digest(path, h)
-
-
-def _looks_like_html(path: str) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(512).lstrip().lower()
-    return head.startswith((b"<!doctype html", b"<html", b"<head", b"<?xml"))
-
-
-def problem(path: str, *, size: int | None = None, sha256: str | None = None, git_id: str | None = None) -> str | None:
-    """What is wrong with a fetched file (None: nothing found). The expected values come from the
-    hub; without them the cache's blob name (the ETag the file was stored under) says what to check."""
-    etag = os.path.basename(os.path.realpath(path))
-    if sha256 is None and _SHA256.fullmatch(etag):
-        sha256 = etag
-    if git_id is None and sha256 is None and _COMMIT.fullmatch(etag):
-        git_id = etag
-    if _looks_like_html(path):
-        return "it is an HTML or XML page (a login or error page), not the file"
-    have = os.path.getsize(path)
-    if size is not None and have != size:
-        return f"it has {have} bytes, the hub says {size}"
-    if sha256 and _digest(path, hashlib.sha256()) != sha256:
-        return f"its SHA-256 is not the hub's {sha256}"
-    if git_id and not sha256 and _git_blob_id(path) != git_id:
-        return f"its git object id is not the hub's {git_id}"
-    return None
-
-
-def _expected(sibling: Any) -> dict[str, Any]:
-    """The size/sha256/git id the repository listing gives for one file."""
-    if sibling is None:
-        return {}
-    lfs = getattr(sibling, "lfs", None)
-    if lfs is not None:
-        return {"size": lfs.size, "sha256": lfs.sha256}
-    return {"size": sibling.size, "git_id": sibling.blob_id}
 
 
 def _remove(path: str) -> None:
@@ -318,7 +266,7 @@ def _fetch_one(hfh: Any, where: _Where, commit: str, name: str, expected: dict, 
 
 def _check_space(where: _Where, commit: str, names: list[str], siblings: dict) -> None:
     folder = os.path.join(where.storage, "snapshots", commit)
-    need = sum((_expected(siblings.get(n)).get("size") or 0) for n in names
+    need = sum((listed_checks(siblings.get(n)).get("size") or 0) for n in names
                if not os.path.isfile(os.path.join(folder, n)))
     probe = where.cache
     while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
@@ -351,7 +299,7 @@ def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
     names = (["config.json"] if "config.json" in siblings else []) + [weights]
     if weights.endswith(".index.json"):  # the index first: it names the shards to fetch
         _check_space(where, commit, names, siblings)
-        index = _fetch_one(hfh, where, commit, weights, _expected(siblings.get(weights)), timeout)
+        index = _fetch_one(hfh, where, commit, weights, listed_checks(siblings.get(weights)), timeout)
         missing = [s for s in _index_shards(index) if s not in siblings]
         if missing:
             raise DataError(f"{where.name}: {weights} names {missing[0]}, which the repository lacks; the upload "
@@ -359,7 +307,7 @@ def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
         names += _index_shards(index)
     _check_space(where, commit, names, siblings)
     for name in names:
-        _fetch_one(hfh, where, commit, name, _expected(siblings.get(name)), timeout)
+        _fetch_one(hfh, where, commit, name, listed_checks(siblings.get(name)), timeout)
     if where.revision != commit:  # so that HF_HUB_OFFLINE finds this revision by its name later
         ref = os.path.join(where.storage, "refs", where.revision)
         tmp = f"{ref}.{os.getpid()}.tmp"  # every host of a job may write it into one shared cache

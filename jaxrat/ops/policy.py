@@ -22,38 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional, Sequence
 
+from jaxrat.ops.blocks import SparseSGABlocks
 from jaxrat.ops.portable.chunked_attention import DEFAULT_BLOCK_ELEMENTS
 
 KERNELS = ("auto", "cpu", "gpu", "portable")
 FORMS = ("cpu", "gpu", "portable")
 # Device platforms (``jax.Device.platform``) per form; anything else (TPU, ...) runs portable.
 _PLATFORM_FORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseSGABlocks:
-    """How the gpu form's fused sparse SGA kernels run, fixed when the program is traced (the way
-    Pallas attention takes ``BlockSizes``): part of every kernel's static tiling, so no switch can
-    change a program after it was traced.
-
-    Attributes:
-      products: logits as matrix products over row segments on the tensor cores
-        (:mod:`jaxrat.ops.gpu.sparse_sga_products`), else tap by tap.
-      sweep_rows: output rows one program of a sweep takes (:mod:`jaxrat.ops.gpu.sparse_sga_sweep`:
-        the column sums and the update, and d's gradient and the queries', as one sweep down the
-        image each); 0 runs those passes apart.
-      input_grad_features: the first layer's keys' pass writes the layer's input gradient itself for
-        inputs of up to this many (power of two) channels (:mod:`jaxrat.ops.gpu.sparse_sga_projection`);
-        0: XLA's product of the projection's gradient.
-    """
-
-    products: bool = False
-    sweep_rows: int = 8
-    input_grad_features: int = 256
-
-    def __post_init__(self) -> None:
-        if self.sweep_rows < 0 or self.input_grad_features < 0:
-            raise ValueError(f"sweep_rows and input_grad_features must be >= 0, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,13 +20,13 @@ import numpy as np
 from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
-from jaxrat.config.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
+from jaxrat.trainer.own_data import on_own_data
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
 from jaxrat.trainer.workdir import hold as hold_workdir

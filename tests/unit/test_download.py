@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.data import download
+from jaxrat.data import download, fetch
 from jaxrat.data.sources import isic
 from jaxrat.runtime.errors import DataError
 from runner import kill_when_ready
@@ -472,7 +472,7 @@ def test_too_little_space_is_refused_before_writing_and_a_full_disk_is_not_retri
         f = real_open(path, mode, *a, **k)
         return Full(f) if str(path).endswith(".part") and "b" in mode else f
 
-    monkeypatch.setattr(download, "open", fake_open, raising=False)
+    monkeypatch.setattr(fetch, "open", fake_open, raising=False)  # the .part file is written by data.fetch
     dest = tmp_path / "b"
     n = len(srv.requests)
     with pytest.raises(DataError, match=r"The disk holding .* is full \(No space left on device\) while downloading "

@@ -34,18 +34,14 @@ are read in their dtype (bfloat16 on the GPU) and all arithmetic is float32; sta
 float32. See :mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_bytes` for the traffic.
 
 The API is token-major, (B, N, H, d) as the projections make them. The kernels read keys and values
-as head-major slices, laid out once per layer: kernels that read them token-major in place were tried
-and measured slower on an H100 (2026-11-27): the first layer's forward + backward took 5.0 ms against
-3.7, the ISIC step 44.1 against 40.0 ms, more than the transposes cost (about 2 GB per layer, read
-once for all iterations). Queries, cotangents, updates and query gradients (a group tile's rows, read
-or written once a pass, stride and offset by the program's head) they take token-major in place: no
-transpose around a call, and the update goes straight into the layer norm after it, which XLA then
-runs as one kernel instead of five (compiled for an H100: 48 fewer kernels in the ISIC step).
+as head-major slices, laid out once per layer: kernels reading them token-major in place measured
+slower on an H100 than the transposes cost (docs/benchmarks.md). Queries, cotangents, updates and
+query gradients (a group tile's rows, read or written once a pass, stride and offset by the program's
+head) they take token-major in place: no transpose around a call, and the update goes straight into
+the layer norm after it, which XLA then runs as one kernel instead of five.
 
-On an H100 (jax 0.11.2, 2026-11-27), the ISIC first SGA layer (batch 16, 8 heads of 16, 256 x 256
-inputs, kernel 7, stride 3, bf16), one call: forward 1.5 ms, forward + backward 3.7 ms, against
-4.2-4.4 and 14.7-15.0 ms for the portable kernel (three runs); float32 within 1.3e-6 of it,
-forward and gradients; bfloat16 closer to float32 than the portable kernel in bfloat16.
+Measured on an H100 against the portable kernel (first SGA layer of the ISIC step, float32 parity of
+the forward and every gradient, bfloat16 error): docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -57,10 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.ops.blocks import SparseSGABlocks
 from jaxrat.ops.gpu import sparse_sga_input_grad as G
 from jaxrat.ops.gpu import sparse_sga_kernels as K
 from jaxrat.ops.gpu import sparse_sga_sweep as S
-from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.chunked_attention import EPS
 from jaxrat.ops.portable.sparse_sga import Geometry
 

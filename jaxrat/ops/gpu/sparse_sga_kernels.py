@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrat.ops.blocks import SparseSGABlocks
 from jaxrat.ops.gpu.sparse_sga_products import group_products, input_products
 from jaxrat.ops.gpu.sparse_sga_tiles import (
     NEG,
@@ -53,7 +54,6 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     strided_refs,
     token_major,
 )
-from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array

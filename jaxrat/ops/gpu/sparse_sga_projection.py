@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrat.ops.blocks import SparseSGABlocks
 from jaxrat.ops.gpu import sparse_sga as S
 from jaxrat.ops.gpu import sparse_sga_kernels as K
-from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
