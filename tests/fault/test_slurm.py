@@ -236,7 +236,9 @@ def test_launch_submit_preempt_requeue_resume(slurm, tmp_path):
     workdir = tmp_path / "run"
     proc = run([sys.executable, "-m", "jaxrat.launch", "--config", "configs/isic.py:smoke", "--nodes", "1",
                 "--tasks-per-node", "2", "--time", "00:10:00", "--job-name", JOB_NAME, "--workdir", str(workdir),
-                "--module", "stub_train", "--setup", f"export PYTHONPATH={tmp_path}", "--submit"], 60,
+                "--module", "stub_train", "--setup", f"export PYTHONPATH={tmp_path}", "--submit",
+                # this setup activates no environment, so the job's interpreter is named (else: PATH's)
+                "--python", sys.executable], 60,
                JAX_NUM_CPU_DEVICES="1")
     assert proc.returncode == 0, proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
