@@ -127,6 +127,9 @@ def base_config() -> mlc.ConfigDict:
     c.train.eval_every = 200
     c.train.eval_at_end = True
     c.train.log_images = True
+    # curves.png (and a classifier's confusion matrices) at the run's end; matplotlib costs a few
+    # seconds of CPU a run, which a run started many times (the smoke variant, tests) can skip.
+    c.train.plots = True
     # JAX's persistent compilation cache: "" = $JAX_COMPILATION_CACHE_DIR, $JAXRAT_CACHE_DIR/xla or
     # ~/.cache/jaxrat/xla; "none" = off. A resumed or requeued run then skips most compilation.
     c.train.compilation_cache_dir = ""

@@ -137,6 +137,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         c.checkpoint.every_steps = 3
         c.train.log_every = 1
         c.train.log_images = False
+        c.train.plots = False  # matplotlib would cost a fifth of a smoke run's CPU
         c.task.eval_original_resolution = False  # framework tests run smoke many times: keep eval minimal
         # The smoke variant keeps the tiny U-Net: it compiles in seconds and the framework tests
         # (training, multi-process, preemption, SLURM) run it many times. RAT's own tests use tiny

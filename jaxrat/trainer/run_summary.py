@@ -145,8 +145,9 @@ def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any],
     ``foreground``: a multi-class segmentation's foreground classes (their curves are drawn)."""
     if jax.process_index() != 0:
         return
-    pictures = draw(workdir, str((summary.get("config") or {}).get("checkpoint", {}).get("best_metric", "")),
-                    confusions, foreground)
+    config = summary.get("config") or {}
+    pictures = (draw(workdir, str(config.get("checkpoint", {}).get("best_metric", "")), confusions, foreground)
+                if config.get("train", {}).get("plots", True) else [])
     summary = {**summary, "plots": [os.path.basename(p) for p in pictures]}
     try:
         paths = write_summary(workdir, summary) + pictures

@@ -140,7 +140,7 @@ def test_mlflow_server_gets_params_and_metrics_and_its_death_costs_only_a_warnin
         tracking = ["--config.tracking.backends=('jsonl','mlflow')", f"--config.tracking.mlflow_uri={url}",
                     "--config.tracking.experiment=jaxrat-test"]
         w = str(tmp_path / "run1")
-        run_main(w, *tracking)
+        run_main(w, *tracking, "--config.train.plots=true")  # the smoke variant draws none by default
         client = MlflowClient(url)
         run_id = json.load(open(os.path.join(w, "mlflow_run.json")))["run_id"]
         run = client.get_run(run_id)
