@@ -2,6 +2,7 @@
 
     python benchmarks/rat_detr_step.py                      # every variant below, 2 timed steps each
     python benchmarks/rat_detr_step.py --variants rat_demo --steps 3
+    python benchmarks/rat_detr_step.py --variants rat_demo --set model.rat.num_blocks=1   # a smaller RAT
 
 Each variant is ``configs/coco.py:demo`` with the overrides listed in ``VARIANTS`` (``issue``: the
 demo with ``model.backbone=rat`` and the config's full RAT, as the issue measured it;
@@ -17,6 +18,7 @@ table and writes ``benchmarks/results/rat_detr_step.json``. Timings on a shared 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -43,10 +45,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
-def variant_config(name: str):
+def variant_config(name: str, extra: dict | None = None):
+    """The variant's config, then ``extra`` ({dotted key: value}, e.g. from ``--set``) on top."""
     path, overrides = VARIANTS[name]
     c = load_config(path)
-    for key, value in overrides.items():
+    for key, value in {**overrides, **(extra or {})}.items():
         node = c
         *parents, last = key.split(".")
         for p in parents:
@@ -60,7 +63,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "rat_detr_step.json"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override on every variant (a Python literal, else a string), e.g. "
+                             "model.rat.num_blocks=1")
     return parser.parse_args(argv)
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> ``{"a.b": 1, "c": "x"}``."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: write KEY=VALUE, e.g. --set model.rat.num_blocks=1")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
 
 
 def main() -> None:
@@ -69,7 +89,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="jaxrat-rat-detr-") as root:
         for name in args.variants:
-            c = variant_config(name)
+            c = variant_config(name, parse_sets(args.set))
             step = Step(c, os.path.join(root, "data"))
             if c.train.reduction_shards:
                 # Under reduction shards, lower().compile() gives the shard program (for its memory

@@ -6,8 +6,9 @@ Every run has two devices, one process with two simulated devices or two process
 so the reductions add the same two numbers whichever way the run is cut (a sum of two is exact in
 any order), and the losses can match the uninterrupted run's to 1e-6. The workdir lives on a small
 tmpfs so the disk can really fill up. The loop runs every kind of
-fault at least once and then random ones until ``JAXRAT_CHAOS_SECONDS`` (default 90) are spent;
-every process has its own timeout.
+fault at least once and then random ones until ``JAXRAT_CHAOS_SECONDS`` (default 30: each CI run draws a
+new seed, so the random part adds up over runs; set it higher for a long campaign) are spent; every
+process has its own timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from test_preempt import Run, cached_env, compile_cache, train_steps_logged, wai
 
 pytestmark = pytest.mark.slow
 
-BUDGET_S = float(os.environ.get("JAXRAT_CHAOS_SECONDS", "90"))
+BUDGET_S = float(os.environ.get("JAXRAT_CHAOS_SECONDS", "30"))
 STEPS = 40
 PEER_TIMEOUT = 15
 BASE = [f"--config.num_train_steps={STEPS}", "--config.train.eval_every=100000", "--config.train.eval_at_end=false",

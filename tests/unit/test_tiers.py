@@ -9,7 +9,9 @@ suite's conftest.py (no jax is imported), about a second of CPU a run.
 from __future__ import annotations
 
 import json
+import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TESTS, hand_out_seconds, tier_of
+from conftest import TESTS, hand_out_seconds, seed_times, tier_of
 
 INI = """[pytest]
 markers =
@@ -97,6 +99,26 @@ def test_the_hand_out_order_is_the_last_run_s_longest_first_else_the_tier_s():
     # A report: its times, longest first; a file it lacks (new since) counts as its tier's.
     last = {"unit/test_a.py": 400.0, "fault/test_c.py": 0.5, "unit/test_d.py": 1.0}
     assert order(last) == ["unit/test_a.py", "integration/test_b.py", "unit/test_d.py", "fault/test_c.py"]
+
+
+def test_a_fresh_clone_hands_out_from_the_committed_times_and_the_script_refreshes_them(tmp_path):
+    # tests/file_seconds.json: a whole run's times, so that CI (no cache) starts the longest files first.
+    seed = seed_times()
+    assert seed, "tests/file_seconds.json is missing: run the suite, then python scripts/save_test_times.py"
+    assert all((TESTS / key).is_file() and tier_of(TESTS / key) for key in seed), "times of files that are gone"
+    save = runpy.run_path(str(TESTS.parent / "scripts" / "save_test_times.py"))
+    (tmp_path / "unit").mkdir()
+    for name in ("unit/test_a.py", "unit/test_b.py"):
+        (tmp_path / name).write_text("")
+    got = save["merged"]({"unit/test_b.py": 9.04, "unit/test_gone.py": 3.0}, {"unit/test_a.py": 2.0,
+                                                                            "unit/test_b.py": 1.0}, tmp_path)
+    assert list(got.items()) == [("unit/test_b.py", 9.0), ("unit/test_a.py", 2.0)]
+
+
+def test_subprocesses_inherit_the_plain_xla_flags():
+    # The test processes compile at LLVM -O0 (tests/conftest.py); what they start must not.
+    assert "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
+    assert "--xla_force_host_platform_device_count=" in os.environ["XLA_FLAGS"]
 
 
 def test_every_test_file_is_in_a_tier():
