@@ -84,7 +84,7 @@ def test_the_gpu_policy_takes_bfloat16_to_the_kernels_and_float32_to_xla():
     from jaxrat.models.layers import layer_norm
 
     def lowered(policy, dtype):
-        norm = layer_norm(128, 1e-5, dtype=dtype, rngs=nnx.Rngs(0), kernels=ops.resolve(policy))
+        norm = layer_norm(128, 1e-5, dtype=dtype, rngs=nnx.Rngs(0), kernels=ops.resolve(policy, gpu_forms="all"))
         graphdef, params = nnx.split(norm, nnx.Param)
         x = jax.ShapeDtypeStruct((4, 300, 128), dtype)
 
@@ -101,7 +101,7 @@ def test_the_gpu_policy_takes_bfloat16_to_the_kernels_and_float32_to_xla():
     x, r, _, _, _ = _inputs((2, 9, 128), jnp.float32)
     outs = []
     for policy in ("gpu", "portable", "cpu"):
-        norm = layer_norm(128, 1e-5, dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=ops.resolve(policy))
+        norm = layer_norm(128, 1e-5, dtype=jnp.float32, rngs=nnx.Rngs(0), kernels=ops.resolve(policy, gpu_forms="all"))
         outs.append(np.asarray(norm(x, residual=r)))
         np.testing.assert_allclose(np.asarray(norm(x)) + np.asarray(r), outs[-1], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
