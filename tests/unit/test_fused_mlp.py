@@ -179,7 +179,8 @@ def test_the_policy_fuses_bfloat16_calls_on_the_gpu_only():
 def _mlp_module(kernels: str, rate: float):
     from jaxrat.models.layers import Mlp
 
-    return Mlp(32, 128, dropout=rate, dtype=jnp.bfloat16, rngs=nnx.Rngs(0, dropout=7), kernels=ops.resolve(kernels, gpu_forms="all"))
+    return Mlp(32, 128, dropout=rate, dtype=jnp.bfloat16, rngs=nnx.Rngs(0, dropout=7),
+               kernels=ops.resolve(kernels, gpu_forms="all"))
 
 
 def test_the_layer_on_the_gpu_policy_is_three_triton_kernels_and_draws_no_mask_outside():

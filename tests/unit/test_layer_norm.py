@@ -14,7 +14,8 @@ from jaxrat.ops import norm as norm_ops
 
 def _pair(dtype):
     """The same layer norm (same parameters, randomised) on the gpu and the portable policy."""
-    make = lambda kernels: layer_norm(48, 1e-5, dtype=dtype, rngs=nnx.Rngs(0), kernels=ops.resolve(kernels, gpu_forms="all"))
+    make = lambda kernels: layer_norm(48, 1e-5, dtype=dtype, rngs=nnx.Rngs(0),  # noqa: E731
+                                      kernels=ops.resolve(kernels, gpu_forms="all"))
     gpu, flax_form = make("gpu"), make("portable")
     for m in (gpu, flax_form):  # not the identity init: scale and bias must enter the gradients
         m.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (48,))
