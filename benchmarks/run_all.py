@@ -73,7 +73,7 @@ SMOKE: dict[str, list[str]] = {
     "gpu_registers": [],
 }
 # Benchmarks that need a CUDA device and cannot run on CI's CPUs (run them on a GPU machine).
-GPU_ONLY = {"gpu_profile", "mlp_gpu", "sparse_sga_gpu"}
+GPU_ONLY = {"gpu_profile", "gpu_validate", "mlp_gpu", "sparse_sga_gpu"}
 
 
 def machine() -> dict:
