@@ -248,7 +248,8 @@ def test_a_stopped_predict_says_so_in_one_line_and_leaves_no_temporary_file(tmp_
     src, out = str(tmp_path / "in"), str(tmp_path / "out")
     _images(src, [f"{i:02d}.png" for i in range(40)])
     wd = _workdir(tmp_path / "run")
-    env = {**env_with_devices(1), "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    here = os.path.dirname(os.path.abspath(__file__))  # the driver imports this module's FakePredictor
+    env = {**env_with_devices(1), "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests"), here])}
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, f"--workdir={wd}", f"--input={src}", f"--out={out}",
                              "--noprogress", SMOKE], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
