@@ -31,7 +31,7 @@ def test_summary_names_the_best_of_the_whole_run_after_a_resume(tmp_path):
                                 first=3, last=6, wall_time_s=1.0, images_per_sec=1.0, last_train={}, last_eval={},
                                 best=resumed_part, checkpoint_dir=str(tmp_path / "checkpoints"))
     assert summary["best"] == pointer
-    assert "eval/dice 0.91 at step 3" in markdown(summary)
+    assert "eval/dice 0.9100 at step 3" in markdown(summary)  # four decimals kept (summary.md)
 
 
 def test_export_refuses_a_non_empty_output_without_overwrite(tmp_path):
