@@ -61,8 +61,9 @@ TIER_SECONDS = {"fault": 120.0, "integration": 30.0, "unit": 3.0}
 # Per test file (path under tests/), the seconds its tests took (setup, call and teardown) in the last
 # run that ran it, kept in pytest's cache (.pytest_cache/v/jaxrat/file_seconds).
 DURATIONS_KEY = "jaxrat/file_seconds"
-# A fresh clone (CI) has no cache: it hands out from the times of a whole run of the suite on the
-# 2-core machine, committed here (``python scripts/save_test_times.py`` after a full run refreshes it).
+# A fresh clone (CI) has no cache: it hands out from per-file times committed here (the first version
+# from the last landed run's times plus estimates for newer files; ``python scripts/save_test_times.py``
+# after a whole run replaces them with that run's).
 SEED_TIMES = TESTS / "file_seconds.json"
 
 
