@@ -28,6 +28,19 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 TESTS = Path(__file__).resolve().parent
+
+# LLVM's optimisation level for every program the test run compiles: in the test processes, and in the
+# training runs they start (they inherit XLA_FLAGS, and tests/runner.py adds this to the XLA_FLAGS it
+# sets). The suite's time is mostly XLA:CPU compiling small programs that then run a few steps on tiny
+# shapes; at 0 LLVM compiles them in far less CPU. Measured on the 2-core machine: the ISIC smoke
+# training run 27.2 -> 12.1 s wall with a cold compilation cache (42.7 -> 14.6 s user), 9.2 -> 7.9 s warm;
+# the COCO demo's 4 steps 69.6 -> 55.4 s; a tiny RAT's forward and backward 72 -> 42 s. XLA's own HLO
+# passes (fusion, simplification) still run, so the numbers are the same. What it costs is step time: the
+# ISIC demo RAT trained 20 steps in 120 s against 90 s, so a test that times steps or trains a RAT long
+# sets XLA_FLAGS itself. JAXRAT_TEST_XLA_FLAGS="" runs the whole suite at XLA's defaults.
+TEST_XLA_FLAGS = os.environ.setdefault("JAXRAT_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"] and (TESTS.parent / "jaxrat").is_dir():
+    os.environ["XLA_FLAGS"] += f" {TEST_XLA_FLAGS}"  # not in tests/unit/test_tiers.py's throwaway suite
 TIERS = ("unit", "integration", "fault")
 # The helpers in tests/, and every tier's folder: a test module may import another's helpers
 # (``from test_preempt import Run``) whichever tier either is in, and whichever tiers this run collects.
@@ -171,33 +184,7 @@ class _Durations:
                 terminalreporter.write_line(f"{tier:<12} {seconds:8.1f} s  {tests:5d} tests")
 
 
-# LLVM's optimisation level for the programs the test processes compile themselves: at 0, XLA:CPU
-# compiles a tiny RAT's forward and backward in ~40% less CPU (72 s -> 42 s measured for
-# test_kernel_policy's portable-vs-cpu model), and those programs run once or twice on tiny shapes.
-# XLA's own HLO passes (fusion, simplification) still run, so the numbers are the same. Training
-# runs in subprocesses keep the default: the runner sets their XLA_FLAGS afresh, and the flag is
-# taken out of this process's environment again once its backend has read it (below).
-TEST_PROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
-
-
-def _compile_tests_fast() -> None:
-    """Start this process's JAX backend with :data:`TEST_PROCESS_XLA_FLAGS`, then restore XLA_FLAGS so
-    that subprocesses inherit the plain flags (XLA reads them once, when the backend starts)."""
-    if not (TESTS.parent / "jaxrat").is_dir() or "xla_backend_optimization_level" in os.environ["XLA_FLAGS"]:
-        return  # not jaxrat's suite (tests/unit/test_tiers.py's throwaway one), or chosen by hand
-    plain = os.environ["XLA_FLAGS"]
-    os.environ["XLA_FLAGS"] = f"{plain} {TEST_PROCESS_XLA_FLAGS}"
-    try:
-        import jax
-
-        jax.devices()
-    finally:
-        os.environ["XLA_FLAGS"] = plain
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-        _compile_tests_fast()  # in the processes that run tests (not xdist's controller)
     # xdist would otherwise hand out the files with the most tests first, undoing the order above.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False

@@ -20,7 +20,7 @@ def env_with_devices(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "LSB_"))}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {os.environ.get('JAXRAT_TEST_XLA_FLAGS', '')}"
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

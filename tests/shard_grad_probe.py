@@ -5,7 +5,8 @@ import os
 import sys
 
 devices, out = int(sys.argv[1]), sys.argv[2]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+test_flags = os.environ.get("JAXRAT_TEST_XLA_FLAGS", "")  # tests/conftest.py
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {test_flags}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from jaxrat.parallel.cpu_client import pin_cpu_parallelism  # noqa: E402

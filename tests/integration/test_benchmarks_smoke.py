@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmark_scripts import load
-from conftest import TEST_PROCESS_XLA_FLAGS
+from conftest import TEST_XLA_FLAGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.benchmarks]
 
@@ -40,7 +40,7 @@ def test_every_benchmark_runs_in_its_smoke_form(tmp_path):
     # As a user runs them, but for LLVM's optimisation level: the suite's 8 simulated devices
     # (tests/conftest.py) do not divide their batches, and at these sizes compiling is nearly all the
     # time, which -O0 cuts by ~40% (their numbers mean nothing here either way).
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": TEST_PROCESS_XLA_FLAGS}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": TEST_XLA_FLAGS}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke", "--results",
                            str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -115,10 +115,14 @@ def test_a_fresh_clone_hands_out_from_the_committed_times_and_the_script_refresh
     assert list(got.items()) == [("unit/test_b.py", 9.0), ("unit/test_a.py", 2.0)]
 
 
-def test_subprocesses_inherit_the_plain_xla_flags():
-    # The test processes compile at LLVM -O0 (tests/conftest.py); what they start must not.
-    assert "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
-    assert "--xla_force_host_platform_device_count=" in os.environ["XLA_FLAGS"]
+def test_the_test_processes_and_the_runs_they_start_compile_at_the_test_flags():
+    # tests/conftest.py: LLVM -O0 for everything the suite compiles, unless JAXRAT_TEST_XLA_FLAGS says otherwise.
+    from runner import env_with_devices
+
+    flags = os.environ["JAXRAT_TEST_XLA_FLAGS"]
+    assert flags in os.environ["XLA_FLAGS"] and "--xla_force_host_platform_device_count=" in os.environ["XLA_FLAGS"]
+    child = env_with_devices(2)["XLA_FLAGS"].split()
+    assert child[0] == "--xla_force_host_platform_device_count=2" and child[1:] == flags.split()
 
 
 def test_every_test_file_is_in_a_tier():
