@@ -49,7 +49,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-# name -> the smallest arguments that still run the whole benchmark: what tests/integration/test_benchmarks_smoke.py
+# name -> the smallest arguments that still run the whole benchmark: what tests/extended/test_benchmarks_smoke.py
 # runs in CI, so that no benchmark rots unnoticed (the numbers mean nothing at these sizes).
 SMOKE: dict[str, list[str]] = {
     "rat_bench": ["--sizes", "32", "--reference-sizes", "32", "--reps", "1"],
@@ -71,6 +71,14 @@ SMOKE: dict[str, list[str]] = {
     "backbone_bench": ["--quick"],
     "gpu_cost": ["--quick"],
     "gpu_registers": [],
+}
+# Benchmarks whose smoke form a test of their own already runs (the same arguments or a superset), so the
+# suite's run of every smoke form (tests/extended/test_benchmarks_smoke.py) leaves them to that test
+# rather than compile the same H100 programs twice (~250 s of the suite on 2 cores). `--smoke` runs them.
+SMOKE_TESTED_BY: dict[str, str] = {
+    "gpu_cost": "tests/extended/test_gpu_cost.py",
+    "gpu_registers": "tests/extended/test_gpu_registers.py",
+    "gpu_bench": "tests/extended/test_gpu_bench.py",
 }
 # Benchmarks that need a CUDA device and cannot run on CI's CPUs (run them on a GPU machine).
 GPU_ONLY = {"gpu_profile", "gpu_validate", "mlp_gpu", "sparse_sga_gpu"}

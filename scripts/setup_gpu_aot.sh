@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the CUDA plugin's compiler for the venv's jax (jax-cuda12-plugin and jax-cuda12-pjrt at the
 # same version, ~180 MB, without the nvidia-* CUDA libraries) into .venv/gpu-aot, for compiling GPU
-# programs on a machine without a GPU (benchmarks/gpu_cost.py, tests/integration/test_gpu_cost.py).
+# programs on a machine without a GPU (benchmarks/gpu_cost.py, tests/extended/test_gpu_cost.py).
 # Outside site-packages on purpose: there, every JAX process would load the plugin and print its
 # "Could not find cuda drivers" lines on stderr; benchmarks/gpu_cost.py puts this folder on its own path.
 # Also NVIDIA's assembler (ptxas, from the nvidia-cuda-nvcc wheel, ~40 MB) into .venv/gpu-ptxas, for

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install jaxrat with its test extras and the CUDA compiler that tests/integration/test_gpu_cost.py
+# Install jaxrat with its test extras and the CUDA compiler that tests/extended/test_gpu_cost.py
 # compiles for an H100 with (scripts/setup_gpu_aot.sh), lint, and run the tests:
-#   bash scripts/test.sh              every tier
-#   bash scripts/test.sh unit         tests/unit only: the inner loop (also integration, fault)
+#   bash scripts/test.sh              tests/unit, tests/integration and tests/fault: what CI runs
+#   bash scripts/test.sh unit         tests/unit only: the inner loop (also integration, fault, extended)
+#   bash scripts/test.sh all          every tier, tests/extended too (GPU kernels, H100 compiles, benchmarks)
 #   bash scripts/test.sh unit -k ema  extra args go to pytest (e.g. -n 0 to run in this process, with --pdb)
 # Two xdist workers, one test file at a time each (module fixtures stay shared within a file), handed
 # out longest first from the last run's times (tests/conftest.py), and one XLA compilation cache for
@@ -11,10 +12,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tiers=()
-while [[ $# -gt 0 && "$1" =~ ^(unit|integration|fault)$ ]]; do
-  tiers+=("tests/$1")
+while [[ $# -gt 0 && "$1" =~ ^(unit|integration|fault|extended|all)$ ]]; do
+  if [[ "$1" == all ]]; then tiers+=(tests); else tiers+=("tests/$1"); fi
   shift
 done
+# tests/extended stays out unless named: the rest must fit CI's 90 minutes on 2 cores (tests/conftest.py).
+[[ ${#tiers[@]} -gt 0 ]] || tiers=(tests/unit tests/integration tests/fault)
 bash scripts/setup_venv.sh "dev,reference"
 bash scripts/setup_gpu_aot.sh
 .venv/bin/ruff check jaxrat tests benchmarks configs scripts

@@ -8,9 +8,13 @@ The tiers are folders, and their markers follow the folder (nothing to list here
 * ``tests/integration``: training subprocesses, real multi-process runs, notebooks, whole-model
   compiles and parity.
 * ``tests/fault``: kill -9 campaigns, chaos, preemption, dead peers, full disks, the real SLURM cluster.
+* ``tests/extended``: the opt-in GPU kernels (Pallas, in interpret mode here), programs compiled for an
+  H100 (ptxas, cost counts) and the benchmark scripts. Not in ``bash scripts/test.sh`` (CI's run), which
+  must finish within CI's 90 minutes on 2 cores; ``bash scripts/test.sh extended`` (or ``all``) runs it,
+  and a change to jaxrat/ops/gpu, the GPU policy or benchmarks/ must pass it.
 
-``integration`` and ``fault`` tests are also marked ``slow``, so ``-m "not slow"`` selects the unit
-tier. A test file outside the tiers stops the run with one sentence. The helpers (``runner``,
+``integration``, ``fault`` and ``extended`` tests are also marked ``slow``, so ``-m "not slow"`` selects
+the unit tier. A test file outside the tiers stops the run with one sentence. The helpers (``runner``,
 ``model_configs``, ``toy/``, ...) stay in ``tests/``.
 """
 
@@ -41,7 +45,7 @@ TESTS = Path(__file__).resolve().parent
 TEST_XLA_FLAGS = os.environ.setdefault("JAXRAT_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"] and (TESTS.parent / "jaxrat").is_dir():
     os.environ["XLA_FLAGS"] += f" {TEST_XLA_FLAGS}"  # not in tests/unit/test_tiers.py's throwaway suite
-TIERS = ("unit", "integration", "fault")
+TIERS = ("unit", "integration", "fault", "extended")
 # The helpers in tests/, and every tier's folder: a test module may import another's helpers
 # (``from test_preempt import Run``) whichever tier either is in, and whichever tiers this run collects.
 for _folder in (TESTS, *(TESTS / tier for tier in TIERS)):
@@ -70,7 +74,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # Seconds a test file counts for in the hand-out order when the last run's report does not have it:
 # campaigns first, then the integration files, the unit files last (they are short and fill the gaps).
-TIER_SECONDS = {"fault": 120.0, "integration": 30.0, "unit": 3.0}
+TIER_SECONDS = {"fault": 120.0, "integration": 30.0, "extended": 30.0, "unit": 3.0}
 # Per test file (path under tests/), the seconds its tests took (setup, call and teardown) in the last
 # run that ran it, kept in pytest's cache (.pytest_cache/v/jaxrat/file_seconds).
 DURATIONS_KEY = "jaxrat/file_seconds"
@@ -120,7 +124,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = tier_of(item.path)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
-        if tier in ("integration", "fault") or item.get_closest_marker("integration"):
+        if tier in ("integration", "fault", "extended") or item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.slow)
     if hasattr(config, "workerinput"):
         # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadfile) files are handed out in the
@@ -192,6 +196,6 @@ def pytest_configure(config: pytest.Config) -> None:
         astray = stray_test_files()
         if astray:
             raise pytest.UsageError(
-                f"{', '.join(astray)} is not in a tier: move it into tests/unit, tests/integration or "
-                "tests/fault with git mv (README.md says which is which).")
+                f"{', '.join(astray)} is not in a tier: move it into tests/unit, tests/integration, "
+                "tests/fault or tests/extended with git mv (README.md says which is which).")
         config.pluginmanager.register(_Durations(), "jaxrat-durations")

@@ -1,4 +1,4 @@
-"""Run by tests/integration/test_gpu_cost.py in a process of its own: small programs compiled for an H100 by
+"""Run by tests/extended/test_gpu_cost.py in a process of its own: small programs compiled for an H100 by
 benchmarks/gpu_cost.py, their kernels printed as one JSON object.
 
 Its own process because jax must start with the CUDA compiler on its path (gpu_cost puts it there when

@@ -35,15 +35,30 @@ def test_every_benchmark_has_a_smoke_and_a_quick_form():
     assert sorted(run_all.SMOKE) == sorted(run_all.BENCHMARKS)
 
 
-@pytest.mark.timeout(3600)  # fourteen scripts, each compiling its own programs: past the suite's 900 s
+@pytest.mark.timeout(3600)  # a dozen scripts, each compiling its own programs: past the suite's 900 s
 def test_every_benchmark_runs_in_its_smoke_form(tmp_path):
     # As a user runs them, but for LLVM's optimisation level: the suite's 8 simulated devices
     # (tests/conftest.py) do not divide their batches, and at these sizes compiling is nearly all the
     # time, which -O0 cuts by ~40% (their numbers mean nothing here either way).
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": TEST_XLA_FLAGS}
+    run_all = load("run_all")
+    only = [name for name in run_all.SMOKE if name not in run_all.SMOKE_TESTED_BY]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke", "--results",
-                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+                           str(tmp_path), "--only", *only], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=3600)
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(summary["benchmarks"]) == sorted(only)
     failed = {n: r.get("error", "")[-1500:] for n, r in summary["benchmarks"].items() if r["status"] != "ok"}
     assert proc.returncode == 0 and not failed, failed or proc.stderr[-3000:]
     assert all((tmp_path / f"{name}.json").is_file() for name in summary["benchmarks"])
+
+
+def test_the_smoke_forms_left_to_their_own_tests_are_run_there():
+    """What run_all.SMOKE_TESTED_BY leaves out above, its test runs: the script, with every smoke argument."""
+    run_all = load("run_all")
+    assert set(run_all.SMOKE_TESTED_BY) <= set(run_all.SMOKE)
+    for name, test in run_all.SMOKE_TESTED_BY.items():
+        text = (REPO / test).read_text()
+        assert f"benchmarks/{name}.py" in text or f'load("{name}")' in text, (name, test)
+        missing = [arg for arg in run_all.SMOKE[name] if f'"{arg}"' not in text]
+        assert not missing, f"{test} does not run {name} with {missing}"

@@ -2,8 +2,8 @@
 computes what the optax chain of make_optimizer computes, in the same optimizer state.
 
 The kernels run in Pallas interpret mode here; that they compile for an H100, and in how many kernels
-the trainer's step updates its parameters there, is tests/integration/test_gpu_cost.py's and
-tests/integration/test_gpu_registers.py's.
+the trainer's step updates its parameters there, is tests/extended/test_gpu_cost.py's and
+tests/extended/test_gpu_registers.py's.
 """
 
 import jax

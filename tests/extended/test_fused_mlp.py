@@ -1,6 +1,6 @@
 """The gpu policy's fused MLP (jaxrat.ops.gpu.mlp) against XLA's, in Pallas interpret mode on this CPU.
 
-The GPU form is lowered for CUDA here, and compiled by Triton for an H100 in tests/integration/test_gpu_cost.py.
+The GPU form is lowered for CUDA here, and compiled by Triton for an H100 in tests/extended/test_gpu_cost.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The gpu policy's layer norm kernels (jaxrat.ops.gpu.layer_norm) against XLA's form, in Pallas
-interpret mode on this CPU; compiled for an H100 in tests/integration/test_gpu_registers.py and
-tests/integration/test_gpu_cost.py."""
+interpret mode on this CPU; compiled for an H100 in tests/extended/test_gpu_registers.py and
+tests/extended/test_gpu_cost.py."""
 
 from __future__ import annotations
 

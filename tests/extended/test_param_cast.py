@@ -3,7 +3,7 @@ the values and gradients are those of the casts the model wrote, and only leaves
 narrow cast are taken.
 
 The kernel runs in Pallas interpret mode here; that the trainer's step compiles it for an H100 as one
-kernel in place of one cast per weight is tests/integration/test_gpu_cost.py's.
+kernel in place of one cast per weight is tests/extended/test_gpu_cost.py's.
 """
 
 import jax

@@ -1,7 +1,7 @@
 """The fused Pallas sparse SGA kernels (jaxrat.ops.gpu.sparse_sga) against the portable kernel.
 
 On this CPU the kernels run in Pallas interpret mode (the same kernel bodies, executed by XLA);
-the GPU form is lowered for CUDA here, and compiled by Triton for an H100 in tests/integration/test_gpu_cost.py.
+the GPU form is lowered for CUDA here, and compiled by Triton for an H100 in tests/extended/test_gpu_cost.py.
 Shapes are tiny but chosen so that rows span several tiles and no grid divides by a tile.
 """
 
@@ -432,7 +432,7 @@ def test_the_gpu_form_lowers_to_triton_calls_only(sweeps):
     assert "stablehlo.while" not in both and "stablehlo.dot_general" not in both
 
 
-# Compiled by Triton for an H100 (no GPU needed): tests/integration/test_gpu_cost.py, in a process of its own.
+# Compiled by Triton for an H100 (no GPU needed): tests/extended/test_gpu_cost.py, in a process of its own.
 
 
 @pytest.mark.parametrize("features,grid,projection_kernel", [

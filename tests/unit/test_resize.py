@@ -1,6 +1,6 @@
 """The gpu policy's linear upsampling (jaxrat/ops/resize.py) is jax.image.resize's "linear", value and gradient.
 
-How it compiles for an H100 (gathers, no matrix products, no scatter) is tests/integration/test_gpu_cost.py's.
+How it compiles for an H100 (gathers, no matrix products, no scatter) is tests/extended/test_gpu_cost.py's.
 """
 
 import jax

@@ -87,8 +87,8 @@ def test_a_test_file_outside_the_tiers_stops_the_run_in_one_sentence(suite):
     (suite / "tests" / "test_stray.py").write_text("def test_it():\n    pass\n")
     proc = _pytest(suite)
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
-    assert ("tests/test_stray.py is not in a tier: move it into tests/unit, tests/integration or tests/fault "
-            "with git mv") in proc.stderr
+    assert ("tests/test_stray.py is not in a tier: move it into tests/unit, tests/integration, tests/fault or "
+            "tests/extended with git mv") in proc.stderr
 
 
 def test_the_hand_out_order_is_the_last_run_s_longest_first_else_the_tier_s():
@@ -128,14 +128,19 @@ def test_the_test_processes_and_the_runs_they_start_compile_at_the_test_flags():
 def test_every_test_file_is_in_a_tier():
     assert tier_of(Path(__file__)) == "unit"
     assert tier_of(TESTS / "runner.py") is None
-    assert not list(TESTS.glob("test_*.py")), "test files belong in tests/unit, tests/integration or tests/fault"
+    assert not list(TESTS.glob("test_*.py")), "test files belong in a tier's folder (tests/unit, ...)"
+
+
+DEFAULT_TIERS = ["tests/unit", "tests/integration", "tests/fault"]
 
 
 @pytest.mark.parametrize("args, pytest_args", [
-    ([], []),
+    ([], DEFAULT_TIERS),
     (["unit"], ["tests/unit"]),
     (["integration", "fault", "-k", "ema", "-x"], ["tests/integration", "tests/fault", "-k", "ema", "-x"]),
-    (["-m", "not slow"], ["-m", "not slow"]),
+    (["-m", "not slow"], [*DEFAULT_TIERS, "-m", "not slow"]),
+    (["extended"], ["tests/extended"]),
+    (["all", "-x"], ["tests", "-x"]),
 ])
 def test_the_test_script_runs_the_tiers_named_and_passes_the_rest_to_pytest(tmp_path, args, pytest_args):
     # scripts/test.sh in a copy of the clone whose setup scripts, ruff and python only say what they got.
