@@ -20,13 +20,13 @@ import numpy as np
 from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
+from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
-from jaxrat.trainer.own_data import on_own_data
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
 from jaxrat.trainer.workdir import hold as hold_workdir
@@ -200,8 +200,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
                                         wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
                                         kernels=spec.kernels, error=error, **run.summary(done))
             confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
-            classes = tuple(getattr(w.task, "class_names", ()))  # multi-class segmentation: background first
-            run_summary.publish(writer, workdir, summary, confusions, classes[1:] if len(classes) > 1 else ())
+            run_summary.publish(writer, workdir, summary, confusions, tuple(getattr(w.task, "curve_classes", ())))
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
         writer.close(status)

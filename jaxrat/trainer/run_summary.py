@@ -142,7 +142,7 @@ def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any],
             confusions: dict[str, tuple[Any, list[str]]] | None = None, foreground: Sequence[str] = ()) -> None:
     """Draw the plots, write the files (process 0), hand them and the checkpoint paths to the
     trackers; a write that fails costs a warning. ``confusions``: {head: (matrix, class names)};
-    ``foreground``: a multi-class segmentation's foreground classes (their curves are drawn)."""
+    ``foreground``: the classes whose curves are drawn (the task's ``curve_classes``)."""
     if jax.process_index() != 0:
         return
     config = summary.get("config") or {}

@@ -21,8 +21,10 @@ MLP = {f"fused_mlp_{n}" for n in ("forward", "inputs", "weights")}
 
 
 def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # XLA's default flags: the suite's -O0 (tests/conftest.py) reaches ptxas too, which then spills.
+    flags = os.environ.get("XLA_FLAGS", "").replace(os.environ.get("JAXRAT_TEST_XLA_FLAGS", "") or "\0", "")
     return subprocess.run([sys.executable, "benchmarks/gpu_registers.py", *argv], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env={**os.environ, **(env or {})})
+                          timeout=600, cwd=REPO, env={**os.environ, "XLA_FLAGS": flags, **(env or {})})
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,7 @@ def test_label_map_ignore_and_out_of_range_values(tmp_path):
 
 def test_a_demo_variant_on_your_data_is_not_the_demo():
     from jaxrat.config import load_config
-    from jaxrat.trainer.own_data import on_own_data
+    from jaxrat.data.own_data import on_own_data
 
     c = load_config("segmentation:demo")
     assert on_own_data(c).data.synthetic and c.task.class_names == synthetic.CLASS_NAMES  # the demo itself
