@@ -15,6 +15,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(REPO, "configs", "isic.py") + ":smoke"
 
 
+def without_test_flags(xla_flags: str) -> str:
+    """``xla_flags`` less the suite's JAXRAT_TEST_XLA_FLAGS (tests/conftest.py): for a program that must be
+    compiled as users compile it."""
+    test_flags = os.environ.get("JAXRAT_TEST_XLA_FLAGS", "")
+    return xla_flags.replace(test_flags, "").strip() if test_flags else xla_flags
+
+
 def env_with_devices(devices: int) -> dict[str, str]:
     """The current environment with ``devices`` simulated CPU devices and no launcher variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "LSB_"))}

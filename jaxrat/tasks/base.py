@@ -89,6 +89,10 @@ class Task(abc.ABC):
     which is empty when the loss runs in a single-device program (``train.reduction_shards``).
     """
 
+    # The classes whose curves the run summary draws beside the overall ones (e.g. a multi-class
+    # segmentation's foreground classes); none by default.
+    curve_classes: tuple[str, ...] = ()
+
     def __init__(self, config: mlc.ConfigDict) -> None:
         self.config = config
 

@@ -95,8 +95,7 @@ class SegmentationTask(ImageTask):
         # 1: binary masks, sigmoid (ISIC); more: class maps, softmax (segmentation_multiclass).
         self.num_classes = int(config.model.get("num_classes", 1) or 1)
         self.class_names = multiclass.class_names(t.get("class_names", ()), self.num_classes)
-        # The classes whose curves the run summary draws (the trainer reads this name, not the task's kind).
-        self.curve_classes = self.class_names[1:] if self.num_classes > 1 else ()
+        self.curve_classes = self.class_names[1:] if self.num_classes > 1 else ()  # class 0 is background
         if self.num_classes > 1 and (self.eval_original_resolution or self.multiscale_loss):
             raise ConfigError(f"config.model.num_classes={self.num_classes}: task.eval_original_resolution and "
                               f"task.multiscale_loss are for binary masks; set them False.")

@@ -200,7 +200,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
                                         wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
                                         kernels=spec.kernels, error=error, **run.summary(done))
             confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
-            run_summary.publish(writer, workdir, summary, confusions, tuple(getattr(w.task, "curve_classes", ())))
+            run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
         except Exception as e:
             logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
         writer.close(status)

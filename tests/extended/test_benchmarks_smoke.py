@@ -18,7 +18,7 @@ import pytest
 from benchmark_scripts import load
 from conftest import TEST_XLA_FLAGS
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.benchmarks]
+pytestmark = pytest.mark.benchmarks  # the tier's markers follow the folder (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from runner import without_test_flags
+
 REPO = Path(__file__).resolve().parents[2]
 SPARSE = {f"sparse_sga_{n}" for n in ("groups_lse", "sweep_colsum_update", "sweep_gd_grad", "inputs_keys")}
 MLP = {f"fused_mlp_{n}" for n in ("forward", "inputs", "weights")}
 
 
 def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    # XLA's default flags: the suite's -O0 (tests/conftest.py) reaches ptxas too, which then spills.
-    flags = os.environ.get("XLA_FLAGS", "").replace(os.environ.get("JAXRAT_TEST_XLA_FLAGS", "") or "\0", "")
+    # At XLA's default flags: the suite's -O0 reaches ptxas too, which then spills.
+    flags = without_test_flags(os.environ.get("XLA_FLAGS", ""))
     return subprocess.run([sys.executable, "benchmarks/gpu_registers.py", *argv], capture_output=True, text=True,
                           timeout=600, cwd=REPO, env={**os.environ, "XLA_FLAGS": flags, **(env or {})})
 
