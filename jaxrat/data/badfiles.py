@@ -46,11 +46,6 @@ LISTED = 20
 _F = TypeVar("_F", bound=Callable)
 
 
-def skipped_count() -> int:
-    """Distinct bad files skipped so far by this process (workers count their own)."""
-    return len(_seen)
-
-
 @dataclasses.dataclass(frozen=True)
 class BadFilePolicy:
     """Picklable (it travels to worker processes). ``record_path`` is None on processes > 0."""

@@ -37,11 +37,6 @@ def manifest_runs(root: str) -> list[dict[str, Any]]:
              "seed": r.get("seed")} for r in runs]
 
 
-def is_repeated(root: str) -> bool:
-    """Whether the sweep under ``root`` repeats its variants over folds or seeds."""
-    return any(r["fold"] is not None or r["seed"] is not None for r in manifest_runs(root))
-
-
 def pair_key(fold: int | None, seed: int | None) -> str:
     return f"fold {fold if fold is not None else '-'} seed {seed if seed is not None else '-'}"
 
