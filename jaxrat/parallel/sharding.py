@@ -34,6 +34,20 @@ def zero_axes(mesh: Mesh, axis: str) -> tuple[str, ...]:
     return names
 
 
+def zero_axis(mesh: Mesh, axis: str, zero: int) -> str:
+    """The axes ZeRO shards over: ``axis`` (``config.sharding.axis``), or every mesh axis when ``axis``
+    spans one device while the mesh has more. ZeRO's stages shard over the data-parallel devices (as
+    DeepSpeed's do); on the default mesh, ``{'data': N, 'fsdp': 1}``, ``sharding.zero`` alone would
+    otherwise shard nothing and still switch the replicated-state forms (fused AdamW, one-kernel cast) off."""
+    axes = zero_axes(mesh, axis)
+    if zero > 0 and mesh.size > 1 and int(np.prod([mesh.shape[a] for a in axes])) == 1:
+        wide = ",".join(mesh.axis_names)
+        logging.info("ZeRO-%d over the mesh axes %s: config.sharding.axis=%r spans 1 of the %d devices", zero, wide,
+                     axis, mesh.size)
+        return wide
+    return axis
+
+
 def fsdp_spec(shape: tuple[int, ...], axes: tuple[str, ...], axis_size: int, min_size: int) -> P:
     """Shard the largest dimension divisible by ``axis_size``; replicate small or indivisible arrays."""
     if axis_size <= 1 or int(np.prod(shape, dtype=np.int64)) < min_size:

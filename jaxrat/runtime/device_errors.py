@@ -39,7 +39,7 @@ def explain(error: BaseException, batch_advice: str) -> Optional[UserError]:
         return UserError(
             f"The devices ran out of memory ({_first_line(text)}); lower {batch_advice}, or let jaxrat size "
             f"the batch to the memory (--config.data.per_device_batch_size=auto), or shard the parameters "
-            f"and optimizer state over the devices (--config.sharding.zero=3 --config.sharding.axis=data,fsdp).")
+            f"and optimizer state over the devices (--config.sharding.zero=3).")
     if any(word in text.lower() for word in _KERNEL_WORDS):
         logging.warning("XLA: %s", text[:MAX_LOGGED])
         return UserError(

@@ -194,9 +194,10 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                                     jax.random.key_data(jax.random.key(0)))
 
     sc = config.sharding
+    axis = sharding.zero_axis(mesh, sc.axis, zero)
 
     def shard(tree: Any, on: bool) -> Any:
-        return sharding.tree_shardings(tree, mesh, shard=on, axis=sc.axis, min_size=sc.min_size, rules=sc.rules)
+        return sharding.tree_shardings(tree, mesh, shard=on, axis=axis, min_size=sc.min_size, rules=sc.rules)
 
     rep = NamedSharding(mesh, P())
     params, opt_state = abstract_state["params"], abstract_state["opt_state"]

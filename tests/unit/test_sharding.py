@@ -64,3 +64,28 @@ def test_zero_presets_shard_what_they_promise(zero):
     assert any(p != P() for p in params) == (zero >= 3)
     assert any(p != P() for p in opt) == (zero >= 1)
     assert any(p != P() for p in grads) == (zero >= 2)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_alone_shards_over_the_data_devices_of_the_default_mesh(zero):
+    """The default mesh is {'data': N, 'fsdp': 1}: ZeRO over its 1-device fsdp axis would shard nothing
+    (and still turn the replicated-state forms off), so it shards over every mesh axis instead."""
+    from jaxrat.config import load_config
+    from jaxrat.tasks.base import load_task
+    from jaxrat.trainer.state import make_state_spec
+
+    config = load_config("configs/isic.py:smoke")
+    assert dict(config.mesh.axes) == {"data": -1, "fsdp": 1} and config.sharding.axis == "fsdp"
+    config.sharding.zero = zero
+    config.sharding.min_size = 1
+    mesh = make_mesh(config.mesh.axes)
+    assert mesh.shape["data"] == 8
+    s = make_state_spec(config, mesh, load_task(config))
+    opt = [sh.spec for sh in jax.tree.leaves(s.state_shardings["opt_state"])]
+    params = [sh.spec for sh in jax.tree.leaves(s.state_shardings["params"])]
+    assert any(("data", "fsdp") in tuple(p) for p in opt)
+    assert any(p != P() for p in params) == (zero >= 3)
+    # a named axis that spans devices is kept as it is
+    assert sharding.zero_axis(make_mesh((("data", 2), ("fsdp", 4))), "fsdp", zero) == "fsdp"
+    assert sharding.zero_axis(make_mesh((("data", 1), ("fsdp", 1)), devices=jax.devices()[:1]), "fsdp", zero) == "fsdp"
+    assert sharding.zero_axis(mesh, "fsdp", 0) == "fsdp"
