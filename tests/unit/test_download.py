@@ -464,7 +464,7 @@ def test_too_little_space_is_refused_before_writing_and_a_full_disk_is_not_retri
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
     dest = tmp_path / "a"
-    with pytest.raises(DataError, match=r"is 0.00 GB but the disk holding .* has 0.00 GB free; free space or choose "
+    with pytest.raises(DataError, match=r"is 0.0 MB but the disk holding .* has 0.0 MB free; free space or choose "
                                         r"another --dest"):
         download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=3, timeout=10,
                           backoff=0)
