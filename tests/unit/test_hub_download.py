@@ -232,6 +232,12 @@ def test_not_enough_space_is_refused_before_writing_and_a_full_disk_is_one_sente
         hub.download_model("org/m")
     assert not [p for p in srv.paths() if "/resolve/" in p]  # refused before a byte was fetched
     assert not (tmp_path / "cache").exists()
+    # A listing without sizes: the files' own headers (HEAD: X-Linked-Size) size them instead.
+    bare = serve({"org/m": {"main": _files()}}, bare_listing=True)
+    with pytest.raises(DataError, match=r"org/m@main needs 0.0 MB but the disk holding .* has 0.0 MB free"):
+        hub.download_model("org/m")
+    assert not [p for p in bare.paths("GET") if "/resolve/" in p] and "/resolve/" in bare.paths("HEAD")[-1]
+    assert not (tmp_path / "cache").exists()
     monkeypatch.undo()
     monkeypatch.setenv("HF_ENDPOINT", srv.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
