@@ -90,6 +90,10 @@ def test_two_revisions_never_share_a_file(serve, tmp_path):
     assert open(os.path.join(main, "model.safetensors"), "rb").read() == _files(0)["model.safetensors"]
     folder = hub.download_model("org/m", cache_dir=str(tmp_path / "dest"))  # --dest: the same layout elsewhere
     assert folder.startswith(str(tmp_path / "dest" / "models--org--m" / "snapshots"))
+    other = hub.download_model("org/m", revision="v2", cache_dir=str(tmp_path / "dest"))  # the same --dest
+    assert other != folder and open(os.path.join(other, "model.safetensors"), "rb").read() == (
+        _files(1)["model.safetensors"])
+    assert open(os.path.join(folder, "model.safetensors"), "rb").read() == _files(0)["model.safetensors"]
 
 
 def test_a_cut_body_is_resumed_and_one_cut_for_good_is_refused(serve, tmp_path, monkeypatch):
