@@ -87,7 +87,7 @@ def test_an_output_over_the_runs_files_or_its_data_is_refused(tmp_path, where, n
         output_folder.check(fine, output_folder.run_inputs(wd, config), command="evaluate")
 
 
-def test_evaluate_out_into_the_workdir_is_refused_before_it_appends_to_the_runs_metrics(tmp_path):
+def test_evaluate_or_export_out_into_the_workdir_is_refused_before_it_appends_to_the_runs_metrics(tmp_path):
     data = tmp_path / "data"
     _images(str(data))
     wd = _workdir(tmp_path / "run", data_dir=str(data))
@@ -99,6 +99,14 @@ def test_evaluate_out_into_the_workdir_is_refused_before_it_appends_to_the_runs_
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith(f"jaxrat: error: --out {out} ") and needle in last, last
     assert open(os.path.join(wd, "metrics.jsonl")).read() == metrics and _tree(str(data)) == ["a.png", "b.png"]
+    # export says what the folder is (it said "exists and is not empty; ... pass --overwrite").
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={wd}", f"--out={wd}"],
+                          cwd=REPO, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"jaxrat: error: --out {wd} is a training run's workdir ({wd}), which export only reads; choose an output "
+        f"folder outside it.")
+    assert open(os.path.join(wd, "metrics.jsonl")).read() == metrics and os.path.isdir(os.path.join(wd, "checkpoints"))
 
 
 # ------------------------------------------------------------------------- --overwrite and the manifest
