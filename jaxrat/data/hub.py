@@ -16,7 +16,9 @@ and SHA-256 against the hub's (``X-Linked-Size``/``X-Linked-Etag``, the reposito
 entry), its git object id for files kept in git, and that it is not an HTML page (a login or error
 page served with status 200). A file that fails is deleted and fetched once more; a second failure,
 like every other problem (offline and not cached, 401 gated, 404, a cut connection, a full disk), ends
-in one sentence. A failed first download leaves no empty folders in the cache.
+in one sentence. Before a byte is written, the files' sizes (the listing's, else each file's
+``X-Linked-Size``/``Content-Length``) are checked against the cache disk's free space. A failed first
+download leaves no empty folders in the cache.
 """
 
 from __future__ import annotations
