@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from absl import flags
@@ -28,6 +29,7 @@ from jaxrat.runtime import device_errors, output_folder
 from jaxrat.runtime.console import fail, quiet_libraries, run_with_config_overrides
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_json
+from jaxrat.runtime.interrupt import Stopped, raise_on_signals
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (holds config.json and checkpoints/).")
 _ALLOW_IMPORT = flags.DEFINE_multi_string("allow_import", [], ALLOW_IMPORT_HELP)
@@ -52,12 +54,14 @@ def _default_name(step: str) -> str:
 
 
 def main(argv: list[str], overrides: list[str]) -> None:
-    """Initialise the runtime from the run's config, then evaluate."""
+    """Initialise the runtime from the run's config, then evaluate; SIGTERM or Ctrl-C end it in one
+    line, with no temporary file left and the output folder's lock released."""
     from jaxrat.inference.augment import check_tiling, parse_tta
     from jaxrat.trainer.evaluation import open_trained_run
 
     quiet_libraries()
     try:
+        raise_on_signals()
         if argv[1:]:
             raise UserError(f"Unexpected arguments {argv[1:]}; pass --workdir, --step, --name, --split, --tta, "
                             f"--tile and --config.KEY=VALUE.")
@@ -78,6 +82,14 @@ def main(argv: list[str], overrides: list[str]) -> None:
         with open_checkpoint(f"{workdir}:{choose(workdir, _STEP.value)}", READ_ITEMS) as opened, \
                 device_errors.in_a_sentence(advice):
             _evaluate(config, workdir, opened, tta)
+    except Stopped as e:
+        # The files are written whole (runtime.fileio) and the stop ran their cleanup; what may be
+        # missing is the rest of the evaluation, so the line says to run it again.
+        where = getattr(e, "out_dir", "")
+        sys.stderr.write(f"jaxrat: evaluate stopped by {e.name}" + (f"; {where} may hold part of its results" if where
+                                                                     else "") + ": run the same command again.\n")
+        sys.stderr.flush()
+        sys.exit(e.exit_code)
     except UserError as e:
         fail(str(e))
 
@@ -100,6 +112,9 @@ def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
         lock.acquire()
     try:
         _evaluate_into(out_dir, config, workdir, opened, tta)
+    except Stopped as e:
+        e.out_dir = out_dir  # type: ignore[attr-defined]  (the closing line names it)
+        raise
     finally:
         if lock is not None:
             lock.release()

@@ -41,8 +41,6 @@ def main(argv: list[str], overrides: list[str]) -> None:
         platforms = tuple(p.strip() for p in _PLATFORMS.value.split(",") if p.strip())
         if not platforms or _BATCH.value < 0:
             raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a number >= 0.")
-        if os.path.isdir(_OUT.value) and os.listdir(_OUT.value) and not _OVERWRITE.value:
-            raise UserError(f"--out {_OUT.value} exists and is not empty; choose a new folder or pass --overwrite.")
         from jaxrat.inference import exported
         from jaxrat.inference.checkpoint_choice import choose
         from jaxrat.inference.exporting import export_model, portable
@@ -51,7 +49,8 @@ def main(argv: list[str], overrides: list[str]) -> None:
 
         workdir, config = open_trained_run(_WORKDIR.value, overrides, _ALLOW_IMPORT.value)
         # Before the minutes of loading and exporting: never the run's files or its data, writable,
-        # not full; --overwrite replaces only a previous export's files.
+        # not full; --overwrite replaces only a previous export's files. (A non-empty --out was once
+        # refused before this, telling a user who pointed it at the workdir to pass --overwrite.)
         output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="export", what="export")
         output_folder.claim(_OUT.value, command="export", overwrite=_OVERWRITE.value,
                             files=[exported.MODEL_FILE, exported.CONTRACT_FILE, "exported.py"])

@@ -40,14 +40,19 @@ class FakeHub:
     """``repos``: {"owner/name": {revision: {file name: bytes}}}. Faults, each a set of file names:
     ``cut`` (the body ends half way, once per name), ``cut_always`` (every time), ``no_length``
     (GET without Content-Length), ``html`` (a 200 ``text/html`` login page instead of the file),
-    ``stall`` (half the body, then ``stall_s`` of silence, once per name). ``gated``: repositories
-    that answer 401 GatedRepo unless the request carries ``Authorization: Bearer {token}``."""
+    ``stall`` (half the body, then ``stall_s`` of silence, once per name), ``corrupt`` (one byte of
+    the body flipped, same length, once per name), ``corrupt_always`` (every time). ``bare_listing``:
+    the repository listing gives no size or hash, so only the file's own headers (X-Linked-Etag,
+    X-Linked-Size) say what it must be. ``gated``: repositories that answer 401 GatedRepo unless the
+    request carries ``Authorization: Bearer {token}``."""
 
     def __init__(self, repos, *, gated=(), token="hf_secret", cut=(), cut_always=(), no_length=(), html=(),
-                 stall=(), stall_s=3.0, max_requests=200, lifetime_s=120.0):
+                 stall=(), stall_s=3.0, corrupt=(), corrupt_always=(), bare_listing=False, max_requests=200,
+                 lifetime_s=120.0):
         self.repos = repos
         self.gated, self.token = set(gated), token
         self.cut, self.cut_always, self.no_length = set(cut), set(cut_always), set(no_length)
+        self.corrupt, self.corrupt_always, self.bare_listing = set(corrupt), set(corrupt_always), bare_listing
         self.html, self.stall, self.stall_s = set(html), set(stall), stall_s
         self.max_requests = max_requests
         self.requests: list[tuple[str, str, str | None, str | None]] = []  # method, path, Range, Authorization
@@ -134,6 +139,9 @@ class FakeHub:
     def _info(self, h, repo_id: str, commit: str, files: dict[str, bytes], *, head: bool) -> None:
         siblings = []
         for name, data in files.items():
+            if self.bare_listing:  # names only: a mirror's or an older hub's listing
+                siblings.append({"rfilename": name})
+                continue
             entry = {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(data)}
             if name.endswith(LFS_SUFFIXES):
                 entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
@@ -171,6 +179,9 @@ class FakeHub:
         else:
             h.send_response(200)
         body = data[start:]
+        if not head and body and (name in self.corrupt or name in self.corrupt_always):
+            self.corrupt.discard(name)
+            body = body[:-1] + bytes([body[-1] ^ 0xFF])  # what a faulty proxy or disk might hand on
         if head or name not in self.no_length:
             headers["Content-Length"] = str(len(body))
         for k, v in headers.items():

@@ -144,8 +144,28 @@ def _minutes(duration: str) -> int:
 
 
 def _q(value: str) -> str:
-    """Shell-quote, but keep $VAR and $(...) references working (they are meant for the job)."""
-    return f'"{value}"' if "$" in value else shlex.quote(value)
+    """Shell-quote, but keep $VAR, ${VAR...} and $(...) references working (they are meant for the
+    job): such a value goes in double quotes, where a ``"``, ``\\`` or backtick of its own is escaped
+    (a quote would otherwise end the string and run the rest of the value as commands of the job);
+    what lies inside a ``$(...)`` or ``${...}`` is the user's shell code and is kept as written."""
+    if "$" not in value:
+        return shlex.quote(value)
+    out, closers, i = [], [], 0
+    while i < len(value):
+        pair = value[i:i + 2]
+        if pair in ("$(", "${"):
+            closers.append(")" if pair == "$(" else "}")
+            out.append(pair)
+            i += 2
+            continue
+        c = value[i]
+        if closers and c == closers[-1]:
+            closers.pop()
+        elif not closers and c in '"\\`':
+            c = "\\" + c
+        out.append(c)
+        i += 1
+    return '"' + "".join(out) + '"'
 
 
 def index_ranges(indices: tuple[int, ...], offset: int = 0) -> str:

@@ -7,12 +7,13 @@ Each archive is fetched to ``DEST/downloads/NAME.part`` and resumed with an HTTP
 request after an interruption (``If-Range`` on the ETag, so a changed file restarts from zero).
 Before extraction it is checked: the byte count against ``Content-Length``; its MD5 against the
 ETag when the server's ETag is a plain MD5 (S3 and most static servers for single-part
-uploads); its SHA-256 and size against values you pin with ``--checksums FILE`` (the registry below
-pins none: the official values could not be read from this project's machines); and every zip
-member's CRC. An archive kept from an earlier run that fails these checks is fetched again. A
-``text/html`` answer (a login or error page sent with status 200) is refused before a byte is saved;
-an archive larger than the disk's free space, or of another length than the pinned one, is refused
-before writing, and a disk that fills up anyway ends the download at once, its partial file removed.
+uploads); its SHA-256 and size against the values known for it (the registry below pins COCO
+2017's; ISIC 2018's official values could not be read from this project's machines) or pinned with
+``--checksums FILE`` (a value given there takes precedence); and every zip member's CRC. An
+archive kept from an earlier run that fails these checks is fetched again. A ``text/html`` answer
+(a login or error page sent with status 200) is refused before a byte is saved; an archive larger
+than the disk's free space, or of another length than the pinned one, is refused before writing,
+and a disk that fills up anyway ends the download at once, its partial file removed.
 Bytes received before a stall (``--timeout`` seconds without data) or a cut are kept and the next try
 resumes after them; a body sent without a length is complete only when a Range request for what
 follows it is answered 416. Extraction goes to a temporary folder renamed into place (macOS
@@ -71,9 +72,15 @@ DATASETS = {
     "coco2017": Dataset(
         "http://images.cocodataset.org/",
         (
-            Archive("annotations/annotations_trainval2017.zip", "annotations"),
-            Archive("zips/train2017.zip", "train"),
-            Archive("zips/val2017.zip", "validation"),
+            # Sizes and SHA-256 as TensorFlow Datasets records them for these URLs
+            # (tensorflow_datasets/url_checksums/coco.txt): a mirror (--base-url) serving other
+            # bytes under these names is refused before a byte is written (size) or after (hash).
+            Archive("annotations/annotations_trainval2017.zip", "annotations",
+                    "113a836d90195ee1f884e704da6304dfaaecff1f023f49b6ca93c4aaae470268", 252_907_541),
+            Archive("zips/train2017.zip", "train",
+                    "69a8bb58ea5f8f99d24875f21416de2e9ded3178e903f1f7603e283b9e06d929", 19_336_861_798),
+            Archive("zips/val2017.zip", "validation",
+                    "4f7e2ccb2866ec5041993c9cf2a952bbed69647b115d0f74da7ce8f4bef82f05", 815_585_330),
         ),
     ),
 }

@@ -161,8 +161,13 @@ def _check_space(part: str, need: int, url: str) -> None:
     """Refuse before writing when the server's length does not fit on the disk (``need`` < 0: unknown)."""
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(part))).free
     if need > free:
-        raise DataError(f"{url} is {need / 1e9:.2f} GB but the disk holding {os.path.dirname(part)} has "
-                        f"{free / 1e9:.2f} GB free; free space or choose another --dest.")
+        raise DataError(f"{url} is {_amount(need)} but the disk holding {os.path.dirname(part)} has "
+                        f"{_amount(free)} free; free space or choose another --dest.")
+
+
+def _amount(n: int) -> str:
+    """Bytes as the refusal says them: GB from 1 GB up, else MB ("0.01 GB" said nothing of 8 MB against 5)."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _read_meta(meta_path: str) -> dict:

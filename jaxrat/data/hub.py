@@ -16,7 +16,9 @@ and SHA-256 against the hub's (``X-Linked-Size``/``X-Linked-Etag``, the reposito
 entry), its git object id for files kept in git, and that it is not an HTML page (a login or error
 page served with status 200). A file that fails is deleted and fetched once more; a second failure,
 like every other problem (offline and not cached, 401 gated, 404, a cut connection, a full disk), ends
-in one sentence. A failed first download leaves no empty folders in the cache.
+in one sentence. Before a byte is written, the files' sizes (the listing's, else each file's
+``X-Linked-Size``/``Content-Length``) are checked against the cache disk's free space. A failed first
+download leaves no empty folders in the cache.
 """
 
 from __future__ import annotations
@@ -264,9 +266,23 @@ def _fetch_one(hfh: Any, where: _Where, commit: str, name: str, expected: dict, 
                     f"check HF_ENDPOINT (a proxy or login page in the way?) and HF_TOKEN.")
 
 
-def _check_space(where: _Where, commit: str, names: list[str], siblings: dict) -> None:
+def _size(hfh: Any, where: _Where, commit: str, name: str, siblings: dict, timeout: float | None) -> int:
+    """Bytes ``name`` will take: the listing's size, else (a mirror's or an older hub's listing gives
+    none) the file's own headers, X-Linked-Size or Content-Length, from a HEAD request; 0 if unknown."""
+    listed = listed_checks(siblings.get(name)).get("size")
+    if listed is not None:
+        return int(listed)
+    url = hfh.hf_hub_url(where.repo_id, name, revision=commit, endpoint=where.endpoint)
+    with _explained(hfh, where, name):
+        return int(hfh.get_hf_file_metadata(url, timeout=timeout or 10.0).size or 0)
+
+
+def _check_space(hfh: Any, where: _Where, commit: str, names: list[str], siblings: dict,
+                 timeout: float | None) -> None:
+    """Refuse before a byte is written when the files not yet in the cache do not fit on its disk
+    (huggingface_hub only warns, then fills the disk)."""
     folder = os.path.join(where.storage, "snapshots", commit)
-    need = sum((listed_checks(siblings.get(n)).get("size") or 0) for n in names
+    need = sum(_size(hfh, where, commit, n, siblings, timeout) for n in names
                if not os.path.isfile(os.path.join(folder, n)))
     probe = where.cache
     while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
@@ -298,14 +314,14 @@ def _fetch(hfh: Any, where: _Where, timeout: float | None) -> str:
                         f"id, or download its weights yourself and point pretrained at them.")
     names = (["config.json"] if "config.json" in siblings else []) + [weights]
     if weights.endswith(".index.json"):  # the index first: it names the shards to fetch
-        _check_space(where, commit, names, siblings)
+        _check_space(hfh, where, commit, names, siblings, timeout)
         index = _fetch_one(hfh, where, commit, weights, listed_checks(siblings.get(weights)), timeout)
         missing = [s for s in _index_shards(index) if s not in siblings]
         if missing:
             raise DataError(f"{where.name}: {weights} names {missing[0]}, which the repository lacks; the upload "
                             f"is incomplete, pick another revision.")
         names += _index_shards(index)
-    _check_space(where, commit, names, siblings)
+    _check_space(hfh, where, commit, names, siblings, timeout)
     for name in names:
         _fetch_one(hfh, where, commit, name, listed_checks(siblings.get(name)), timeout)
     if where.revision != commit:  # so that HF_HUB_OFFLINE finds this revision by its name later

@@ -87,7 +87,7 @@ def test_an_output_over_the_runs_files_or_its_data_is_refused(tmp_path, where, n
         output_folder.check(fine, output_folder.run_inputs(wd, config), command="evaluate")
 
 
-def test_evaluate_out_into_the_workdir_is_refused_before_it_appends_to_the_runs_metrics(tmp_path):
+def test_evaluate_or_export_out_into_the_workdir_is_refused_before_it_appends_to_the_runs_metrics(tmp_path):
     data = tmp_path / "data"
     _images(str(data))
     wd = _workdir(tmp_path / "run", data_dir=str(data))
@@ -99,6 +99,14 @@ def test_evaluate_out_into_the_workdir_is_refused_before_it_appends_to_the_runs_
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith(f"jaxrat: error: --out {out} ") and needle in last, last
     assert open(os.path.join(wd, "metrics.jsonl")).read() == metrics and _tree(str(data)) == ["a.png", "b.png"]
+    # export says what the folder is (it said "exists and is not empty; ... pass --overwrite").
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={wd}", f"--out={wd}"],
+                          cwd=REPO, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"jaxrat: error: --out {wd} is a training run's workdir ({wd}), which export only reads; choose an output "
+        f"folder outside it.")
+    assert open(os.path.join(wd, "metrics.jsonl")).read() == metrics and os.path.isdir(os.path.join(wd, "checkpoints"))
 
 
 # ------------------------------------------------------------------------- --overwrite and the manifest
@@ -269,3 +277,46 @@ def test_a_stopped_predict_says_so_in_one_line_and_leaves_no_temporary_file(tmp_
     assert "Traceback" not in err
     left = [n for n in _tree(out) if n.endswith(".tmp") or ".parts" in n or "lock" in n]
     assert left == [] and "masks/00.png" in _tree(out)
+
+
+EVALUATE_DRIVER = """
+import contextlib, os, sys, time
+from jaxrat.config import load_config
+import jaxrat.trainer.evaluation as ev, jaxrat.checkpointing.reading as rd, jaxrat.inference.checkpoint_choice as cc
+from jaxrat.runtime.fileio import atomic_open
+config = load_config(sys.argv.pop())
+ev.open_trained_run = lambda workdir, overrides, allow=(): (workdir, config)
+cc.choose = lambda workdir, step: "2"
+rd.open_checkpoint = lambda spec, items: contextlib.nullcontext(type("Opened", (), {"step": 2})())
+
+def evaluate_checkpoint(config, workdir, step, name, out_dir, **kw):  # stopped while it writes metrics.json
+    with atomic_open(os.path.join(out_dir, "metrics.json")) as f:
+        f.write("{")
+        time.sleep(120)
+
+ev.evaluate_checkpoint = evaluate_checkpoint
+from jaxrat import evaluate
+evaluate.run()
+"""
+
+
+def test_a_stopped_evaluate_says_so_in_one_line_and_leaves_no_temporary_file_or_lock(tmp_path):
+    wd, out = _workdir(tmp_path / "run"), str(tmp_path / "out")
+    proc = subprocess.Popen([sys.executable, "-c", EVALUATE_DRIVER, f"--workdir={wd}", f"--out={out}", SMOKE],
+                            cwd=REPO, env=env_with_devices(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 90
+        while not [n for n in _tree(str(tmp_path)) if n.endswith(".tmp")] and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == (f"jaxrat: evaluate stopped by SIGTERM; {out} may hold part of its results: "
+                                            f"run the same command again.")
+    assert "Traceback" not in err
+    assert [n for n in _tree(str(tmp_path)) if n.endswith(".tmp") or "lock" in n] == []

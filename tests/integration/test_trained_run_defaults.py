@@ -35,6 +35,9 @@ def test_summary_names_the_best_of_the_whole_run_after_a_resume(tmp_path):
 
 
 def test_export_refuses_a_non_empty_output_without_overwrite(tmp_path):
+    from test_output_folder import _workdir
+
+    _workdir(tmp_path / "run")  # what export reads before the output (config.json): no checkpoint is loaded
     out = tmp_path / "export"
     out.mkdir()
     (out / "notes.txt").write_text("mine")

@@ -5,6 +5,8 @@ import os
 import pickle
 import shutil
 import signal
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -273,14 +275,46 @@ def test_save_schedule_steps_final_and_minutes():
 
 @pytest.fixture
 def fresh_signal_handlers():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    preemption._sigterm.clear()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    flags = [getattr(preemption, name) for name in ("_sigterm", "_sigint") if hasattr(preemption, name)]
+    for flag in flags:
+        flag.clear()
     preemption._handler_installed = False
     yield
     for s, h in saved.items():
         signal.signal(s, h)
-    preemption._sigterm.clear()
+    for flag in flags:
+        flag.clear()
     preemption._handler_installed = False
+
+
+def test_a_ctrl_c_during_a_save_is_honoured_after_it_not_lost_in_a_gc_callback(fresh_signal_handlers, monkeypatch):
+    # A save runs finalisers and garbage-collector callbacks; Python's own SIGINT handler raises
+    # KeyboardInterrupt in whichever of them runs, where it is printed as "Exception ignored" and
+    # lost. The run's handler only sets a flag, so the loop's next check stops it.
+    import gc
+
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_type))
+    getattr(preemption, "install_handlers", lambda: None)()
+    watch = PreemptionWatch()
+    assert not watch.requested()  # the loop's check before the save (installs the handlers on old code)
+    sent = []
+
+    def mid_save(phase, info):
+        if phase == "start" and not sent:
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the callback
+
+    gc.callbacks.append(mid_save)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(mid_save)
+    assert sent and lost == []
+    assert watch.requested() and preemption.interrupted()  # the next check: stop, as Ctrl-C
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # a second Ctrl-C ends the process at once
 
 
 def test_sigusr1_requests_preemption_and_later_signals_are_ignored(fresh_signal_handlers):

@@ -400,13 +400,28 @@ def test_coco2017_archives_extract_to_the_layout_the_reader_uses(server, tmp_pat
              "val2017.zip": zip_folder("val2017")}
     srv = server(files)
     base = srv.url.rsplit("/2018/", 1)[0] + "/"
+    # The official archives' sizes and hashes are known (the next test): these stand-ins pin their own.
+    ours = {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)} for name, data in files.items()}
     dest = str(tmp_path / "coco")
-    done = download.download("coco2017", dest, base_url=base, retries=0, timeout=10)
+    done = download.download("coco2017", dest, base_url=base, retries=0, timeout=10, checksums=ours)
     assert sorted(done) == sorted(files)
     assert sorted(p for p, _ in srv.requests) == ["/annotations/annotations_trainval2017.zip",
                                                    "/zips/train2017.zip", "/zips/val2017.zip"]
     assert len(coco.CocoDetection(dest, "validation").records) == 2
     assert len(coco.CocoDetection(dest, "train").records) == 3
+
+
+def test_an_archive_of_another_size_than_the_official_one_is_refused_before_writing(server, tmp_path):
+    # COCO 2017's sizes and SHA-256 are in the registry: a mirror serving other bytes under these
+    # names is refused on the first answer's length, without retrying and with nothing saved.
+    srv = server({"annotations_trainval2017.zip": _zip({"annotations/instances_val2017.json": b"{}"})})
+    base = srv.url.rsplit("/2018/", 1)[0] + "/"
+    with pytest.raises(DataError, match=r"annotations_trainval2017.zip offers \d+ bytes but its pinned size is "
+                                        r"252907541; it is another file"):
+        download.download("coco2017", str(tmp_path / "coco"), base_url=base, retries=2, timeout=10, backoff=0)
+    assert len(srv.requests) == 1 and os.listdir(tmp_path / "coco" / "downloads") == []
+    assert download.DATASETS["coco2017"].archives[2].sha256 == (
+        "4f7e2ccb2866ec5041993c9cf2a952bbed69647b115d0f74da7ce8f4bef82f05")  # val2017.zip, as TFDS records it
 
 
 LOGIN_PAGE = b"<!DOCTYPE html><html><body><form action=/login>Sign in to download</form></body></html>"
@@ -426,10 +441,15 @@ def test_a_200_html_login_page_is_refused_before_it_is_saved(server, tmp_path):
 
 
 def test_a_stall_keeps_the_bytes_received_and_resumes_after_the_timeout(server, tmp_path):
+    # The server goes silent for 30 s half way; --timeout 1 gives up on it after a second (the
+    # default would wait 60 s per try) and the next try asks only for what is missing.
     files = _isic_archives()
-    srv = server(files, stall={TRAIN_INPUT}, stall_s=3.0)
+    srv = server(files, stall={TRAIN_INPUT}, stall_s=30.0)
     dest = str(tmp_path / "isic")
-    download.download("isic2018", dest, splits=("train",), base_url=srv.url, retries=2, timeout=1, backoff=0)
+    start = time.monotonic()
+    assert download.main(["isic2018", "--dest", dest, "--splits", "train", "--base-url", srv.url, "--retries", "2",
+                          "--timeout", "1"]) == 0
+    assert time.monotonic() - start < 20
     ranges = [r for p, r in srv.requests if p.endswith(TRAIN_INPUT)]
     assert ranges == [None, f"bytes={len(files[TRAIN_INPUT]) // 2}-"]  # the first half was kept
     assert len(isic.find_pairs(dest, "train")) == 3
@@ -444,7 +464,7 @@ def test_too_little_space_is_refused_before_writing_and_a_full_disk_is_not_retri
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
     dest = tmp_path / "a"
-    with pytest.raises(DataError, match=r"is 0.00 GB but the disk holding .* has 0.00 GB free; free space or choose "
+    with pytest.raises(DataError, match=r"is 0.0 MB but the disk holding .* has 0.0 MB free; free space or choose "
                                         r"another --dest"):
         download.download("isic2018", str(dest), splits=("train",), base_url=srv.url, retries=3, timeout=10,
                           backoff=0)

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +90,10 @@ def test_two_revisions_never_share_a_file(serve, tmp_path):
     assert open(os.path.join(main, "model.safetensors"), "rb").read() == _files(0)["model.safetensors"]
     folder = hub.download_model("org/m", cache_dir=str(tmp_path / "dest"))  # --dest: the same layout elsewhere
     assert folder.startswith(str(tmp_path / "dest" / "models--org--m" / "snapshots"))
+    other = hub.download_model("org/m", revision="v2", cache_dir=str(tmp_path / "dest"))  # the same --dest
+    assert other != folder and open(os.path.join(other, "model.safetensors"), "rb").read() == (
+        _files(1)["model.safetensors"])
+    assert open(os.path.join(folder, "model.safetensors"), "rb").read() == _files(0)["model.safetensors"]
 
 
 def test_a_cut_body_is_resumed_and_one_cut_for_good_is_refused(serve, tmp_path, monkeypatch):
@@ -109,11 +114,15 @@ def test_a_cut_body_is_resumed_and_one_cut_for_good_is_refused(serve, tmp_path, 
     assert _leftovers(tmp_path / "fresh") == []
 
 
-def test_a_stall_resumes_from_the_bytes_received(serve, monkeypatch):
+def test_a_stall_resumes_from_the_bytes_received(serve, monkeypatch, capsys):
+    # Silent for 30 s half way: --timeout 1 gives up on the read after a second and resumes.
     monkeypatch.setattr(hub, "_RESUME_CHUNK", 8)
     files = _files()
-    srv = serve({"org/m": {"main": files}}, stall={"model.safetensors"}, stall_s=3.0)
-    folder = hub.download_model("org/m", timeout=1.0)
+    srv = serve({"org/m": {"main": files}}, stall={"model.safetensors"}, stall_s=30.0)
+    start = time.monotonic()
+    assert hub.main(["hf:org/m", "--timeout", "1"]) == 0
+    assert time.monotonic() - start < 20
+    folder = hub.download_model("org/m")  # from the cache now
     assert open(os.path.join(folder, "model.safetensors"), "rb").read() == files["model.safetensors"]
     ranges = [r for m, p, r, _ in srv.requests if m == "GET" and p.endswith("model.safetensors")]
     assert ranges == [None, f"bytes={len(files['model.safetensors']) // 2}-"]
@@ -155,6 +164,26 @@ def test_a_200_html_login_page_is_never_saved_as_the_weights(serve, tmp_path):
     blobs = tmp_path / "cache" / "models--org--m" / "blobs"
     assert not any(b.read_bytes() == HTML_PAGE for b in blobs.iterdir())
     assert _leftovers(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("bare_listing", [False, True])
+def test_a_body_that_is_not_the_hubs_file_is_fetched_again_and_refused_for_good(serve, tmp_path, bare_listing):
+    # One byte flipped on the way, the length right: only the SHA-256 tells. With a bare listing
+    # (no sizes, no hashes) the file's own X-Linked-Etag is what it is checked against.
+    files = _files()
+    srv = serve({"org/m": {"main": files}}, corrupt={"model.safetensors"}, bare_listing=bare_listing)
+    folder = hub.download_model("org/m")
+    assert open(os.path.join(folder, "model.safetensors"), "rb").read() == files["model.safetensors"]
+    assert len([p for p in srv.paths("GET") if p.endswith("model.safetensors")]) == 2  # fetched once more
+    serve({"org/m": {"main": files}}, corrupt_always={"model.safetensors"}, bare_listing=bare_listing)
+    sha = hashlib.sha256(files["model.safetensors"]).hexdigest()
+    with pytest.raises(DataError, match=rf"sent org/m@main file model.safetensors twice and both times its SHA-256 "
+                                        rf"is not the hub's {sha}; it was deleted"):
+        hub.download_model("org/m", cache_dir=str(tmp_path / "fresh"))
+    blobs = tmp_path / "fresh" / "models--org--m" / "blobs"
+    assert files["model.safetensors"] not in [b.read_bytes() for b in blobs.iterdir()]
+    assert not [b for b in blobs.iterdir() if b.name == sha]  # nothing kept under the good file's name
+    assert _leftovers(tmp_path / "fresh") == []
 
 
 def test_a_damaged_cached_file_is_fetched_again_online_and_refused_offline(serve, monkeypatch):
@@ -206,6 +235,12 @@ def test_not_enough_space_is_refused_before_writing_and_a_full_disk_is_one_sente
                                         r"space or set HF_HUB_CACHE"):
         hub.download_model("org/m")
     assert not [p for p in srv.paths() if "/resolve/" in p]  # refused before a byte was fetched
+    assert not (tmp_path / "cache").exists()
+    # A listing without sizes: the files' own headers (HEAD: X-Linked-Size) size them instead.
+    bare = serve({"org/m": {"main": _files()}}, bare_listing=True)
+    with pytest.raises(DataError, match=r"org/m@main needs 0.0 MB but the disk holding .* has 0.0 MB free"):
+        hub.download_model("org/m")
+    assert not [p for p in bare.paths("GET") if "/resolve/" in p] and "/resolve/" in bare.paths("HEAD")[-1]
     assert not (tmp_path / "cache").exists()
     monkeypatch.undo()
     monkeypatch.setenv("HF_ENDPOINT", srv.url)

@@ -80,6 +80,24 @@ def test_staging_setup_cache_and_passthrough(tmp_path):
     bash_syntax_ok(text, tmp_path)
 
 
+def test_values_kept_for_the_job_to_expand_cannot_end_their_quotes_and_run_code(tmp_path):
+    # A value with $ goes in double quotes so the job expands it; a quote, backslash or backtick of
+    # its own must stay text, while a $(...) the user wrote stays shell code.
+    hostile = f'$HOME/c"; touch {tmp_path}/INJECTED; echo "`touch {tmp_path}/INJECTED2`\\'
+    for value, expected in ((hostile, hostile.replace("$HOME", "/h")),
+                            ('$(dirname "$HOME/x y")/cache', "/h/cache")):
+        text = render("--cache-dir", value, "--", f"--config.tracking.name={value}")
+        bash_syntax_ok(text, tmp_path)
+        cache = next(ln for ln in text.splitlines() if ln.startswith("export JAX_COMPILATION_CACHE_DIR="))
+        run = next(ln for ln in text.splitlines() if "-m jaxrat.main" in ln)
+        extra = run.split('--workdir="$WORKDIR"', 1)[1].removesuffix(" &")
+        script = f'{cache}; printf "%s\\n" "$JAX_COMPILATION_CACHE_DIR"{extra}'
+        got = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                             env={"HOME": "/h", "PATH": os.environ["PATH"]})
+        assert got.stdout.splitlines() == [expected, f"--config.tracking.name={expected}"], (got.stdout, got.stderr)
+    assert not (tmp_path / "INJECTED").exists() and not (tmp_path / "INJECTED2").exists()
+
+
 def test_lsf_script(tmp_path):
     text = render("--nodes", "2", "--gpus-per-node", "4", "--time", "1-02:30:00", "--partition", "gpuq",
                   "--stage-data", "/data", scheduler="lsf")
