@@ -350,13 +350,23 @@ def download_model(repo_id: str, *, revision: str = "main", cache_dir: str | Non
         raise
 
 
+# Hub values this process resolved, by value and the settings that choose the copy: {key: snapshot folder}.
+_RESOLVED: dict[tuple[str, ...], str] = {}
+
+
 def resolve_pretrained(value: str) -> str:
     """A ``config.model.pretrained`` value as a local path: ``hf:OWNER/NAME[@REV]`` downloaded (or
-    found in the cache), anything else unchanged."""
+    found in the cache), anything else unchanged. Resolved once per process: building the model,
+    loading its weights and the task's other reads take the same commit (a branch that moves between
+    them cannot give one commit's architecture and another's weights), and the hub is asked once."""
     if not is_hub(value):
         return value
     repo_id, revision = parse(value)
-    return download_model(repo_id, revision=revision)
+    key = (repo_id, revision, os.environ.get("HF_ENDPOINT", ""), _cache_dir(None), str(_offline()))
+    folder = _RESOLVED.get(key)
+    if folder is None or not os.path.isdir(folder):
+        folder = _RESOLVED[key] = download_model(repo_id, revision=revision)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,10 @@ def test_downloads_into_the_hf_cache_and_reuses_it_online_and_offline(serve, tmp
     n = len(srv.paths("GET"))
     assert hub.download_model("timm/tiny") == folder  # cached: only the listing is asked again
     assert [p for p in srv.paths("GET")[n:] if "/resolve/" in p] == []
+    # a run resolves its pretrained value once: building the model and loading it take one commit
+    n = len(srv.requests)
+    assert hub.resolve_pretrained("hf:timm/tiny") == hub.resolve_pretrained("hf:timm/tiny") == folder
+    assert [p for _, p, _, _ in srv.requests[n:]] == ["/api/models/timm/tiny/revision/main"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     n = len(srv.requests)
     assert hub.resolve_pretrained("hf:timm/tiny") == folder
