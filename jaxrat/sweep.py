@@ -92,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _portable(overrides: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """A variant's overrides with its own ``--config=FILE[:ARG]`` as any folder loads it (a packaged
+    config by name, another file by absolute path), as the sweep's own config is in the job script."""
+    return tuple(f"--config={portable_spec(o.partition('=')[2])}" if o.startswith("--config=") else o
+                 for o in overrides)
+
+
 def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], variants: list[sweep.Variant],
             chosen: list[sweep.Variant], common: list[str]) -> int:
     """Render the job array of the unfinished chosen variants; print it (--dry-run) or submit it."""
@@ -108,7 +115,7 @@ def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], 
         return 0
     command = " ".join(shlex.quote(x) for x in ["python", "-m", "jaxrat.sweep", *(x for x in argv if x != "--dry-run")])
     spec = JobSpec(config=portable_spec(a.config), workdir=a.root, extra_args=tuple(common), command=command,
-                   array=tuple((v.name, v.overrides) for v in variants), array_indices=tuple(todo),
+                   array=tuple((v.name, _portable(v.overrides)) for v in variants), array_indices=tuple(todo),
                    array_parallel=a.max_parallel, **job_fields(p, a))
     script = render(spec, scheduler)
     if a.dry_run:

@@ -20,7 +20,7 @@ Expected (demo): top-1 0.97 on both heads after 300 steps, ~1 min on a 2-core CP
 (docs/tasks.md; the README quotes this line, tests/unit/test_docs.py keeps them equal).
 Expected (rat_demo): top-1 0.98 on both heads after 600 steps (0.95 at 400), ~2 min on a 2-core CPU
 (measured once on 4096 synthetic images; on the demo's 512 the RAT overfit and reached 0.82).
-Expected (beit_demo): top-1 0.93 (shape) and 0.91 (kind) after 600 steps (docs/tasks.md).
+Expected (beit_demo): top-1 0.93 (shape) and 0.91 (kind) after 600 steps, ~5 min on a 2-core CPU (docs/tasks.md)
 """
 
 from __future__ import annotations

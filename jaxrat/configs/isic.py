@@ -12,6 +12,8 @@ Variants (``--config configs/isic.py:VARIANT``):
 
 Expected (demo): eval Dice 0.989 after 400 steps, under 10 min on a 2-core CPU
 (docs/rat.md, "Recommended defaults"; the README quotes this line, tests/unit/test_docs.py keeps them equal).
+Expected (transunet_demo): eval Dice 0.991 after 400 steps, 5-10 min on a 2-core CPU (docs/tasks.md)
+Expected (swin_unet_demo): eval Dice 0.984 after 400 steps, ~4 min on a 2-core CPU (docs/tasks.md)
 """
 
 from __future__ import annotations

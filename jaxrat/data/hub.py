@@ -45,6 +45,8 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _RESUME_CHUNK = 1 << 20  # bytes: what a cut connection may cost at most
+# Where the user names the hub: the variable every command reads, and jaxrat download's own option.
+MIRROR = "HF_ENDPOINT (jaxrat download: --endpoint)"
 
 
 # ------------------------------------------------------------------------------------ naming
@@ -144,13 +146,13 @@ def _explained(hfh: Any, where: _Where, filename: str | None = None) -> Iterator
     except (e_.LocalEntryNotFoundError, e_.OfflineModeIsEnabled, e_.FileMetadataError) as e:
         cause = e.__cause__ or e
         raise DataError(f"Cannot download {what} from {where.endpoint} ({_short(cause)}) and it is not in the "
-                        f"cache {where.cache}; check the network and HF_ENDPOINT.") from None
+                        f"cache {where.cache}; check the network and {MIRROR}.") from None
     except e_.HfHubHTTPError as e:
-        raise DataError(f"{where.endpoint} answered HTTP {_status(e)} for {what}; check HF_ENDPOINT and HF_TOKEN, "
+        raise DataError(f"{where.endpoint} answered HTTP {_status(e)} for {what}; check {MIRROR} and HF_TOKEN, "
                         f"or run the same command again later.") from None
     except e_.HTTPError as e:  # the transport: refused, timed out, cut
         raise DataError(f"Download of {what} from {where.endpoint} failed ({_short(e)}); check the network and "
-                        f"HF_ENDPOINT, raise --timeout for a slow link, and run the same command again.") from None
+                        f"{MIRROR}, raise --timeout for a slow link, and run the same command again.") from None
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DataError(f"The disk holding {where.cache} is full ({e.strerror}) while downloading {what}; free "
@@ -219,6 +221,9 @@ def _index_shards(path: str) -> list[str]:
         raise DataError(f"{path} is not a readable shard index ({e}); run the same command again.") from None
 
 
+_OFFLINE = "HF_HUB_OFFLINE is set"
+
+
 def _from_cache(where: _Where, reason: str) -> str:
     """The snapshot folder of ``where`` already in the cache, checked; ``reason`` says why the hub is not asked."""
     commit = where.revision if _COMMIT.fullmatch(where.revision) else None
@@ -229,8 +234,9 @@ def _from_cache(where: _Where, reason: str) -> str:
     folder = os.path.join(where.storage, "snapshots", commit) if commit else ""
     weights = next((n for n in WEIGHTS if folder and os.path.isfile(os.path.join(folder, n))), None)
     if weights is None:
+        fix = "unset HF_HUB_OFFLINE" if reason == _OFFLINE else f"check the network and {MIRROR}"
         raise DataError(f"{reason} and {where.name} is not in the Hugging Face cache {where.cache}; download it "
-                        f"once with network (jaxrat download hf:{where.name}), or unset HF_HUB_OFFLINE.")
+                        f"once with network (jaxrat download hf:{where.name}), or {fix}.")
     names = ["config.json"] if os.path.isfile(os.path.join(folder, "config.json")) else []
     names.append(weights)
     if weights.endswith(".index.json"):
@@ -263,7 +269,7 @@ def _fetch_one(hfh: Any, where: _Where, commit: str, name: str, expected: dict, 
         if attempt == 0:
             logging.warning("%s: %s failed its check (%s); fetching it again", where.name, name, bad)
     raise DataError(f"{where.endpoint} sent {where.name} file {name} twice and both times {bad}; it was deleted: "
-                    f"check HF_ENDPOINT (a proxy or login page in the way?) and HF_TOKEN.")
+                    f"check {MIRROR} (a proxy or login page in the way?) and HF_TOKEN.")
 
 
 def _size(hfh: Any, where: _Where, commit: str, name: str, siblings: dict, timeout: float | None) -> int:
@@ -352,7 +358,7 @@ def download_model(repo_id: str, *, revision: str = "main", cache_dir: str | Non
     cache_existed, storage_existed = os.path.isdir(where.cache), os.path.isdir(where.storage)
     try:
         if _offline():
-            return _from_cache(where, "HF_HUB_OFFLINE is set")
+            return _from_cache(where, _OFFLINE)
         with _transfer(timeout):
             return _fetch(hfh, where, timeout)
     except BaseException:
@@ -360,13 +366,23 @@ def download_model(repo_id: str, *, revision: str = "main", cache_dir: str | Non
         raise
 
 
+# Hub values this process resolved, by value and the settings that choose the copy: {key: snapshot folder}.
+_RESOLVED: dict[tuple[str, ...], str] = {}
+
+
 def resolve_pretrained(value: str) -> str:
     """A ``config.model.pretrained`` value as a local path: ``hf:OWNER/NAME[@REV]`` downloaded (or
-    found in the cache), anything else unchanged."""
+    found in the cache), anything else unchanged. Resolved once per process: building the model,
+    loading its weights and the task's other reads take the same commit (a branch that moves between
+    them cannot give one commit's architecture and another's weights), and the hub is asked once."""
     if not is_hub(value):
         return value
     repo_id, revision = parse(value)
-    return download_model(repo_id, revision=revision)
+    key = (repo_id, revision, os.environ.get("HF_ENDPOINT", ""), _cache_dir(None), str(_offline()))
+    folder = _RESOLVED.get(key)
+    if folder is None or not os.path.isdir(folder):
+        folder = _RESOLVED[key] = download_model(repo_id, revision=revision)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:

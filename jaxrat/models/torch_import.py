@@ -39,6 +39,7 @@ from flax import nnx
 
 from jaxrat import ops
 from jaxrat.models.rat.backbone import ResolutionAwareTransformer
+from jaxrat.runtime.errors import ConfigError
 
 # Reference constructor arguments that have no counterpart here or must keep their default.
 _IGNORED_CONFIG = {"mlp_activation"}
@@ -174,16 +175,22 @@ def flatten_params(params: Mapping) -> dict[str, np.ndarray]:
 
 
 def load_params_npz(model: nnx.Module, path: str | os.PathLike) -> nnx.Module:
-    """Load a CLI-written ``.npz`` into ``model`` (in place; also returned)."""
+    """Load a CLI-written ``.npz`` into ``model`` (in place; also returned), read by jaxrat's one
+    weight reader (:func:`jaxrat.checkpointing.weight_files.read_arrays`)."""
+    from jaxrat.checkpointing.weight_files import read_arrays
+
     state = nnx.state(model, nnx.Param)
     pure = nnx.to_pure_dict(state)
-    with np.load(path) as data:
-        flat = {k: data[k] for k in data.files}
+    flat = read_arrays(path)
 
-    def fill(path, leaf):
-        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    def fill(tree_path, leaf):
+        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in tree_path)
         if key not in flat:
-            raise KeyError(f"{key} missing from {path}")
+            raise ConfigError(f"{path} has no {key}, a parameter of this model; write it again from a backbone "
+                              f"built with the same config.")
+        if tuple(flat[key].shape) != tuple(leaf.shape):
+            raise ConfigError(f"{path}: {key} is {tuple(flat[key].shape)} in the file but {tuple(leaf.shape)} in "
+                              f"this model; build the model with the config the file was written from.")
         return jnp.asarray(flat[key])
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fill, pure))

@@ -76,7 +76,7 @@ def write_curves(workdir: str, best_metric: str = "", foreground: Sequence[str] 
         ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
         if key == "train/learning_rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-        ax.set_title("eval/dice (mean over the classes)" if key == "eval/dice" and foreground else key)
+        ax.set_title("eval/dice (foreground classes' mean)" if key == "eval/dice" and foreground else key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:

@@ -74,6 +74,10 @@ def test_downloads_into_the_hf_cache_and_reuses_it_online_and_offline(serve, tmp
     n = len(srv.paths("GET"))
     assert hub.download_model("timm/tiny") == folder  # cached: only the listing is asked again
     assert [p for p in srv.paths("GET")[n:] if "/resolve/" in p] == []
+    # a run resolves its pretrained value once: building the model and loading it take one commit
+    n = len(srv.requests)
+    assert hub.resolve_pretrained("hf:timm/tiny") == hub.resolve_pretrained("hf:timm/tiny") == folder
+    assert [p for _, p, _, _ in srv.requests[n:]] == ["/api/models/timm/tiny/revision/main"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     n = len(srv.requests)
     assert hub.resolve_pretrained("hf:timm/tiny") == folder
@@ -301,6 +305,16 @@ def test_jaxrat_download_takes_a_model_and_prints_the_pretrained_value(serve, ca
     assert len(err) == 1 and err[0].startswith("jaxrat: error: org/nothere is not on")
     assert download.main(["hf:org/m", "--dest", str(tmp_path / "d")]) == 0
     assert capsys.readouterr().out.strip().endswith(f"snapshots/{commit_for('org/m', 'main')}")
+    # A mistyped --endpoint: one sentence naming this command's option (issue 58 item 10), no folder left.
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        wrong = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert download.main(["hf:org/other", "--endpoint", wrong, "--dest", str(tmp_path / "e"), "--timeout", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{wrong} cannot be reached" in err[0] and "--endpoint" in err[0], err
+    assert "unset HF_HUB_OFFLINE" not in err[0] and not (tmp_path / "e").exists()
 
 
 def test_an_hf_pretrained_is_built_with_the_architecture_its_config_states(serve):

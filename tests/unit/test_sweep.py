@@ -486,7 +486,16 @@ def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_
             "baseline,swin_unet", "--time", "00:20:00"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    isic = os.path.join(REPO, "configs", "isic.py")
     assert "  0) VARIANT=baseline; VARIANT_CONFIG=ablations:demo; VARIANT_ARGS=() ;;" in out
-    assert f"VARIANT=swin_unet; VARIANT_CONFIG={isic}:swin_unet_demo; VARIANT_ARGS=() ;;" in out
+    # the variant's own packaged config by name, as the sweep's is: the script runs from any folder
+    assert "VARIANT=swin_unet; VARIANT_CONFIG=isic:swin_unet_demo; VARIANT_ARGS=() ;;" in out
     assert 'CONFIG="$VARIANT_CONFIG"' in out and '--config="$CONFIG"' in out
+    # a variant's own file given relative to this folder: its absolute path in the script
+    (tmp_path / "own_sweep.py").write_text(
+        "from jaxrat.config import load_config\n"
+        "def get_config(arg=None):\n    return load_config('isic:smoke')\n"
+        "def get_sweep(arg=None):\n    return {'base': [], 'toy': ['--config=tests/toy/sweep_config.py']}\n")
+    assert cli.main(["--config", str(tmp_path / "own_sweep.py"), "--root", str(tmp_path / "own"), "--slurm",
+                     "--dry-run"]) == 0
+    toy = REPO / "tests" / "toy" / "sweep_config.py"
+    assert f"VARIANT=toy; VARIANT_CONFIG={toy}; VARIANT_ARGS=() ;;" in capsys.readouterr().out

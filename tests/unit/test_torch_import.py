@@ -66,6 +66,27 @@ def test_mismatched_state_dicts_are_rejected():
     convert_state_dict(sd | {"head.weight": np.zeros(3)}, model, strict=False)
 
 
+def test_the_cli_npz_loads_through_the_one_reader_and_a_mismatch_is_one_sentence(tmp_path):
+    from jaxrat.models.torch_import import flatten_params
+    from jaxrat.runtime.errors import ConfigError
+
+    source = ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(1), kernels=ops.resolve("auto"))
+    flat = flatten_params(nnx.to_pure_dict(nnx.state(source, nnx.Param)))
+    np.savez(tmp_path / "rat.npz", **flat)
+    target = load_params_npz(ResolutionAwareTransformer(**CFG, rngs=nnx.Rngs(2), kernels=ops.resolve("auto")),
+                             tmp_path / "rat.npz")
+    for a, b in zip(jax.tree.leaves(nnx.state(target, nnx.Param)), jax.tree.leaves(nnx.state(source, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+    np.savez(tmp_path / "short.npz", **{k: v for k, v in flat.items() if k != "init_proj/bias"})
+    with pytest.raises(ConfigError, match=r"short.npz has no init_proj/bias, a parameter of this model"):
+        load_params_npz(target, tmp_path / "short.npz")
+    np.savez(tmp_path / "wide.npz", **(flat | {"init_proj/bias": np.zeros(5, np.float32)}))
+    with pytest.raises(ConfigError, match=r"wide.npz: init_proj/bias is \(5,\) in the file but \(16,\)"):
+        load_params_npz(target, tmp_path / "wide.npz")
+    with pytest.raises(ConfigError, match="gone.npz do not exist"):
+        load_params_npz(target, tmp_path / "gone.npz")
+
+
 def test_read_state_dict_strips_a_prefix(tmp_path):
     sd = {"backbone.a": np.ones(2, np.float32), "head.b": np.zeros(1, np.float32)}
     np.savez(tmp_path / "sd.npz", **sd)
