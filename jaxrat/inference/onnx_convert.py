@@ -33,10 +33,10 @@ BATCH = "batch"  # the symbolic batch dimension's name, in the trace and in the 
 # A constant-only equation is evaluated at conversion time unless its outputs are larger than this
 # many elements (a broadcast of a bias to a whole feature map would bloat the file; ONNX expands it).
 FOLD_ELEMENTS = 1 << 18
-# Container primitives whose body is converted in place: (param holding the jaxpr).
+# Container primitives whose body is converted in place, and the parameter holding it (every input of
+# the equation is an input of the body, in order).
 _BODIES = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-           "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None}
+           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
 # Primitives that pass their operand through at inference.
 _IDENTITY = {"copy", "copy_p", "stop_gradient", "optimization_barrier", "pvary", "name", "sharding_constraint",
              "mesh_cast", "reshard"}
@@ -228,14 +228,12 @@ class _Graph:
         """Inline a call's body, or unroll a scan."""
         if prim == "scan":
             return self.scan(eqn, ins)
-        key = _BODIES[prim]
-        if key is None:
-            raise Unsupported(f"the primitive {prim}")
-        sub = eqn.params[key]
+        sub = eqn.params[_BODIES[prim]]
         jaxpr, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, [])
+        if len(jaxpr.invars) != len(ins):
+            raise Unsupported(f"a {prim} whose body takes {len(jaxpr.invars)} inputs for {len(ins)}")
         env = {v: np.asarray(c) for v, c in zip(jaxpr.constvars, consts)}
-        n_consts = int(eqn.params.get("num_consts", 0)) if prim == "custom_vjp_call_jaxpr" else 0
-        env.update(zip(jaxpr.invars, ins[n_consts:] if len(ins) > len(jaxpr.invars) else ins))
+        env.update(zip(jaxpr.invars, ins))
         return self.run(jaxpr, env, used)
 
     def scan(self, eqn: Any, ins: list[Any]) -> list[Any]:

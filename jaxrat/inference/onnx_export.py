@@ -79,6 +79,10 @@ def convert(predictor: Any) -> tuple[Any, list[tuple[str, tuple[int, ...], Any]]
     except Unsupported as e:
         raise UserError(f"This {predictor.config.model.name} model cannot be exported to ONNX: jaxrat's converter has "
                         f"no ONNX form for {e}; export it with --format jax.") from None
+    if model.ByteSize() >= 2**31:  # protobuf's limit for one message; ONNX's external data is not written
+        raise UserError(f"This {predictor.config.model.name} model cannot be exported to ONNX: its "
+                        f"{model.ByteSize() / 2**30:.1f} GiB exceed the 2 GiB of one ONNX file; export it with "
+                        f"--format jax.")
     return model, inputs, names
 
 
