@@ -57,7 +57,7 @@ class OnnxModel:
             return dict(zip(self.output_names, outs))
         return list(outs) if task == "classification" else outs[0]
 
-    # The rest is exported.py's, line for line (tests/unit/test_onnx_export.py checks they stay equal).
+    # The rest is exported.py's, line for line (tests/unit/test_onnx_convert.py checks they stay equal).
     def predict_image(self, path: str) -> Any:
         """The model's answer for the image file ``path``, preprocessed as ``jaxrat.predict`` does
         (reduced-scale JPEG decoding, EXIF orientation, bilinear resizes; stretched, not

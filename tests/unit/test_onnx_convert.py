@@ -156,3 +156,12 @@ def test_the_onnx_loader_keeps_exported_py_image_code():
     assert (inspect.getsource(onnx_loader.OnnxModel.predict_image)
             == inspect.getsource(exported.Exported.predict_image))
     assert "import jax" not in inspect.getsource(onnx_loader)
+
+
+def test_without_onnxruntime_the_export_says_what_to_install(monkeypatch):
+    from jaxrat.inference.onnx_export import require_onnx
+    from jaxrat.runtime.errors import UserError
+
+    monkeypatch.setitem(__import__("sys").modules, "onnxruntime", None)
+    with pytest.raises(UserError, match=r"onnxruntime is missing\); install them with pip install 'jaxrat\[onnx\]'"):
+        require_onnx()
