@@ -2,19 +2,21 @@
 
 Why not a converter package: jax2onnx (the maintained Flax-NNX converter) cannot be installed beside
 jaxrat from 0.13 to 0.17.1 (it pins ``orbax-checkpoint<0.11.37``; jaxrat needs ``>=0.12.8``), 0.12.5
-lowers the U-Net's convolutions with the wrong shapes, and 0.17.1 fails on the U-Net (its patch of
-``nnx.max_pool`` takes the window positionally: TypeError; traced without the patches, its NHWC max
-pooling is an ONNX MaxPool onnxruntime rejects) and on the RAT (``Aval missing dtype`` on dead PRNG-key
-slices, a symbolic batch in ``pad``). No maintained StableHLO-to-ONNX converter exists. What the
-models need is small: the jaxpr of the portable form is a few dozen ``lax`` primitives, each one ONNX
-operator or a few (the table :data:`_RULES`), checked one by one against JAX in the tests.
+gives the U-Net's convolutions wrong shapes and a max pooling onnxruntime rejects, and 0.17.1 fails on
+the U-Net (its patch of ``nnx.max_pool`` takes the window by keyword only: TypeError; traced without
+the patches, its NHWC max pooling is again a MaxPool onnxruntime rejects) and on the RAT (``Aval
+missing dtype`` on dead PRNG-key slices, a symbolic batch in ``pad``). No maintained StableHLO-to-ONNX
+converter exists. What the models need is small: the jaxpr of the portable form is a few dozen ``lax``
+primitives, each one ONNX operator or a few (the table :data:`_RULES`), checked one by one against JAX
+in the tests.
 
 How: the function is traced once per image (``jax.vmap`` over a symbolic batch of a function called on
 a batch of one), so that every size-dependent choice of the model's code (block sizes, chunking) is made
 for one image and the batch stays a free dimension; dead equations (unused PRNG keys, dropout masks of
 eval mode) are dropped; ``jit``, ``custom_jvp``/``custom_vjp`` bodies and ``scan`` (unrolled) are
 inlined; every equation whose inputs are all constants (positional tables, masks, gather indices) is
-evaluated here with JAX and stored as a constant; the rest become ONNX nodes. A primitive without a rule
+evaluated here (numpy where its result is bit-identical, else JAX) and stored as a constant; the rest
+become ONNX nodes. A primitive without a rule
 stops the conversion with :class:`Unsupported`, naming it.
 """
 
@@ -27,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The ONNX operator set written: 17 is read by onnxruntime >= 1.14, TensorRT >= 8.6 and OpenVINO >= 2023.
+# The ONNX operator set written: 17 (2022), old enough for the deployment runtimes in use (onnxruntime,
+# TensorRT, OpenVINO) and new enough for every operator used here; tested with onnxruntime 1.32.
 OPSET = 17
 BATCH = "batch"  # the symbolic batch dimension's name, in the trace and in the ONNX graph
 # A constant-only equation is evaluated at conversion time unless its outputs are larger than this
