@@ -15,7 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("jaxrat.main", "train and evaluate a config in a workdir (resumes from its checkpoints)"),
     "evaluate": ("jaxrat.evaluate", "score a trained run's checkpoint again (other splits, sizes, TTA, tiles)"),
     "predict": ("jaxrat.predict", "run a trained model on new images: masks, overlays, labels or boxes"),
-    "export": ("jaxrat.export", "write a trained model as a jax.export program with a loader that needs no jaxrat"),
+    "export": ("jaxrat.export", "write a trained model as a jax.export program or ONNX, with a loader that needs no "
+               "jaxrat"),
     "robustness": ("jaxrat.robustness", "evaluate one checkpoint at several input sizes and spacings"),
     "sweep": ("jaxrat.sweep", "train every variant of a config's get_sweep(), here or as a job array"),
     "summarize": ("jaxrat.summarize", "one comparison table (md, csv, png) of the runs under a folder"),

@@ -9,7 +9,8 @@ The tiers are folders, and their markers follow the folder (nothing to list here
   compiles and parity.
 * ``tests/fault``: kill -9 campaigns, chaos, preemption, dead peers, full disks, the real SLURM cluster.
 * ``tests/extended``: the opt-in GPU kernels (Pallas, in interpret mode here), programs compiled for an
-  H100 (ptxas, cost counts) and the benchmark scripts. Not in ``bash scripts/test.sh`` (CI's run), which
+  H100 (ptxas, cost counts), the benchmark scripts and the ONNX conversion of the model families the
+  integration tier leaves out. Not in ``bash scripts/test.sh`` (CI's run), which
   must finish within CI's 90 minutes on 2 cores; ``bash scripts/test.sh extended`` (or ``all``) runs it,
   and a change to jaxrat/ops/gpu, the GPU policy or benchmarks/ must pass it.
 

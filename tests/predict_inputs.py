@@ -81,3 +81,52 @@ def run_exported_loader(export_dir: str, image: str, save_to: str, env: dict) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(save_to) as f:
         return dict(f)
+
+
+# Runs Python code in a process that has only the standard library, numpy, onnxruntime and PIL: importing
+# jax, jaxlib, flax or jaxrat raises ImportError (so a loader that reached for them fails), and the
+# process prints, last, the jax/flax/jaxrat modules it ended up with (none).
+_ONNX_ONLY = """
+import json, sys
+for name in ("jax", "jaxlib", "flax", "jaxrat"):
+    sys.modules[name] = None
+exec(compile(sys.argv[1], "<onnx-only>", "exec"), {"__name__": "__main__", "ARGS": sys.argv[2:]})
+print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None and m.split(".")[0] in
+                        ("jax", "jaxlib", "flax", "jaxrat"))))
+"""
+
+
+def run_onnx_only(code: str, *args: str, cwd: str, env: dict) -> str:
+    """Run ``code`` (``ARGS`` holds ``args``) where jax, flax and jaxrat cannot be imported; its stdout.
+    Fails unless it exits 0 having imported none of them."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _ONNX_ONLY, code, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    return proc.stdout
+
+
+ONNX_LOADER = """
+import importlib.util, numpy as np
+export, image, save_to = ARGS
+spec = importlib.util.spec_from_file_location("onnx_loader", export + "/onnx_loader.py")
+loader = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loader)
+out = loader.load(export).predict_image(image)
+np.savez(save_to, **(out if isinstance(out, dict) else {"out": out}))
+"""
+
+
+def run_onnx_loader(export_dir: str, image: str, save_to: str, env: dict) -> dict:
+    """``onnx_loader.load(export_dir).predict_image(image)`` with only onnxruntime, numpy and PIL
+    importable; the arrays it returned by name (``out`` for one array)."""
+    import numpy as np
+
+    run_onnx_only(ONNX_LOADER, export_dir, image, save_to, cwd=os.path.dirname(save_to), env=env)
+    with np.load(save_to) as f:
+        return dict(f)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from predict_inputs import CORRUPT, EXPECTED_SIZES, snapshot, write_inputs
+from predict_inputs import CORRUPT, EXPECTED_SIZES, run_onnx_loader, run_onnx_only, snapshot, write_inputs
 from runner import REPO, env_with_devices, run_main
 
 pytestmark = pytest.mark.slow
@@ -224,6 +224,45 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("jaxrat"))))
 """
 
 
+def _onnx_export_matches_predict(trained, tmp_path, src, predicted):
+    """``export --format onnx``: its contract, the standalone loader and docs/predict.md's example with only
+    onnxruntime, numpy and PIL importable, against predict's probabilities and masks; its refusals."""
+    out = str(tmp_path / "onnx")
+    env = env_with_devices(1)
+    proc = subprocess.run([sys.executable, "-m", "jaxrat", "export", f"--workdir={trained}", "--format=onnx",
+                           f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verified with onnxruntime: max difference" in proc.stdout
+    assert sorted(os.listdir(out)) == [".jaxrat-outputs.json", "model.json", "model.onnx", "onnx_loader.py"]
+    contract = __import__("json").load(open(os.path.join(out, "model.json")))
+    assert contract["batch_size"] is None and contract["output_shape"] == ["batch", 32, 32]
+    assert contract["onnx"]["opset"] == 17 and "jaxrat.inference.onnx_convert" in contract["onnx"]["converter"]
+    assert contract["onnx"]["inputs"] == [{"name": "pixels", "shape": ["batch", 32, 32, 3], "dtype": "float32"}]
+    assert contract["onnx"]["max_abs_diff"] <= 1e-4 and contract["threshold"] == 0.5
+    for name in ("a.jpg", "sub/exif6.jpg", "sub/deeper/i16.png"):
+        stem = name if name.startswith("a.") else os.path.splitext(name)[0]
+        have = run_onnx_loader(out, str(src / name), str(tmp_path / "got.npz"), env)["out"]
+        want = np.load(os.path.join(predicted, "probs", stem + ".npy"))
+        assert have.shape == want.shape == EXPECTED_SIZES[name][::-1]
+        np.testing.assert_allclose(have, want, atol=1e-4)
+        mask = np.asarray(Image.open(os.path.join(predicted, "masks", stem + ".png"))) > 0
+        assert np.array_equal(have >= 0.5, mask)
+
+    # docs/predict.md's example, as written (its paths replaced).
+    Image.fromarray(np.full((40, 50, 3), 120, np.uint8)).save(tmp_path / "photo.png")
+    code = _docs_onnx_example().replace("EXPORT", out) + "\nprint(probs.shape, prob.shape)\n"
+    assert "(32, 32) (40, 50)" in run_onnx_only(code, cwd=str(tmp_path), env=env)
+
+    proc = subprocess.run([sys.executable, "-m", "jaxrat", "export", f"--workdir={trained}", "--format=onnx",
+                           f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "jaxrat", "export", f"--workdir={trained}", "--format=onnx",
+                           "--batch=2", f"--out={tmp_path / 'other'}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "--batch and --platforms are for --format jax" in proc.stderr
+    assert not os.path.exists(tmp_path / "other")
+
+
 def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
     out = str(tmp_path / "export")
     proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={trained}", f"--out={out}", "--batch=2",
@@ -255,6 +294,7 @@ def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
         have = np.load(got)
         assert have.shape == want.shape == EXPECTED_SIZES[name][::-1]
         np.testing.assert_allclose(have, want, atol=1e-5)
+    _onnx_export_matches_predict(trained, tmp_path, src, predicted)
 
     any_batch = str(tmp_path / "any_batch")  # one symbolic batch dimension (the U-Net allows it)
     proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={trained}", f"--out={any_batch}",
@@ -266,6 +306,13 @@ def test_export_runs_without_jaxrat_and_matches_predict(trained, tmp_path):
     assert model.contract["batch_size"] is None and model.exported.in_avals[0].shape[1:] == (32, 32, 3)
     pixels = np.random.default_rng(0).uniform(0, 255, (5, 32, 32, 3)).astype(np.float32)
     np.testing.assert_allclose(model(pixels), exported.load(out)(pixels), atol=1e-5)
+
+
+def _docs_onnx_example() -> str:
+    """The Python block under ``<!-- onnx-example -->`` in docs/predict.md."""
+    text = open(os.path.join(REPO, "docs", "predict.md")).read()
+    block = text.split("<!-- onnx-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    return block
 
 
 @pytest.mark.integration

@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from predict_inputs import EXPECTED_SIZES, run_exported_loader, write_inputs
+from predict_inputs import EXPECTED_SIZES, run_exported_loader, run_onnx_loader, write_inputs
 from runner import REPO, env_with_devices, run_main
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,21 @@ def test_classification_top_k_labels_and_per_image_truth(tmp_path):
         label = row[f"shape/top{r}_label"]
         p = got["shape"][contract["labels"]["shape"].index(label)]
         assert p == pytest.approx(float(row[f"shape/top{r}_probability"]), abs=1e-5)
+    # The ONNX export: every head's probabilities on onnxruntime alone, predict's top labels.
+    onnx_exp = os.path.join(str(tmp_path), "onnx")
+    proc = _cmd("jaxrat.export", f"--workdir={wd}", "--format=onnx", f"--out={onnx_exp}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    onnx_contract = json.load(open(os.path.join(onnx_exp, "model.json")))
+    assert onnx_contract["labels"] == contract["labels"] and onnx_contract["heads"] == ["shape", "kind"]
+    got_onnx = run_onnx_loader(onnx_exp, os.path.join(src, "sub", "exif6.jpg"), str(tmp_path / "onnx.npz"),
+                               env_with_devices(1))
+    for head in ("shape", "kind"):
+        assert got_onnx[head].shape == got[head].shape
+        assert np.max(np.abs(got_onnx[head] - got[head])) <= 1e-4
+    for r in (1, 2, 3):
+        label = row[f"shape/top{r}_label"]
+        p = got_onnx["shape"][contract["labels"]["shape"].index(label)]
+        assert p == pytest.approx(float(row[f"shape/top{r}_probability"]), abs=1e-4)
 
     proc = _cmd("jaxrat.evaluate", f"--workdir={wd}", "--name=cls")
     assert proc.returncode == 0, proc.stderr[-3000:]

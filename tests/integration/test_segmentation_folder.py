@@ -21,7 +21,7 @@ from jaxrat.data.sources import segmentation_folder as sf
 from jaxrat.data.synthetic import segmentation as synthetic
 from jaxrat.runtime.errors import DataError
 from jaxrat.tasks import segmentation_multiclass as mc
-from predict_inputs import run_exported_loader
+from predict_inputs import run_exported_loader, run_onnx_loader
 from runner import REPO, env_with_devices
 
 
@@ -202,3 +202,17 @@ def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_pat
         png = np.asarray(Image.open(out / "masks" / (os.path.splitext(os.path.basename(image))[0] + ".png")))
         assert probs.shape == (*png.shape, 3) and np.allclose(probs.sum(-1), 1, atol=1e-3)
         assert np.mean(probs.argmax(-1) == png) > 0.999  # ties aside, predict's labels
+
+    # The ONNX export, on onnxruntime with jax and jaxrat not importable: the jax export's probabilities,
+    # so predict's label maps.
+    onnx_exp = tmp_path / "onnx"
+    jaxrat("export", f"--workdir={work}", "--format=onnx", f"--out={onnx_exp}", "--step=latest")
+    onnx_contract = json.loads((onnx_exp / "model.json").read_text())
+    assert onnx_contract["classes"] == contract["classes"] and onnx_contract["batch_size"] is None
+    assert onnx_contract["onnx"]["outputs"][0]["shape"] == ["batch", 32, 32, 3]
+    for image, _ in val[:2]:
+        probs = run_exported_loader(str(exp), image, str(tmp_path / "loaded.npz"), env)["out"]
+        onnx_probs = run_onnx_loader(str(onnx_exp), image, str(tmp_path / "onnx.npz"), env)["out"]
+        np.testing.assert_allclose(onnx_probs, probs, atol=1e-4)
+        png = np.asarray(Image.open(out / "masks" / (os.path.splitext(os.path.basename(image))[0] + ".png")))
+        assert np.mean(onnx_probs.argmax(-1) == png) > 0.999
