@@ -134,3 +134,14 @@ def assert_same_losses(a: dict[int, float], b: dict[int, float], *, rtol: float 
     x, y = np.array([a[k] for k in sorted(a)]), np.array([b[k] for k in sorted(b)])
     np.testing.assert_allclose(y, x, rtol=rtol, atol=atol, err_msg=what)
     return float(np.abs(x - y).max())
+
+
+def fill_disk(path: str) -> None:
+    """Write a ballast file at ``path`` until not one more byte fits on its filesystem."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from jaxrat.checkpointing.store import committed_steps
-from runner import losses_by_step
+from runner import fill_disk, losses_by_step
 from test_preempt import Run, cached_env, compile_cache, train_steps_logged, wait_until  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -36,17 +36,6 @@ def small_disk(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip() or 'needs root'})")
     yield str(where)
     subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def _fill(path: str) -> None:
-    """Write a ballast file until not one more byte fits."""
-    with open(path, "wb", buffering=0) as f:
-        for chunk in (1 << 20, 1 << 12, 1):
-            try:
-                while True:
-                    f.write(b"\0" * chunk)
-            except OSError:
-                pass
 
 
 def _leftovers(workdir: str) -> list[str]:
@@ -78,7 +67,7 @@ def test_a_full_disk_stops_with_a_sentence_keeps_checkpoints_leaves_no_temporari
     try:
         wait_until(lambda: len(train_steps_logged(wd)) >= 3 and committed_steps(ckdir), [run],
                    what="3 train steps and a checkpoint")
-        _fill(ballast)
+        fill_disk(ballast)
         code = run.wait()
     finally:
         run.kill()

@@ -28,7 +28,7 @@ from jaxrat.inference import run as predict_run
 from jaxrat.inference.inputs import expand_inputs
 from jaxrat.runtime import output_folder
 from jaxrat.runtime.errors import DataError, UserError
-from runner import REPO, env_with_devices
+from runner import REPO, env_with_devices, fill_disk
 from test_download import TRAIN_INPUT, _Server
 from test_output_folder import _workdir
 
@@ -77,17 +77,6 @@ def _used(disk) -> int:
 
 def _files_under(root) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
-
-
-def _fill(path) -> None:
-    """Write a ballast file until not one more byte fits."""
-    with open(path, "wb", buffering=0) as f:
-        for chunk in (1 << 20, 1 << 12, 1):
-            try:
-                while True:
-                    f.write(b"\0" * chunk)
-            except OSError:
-                pass
 
 
 # ------------------------------------------------------------------------------- dataset downloads
@@ -156,7 +145,7 @@ def test_a_full_output_disk_is_refused_in_one_sentence_before_predict_loads_anyt
     src = _images(tmp_path / "in")
     out = small_disk / "out"
     out.mkdir()
-    _fill(small_disk / "ballast")
+    fill_disk(small_disk / "ballast")
     wd = _workdir(tmp_path / "run")  # config.json and an empty checkpoints/2: loading it would fail otherwise
     proc = subprocess.run([sys.executable, "-m", "jaxrat.predict", f"--workdir={wd}", f"--input={src}",
                            f"--out={out}"], cwd=REPO, env=env_with_devices(1), capture_output=True, text=True,
