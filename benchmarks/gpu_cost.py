@@ -172,10 +172,20 @@ def device_memory(compiled: Any) -> dict[str, int]:
     return {f.removesuffix("_size_in_bytes"): int(getattr(m, f, 0) or 0) for f in fields} if m is not None else {}
 
 
+class Layout(NamedTuple):
+    """Devices of a (compile-only) topology, the mesh over them and the ZeRO level (benchmarks/gpu_scaling.py)."""
+
+    devices: list
+    axes: tuple[tuple[str, int], ...]
+    zero: int = 0
+    zero_axis: str = "fsdp"
+
+
 def _train_step(config: Any, device: jax.Device, batch: Callable[[Any, int, Any], dict],
-                num_classes: int = 0, gpu_forms: str = "all") -> tuple[Any, Any, dict]:
-    """The trainer's step of ``config`` on a one-device mesh of ``device``: (step, state shapes, batch shapes);
-    ``gpu_forms``: ``model.gpu_forms`` (which fused forms: "validated", "all" or names)."""
+                num_classes: int = 0, gpu_forms: str = "all", layout: Layout | None = None) -> tuple[Any, Any, dict]:
+    """The trainer's step of ``config`` on a one-device mesh of ``device`` (or on ``layout``'s devices and
+    mesh): (step, state shapes, batch shapes); ``gpu_forms``: ``model.gpu_forms`` (which fused forms:
+    "validated", "all" or names)."""
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec
@@ -183,30 +193,36 @@ def _train_step(config: Any, device: jax.Device, batch: Callable[[Any, int, Any]
 
     config.model.kernels, config.model.gpu_forms = "gpu", gpu_forms
     config.train.compute_dtype = "bfloat16"
-    config.mesh.axes = (("data", 1), ("fsdp", 1))
+    layout = layout or Layout([device], (("data", 1), ("fsdp", 1)))
+    config.mesh.axes = layout.axes
+    config.sharding.zero, config.sharding.axis = layout.zero, layout.zero_axis
     task = load_task(config)
     if num_classes:
         task.num_classes = num_classes  # what prepare_data would read from the annotations
-    spec = make_state_spec(config, make_mesh(config.mesh.axes, devices=[device]), task)
+    spec = make_state_spec(config, make_mesh(config.mesh.axes, devices=layout.devices), task)
     shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype, sharding=spec.batch_sharding)  # noqa: E731
     return make_train_step(spec), spec.abstract_with_shardings(), batch(config, config.data.batch_size, shape)
 
 
 def isic_step(device: jax.Device, size: int = 256, batch: int = 16, attention: str = "sparse",
-              config: str = "configs/isic.py", gpu_forms: str = "all", **rat: Any) -> tuple[Any, Any, dict]:
-    """The ISIC RAT train step (``config``, ``model.rat.attention``, any other RAT fields) at ``size`` px."""
+              config: str = "configs/isic.py", gpu_forms: str = "all", layout: Layout | None = None,
+              **rat: Any) -> tuple[Any, Any, dict]:
+    """The ISIC RAT train step (``config``, ``model.rat.attention``, any other RAT fields) at ``size`` px,
+    ``batch`` images in all (over ``layout``'s devices when given)."""
     from jaxrat.config import load_config
 
     c = load_config(str(REPO / config))
     c.data.image_size, c.data.batch_size = size, batch
     c.model.rat.update(dict(attention=attention, **rat))
     return _train_step(c, device, lambda c, b, shape: {"image": shape(b, size, size, 3),
-                                                       "mask": shape(b, size, size, 1)}, gpu_forms=gpu_forms)
+                                                       "mask": shape(b, size, size, 1)}, gpu_forms=gpu_forms,
+                       layout=layout)
 
 
 def coco_step(device: jax.Device, size: int = 800, batch: int | None = None,
-              gpu_forms: str = "all") -> tuple[Any, Any, dict]:
-    """The COCO RAT-DETR train step (``configs/coco.py``, its full RAT) at ``size`` px, the config's batch."""
+              gpu_forms: str = "all", layout: Layout | None = None) -> tuple[Any, Any, dict]:
+    """The COCO RAT-DETR train step (``configs/coco.py``, its full RAT) at ``size`` px, the config's batch
+    (over ``layout``'s devices when given)."""
     from jaxrat.config import load_config
 
     c = load_config(str(REPO / "configs" / "coco.py"))
@@ -219,7 +235,7 @@ def coco_step(device: jax.Device, size: int = 800, batch: int | None = None,
         return {"image": shape(b, size, size, 3), "pad_mask": shape(b, size, size), "boxes": shape(b, n, 4),
                 "labels": shape(b, n, dtype=jnp.int32), "box_valid": shape(b, n)}
 
-    return _train_step(c, device, shapes, num_classes=80, gpu_forms=gpu_forms)
+    return _train_step(c, device, shapes, num_classes=80, gpu_forms=gpu_forms, layout=layout)
 
 
 def step_cost(name: str, args: argparse.Namespace, gpu: GpuModel, gpu_forms: str = "all") -> dict:

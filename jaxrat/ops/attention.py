@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.ops.gpu import per_device
+from jaxrat.ops.gpu.per_device import over_batch
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable import chunked_attention as chunked
 from jaxrat.ops.portable import sparse_sga as sparse
@@ -43,14 +45,18 @@ __all__ = ["EPS", "KeyPadding", "Window", "grouping_attention", "grouping_attent
 
 
 def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Array:
+    # Per device: the kernel loops over its slices (lax.map), and a loop over a sharded axis is
+    # partitioned by gathering the whole operand onto every device on every trip.
     if not policy.cpu:
-        return kernel(q, k, v, max_block_elements=policy.block_elements, slice_batch=policy.slice_batch)
+        return over_batch(lambda q, k, v: kernel(q, k, v, max_block_elements=policy.block_elements,
+                                                 slice_batch=policy.slice_batch), q, k, v)
     from jaxrat.ops.cpu import SCOPE
     from jaxrat.ops.cpu.cache import UNBATCHED_SLICE_ELEMENTS
 
     with jax.named_scope(SCOPE):
-        return kernel(q, k, v, max_block_elements=policy.block_elements, slice_batch=policy.slice_batch,
-                      unbatched_from=UNBATCHED_SLICE_ELEMENTS)
+        return over_batch(lambda q, k, v: kernel(q, k, v, max_block_elements=policy.block_elements,
+                                                 slice_batch=policy.slice_batch,
+                                                 unbatched_from=UNBATCHED_SLICE_ELEMENTS), q, k, v)
 
 
 def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array, form: str) -> bool:
@@ -72,7 +78,7 @@ def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORT
     if _fused(policy, q, k, v, "dense_sga"):
         from jaxrat.ops.gpu import dense_sga
 
-        return dense_sga(q, k, v, implementation="cudnn")
+        return over_batch(lambda q, k, v: dense_sga(q, k, v, implementation="cudnn"), q, k, v)
     return _chunked(chunked.grouping_attention, q, k, v, policy)
 
 
@@ -95,6 +101,15 @@ def _sparse_fused(policy: KernelPolicy) -> bool:
     return any(policy.uses(name) for name, form in FORMS.items() if form.operation == "sparse_sga")
 
 
+def _device_angles(phase: Array) -> Array:
+    """RoSE angles (N, Hr, d/2), or their per-device copies (devices, N, Hr, d/2) under a mesh
+    (:func:`jaxrat.ops.rotate.rotation_phase`), as per-device copies: a batch operand of
+    :func:`over_batch`, whose cotangents stay on their devices (no head turned: zero-sized angles)."""
+    if phase.ndim == 4:
+        return phase
+    return jnp.broadcast_to(phase[None], (per_device.splits(), *phase.shape))
+
+
 def _head_major(x: Array) -> Array:
     return x.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
 
@@ -106,14 +121,13 @@ def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTA
     its own ``use`` index (on the gpu policy the calls' key and value gradients are summed in one
     pass over the keys, :func:`jaxrat.ops.gpu.sparse_sga.lay_out_keys`)."""
     if _sparse_fused(policy):
-        from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
         n_out = int(np.prod(window.out))
         if gpu_sparse.supports(window, (k.shape[0], n_out, *k.shape[2:]), k.dtype) is None:
             lay = lambda k, v: tuple(gpu_sparse.lay_out_keys(k, v, window, uses, normalise_columns,
                                                              blocks=policy.sparse_sga))
-            k, v, tapes = per_device.over_batch(lay, k, v)
+            k, v, tapes = over_batch(lay, k, v)
             return SparseKeys(k, v, window, True, normalise_columns, tapes)
     # Laid out once (here and above): those arrays are then what every iteration's backward keeps,
     # and their gradients add up in that layout before one transpose back.
@@ -135,18 +149,17 @@ def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = 
     dh = width // (2 * heads)
     phase, rotated = rotation if rotation is not None else (None, 0)
     if _sparse_fused(policy):
-        from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
         n_out = int(np.prod(window.out))
         if gpu_sparse.supports(window, (b, n_out, heads, dh), kv.dtype) is None and width == 2 * heads * dh:
-            angles = phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)  # no head turned
+            angles = _device_angles(phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32))
 
             def lay(kv, angles):
-                return tuple(gpu_sparse.lay_out_projection(kv, angles, window, heads, uses, normalise_columns,
+                return tuple(gpu_sparse.lay_out_projection(kv, angles[0], window, heads, uses, normalise_columns,
                                                            blocks=policy.sparse_sga))
 
-            k, v, tapes = per_device.over_batch(lay, kv, replicated=(angles,))
+            k, v, tapes = over_batch(lay, kv, angles)
             return SparseKeys(k, v, window, True, normalise_columns, tapes)
     from jaxrat.ops.rotate import rotate_heads
 
@@ -175,23 +188,22 @@ def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window
     dh = width // (2 * heads)
     phase, rotated = rotation if rotation is not None else (None, 0)
     if _sparse_fused(policy) and policy.uses("sparse_sga_projection"):
-        from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
         from jaxrat.ops.gpu import sparse_sga_projection as gpu_projection
 
         n_out = int(np.prod(window.out))
         if (gpu_sparse.supports(window, (b, n_out, heads, dh), dt) is None and width == 2 * heads * dh
                 and gpu_projection.kernel_supports(n_in, x.shape[2], dh, dt)):
-            angles = phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32)  # no head turned
+            angles = _device_angles(phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32))
             full_bias = jnp.zeros((width,), jnp.float32) if bias is None else bias.astype(jnp.float32)
 
-            def lay(x, w, bias, angles):
-                return tuple(gpu_projection.lay_out_inputs(x, w, bias, angles, window, heads, uses,
+            def lay(x, angles, w, bias):
+                return tuple(gpu_projection.lay_out_inputs(x, w, bias, angles[0], window, heads, uses,
                                                            normalise_columns, blocks=policy.sparse_sga))
 
             # the weights rounded here, as the Linear rounds them: a cast the train step makes with the
             # others' in one kernel (jaxrat/trainer/param_cast.py), and the backward's product needs
-            k, v, tapes = per_device.over_batch(lay, x.astype(dt), replicated=(kernel.astype(dt), full_bias, angles))
+            k, v, tapes = over_batch(lay, x.astype(dt), angles, replicated=(kernel.astype(dt), full_bias))
             return SparseKeys(k, v, window, True, normalise_columns, tapes)
     kv = jax.lax.dot_general(x.astype(dt), kernel.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
     if bias is not None:
@@ -211,7 +223,6 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
     # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
     q = _scaled(q, key_scale)
     if keys.fused:
-        from jaxrat.ops.gpu import per_device
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
 
         if not 0 <= use < len(keys.tapes):
@@ -222,8 +233,9 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
             return gpu_sparse.laid_out_update(q.astype(k.dtype), laid, 0, keys.window, keys.normalise_columns,
                                               blocks=policy.sparse_sga)
 
-        return per_device.over_batch(fused, q, keys.k, keys.v, keys.tapes[use])
-    return _head_major(sparse.sparse_update(_head_major(q), keys.k, keys.v, keys.window, keys.normalise_columns))
+        return over_batch(fused, q, keys.k, keys.v, keys.tapes[use])
+    update = lambda q, k, v: sparse.sparse_update(q, k, v, keys.window, keys.normalise_columns)  # noqa: E731
+    return _head_major(over_batch(update, _head_major(q), keys.k, keys.v))
 
 
 def sparse_grouping_maps(q: Array, k: Array, window: Window, *,
@@ -241,7 +253,7 @@ def softmax_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTA
     if _fused(policy, q, k, v, "attention"):
         from jaxrat.ops.gpu import fused_attention
 
-        return fused_attention(q, k, v, implementation="cudnn")
+        return over_batch(lambda q, k, v: fused_attention(q, k, v, implementation="cudnn"), q, k, v)
     return _chunked(chunked.softmax_attention, q, k, v, policy)
 
 
@@ -250,11 +262,14 @@ def multires_attention(q: Array, k: Array, v: Array, segments: Sequence[tuple[in
     """Joint attention over concatenated segments, (B, N, H, dh) each, queries scaled and rotated;
     ``window`` None is the reference's global form (:func:`jaxrat.ops.portable.windowed_attention.multires_attention`;
     the gpu form: windows in the batch axis, padded keys by sequence lengths, :mod:`jaxrat.ops.gpu.multires`)."""
+    # Per device, whole: the windows, the segments' joins and cuDNN's batch split stay within each
+    # device's images (partitioned by XLA they moved activations between devices).
     if _fused(policy, q, k, v, "attention"):
         from jaxrat.ops.gpu import multires_attention as gpu_multires
 
-        return gpu_multires(q, k, v, segments, window, implementation="cudnn")
-    return _windowed(q, k, v, segments, window, attend=lambda a, b, c: softmax_attention(a, b, c, policy))
+        return over_batch(lambda q, k, v: gpu_multires(q, k, v, segments, window, implementation="cudnn"), q, k, v)
+    return over_batch(lambda q, k, v: _windowed(q, k, v, segments, window,
+                                                attend=lambda a, b, c: softmax_attention(a, b, c, policy)), q, k, v)
 
 
 class KeyPadding(NamedTuple):

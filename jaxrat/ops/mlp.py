@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.ops.cpu import mlp as cpu_mlp
+from jaxrat.ops.gpu.per_device import splits
 from jaxrat.ops.policy import KernelPolicy
 
 Array = jax.Array
@@ -45,7 +46,10 @@ class Chunks(NamedTuple):
 
 
 def chunking(hidden_bytes: int, policy: KernelPolicy) -> Optional[Chunks]:
-    """The chunking for a call with ``hidden_bytes`` of hidden activation; None: one plain call."""
+    """The chunking for a call with ``hidden_bytes`` of hidden activation; None: one plain call. Under
+    a mesh the batch is split over the devices, and what a device holds is what counts: judged on the
+    whole batch, 16 GPUs of 16 images each chunked (and recomputed) MLPs that one GPU of 16 does not."""
+    hidden_bytes //= splits()
     if hidden_bytes > CHUNK_HIDDEN_BYTES:
         return Chunks(CHUNK_TOKENS_BYTES, True)
     if policy.cpu and hidden_bytes > cpu_mlp.CHUNK_HIDDEN_BYTES:
@@ -95,7 +99,7 @@ def chunked_mlp(x: Array, fc1: Callable[[Array], Array], fc2: Callable[[Array], 
     side by side; a loop forces one chunk's hidden activation at a time.
     """
     n = x.shape[-2]
-    num = max(2, -(-hidden_bytes // chunks.chunk_bytes))
+    num = max(2, -(-(hidden_bytes // splits()) // chunks.chunk_bytes))  # chunks of a device's share
     size = -(-n // num)
     num = -(-n // size)
     pad = num * size - n

@@ -72,6 +72,15 @@ class KernelPolicy:
     def gpu(self) -> bool:
         return self.form == "gpu"
 
+    @property
+    def rolled_rounds(self) -> bool:
+        """Whether a layer's repeated rounds (SGA's grouping iterations) run as one loop. Yes but on the
+        gpu form: XLA's CPU compiler makes machine code per fusion, and rolled the ISIC step compiles in
+        a fraction of the time. On GPUs, under a mesh, XLA reduces (ZeRO-3: gathers and scatters) a
+        loop's weights and their gradients on every trip, synchronously, where unrolled rounds' join
+        the step's own overlapped collectives."""
+        return self.form != "gpu"
+
     def uses(self, gpu_form: str) -> bool:
         """Whether this policy computes with the fused GPU form ``gpu_form`` (a name of
         :data:`jaxrat.ops.forms.FORMS`): the gpu form with that form among its ``gpu_forms``."""

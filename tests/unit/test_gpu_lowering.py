@@ -309,3 +309,31 @@ def test_the_gpu_mlp_benchmark_s_forms_lower_for_cuda():
     grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
     assert lower_for_cuda(grads(bench.fused(keep)), *args).count("custom_call @__gpu$xla.gpu.triton(") == 3
     assert "custom_call @__gpu$xla.gpu.triton(" not in lower_for_cuda(grads(bench.xla(keep)), *args)
+
+
+def test_cudnn_s_batch_limit_applies_to_each_device_s_slices(monkeypatch):
+    """cuDNN's grid limit is per call, and under a mesh each device calls cuDNN on its own images:
+    a batch of slices over the limit in all but within it per device is one call per direction.
+    Split over the whole batch, the cut fell inside a device's share and XLA moved activations
+    between devices (compiled for 16 H100s: 39 permutes, 3 all-to-alls, 3 all-gathers)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrat.ops import KernelPolicy
+    from jaxrat.ops import attention as attn
+    from jaxrat.ops.gpu import fused
+    from jaxrat.parallel.mesh import make_mesh
+
+    mesh = make_mesh((("data", 4),), devices=jax.devices()[:4])
+    segments = [(64, (8, 8))]
+    x = jax.device_put(zeros(8, 64, 2, 32), NamedSharding(mesh, P("data")))  # 2 images a device, 2 heads
+    policy = KernelPolicy("gpu", gpu_forms=frozenset({"attention"}))
+
+    def calls(limit: int) -> tuple[int, int]:
+        monkeypatch.setattr(fused, "CUDNN_MAX_BATCH", limit)
+        f = value_and_grads(lambda q, k, v: attn.multires_attention(q, k, v, segments, None, policy))  # traced anew
+        with jax.set_mesh(mesh):
+            return counts(lower_for_cuda(f, x, x, x))
+
+    assert calls(6) == (1, 1)  # under the 8 images in all, over a device's 2
+    assert calls(1) == (4, 4)  # under a device's 2 images: split there, one slice a call

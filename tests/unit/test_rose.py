@@ -129,17 +129,21 @@ def test_gpu_rotation_without_concatenates_gives_the_complex_product_and_its_gra
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.max(np.abs(b)))
 
 
-def test_the_phase_s_backward_is_autodiff_of_its_sums():
+@pytest.mark.parametrize("copies", [0, 3])
+def test_the_phase_s_backward_is_autodiff_of_its_sums(copies):
     """The angles <pos, omega> are sums of products forward and two matrix products backward
-    (rose._phase): the gradients of positions and frequencies as autodiff of the plain sums gives."""
-    from jaxrat.models.rat import rose
+    (ops.rotate._phase): the gradients of positions and frequencies as autodiff of the plain sums
+    gives, also for per-device copies of the positions (a leading axis, summed over by the
+    frequencies' gradient)."""
+    from jaxrat.ops import rotate
 
     k = jax.random.split(jax.random.PRNGKey(2), 3)
-    pos, freqs = jax.random.normal(k[0], (50, 2)) * 9, jax.random.uniform(k[1], (3, 4, 2))
-    g = jax.random.normal(k[2], (50, 3, 4))
-    plain = lambda p, f: jnp.sum(p[:, None, None, :] * f[None], -1)
-    got = jax.vjp(rose._phase, pos, freqs)[1](g)
+    lead = (copies,) if copies else ()
+    pos, freqs = jax.random.normal(k[0], (*lead, 50, 2)) * 9, jax.random.uniform(k[1], (3, 4, 2))
+    g = jax.random.normal(k[2], (*lead, 50, 3, 4))
+    plain = lambda p, f: jnp.sum(p[..., None, None, :] * f, -1)
+    got = jax.vjp(rotate._phase, pos, freqs)[1](g)
     want = jax.vjp(plain, pos, freqs)[1](g)
-    np.testing.assert_allclose(rose._phase(pos, freqs), plain(pos, freqs), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(rotate._phase(pos, freqs), plain(pos, freqs), rtol=1e-6, atol=1e-5)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)

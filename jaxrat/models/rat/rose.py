@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrat import ops
-from jaxrat.ops.rotate import rotate_heads
+from jaxrat.ops.rotate import rotate_heads, rotation_phase
 
 Array = jax.Array
 
@@ -78,28 +78,6 @@ def rotary_heads(feature_dims: int, num_heads: int, rotary_ratio: float) -> int:
         raise ValueError(f"rotary_ratio must be in [0, 1], got {rotary_ratio}")
     rotary_dim = (int(feature_dims * rotary_ratio) // dh) * dh
     return rotary_dim // dh
-
-
-@jax.custom_vjp
-def _phase(pos: Array, freqs: Array) -> Array:
-    """<pos_n, omega_hp> (N, H, P) of positions (N, sd) and frequencies (H, P, sd): products and sums
-    over the sd (<= 3) axes, which fuse into the rotation (as an einsum, XLA:GPU made it a cuBLAS call
-    of contraction 2); the backward as two matrix products over the N positions (autodiff of the sums
-    is two small reductions per axis)."""
-    return sum(pos[:, None, None, d] * freqs[None, ..., d] for d in range(pos.shape[-1]))
-
-
-def _phase_fwd(pos, freqs):
-    return _phase(pos, freqs), (pos, freqs)
-
-
-def _phase_bwd(res, g):
-    pos, freqs = res
-    return (jnp.einsum("nhp,hpd->nd", g, freqs, preferred_element_type=jnp.float32).astype(pos.dtype),
-            jnp.einsum("nhp,nd->hpd", g, pos, preferred_element_type=jnp.float32).astype(freqs.dtype))
-
-
-_phase.defvjp(_phase_fwd, _phase_bwd)
 
 
 def grid_indices(grid_shape: Sequence[int]) -> np.ndarray:
@@ -190,10 +168,15 @@ class RotarySpatialEmbedding(nnx.Module):
 
     def positions(self, grid_shape: Sequence[int], spacing: Sequence[float]) -> Array:
         """(N, sd) float32 coordinates after the learnable spacing transform."""
+        grid, scale = self._coordinates(grid_shape, spacing)
+        return grid * scale
+
+    def _coordinates(self, grid_shape: Sequence[int], spacing: Sequence[float]) -> tuple[Array, Array]:
+        """The positions as (grid coordinates i * s (N, sd), constants; the transform's factor s'/s (sd,))."""
         spacing_np = np.asarray(spacing, np.float32)
         pos = jnp.asarray(grid_indices(grid_shape) * spacing_np[None])
         if not self.use_scale:
-            return pos
+            return pos, jnp.ones((len(spacing_np),), jnp.float32)
         s = jnp.asarray(spacing_np)
         positive = s > 0
         safe = jnp.where(positive, s, 1.0)
@@ -204,16 +187,16 @@ class RotarySpatialEmbedding(nnx.Module):
         scaled = a * pow_term + c * log_term
         # The reference rescales i*s by s'/s (not i by s'), falling back to 1 where undefined.
         factor = jnp.where(s != 0, scaled / jnp.where(s != 0, s, 1.0), 1.0)
-        factor = jnp.where(jnp.isfinite(factor), factor, 1.0)
-        return pos * factor[None]
+        return pos, jnp.where(jnp.isfinite(factor), factor, 1.0)
 
     def angles(self, grid_shape: Sequence[int], spacing: Sequence[float]) -> Optional[tuple[Array, int]]:
         """(angles (N, Hr, dims_per_head / 2), Hr) of the rotated heads' feature pairs at the grid's
-        positions, or None when no head is rotated: what :func:`jaxrat.ops.rotate.rotate_heads` takes."""
+        positions, or None when no head is rotated: what :func:`jaxrat.ops.rotate.rotate_heads` takes
+        (under a mesh, one copy of the angles per device: :func:`jaxrat.ops.rotate.rotation_phase`)."""
         hr = self.num_rotary_heads
         if hr == 0:
             return None
-        return _phase(self.positions(grid_shape, spacing), _value(self.freqs)), hr
+        return rotation_phase(*self._coordinates(grid_shape, spacing), _value(self.freqs)), hr
 
     def __call__(self, x: Array, grid_shape: Sequence[int], spacing: Sequence[float]) -> Array:
         """Rotate ``x`` of shape (B, N, H, dims_per_head); N = prod(grid_shape)."""

@@ -197,7 +197,8 @@ class SpatialGroupingAttention(nnx.Module):
                 k = (k * temp.astype(k.dtype)).transpose(0, 2, 1, 3)
                 v = self._split_heads(v, self.reference_compat)
         q = None
-        if self.iters > 1 and keys is not None and not keys.fused and not return_maps:  # maps need the last q
+        if (self.iters > 1 and keys is not None and not keys.fused and self.kernels.rolled_rounds
+                and not return_maps):  # maps need the last q
             xo = self._looped_iterations(xo, keys, window, out_spacing)
         else:
             for i in range(self.iters):

@@ -17,6 +17,24 @@ from jax.sharding import PartitionSpec as P
 Array = jax.Array
 
 
+def splits() -> int:
+    """Into how many parts :func:`over_batch` cuts a batch here (when the batch divides): the mesh's
+    device count under a mesh of several devices, 1 without one or inside a ``shard_map``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or mesh.size == 1 or mesh.manual_axes else mesh.size
+
+
+def copies(x: Array) -> Array:
+    """``x`` with a new leading axis of :func:`splits` copies, the i-th on device i: what a per-device
+    function (:func:`over_batch`) takes as a batch operand, so that the cotangents of its copies stay
+    on their devices (a replicated operand's cotangent is summed over the devices at its full size)."""
+    n = splits()
+    y = jnp.broadcast_to(x[None], (n, *x.shape))
+    if n == 1:
+        return y
+    return jax.lax.with_sharding_constraint(y, P(tuple(jax.sharding.get_abstract_mesh().axis_names)))
+
+
 def over_batch(fn: Callable[..., Any], *operands: Any, replicated: tuple = (), first_row: bool = False) -> Any:
     """``fn(*operands, *replicated)`` (operands and results arrays or pytrees of arrays), per device
     over the operands' leading (batch) axis when a mesh of several devices is set and that axis
