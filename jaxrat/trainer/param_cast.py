@@ -10,6 +10,7 @@ itself, and the gradients are the same casts' gradients: only the number of kern
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 import jax
@@ -71,6 +72,26 @@ def narrow_reads(fn: Callable[..., Any], params: Any, *args: Any) -> list[Option
     return out
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cast_on_each_device(leaves: tuple, dtype: jnp.dtype, interpret: bool) -> list:
+    """The multi-tensor cast run by every device on its own replicated copy. Its gradient is the
+    cotangents cast back, outside the ``shard_map``: differentiated through it (``check_vma=False``), the
+    cotangents, already summed over the devices by the step, were divided and all-reduced once more,
+    in float32 (compiled for 8 H100s: 14.7 MB more in the step's one exposed all-reduce)."""
+    return replicated(lambda *xs: cast.multi_tensor_cast(xs, dtype, interpret=interpret), *leaves)
+
+
+def _cast_fwd(leaves: tuple, dtype: jnp.dtype, interpret: bool) -> tuple[list, None]:
+    return _cast_on_each_device(leaves, dtype, interpret), None
+
+
+def _cast_bwd(dtype: jnp.dtype, interpret: bool, _: None, cotangents: list) -> tuple:
+    return (tuple(g.astype(jnp.float32) for g in cotangents),)  # the leaves are float32 (narrow_reads)
+
+
+_cast_on_each_device.defvjp(_cast_fwd, _cast_bwd)
+
+
 def cast_narrow_reads(fn: Callable[..., Any], *, interpret: bool = False) -> Callable[..., Any]:
     """``fn(params, *args)`` with the leaves it reads only as a narrower dtype (:func:`narrow_reads`)
     cast before the call, in one multi-tensor kernel per dtype (per device under a mesh)."""
@@ -81,8 +102,7 @@ def cast_narrow_reads(fn: Callable[..., Any], *, interpret: bool = False) -> Cal
         for dtype in {t for t in targets if t is not None}:
             picked = [i for i, t in enumerate(targets) if t == dtype]
             with jax.named_scope("param_cast"):
-                done = replicated(lambda *xs, dtype=dtype: cast.multi_tensor_cast(xs, dtype, interpret=interpret),
-                                  *[leaves[i] for i in picked])
+                done = _cast_on_each_device(tuple(leaves[i] for i in picked), jnp.dtype(dtype), interpret)
             for i, x in zip(picked, done):
                 leaves[i] = x
         return fn(jax.tree.unflatten(treedef, leaves), *args)
