@@ -112,7 +112,7 @@ _DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([\dx]+)x(\w+)>, tensor<
 # RoSE's angles (grid positions times frequencies, two spatial coordinates deep) stay float32 by
 # design: a bfloat16 angle is off by whole turns at large positions. Forward they are products and
 # sums; backward two matrix products over the positions (jaxrat/models/rat/rose.py, _phase).
-FLOAT32_BY_DESIGN = ("nhp,hpd->nd", "nhp,nd->hpd")
+FLOAT32_BY_DESIGN = ("nhp,hpd->...nd", "nhp,...nd->hpd")  # RoSE angles (jaxrat/ops/rotate.py)
 
 
 def _big_dots(text: str, elements: int = 1 << 18) -> set[str]:
