@@ -2,7 +2,7 @@
 the wire, what they cost on NVLink and InfiniBand, and how much of that the schedule hides.
 
 Used by benchmarks/gpu_scaling.py (the trainer's step compiled for 8-32 H100s) and by the tests that
-keep that step free of activation traffic (tests/extended/test_gpu_scaling.py).
+keep that step free of activation traffic (tests/integration/test_gpu_scaling.py).
 
 - :func:`collectives`: every collective one run of the module launches, walked from the entry
   computation (a while body counts its trip count times), with its operand bytes, dtypes, group
