@@ -241,8 +241,8 @@ def replay(text: str, cs: list[Collective], roofline: Roofline, network: Network
 
 def activation_traffic(cs: Iterable[Collective], parameter_shapes: Iterable[tuple[int, ...]] = ()) -> list[Collective]:
     """The collectives that move activations: every permute and all-to-all, and every all-gather whose
-    gathered array is not shaped like a parameter (ZeRO-3 gathers parameters; the last axis of a
-    gathered shape may be split off, as XLA folds a shard's layout)."""
+    gathered arrays are not parameters (ZeRO-3 gathers parameters): matched by shape, or by size where
+    XLA gathered a parameter reshaped (flattened, or an axis split off)."""
     shapes = {tuple(s) for s in parameter_shapes}
     sizes = {prod(s) for s in shapes}
     out = []
