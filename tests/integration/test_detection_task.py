@@ -208,7 +208,8 @@ def test_loss_and_gradients_finite_without_targets(task, focal):
         def f(m):
             return task.loss(m, batch, jax.random.key(0))
 
-        (loss, parts), grads = nnx.value_and_grad(f, has_aux=True)(model)
+        # Jitted: one compile of the loss and its gradients instead of one per eager op (86 s -> seconds).
+        (loss, parts), grads = nnx.jit(nnx.value_and_grad(f, has_aux=True))(model)
         assert bool(jnp.isfinite(loss)) and all(bool(jnp.isfinite(v)) for v in parts.values())
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
         assert float(parts["loss_bbox"]) == 0.0 and float(parts["loss_giou"]) == 0.0
