@@ -105,9 +105,14 @@ def slurm():
 
 
 def task_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without launcher variables (srun exports it to the tasks)."""
+    """The caller's environment without launcher variables (srun exports it to the tasks). XLA_FLAGS
+    goes (the tasks' device count is JAX_NUM_CPU_DEVICES), less the suite's LLVM level
+    (JAXRAT_TEST_XLA_FLAGS, tests/conftest.py): the jobs compile as every other training run of the
+    suite does, in half the CPU, and their programs are the test run's cache entries."""
     drop = ("SLURM_", "OMPI_", "PMIX_", "LSB_", "TORCHELASTIC_", "JAX_COORDINATOR", "XLA_FLAGS")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop) or k == "SLURM_CONF"}
+    if os.environ.get("JAXRAT_TEST_XLA_FLAGS"):
+        env["XLA_FLAGS"] = os.environ["JAXRAT_TEST_XLA_FLAGS"]
     env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
     return env
 

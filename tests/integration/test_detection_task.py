@@ -21,7 +21,6 @@ from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.tree_paths import named_leaves
 from jaxrat.tasks.base import load_task
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES
-from runner import losses_by_step, read_metrics, run_main
 
 CONFIG = "configs/coco.py"
 
@@ -209,7 +208,8 @@ def test_loss_and_gradients_finite_without_targets(task, focal):
         def f(m):
             return task.loss(m, batch, jax.random.key(0))
 
-        (loss, parts), grads = nnx.value_and_grad(f, has_aux=True)(model)
+        # Jitted: one compile of the loss and its gradients instead of one per eager op (86 s -> seconds).
+        (loss, parts), grads = nnx.jit(nnx.value_and_grad(f, has_aux=True))(model)
         assert bool(jnp.isfinite(loss)) and all(bool(jnp.isfinite(v)) for v in parts.values())
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
         assert float(parts["loss_bbox"]) == 0.0 and float(parts["loss_giou"]) == 0.0
@@ -217,10 +217,4 @@ def test_loss_and_gradients_finite_without_targets(task, focal):
         task.t.focal = False
 
 
-@pytest.mark.slow
-def test_detection_smoke_end_to_end(tmp_path):
-    run_main(str(tmp_path / "run"), config=CONFIG + ":smoke", devices=2, timeout=600)
-    losses = losses_by_step(str(tmp_path / "run"))
-    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(v) for v in losses.values())
-    evals = [r for r in read_metrics(str(tmp_path / "run")) if "eval/AP" in r]
-    assert evals and all(f"eval/{n}" in evals[-1] for n in STAT_NAMES)
+# The detection smoke run end to end (2 devices) is test_predict_tasks.py's, whose predict and evaluate read it.

@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from jaxrat.tasks.detection.coco_eval import STAT_NAMES
 from predict_inputs import EXPECTED_SIZES, run_exported_loader, run_onnx_loader, write_inputs
-from runner import REPO, env_with_devices, run_main
+from runner import REPO, env_with_devices, losses_by_step, read_metrics, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,13 @@ def _rows(path):
 
 def test_classification_top_k_labels_and_per_image_truth(tmp_path):
     wd = str(tmp_path / "run")
-    run_main(wd, config=os.path.join(REPO, "configs", "classification.py") + ":smoke")
+    proc = run_main(wd, config=os.path.join(REPO, "configs", "classification.py") + ":smoke")
+    # The run's progress lines, its curves and a confusion matrix per head on its summary page (was
+    # test_run_output.py's own classification run).
+    assert "epoch " in proc.stderr and " ETA " in proc.stderr
+    page = open(os.path.join(wd, "summary.md")).read()
+    for name in ("curves.png", "confusion_shape.png", "confusion_kind.png"):
+        assert os.path.isfile(os.path.join(wd, name)) and f"]({name})" in page
     src, out = str(tmp_path / "in"), str(tmp_path / "out")
     write_inputs(src)
     proc = _cmd("jaxrat.predict", "--noprogress", f"--workdir={wd}", f"--input={src}", f"--out={out}", "--top_k=2",
@@ -88,8 +95,14 @@ def test_classification_top_k_labels_and_per_image_truth(tmp_path):
 
 
 def test_detection_coco_results_in_original_pixels(tmp_path):
+    # The detection smoke run end to end on 2 devices (was test_detection_task.py's own run of it):
+    # 4 finite train losses, evaluations with every COCO statistic; predict and evaluate read it.
     wd = str(tmp_path / "run")
-    run_main(wd, config=os.path.join(REPO, "configs", "coco.py") + ":smoke")
+    run_main(wd, config=os.path.join(REPO, "configs", "coco.py") + ":smoke", devices=2, timeout=600)
+    losses = losses_by_step(wd)
+    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(v) for v in losses.values())
+    evals = [r for r in read_metrics(wd) if "eval/AP" in r]
+    assert evals and all(f"eval/{n}" in evals[-1] for n in STAT_NAMES)
     src, out = str(tmp_path / "in"), str(tmp_path / "out")
     write_inputs(src)
     proc = _cmd("jaxrat.predict", "--noprogress", f"--workdir={wd}", f"--input={src}", f"--out={out}",

@@ -15,7 +15,6 @@ from jaxrat.runtime import console
 from jaxrat.tracking import plots
 from jaxrat.tracking.summary import markdown
 from jaxrat.tracking.writers import format_progress
-from runner import run_main
 
 
 def test_progress_line_has_epoch_step_throughput_and_eta():
@@ -68,12 +67,7 @@ def test_curves_and_confusion_are_drawn_and_linked(tmp_path):
     assert "![curves.png](curves.png)" in page and "![confusion_kind_a_b.png](confusion_kind_a_b.png)" in page
 
 
-def test_a_classification_run_leaves_curves_and_a_confusion_matrix(tmp_path):
-    proc = run_main(str(tmp_path), "--config.num_train_steps=4", config="configs/classification.py:smoke")
-    assert "epoch " in proc.stderr and " ETA " in proc.stderr
-    page = (tmp_path / "summary.md").read_text()
-    for name in ("curves.png", "confusion_shape.png", "confusion_kind.png"):
-        assert (tmp_path / name).is_file() and f"]({name})" in page
+# A classification run's curves and confusion matrices: test_predict_tasks.py reads them off its smoke run.
 
 
 def test_multiclass_curves_show_the_mean_and_each_foreground_class_not_the_background():
