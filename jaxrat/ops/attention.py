@@ -47,16 +47,14 @@ __all__ = ["EPS", "KeyPadding", "Window", "grouping_attention", "grouping_attent
 def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Array:
     # Per device: the kernel loops over its slices (lax.map), and a loop over a sharded axis is
     # partitioned by gathering the whole operand onto every device on every trip.
+    blocks = dict(max_block_elements=policy.block_elements, slice_batch=policy.slice_batch)
     if not policy.cpu:
-        return over_batch(lambda q, k, v: kernel(q, k, v, max_block_elements=policy.block_elements,
-                                                 slice_batch=policy.slice_batch), q, k, v)
+        return over_batch(lambda q, k, v: kernel(q, k, v, **blocks), q, k, v)
     from jaxrat.ops.cpu import SCOPE
     from jaxrat.ops.cpu.cache import UNBATCHED_SLICE_ELEMENTS
 
     with jax.named_scope(SCOPE):
-        return over_batch(lambda q, k, v: kernel(q, k, v, max_block_elements=policy.block_elements,
-                                                 slice_batch=policy.slice_batch,
-                                                 unbatched_from=UNBATCHED_SLICE_ELEMENTS), q, k, v)
+        return over_batch(lambda q, k, v: kernel(q, k, v, **blocks, unbatched_from=UNBATCHED_SLICE_ELEMENTS), q, k, v)
 
 
 def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array, form: str) -> bool:
@@ -102,12 +100,10 @@ def _sparse_fused(policy: KernelPolicy) -> bool:
 
 
 def _device_angles(phase: Array) -> Array:
-    """RoSE angles (N, Hr, d/2), or their per-device copies (devices, N, Hr, d/2) under a mesh
-    (:func:`jaxrat.ops.rotate.rotation_phase`), as per-device copies: a batch operand of
-    :func:`over_batch`, whose cotangents stay on their devices (no head turned: zero-sized angles)."""
-    if phase.ndim == 4:
-        return phase
-    return jnp.broadcast_to(phase[None], (per_device.splits(), *phase.shape))
+    """RoSE angles as per-device copies (devices, N, Hr, d/2), a batch operand of :func:`over_batch`
+    whose cotangents stay on their devices: as :func:`jaxrat.ops.rotate.rotation_phase` makes them under
+    a mesh, else copied (one device; or zero-sized angles, no head turned)."""
+    return phase if phase.ndim == 4 else per_device.copies(phase)
 
 
 def _head_major(x: Array) -> Array:
