@@ -17,7 +17,7 @@ this checkout; a form that failed is refused (listed, not recorded). scripts/gpu
 Whoever ran it commits DIR/validated.json as jaxrat/ops/gpu/validated.json.
 
 ``seed`` rebuilds the record's runs measured before this script existed, each fingerprinted to the code
-at the commit that ran (``git show``), its figures as docs/benchmarks.md gives them.
+at the commit that ran (``git show``), its figures as the measurement history (docs/history/) gives them.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 
 H100 = "NVIDIA H100 80GB HBM3"
-# Runs measured before this script, as docs/benchmarks.md reports them (each with its section's title).
+# Runs measured before this script, as docs/history/gpu_h100.md reports them (each with its section's title).
 SEEDS = [
     ("sparse_sga_tap", "fd6ad17", dict(
         gpu=H100, driver=None, jax="0.11.2", flax="0.12.10", date="2026-11-27",
@@ -90,15 +90,16 @@ SEEDS = [
         reference_bf16={"u": 5.0e-3, "dq": 7.2e-3, "dk": 9.5e-3, "dv": 9.5e-3},
         timing={"isic_step_ms": 40.0, "replaces": "portable sparse SGA (main b3f90b6)", "replaced_isic_step_ms": 91.7,
                 "first_layer_fwd_bwd_ms": 3.7, "replaced_first_layer_fwd_bwd_ms": "14.7-15.0"},
-        evidence="docs/benchmarks.md, 'The ISIC step on an H100 with fused sparse SGA (2026-11-27, issue 37)'; "
-                 "README 'On a GPU node': head-major kernels (main fd6ad17), 40.0 ms")),
+        evidence="docs/history/gpu_h100.md, 'The ISIC step on an H100 with fused sparse SGA (2026-11-27, issue 37)'; "
+                 "docs/history/gpu_h100.md, 'Since then, on the same GPU kind (2026-11-27)': "
+                 "head-major kernels (main fd6ad17), 40.0 ms")),
     ("sparse_sga_tap", "fbc9130", dict(
         gpu=H100, driver=None, jax="0.11.2", flax="0.12.10", date="2026-11-27",
         parity_f32={"normalised_max": 8.6e-7, "plain_max": 5.0e-7},
         parity_bf16={"max": 6.5e-3}, reference_bf16={"max": 1.18e-2},
         timing={"first_layer_fwd_bwd_ms": 4.72, "first_layer_three_uses_fwd_bwd_ms": 11.47,
                 "replaced_first_layer_fwd_bwd_ms": 14.49, "replaces": "portable sparse SGA"},
-        evidence="docs/benchmarks.md, 'The ISIC step on an H100 with the key/value pass and the fused MLPs "
+        evidence="docs/history/gpu_h100.md, 'The ISIC step on an H100 with the key/value pass and the fused MLPs "
                  "(2026-11-27, 16:15-16:30 UTC, issue 37)' (main fbc9130; 0e2df86 changed only the MLP)")),
     ("mlp", "0e2df86", dict(
         gpu=H100, driver=None, jax="0.11.2", flax="0.12.10", date="2026-11-27",
@@ -106,19 +107,19 @@ SEEDS = [
         parity_bf16={"output": 3.9e-3, "gradients_max": 5.5e-3},
         reference_bf16={"output": 6.7e-3, "gradients_max": 1.24e-2},
         timing={"isic_step_ms": 40.4, "replaces": "XLA's MLP", "replaced_isic_step_ms": 39.5},
-        evidence="docs/benchmarks.md, 'The ISIC step on an H100 with the key/value pass and the fused MLPs "
+        evidence="docs/history/gpu_h100.md, 'The ISIC step on an H100 with the key/value pass and the fused MLPs "
                  "(2026-11-27, 16:15-16:30 UTC, issue 37)' (the weights' pass recut, 0e2df86)")),
     ("dense_sga", "b3f90b6", dict(
         gpu=H100, driver=None, jax="0.11.2", flax="0.12.10", date="2026-11-26",
         parity_f32=None, parity_bf16={"output": 4.6e-3, "gradients_max": 2.1e-2},
         timing={"note": "the dense-SGA step did not finish compiling and running within 80 s"},
-        evidence="README 'On a GPU node', 'Measured on an NVIDIA H100 80GB HBM3 (2026-11-26, main b3f90b6)': "
+        evidence="docs/history/gpu_h100.md, 'Measured on an NVIDIA H100 80GB HBM3 (2026-11-26, main b3f90b6)': "
                  "fused kernels against the float32 formulas, 128 px (cuDNN takes bfloat16 only)")),
     ("attention", "b3f90b6", dict(
         gpu=H100, driver=None, jax="0.11.2", flax="0.12.10", date="2026-11-26",
         parity_f32=None, parity_bf16={"output": 2.1e-3},
         timing={"isic_step_ms": 91.7, "note": "the whole ISIC step with it (portable sparse SGA)"},
-        evidence="README 'On a GPU node', 'Measured on an NVIDIA H100 80GB HBM3 (2026-11-26, main b3f90b6)': "
+        evidence="docs/history/gpu_h100.md, 'Measured on an NVIDIA H100 80GB HBM3 (2026-11-26, main b3f90b6)': "
                  "MR attention within 2.1e-3 (cuDNN takes bfloat16 only)")),
 ]
 

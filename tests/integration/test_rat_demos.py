@@ -50,7 +50,7 @@ def test_rat_demo_builds_a_rat_and_trains(path, tmp_path):
 @pytest.mark.parametrize("path", DEMOS)
 def test_rat_demo_keeps_the_first_grid_off_the_quadratic_paths(path):
     """The quadratic forms on the full-resolution first grid (dense SGA there doubled the RAT's
-    forward and backward at 64 px, docs/benchmarks.md), the 8 shard programs per step, and for DETR
+    forward and backward at 64 px, docs/history/cpu.md), the 8 shard programs per step, and for DETR
     decoder memory holding the full-resolution stage stay out of the RAT demos."""
     config = load_config(path)
     rat = RATConfig.from_mapping(dict(config.model.rat))

@@ -1,7 +1,7 @@
-"""The README and docs/*.md stay true: the commands, config overrides, config variants and links they
+"""The README and docs/**/*.md stay true: the commands, config overrides, config variants and links they
 show exist, and the README's demo results are the ones the config files state.
 
-What is checked, in fenced code blocks and inline code of README.md and docs/*.md:
+What is checked, in fenced code blocks and inline code of README.md and docs/**/*.md:
 
 - every ``python -m jaxrat.X`` names a module that exists, and ``python -m jaxrat.X --help`` exits 0
   (one subprocess per distinct module; ``--help`` stops before jax is imported, so each is quick);
@@ -41,7 +41,8 @@ from jaxrat.config.loader import packaged_configs
 from jaxrat.runtime.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DOC_FILES = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
+DOC_FILES = ["README.md", *sorted(os.path.relpath(p, REPO)
+                                for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
 
 _FENCE = re.compile(r"^\s*```")
 _INLINE = re.compile(r"`([^`\n]+)`")

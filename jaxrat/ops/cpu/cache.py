@@ -3,7 +3,7 @@
 The chunked attention kernels (:mod:`jaxrat.ops.portable.chunked_attention`) hold one (queries x
 key-chunk) block per slice at a time; on CPU the block is a sixteenth of the last-level cache, so a
 chunk step's four block-sized intermediates stay in the cache. Large slices run one per ``lax.map``
-step, since vmapping them turns each product into a slower batched dot (docs/benchmarks.md, "CPU kernels").
+step, since vmapping them turns each product into a slower batched dot (docs/history/cpu.md, "CPU kernels").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The RoSE rotation with a hand-written backward for CPUs (the ``cpu`` kernel policy).
 
 XLA:CPU reads the operands of a reduction over a short leading (batch) axis slowly, so the angle
-gradient adds the images one by one instead (measurements: docs/benchmarks.md, "CPU kernels").
+gradient adds the images one by one instead (measurements: docs/history/cpu.md, "CPU kernels").
 The forward is the portable one (:func:`jaxrat.ops.portable.rotate.turn_heads`).
 """
 

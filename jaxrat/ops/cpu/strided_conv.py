@@ -5,7 +5,7 @@ pixels. Cut the padded input into stride-blocks (each output's window is ``ceil(
 per axis); every block offset's share of the windows that read it is a plain matmul of the blocks
 with that offset's kernel slice (offsets covering equally many taps share one matmul), and each
 output adds its offsets' shares; the gradients are plain matmuls too. Only the ``cpu`` kernel
-policy takes it (docs/benchmarks.md, "CPU kernels"); accelerators keep the vendor's convolution.
+policy takes it (docs/history/cpu.md, "CPU kernels"); accelerators keep the vendor's convolution.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ XLA's CPU weight gradient of a stride-1 convolution slows down sharply once the 
 longer fits in cache. Here the forward pass and the input gradient stay XLA's, and the weight
 gradient is a sum over strips of rows of one matmul each, so each strip's working set stays
 cache-sized; taken from :data:`MIN_STRIP_BYTES` of output gradient, on the ``cpu`` policy only
-(docs/benchmarks.md, "CPU kernels").
+(docs/history/cpu.md, "CPU kernels").
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def _offset_outer(w: Array, a: Array, geom: Geometry) -> Array:
     :func:`_offset_weighted_sum` in ``xb``): the key and value gradients.
 
     One batched contraction over the offsets, not a sum of per-offset outer products, which XLA
-    fuses into one scattered-order loop over every offset's inputs (docs/benchmarks.md, "CPU kernels").
+    fuses into one scattered-order loop over every offset's inputs (docs/history/cpu.md, "CPU kernels").
     """
     n, sd, ns, c = w.shape[0], len(geom.grid), int(np.prod(geom.stride)), a.shape[-1]
     w_off = w.reshape(n, *geom.out, len(geom.offsets), *geom.stride)
