@@ -284,7 +284,7 @@ def pack_keys(key_ok: Array, arrays: Sequence[Array], policy: KernelPolicy = POR
     On the gpu policy each row's real tokens are gathered to its front once, in one stable order,
     for every array (differentiated by the inverse order): the fused kernel then masks each call by
     length, where every call would otherwise gather its own keys and values (compiled for an H100,
-    the COCO RAT-DETR step's six decoder layers spent 31.6 GB on it at 800 px). Softmax does not care
+    tens of gigabytes a step in the COCO RAT-DETR decoder's six layers at 800 px). Softmax does not care
     about key order. Elsewhere the arrays are returned as they are."""
     if not policy.uses("masked_attention"):
         return KeyPadding(key_ok), tuple(arrays)

@@ -7,7 +7,7 @@ kernel forward and two backward, the hidden activation never in memory (:mod:`ja
 Above :data:`CHUNK_HIDDEN_BYTES` of hidden activation in one call (every form but the fused one, which
 keeps nothing hidden-sized for the backward: its dropout masks are drawn again there), the MLP runs
 as a scan over token chunks, each rematerialised in the backward pass: at 1024 px the first SGA
-layer's three MLPs would otherwise keep ~10 GiB of GELU inputs, outputs and dropout masks alive. The
+layer's three MLPs would otherwise keep gigabytes of GELU inputs, outputs and dropout masks alive. The
 ``cpu`` policy also chunks smaller calls, keeping fc1's output (:mod:`jaxrat.ops.cpu.mlp`).
 """
 
@@ -31,8 +31,8 @@ CHUNK_HIDDEN_BYTES = 256 * 2**20
 CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one rematerialised chunk
 # The gpu policy fuses calls with at least this much hidden activation: every call. At 8 MiB the small
 # layers' MLPs (the third and fourth SGA layers', the MR blocks' on the small grids) were XLA's: with
-# their dropout masks drawn by XLA, 68 kernels more in the ISIC step compiled for an H100, for 3 s less
-# compile (benchmarks/gpu_cost.py).
+# their dropout masks drawn by XLA, dozens of kernels more in the ISIC step compiled for an H100, for a
+# few seconds less compile (benchmarks/gpu_cost.py).
 FUSED_HIDDEN_BYTES = 0
 
 

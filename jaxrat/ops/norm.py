@@ -5,7 +5,7 @@ otherwise XLA's, which keeps each token's mean and 1/std (float32) for the
 backward. Flax's LayerNorm differentiated by JAX recomputes them there, inside the kernel that forms
 the float32 product x_hat * g of the whole activation; a reduction (the statistics) inside another
 (the scale's gradient, summed over tokens) does not fuse, so that product went through memory first.
-Compiled for an H100 the ISIC step ran 27 fewer kernels with this form (benchmarks/gpu_cost.py).
+Compiled for an H100 the ISIC step runs fewer kernels with this form (benchmarks/gpu_cost.py).
 Other policies keep flax's own (the same function, up to rounding).
 """
 

@@ -7,7 +7,7 @@ forward is each projection's own product, as :class:`flax.nnx.Linear` computes i
 the projections' output gradients side by side and takes the input's gradient in one product (written
 once, summed in float32 inside it) and every weight's in one more (the input read once). Compiled for
 an H100 (benchmarks/gpu_cost.py), the COCO RAT-DETR step's six decoder layers' key and value
-projections of the memory: 1,642 -> 1,593 kernels, 306.3 -> 283.3 GB a step. The forward as one
+projections of the memory take fewer kernels and move fewer bytes this way. The forward as one
 product too costs more than it saves: each layer's slice of the joint output is copied out for the
 attention kernel.
 """

@@ -4,8 +4,8 @@ XLA's CPU runtime allocates a step's temporaries afresh every step. glibc serves
 above 32 MiB with new memory maps and unmaps them when freed, so each step faults its working
 memory (GiB at full resolution) in again, 4 KiB at a time. With the glibc tunable
 ``glibc.malloc.hugetlb=1`` malloc asks the kernel for transparent huge pages (``madvise``), 2 MiB
-per fault. Measured on this 2-core CPU, sparse RAT fwd+bwd, batch 2 (benchmarks/rat_scaling.py):
-2.80 -> 2.20 s at 256 px and 12.1 -> 9.4 s at 512 px; 0.72 -> 0.58 s at 128 px. glibc reads its
+per fault, and the sparse RAT's step on a 2-core CPU ran about a fifth faster at 128-512 px
+(benchmarks/rat_scaling.py; docs/history/cpu.md, "Huge pages"). glibc reads its
 tunables only when a process starts, so ``python -m jaxrat.main`` re-executes itself once with the
 tunable added. Nothing changes where it cannot help: another libc, glibc older than 2.35, or a
 kernel whose huge pages are ``always`` (already on) or ``never``, and a process that will run on

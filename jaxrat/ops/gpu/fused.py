@@ -295,7 +295,7 @@ def fused_attention_heads(q: Array, k: Array, v: Array, *, scale: float = 1.0, k
     """:func:`fused_attention` of token-major (B, N, H, d) arrays, the layout projections make, with
     ``kv_lengths`` (B,) (None: every key real): cuDNN reads them as they are (its BTNH layout), where
     folding the heads into the batch would transpose every operand, and in a backward every
-    gradient (compiled for an H100, 31.5 GB in the COCO step's decoder at 800 px). Other
+    gradient (compiled for an H100, tens of gigabytes a step in the COCO step's decoder at 800 px). Other
     implementations take the transposes. Returns (B, Nq, H, dv) in q's dtype."""
     b, nq, heads, dqk = q.shape
     nk, dv = k.shape[1], v.shape[-1]

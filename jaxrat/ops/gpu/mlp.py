@@ -2,8 +2,8 @@
 
 XLA runs the MLP as separate kernels around cuBLAS products, and its hidden activation (four times
 the tokens' width) goes through memory several times: fc1's output, GELU's, the dropped-out one, and
-in the backward their gradients (the SGA layers' MLPs moved about 5.9 GB of the ISIC step's 43 GB on
-an H100, docs/benchmarks.md). Here the hidden activation never leaves the chip:
+in the backward their gradients (compiled for an H100, the SGA layers' MLPs moved about a seventh of
+the ISIC step's bytes). Here the hidden activation never leaves the chip:
 
 * forward (token tiles): ``y = sum_j drop(gelu(x W1[:, j] + b1[j])) W2[j]`` over hidden chunks j;
 * backward, token tiles: ``dx = sum_j dh_j W1[:, j]^T`` with ``dh_j = (dy W2[j]^T) * mask * gelu'``,
@@ -18,7 +18,7 @@ Products run on the tensor cores in the operands' dtype with float32 accumulatio
 Dropout, of the hidden units and of the output, is drawn inside the kernels (:func:`kept`: a hash of
 a seed and each unit's global token and column) and drawn again, identically, by the backward ones:
 no mask is drawn by XLA or kept in memory. (Drawn as ``nnx.Dropout`` draws them, the masks cost the
-ISIC step, compiled for an H100, 22 kernels and 2.0 GB of traffic more: benchmarks/gpu_cost.py.)
+ISIC step, compiled for an H100, more kernels and more traffic: benchmarks/gpu_cost.py.)
 Tokens are numbered over the whole batch, so a sharded batch draws the same masks as one device.
 """
 
@@ -41,7 +41,7 @@ Array = jax.Array
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 CHUNK = 128  # hidden units per chunk in the forward pass
 # ... and in the inputs' pass: at 128, with both dropout masks drawn in the kernel, it needs more than
-# 255 registers a thread and spills 224 bytes compiled for an H100; at 64 none (gpu_registers.py)
+# 255 registers a thread and spills, compiled for an H100; at 64 it does not (gpu_registers.py)
 INPUTS_CHUNK = 64
 MAX_TILE, MIN_TILE = 64, 16  # tokens per tile: a power of two dividing the (padded) tokens
 
@@ -52,12 +52,12 @@ class WeightsPass:
     two float32 D x chunk accumulators over a loop of token tiles), the most shares of the tokens
     (hidden / chunk x splits programs against an H100's 132 SMs), warps and pipeline stages. A share
     has ``min_share`` token tiles (of the other passes, up to 64 tokens) at least, so the float32
-    partials (2 D Hd 4 bytes a share, added by XLA) stay small beside its tokens. Measured on an H100
-    at 118k tokens, D 128, Hd 512: 128 x 16 shares took 2.9 ms a call, 64 x 64 takes 0.4 ms
-    (docs/benchmarks.md). ``tile``: tokens a loop step (at most the other passes' tile): compiled
-    for an H100 with both dropout masks drawn in the kernel, 64 needs more than 255 registers a
-    thread and spills 460 bytes, 32 spills none (benchmarks/gpu_registers.py); not yet timed on a
-    GPU (benchmarks/mlp_gpu.py's ``cuts``)."""
+    partials (2 D Hd 4 bytes a share, added by XLA) stay small beside its tokens. On an H100, at the
+    ISIC first layer's MLP, 64 units x up to 64 shares ran several times faster than 128 x 16, whose
+    64 programs left half the SMs idle (docs/history/gpu_h100.md). ``tile``: tokens a loop step (at
+    most the other passes' tile): compiled for an H100 with both dropout masks drawn in the kernel,
+    64 needs more than 255 registers a thread and spills, 32 does not (benchmarks/gpu_registers.py);
+    chosen by registers alone (benchmarks/mlp_gpu.py's ``cuts`` times the cuts on a GPU)."""
 
     chunk: int = 64
     max_splits: int = 64
@@ -198,7 +198,7 @@ def _forward_kernel(*refs, hidden: int, drop: Drop):
     tokens = _tokens(drop_ref, pl.program_id(0) * t, t)
 
     # float32 weights take twice the registers of bfloat16 ones: half the units a step (at 128 the
-    # forward spilled 204 bytes a thread compiled for an H100, gpu_registers.py)
+    # forward spilled registers compiled for an H100, gpu_registers.py)
     c = CHUNK if w1_ref.dtype.itemsize <= 2 else CHUNK // 2
 
     def chunk(j, acc):  # a loop, not unrolled: Triton compiles it several times faster
@@ -236,8 +236,8 @@ def _weights_kernel(bounds_ref, *refs, tile: int, chunk: int, chunks: int, drop:
     """Tiles and tiles per share come as operands, not constants: one compiled kernel for every
     token count (Triton compiles each distinct kernel anew, seconds each). Programs of chunk
     ``chunks`` (one past the hidden layer's) sum b2's gradient instead: in a branch of its own, so
-    its accumulator takes no registers from the others (in theirs, the kernel spilled 208 bytes a
-    thread compiled for an H100)."""
+    its accumulator takes no registers from the others (in theirs, the kernel spilled registers
+    compiled for an H100)."""
     drop_ref, (x_ref, w1_ref, b1_ref, w2_ref, g_ref, parts_ref) = _split(refs, drop)
     tiles, per_split = bounds_ref[0], bounds_ref[1]
     j, s = pl.program_id(0), pl.program_id(1)

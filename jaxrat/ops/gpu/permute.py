@@ -3,8 +3,8 @@
 Both padded-key forms (windowed MR's padded tiles, DETR's letterboxed images) gather each row's real
 keys to the front so that cuDNN can mask the rest by length. ``take_along_axis`` differentiates to a
 scatter-add into zeros the size of the keys; a permutation's gradient is the inverse permutation,
-one gather (compiled for an H100: 0.33 GB less in the ISIC step's MR blocks, 16.5 GB in the COCO
-step's cross-attention).
+one gather (compiled for an H100: fewer bytes in the ISIC step's MR blocks, and many fewer in the
+COCO step's cross-attention).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ angles' gradient as one sum over the batch, over the rotated heads and pairs onl
     d_phase = sum_b (g_im re - g_re im) cos(phase) - (g_re re + g_im im) sin(phase)
 
 in float32 (as gradients of the cosine and sine tables, XLA read the activation and its gradient
-twice, once for each table, compiled for an H100: 830 MB in the ISIC first layer instead of 415).
+twice, once for each table: twice the bytes, compiled for an H100).
 """
 
 from __future__ import annotations

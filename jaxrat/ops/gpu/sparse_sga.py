@@ -35,13 +35,13 @@ float32. See :mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_
 
 The API is token-major, (B, N, H, d) as the projections make them. The kernels read keys and values
 as head-major slices, laid out once per layer: kernels reading them token-major in place measured
-slower on an H100 than the transposes cost (docs/benchmarks.md). Queries, cotangents, updates and
+slower on an H100 than the transposes cost (docs/history/gpu_h100.md). Queries, cotangents, updates and
 query gradients (a group tile's rows, read or written once a pass, stride and offset by the program's
 head) they take token-major in place: no transpose around a call, and the update goes straight into
 the layer norm after it, which XLA then runs as one kernel instead of five.
 
-Measured on an H100 against the portable kernel (first SGA layer of the ISIC step, float32 parity of
-the forward and every gradient, bfloat16 error): docs/benchmarks.md.
+Its parity with the portable kernel and its speed on an H100 (the ISIC step's first SGA layer):
+docs/history/gpu_h100.md; ``python benchmarks/sparse_sga_gpu.py`` measures them again.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def lay_out_projection(kv: Array, phase: Array | None, geom: Geometry, heads: in
     The rotation, the split and the layout happen here, so the backward writes the projection's
     gradient whole: the keys' pass stores the keys' gradients, turned back, and the values' into one
     (B, N_in, 2 H d) array in place (a concatenate of the two, transposed and turned back, had read
-    and written both again: 1.1 GB in the ISIC first layer, compiled for an H100). The angles'
+    and written both again, compiled for an H100). The angles'
     gradient is then one sum over the batch of that and ``kv``: by the rotation's invariance,
     g . dR/dphase x = (R^T g) . J x with J the quarter turn of each pair."""
     b, n_in, width = kv.shape

@@ -29,8 +29,8 @@ def group_products(R, mode: str, t, exact: bool, at=None):  # t: sparse_sga_kern
     ``t.segment`` inputs; the tile's logits against a segment are one (tw, dh) x (dh, segment)
     product, of which a band (each group's ``kx`` taps) is kept by a mask. The products compute
     segment / kx times the logits the taps need, but on the tensor cores and from contiguous loads,
-    where the tap form gathers each tap's keys and reduces each logit across threads (it ran at
-    about 30% of the H100's bandwidth, far from its arithmetic). ``at``: the (tile, output row), read
+    where the tap form gathers each tap's keys and reduces each logit across threads (it ran far
+    below the H100's bandwidth, and further from its arithmetic). ``at``: the (tile, output row), read
     from the program's ids where None."""
     tile, oy = (pl.program_id(0), pl.program_id(1)) if at is None else at
     ox = tile * t.tw + jnp.arange(t.tw, dtype=jnp.int32)

@@ -3,7 +3,7 @@
 :func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection` takes the projection ``x @ W + b`` as XLA made
 it: cuBLAS writes it token-major, and one more kernel reads it back to add the bias, turn the keys
 (RoSE) and write keys and values head-major, as the passes read them. In the ISIC first layer,
-compiled for an H100, that second kernel moved 1.1 GB, more than the product itself (0.8). Here each
+compiled for an H100, that second kernel moved more bytes than the product itself. Here each
 program multiplies a tile of :data:`TOKENS` inputs of one image by every head's columns of ``W`` (on
 the tensor cores, float32 accumulation), adds the bias, turns the keys and stores each head's rows
 straight into the head-major keys and values: the inputs are read once and the projection is never
@@ -14,8 +14,8 @@ projection's gradient token-major, keys turned back, and (inputs of at most
 :data:`MAX_FEATURES_IN_PASS` channels) the inputs' gradient too, each program taking one tile of an
 image through every head and multiplying each head's gradients by its columns of ``W`` on chip; XLA's
 product then gives the weights' gradient. In the ISIC first layer, compiled for an H100, that drops
-cuBLAS's product for the inputs' gradient, which read the projection's gradient back (0.8 GB): the
-step moves 0.54 GB less. Wider inputs, and ``SparseSGABlocks.input_grad_features = 0``, take XLA's product.
+cuBLAS's product for the inputs' gradient, which read the projection's gradient back: the step moves
+less. Wider inputs, and ``SparseSGABlocks.input_grad_features = 0``, take XLA's product.
 
 The angles' gradient is taken from the laid-out keys, as the token-major
 projection no longer exists: with g the turned-back gradient and k = R x the turned keys,

@@ -9,9 +9,9 @@ before row j it computes the statistic of the ``sy`` input rows j's window ends 
 before them once, at its first row), then, after a barrier (so every thread of the program sees what
 the others stored), row j's group tiles, which read those statistics back where they were just
 written and the keys and values the input tiles have just read: from the SM's caches, not device
-memory. Compiled for an H100, the ISIC step's first layer's two passes of a round move 0.97 GB
-(forward) and 1.40 GB (backward) as two kernels, counting each kernel's operands once; as one, 0.63
-and 0.73 GB (the second pass's operands: it already read the keys and values whole).
+memory. Compiled for an H100, the ISIC step's first layer's two passes of a round move about a third
+fewer bytes forward as one kernel than as two, and about half as many backward, counting each kernel's
+operands once (what is saved is the second pass's operands: it already read the keys and values whole).
 
 Input rows two neighbouring programs both need (the ``ky - sy`` rows where their windows overlap),
 and rows off the image (clamped to its edge), are computed by each of them: the same code on the same
@@ -33,8 +33,8 @@ from jaxrat.ops.gpu.sparse_sga_tiles import clip
 def applies(t: K.Tiling) -> bool:
     """Whether ``t``'s passes sweep: asked for (``t.sweep_rows`` > 0, the output rows a program sweeps:
     fewer make more programs, the ISIC first layer's 86 rows x 128 slices make 1,408 at 8, but recompute
-    more overlap rows, ky - sy input rows a program: 4 of 28 there; 0 runs the passes apart, as measured
-    on an H100 on 2026-11-27), and windows that leave no input row between them."""
+    more overlap rows, ky - sy input rows a program: 4 of 28 there; 0 runs the passes apart, the form
+    last timed on an H100), and windows that leave no input row between them."""
     return t.sweep_rows > 0 and t.sy <= t.ky
 
 

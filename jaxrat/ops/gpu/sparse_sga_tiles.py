@@ -117,7 +117,7 @@ def dot(a, b, exact: bool, transpose_b: bool = False):
     """a @ b (or a @ b.T) accumulated in float32. A float32 operand (weights, gradients of logits)
     meets a bfloat16 one (keys, values, queries, cotangents of a bfloat16 step) in bfloat16, as
     FlashAttention's probabilities and their gradients do: one tensor-core product, and half the
-    registers (as three TF32 products, the group tiles' gradient pass spilled 6 KB a thread, compiled
+    registers (as three TF32 products, the group tiles' gradient pass spilled registers, compiled
     for an H100). Float32 operands both go as three TF32 products (about float32's accuracy), or
     exactly where ``exact`` (interpret mode: a CPU has no TF32)."""
     if a.dtype != b.dtype:
