@@ -215,30 +215,35 @@ def _python_after_setup(spec: JobSpec) -> str:
     return _q(sys.executable)
 
 
-def render(spec: JobSpec, scheduler: str = "slurm") -> str:
-    """The job script text for ``scheduler`` ("slurm" or "lsf")."""
-    validate(spec, scheduler)
-    template = resources.files("jaxrat").joinpath("launch_templates", _TEMPLATES[scheduler]).read_text()
-    g, t = spec.gpus_per_node, spec.ntasks_per_node
+def _scheduler_header(spec: JobSpec, scheduler: str) -> tuple[str, str, str, str]:
+    """What differs between the schedulers' headers: (resource directive lines, time limit in the
+    scheduler's format, log file name, job name)."""
+    g = spec.gpus_per_node
     limit = f"%{spec.array_parallel}" if spec.array_parallel else ""
-    job_name = spec.name
     if scheduler == "slurm":
         pairs = [("gpus-per-node", g or None), ("cpus-per-task", spec.cpus_per_task), ("mem", spec.mem),
                  ("partition", spec.partition), ("account", spec.account), ("qos", spec.qos),
                  ("array", index_ranges(spec.elements) + limit if spec.array else None)]
         lines = [f"#SBATCH --{k}={v}\n" for k, v in pairs if v is not None]
         lines += [f"#SBATCH {d}\n" for d in spec.extra_directives]
-        time = spec.time
-        log = slurm_log(spec)
-    else:
-        pairs = [("-gpu", f'"num={g}:mode=exclusive_process"' if g else None), ("-q", spec.partition),
-                 ("-P", spec.account), ("-M", spec.mem)]
-        lines = [f"#BSUB {k} {v}\n" for k, v in pairs if v is not None]
-        lines += [f"#BSUB {d}\n" for d in spec.extra_directives]
-        time = f"{_minutes(spec.time) // 60}:{_minutes(spec.time) % 60:02d}"
-        log = "lsf-%J_%I.out" if spec.array else "lsf-%J.out"
-        if spec.array:
-            job_name = f'"{job_name}[{index_ranges(spec.elements, offset=1)}]{limit}"'
+        return "".join(lines), spec.time, slurm_log(spec), spec.name
+    pairs = [("-gpu", f'"num={g}:mode=exclusive_process"' if g else None), ("-q", spec.partition),
+             ("-P", spec.account), ("-M", spec.mem)]
+    lines = [f"#BSUB {k} {v}\n" for k, v in pairs if v is not None]
+    lines += [f"#BSUB {d}\n" for d in spec.extra_directives]
+    time = f"{_minutes(spec.time) // 60}:{_minutes(spec.time) % 60:02d}"
+    log = "lsf-%J_%I.out" if spec.array else "lsf-%J.out"
+    # LSF has no array directive: the index list and its limit are part of the job name.
+    job_name = f'"{spec.name}[{index_ranges(spec.elements, offset=1)}]{limit}"' if spec.array else spec.name
+    return "".join(lines), time, log, job_name
+
+
+def render(spec: JobSpec, scheduler: str = "slurm") -> str:
+    """The job script text for ``scheduler`` ("slurm" or "lsf")."""
+    validate(spec, scheduler)
+    template = resources.files("jaxrat").joinpath("launch_templates", _TEMPLATES[scheduler]).read_text()
+    t = spec.ntasks_per_node
+    resource_lines, time, log, job_name = _scheduler_header(spec, scheduler)
     stage, data_flag = "", ""
     if spec.stage_data:
         stage = _stage_block(spec, scheduler)
@@ -252,7 +257,7 @@ def render(spec: JobSpec, scheduler: str = "slurm") -> str:
         "nodes": str(spec.nodes),
         "tasks_per_node": str(t),
         "total_tasks": str(spec.nodes * t),
-        "resource_lines": "".join(lines),
+        "resource_lines": resource_lines,
         "time": time,
         # SLURM opens the log before the script runs, so it must go to a folder that exists: the
         # one sbatch runs in (a hand-submitted script); --submit creates the workdir and logs there.

@@ -44,6 +44,27 @@ def note_synthetic_off(data_dir: str) -> None:
                  "(and never writes into it)", data_dir)
 
 
+def _bad_file_policy(data_cfg: Any, workdir: str, process_index: int) -> BadFilePolicy:
+    """``data.on_bad_file``, recording the skipped files in the workdir from process 0 only."""
+    record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
+    return BadFilePolicy(_get(data_cfg, "on_bad_file", "fail"), record)
+
+
+def _synthetic_dir(workdir: str, process_index: int) -> str:
+    # One copy per process on its own disk: correct whether or not the workdir is shared.
+    return os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+
+
+def _staged(data_cfg: Any, data_dir: str) -> str:
+    """``data_dir``, or its copy on node-local disk when ``data.stage_to_local_dir`` is set."""
+    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
+    if not local:
+        return data_dir
+    from jaxrat.data import staging
+
+    return staging.stage(data_dir, local)
+
+
 @refuse_once
 def resolve_segmentation(
     data_cfg: Any, workdir: str, *, seed: int, process_index: int, num_classes: int = 1
@@ -59,8 +80,7 @@ def resolve_segmentation(
     source = _get(data_cfg, "source", "files")
     if source not in SOURCES:
         raise ConfigError(f"config.data.source={source!r}; use one of {list(SOURCES)}.")
-    record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
-    policy = BadFilePolicy(_get(data_cfg, "on_bad_file", "fail"), record)
+    policy = _bad_file_policy(data_cfg, workdir, process_index)
     eval_split = _get(data_cfg, "eval_split", "validation") or "validation"
     if eval_split not in ("train", "validation", "test"):
         raise ConfigError(f"Evaluation split {eval_split!r}; use train, validation or test.")
@@ -70,35 +90,41 @@ def resolve_segmentation(
     if eval_split == "test" and data_cfg.synthetic and not (data_cfg.data_dir or ""):
         raise ConfigError("The synthetic dataset has no test split; evaluate --split validation or train, or point "
                           "--config.data.data_dir at ISIC 2018 with its test ground truth.")
-
     if source == "tfds":
-        from jaxrat.data.sources import isic_arrayrecord
+        return _isic_arrayrecord(data_cfg, policy, eval_split)
+    return _isic_files(data_cfg, workdir, policy, eval_split, seed=seed, process_index=process_index)
 
-        if folds.settings(data_cfg)[0]:
-            raise ConfigError("config.data.folds applies to source='files'; cross-validate on the image folders "
-                              "(--config.data.source=files) or set --config.data.folds=0.")
-        tfds_dir = os.path.expanduser(data_cfg.data_dir or "") or os.path.join(isic.default_data_dir(), "tfds")
-        return tuple(  # type: ignore[return-value]
-            isic_arrayrecord.example_source(tfds_dir, split, policy, _get(data_cfg, "split_file", ""))
-            for split in ("train", eval_split)
-        )
 
+def _isic_arrayrecord(data_cfg: Any, policy: BadFilePolicy,
+                      eval_split: str) -> tuple[ExampleSource, ExampleSource]:
+    """ISIC 2018 from the ArrayRecord files ``python -m jaxrat.data.prepare_isic`` writes."""
+    from jaxrat.data.sources import isic_arrayrecord
+
+    if folds.settings(data_cfg)[0]:
+        raise ConfigError("config.data.folds applies to source='files'; cross-validate on the image folders "
+                          "(--config.data.source=files) or set --config.data.folds=0.")
+    tfds_dir = os.path.expanduser(data_cfg.data_dir or "") or os.path.join(isic.default_data_dir(), "tfds")
+    return tuple(  # type: ignore[return-value]
+        isic_arrayrecord.example_source(tfds_dir, split, policy, _get(data_cfg, "split_file", ""))
+        for split in ("train", eval_split)
+    )
+
+
+def _isic_files(data_cfg: Any, workdir: str, policy: BadFilePolicy, eval_split: str, *, seed: int,
+                process_index: int) -> tuple[ExampleSource, ExampleSource]:
+    """ISIC 2018 from its official image and mask folders (or the synthetic stand-in written in their
+    layout), with validation a fold of the training split when ``data.folds`` is set."""
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and data_dir:
         note_synthetic_off(data_dir)
     elif data_cfg.synthetic:
-        # One copy per process on its own disk: correct whether or not the workdir is shared.
-        data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+        data_dir = _synthetic_dir(workdir, process_index)
         synthetic_isic.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
                                      synthetic_image_size(data_cfg), seed)
     data_dir = data_dir or isic.default_data_dir()
-    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
-    if local:
-        from jaxrat.data import staging
-
-        if not os.path.isdir(data_dir):
-            isic.find_pairs(data_dir, "train")  # raises the helpful "not found" message
-        data_dir = staging.stage(data_dir, local)
+    if _get(data_cfg, "stage_to_local_dir", "") and not os.path.isdir(data_dir):
+        isic.find_pairs(data_dir, "train")  # raises the helpful "not found" message
+    data_dir = _staged(data_cfg, data_dir)
     split_file = _get(data_cfg, "split_file", "")
     if folds.settings(data_cfg)[0]:  # validation is a fold of the training split
         pairs = isic.find_pairs(data_dir, "train", split_file=split_file, policy=policy)
@@ -126,16 +152,12 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
     if data_cfg.synthetic and data_dir:
         note_synthetic_off(data_dir)
     if data_cfg.synthetic and not data_dir:
-        data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+        data_dir = _synthetic_dir(workdir, process_index)
         synthetic_segmentation.write_dataset(data_dir, data_cfg.synthetic_train + data_cfg.synthetic_val,
                                              synthetic_image_size(data_cfg), seed)
     if not data_dir:
         raise ConfigError("config.data.data_dir is empty; point it at the folder holding images/ and masks/.")
-    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
-    if local:
-        from jaxrat.data import staging
-
-        data_dir = staging.stage(data_dir, local)
+    data_dir = _staged(data_cfg, data_dir)
     total = data_cfg.synthetic_train + data_cfg.synthetic_val
     fraction = (data_cfg.synthetic_val / total if data_cfg.synthetic and total and not data_cfg.data_dir
                 else float(_get(data_cfg, "val_fraction", 0.2)))
@@ -190,54 +212,71 @@ def resolve_classification(
     source = _get(data_cfg, "source", "csv")
     if source not in CLASSIFICATION_SOURCES:
         raise ConfigError(f"config.data.source={source!r}; use one of {list(CLASSIFICATION_SOURCES)}.")
-    record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
-    policy = BadFilePolicy(_get(data_cfg, "on_bad_file", "fail"), record)
+    policy = _bad_file_policy(data_cfg, workdir, process_index)
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
-    train_csv, val_csv = _get(data_cfg, "train_csv", "train.csv"), _get(data_cfg, "val_csv", "val.csv")
+    csvs = _get(data_cfg, "train_csv", "train.csv"), _get(data_cfg, "val_csv", "val.csv")
     if data_cfg.synthetic and not data_dir:
-        data_dir = os.path.join(workdir, "synthetic_data", f"process_{process_index}")
+        data_dir = _synthetic_dir(workdir, process_index)
         written = synthetic_classification.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
                                                          synthetic_image_size(data_cfg), seed)
-        source, (train_csv, val_csv) = "csv", (written["train"], written["validation"])
+        source, csvs = "csv", (written["train"], written["validation"])
     if not data_dir:
         raise ConfigError("config.data.data_dir is empty; point it at the folder of your images (and CSVs).")
-    local = os.path.expanduser(_get(data_cfg, "stage_to_local_dir", "") or "")
-    if local:
-        from jaxrat.data import staging
-
-        data_dir = staging.stage(data_dir, local)
+    data_dir = _staged(data_cfg, data_dir)
     if source == "folder":
-        if tuple(heads) != ("label",):
-            raise ConfigError(f"config.task.heads={tuple(heads)}: a folder per class gives one head; "
-                              f"use ('label',) or a CSV for several.")
-        splits = [folder.folder_records(os.path.join(data_dir, s), policy=policy) for s in ("train", "val")]
-        vocabs = [{"label": classes} for _, classes in splits]
+        splits = _class_folder_splits(data_dir, heads, policy)
     else:
-        for field, name in (("train_csv", train_csv), ("val_csv", val_csv)):
-            if not os.path.isfile(os.path.join(data_dir, name)):
-                raise DataError(f"CSV file {os.path.join(data_dir, name)} not found; write it there (an "
-                                f"{_get(data_cfg, 'image_column', 'image')!r} column and one per head), point "
-                                f"--config.data.{field} at yours (relative to data_dir), or, for one folder per "
-                                f"class (DIR/train/<class>/*, DIR/val/<class>/*), set --config.data.source=folder.")
-        column = _get(data_cfg, "image_column", "image")
-        splits = [folder.csv_records(os.path.join(data_dir, p), image_column=column, label_columns=heads,
-                                     image_root=data_dir, policy=policy) for p in (train_csv, val_csv)]
-        vocabs = [v for _, v in splits]
-    records, shared = _share_vocabularies([r for r, _ in splits], vocabs, heads)
+        splits = _csv_splits(data_cfg, data_dir, csvs, heads, policy)
+    records, shared = _share_vocabularies([r for r, _ in splits], [v for _, v in splits], heads)
     labels = np.stack([r["labels"] for split in records for r in split])
     found = tuple(max(len(shared[h]), int(labels[:, i].max()) + 1) for i, h in enumerate(heads))
-    names = ("train", "validation")
+    records, names = _classification_folds(data_cfg, records, data_dir, process_index=process_index, workdir=workdir)
+    out = [ExampleSource(r, loader=folder.DecodeClassification(), policy=policy, name=f"{source}/{s}")
+           for r, s in zip(records, names)]
+    return out[0], out[1], shared, found
+
+
+def _class_folder_splits(data_dir: str, heads: tuple[str, ...],
+                         policy: BadFilePolicy) -> list[tuple[list[dict], dict[str, list]]]:
+    """(records, vocabularies) of ``data_dir/train`` and ``data_dir/val``, one folder per class."""
+    from jaxrat.data.sources import folder
+
+    if tuple(heads) != ("label",):
+        raise ConfigError(f"config.task.heads={tuple(heads)}: a folder per class gives one head; "
+                          f"use ('label',) or a CSV for several.")
+    splits = [folder.folder_records(os.path.join(data_dir, s), policy=policy) for s in ("train", "val")]
+    return [(records, {"label": classes}) for records, classes in splits]
+
+
+def _csv_splits(data_cfg: Any, data_dir: str, csvs: tuple[str, str], heads: tuple[str, ...],
+                policy: BadFilePolicy) -> list[tuple[list[dict], dict[str, list]]]:
+    """(records, vocabularies) of the train and validation CSVs (paths relative to ``data_dir``)."""
+    from jaxrat.data.sources import folder
+
+    column = _get(data_cfg, "image_column", "image")
+    for field, name in zip(("train_csv", "val_csv"), csvs):
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            raise DataError(f"CSV file {os.path.join(data_dir, name)} not found; write it there (an "
+                            f"{column!r} column and one per head), point "
+                            f"--config.data.{field} at yours (relative to data_dir), or, for one folder per "
+                            f"class (DIR/train/<class>/*, DIR/val/<class>/*), set --config.data.source=folder.")
+    return [folder.csv_records(os.path.join(data_dir, p), image_column=column, label_columns=heads,
+                               image_root=data_dir, policy=policy) for p in csvs]
+
+
+def _classification_folds(data_cfg: Any, records: list[list[dict]], data_dir: str, *, process_index: int,
+                          workdir: str) -> tuple[list[list[dict]], tuple[str, str]]:
+    """The (train, validation) records and their names: the two splits, or with ``data.folds`` a fold
+    of the training split held out."""
     train = records[0]
     ids = [os.path.relpath(str(r["path"]), data_dir) for r in train]
     # Stratified by the first head's class: each fold holds its classes in the training split's proportions.
     parts = folds.split(train, ids, data_cfg, classes=[int(r["labels"][0]) for r in train],
                         process_index=process_index, workdir=workdir)
-    if parts is not None:
-        k, fold = folds.settings(data_cfg)[:2]
-        records, names = list(parts), (f"train-fold{fold}of{k}", f"fold{fold}of{k}")
-    out = [ExampleSource(r, loader=folder.DecodeClassification(), policy=policy, name=f"{source}/{s}")
-           for r, s in zip(records, names)]
-    return out[0], out[1], shared, found
+    if parts is None:
+        return records, ("train", "validation")
+    k, fold = folds.settings(data_cfg)[:2]
+    return list(parts), (f"train-fold{fold}of{k}", f"fold{fold}of{k}")
 
 
 def _share_vocabularies(records: list[list[dict]], vocabs: list[dict[str, list]],

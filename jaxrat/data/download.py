@@ -156,6 +156,46 @@ def _save_state(dest: str, state: dict) -> None:
     write_json(os.path.join(dest, _STATE), state, indent=1, sort_keys=True)
 
 
+def _selected_archives(dataset: str, splits: tuple[str, ...] | None) -> tuple[Dataset, list[Archive]]:
+    """``dataset``'s registry entry and its archives of ``splits`` (all when None); unknown names refused."""
+    if dataset not in DATASETS:
+        raise DataError(f"Unknown dataset {dataset!r}; use one of {sorted(DATASETS)}.")
+    spec = DATASETS[dataset]
+    known = sorted({a.split for a in spec.archives})
+    if splits:
+        unknown = set(splits) - set(known)
+        if unknown:
+            raise DataError(f"Unknown split(s) {sorted(unknown)} for {dataset}; use some of {known}.")
+    return spec, [a for a in spec.archives if not splits or a.split in splits]
+
+
+def _pinned(arc: Archive, checksums: dict[str, str | dict] | None) -> tuple[str | None, int | None]:
+    """The (SHA-256, size) an archive must have: ``checksums``' values, else the registry's."""
+    pin = (checksums or {}).get(os.path.basename(arc.name))
+    pin = pin if isinstance(pin, dict) else {"sha256": pin}
+    return pin.get("sha256") or arc.sha256, pin.get("size") or arc.size
+
+
+def _fetch_verified(url: str, path: str, *, sha256: str | None, size: int | None, retries: int, timeout: float,
+                    backoff: float) -> str:
+    """Fetch ``url`` to ``path`` unless an earlier run left it there, verify it, and return its SHA-256."""
+    meta = {"etag": None}
+    kept = os.path.exists(path)  # an archive a run before this one fetched (--keep-archives, a kill)
+    if not kept:
+        logging.info("downloading %s", url)
+        meta = fetch(url, path, retries=retries, timeout=timeout, backoff=backoff, size=size)
+    try:
+        return verify(path, etag=meta.get("etag"), sha256=sha256, size=size)
+    except DataError as e:
+        if not kept:
+            raise
+        # verify() deleted it; a kept archive that no longer checks out is fetched again, not trusted.
+        logging.warning("%s in %s fails its check (%s); downloading it again", os.path.basename(path),
+                        os.path.dirname(path), e)
+        meta = fetch(url, path, retries=retries, timeout=timeout, backoff=backoff, size=size)
+        return verify(path, etag=meta.get("etag"), sha256=sha256, size=size)
+
+
 def download(
     dataset: str,
     dest: str,
@@ -171,14 +211,7 @@ def download(
     """Fetch, verify and extract ``dataset``'s archives (those of ``splits``) into ``dest``;
     returns the names of the archives extracted by this call (already extracted ones are skipped).
     ``checksums``: archive file name -> its SHA-256, or {"sha256": ..., "size": bytes} (either may be left out)."""
-    if dataset not in DATASETS:
-        raise DataError(f"Unknown dataset {dataset!r}; use one of {sorted(DATASETS)}.")
-    spec = DATASETS[dataset]
-    known = sorted({a.split for a in spec.archives})
-    if splits:
-        unknown = set(splits) - set(known)
-        if unknown:
-            raise DataError(f"Unknown split(s) {sorted(unknown)} for {dataset}; use some of {known}.")
+    spec, archives = _selected_archives(dataset, splits)
     base = (base_url or spec.base_url).rstrip("/") + "/"
     dest = os.path.abspath(dest)
     downloads = os.path.join(dest, "downloads")
@@ -188,33 +221,16 @@ def download(
         raise DataError(f"Cannot create {downloads} ({e.strerror}); choose another --dest.") from None
     state = _load_state(dest)
     done = []
-    for arc in spec.archives:
-        if splits and arc.split not in splits:
-            continue
+    for arc in archives:
         fname = os.path.basename(arc.name)
-        pin = (checksums or {}).get(fname)
-        pin = pin if isinstance(pin, dict) else {"sha256": pin}
-        pinned, size = pin.get("sha256") or arc.sha256, pin.get("size") or arc.size
+        pinned, size = _pinned(arc, checksums)
         if _extracted(state.get(fname), dest, pinned):
             logging.info("%s already extracted in %s", fname, dest)
             continue
         path = os.path.join(downloads, fname)
-        meta = {"etag": None}
-        kept = os.path.exists(path)  # an archive a run before this one fetched (--keep-archives, a kill)
-        if not kept:
-            logging.info("downloading %s", base + arc.name)
-            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff, size=size)
-        try:
-            digest = verify(path, etag=meta.get("etag"), sha256=pinned, size=size)
-        except DataError as e:
-            if not kept:
-                raise
-            # verify() deleted it; a kept archive that no longer checks out is fetched again, not trusted.
-            logging.warning("%s in %s fails its check (%s); downloading it again", fname, downloads, e)
-            meta = fetch(base + arc.name, path, retries=retries, timeout=timeout, backoff=backoff, size=size)
-            digest = verify(path, etag=meta.get("etag"), sha256=pinned, size=size)
-        entries = extract(path, dest)
-        state[fname] = {"sha256": digest, "entries": entries}
+        digest = _fetch_verified(base + arc.name, path, sha256=pinned, size=size, retries=retries, timeout=timeout,
+                                 backoff=backoff)
+        state[fname] = {"sha256": digest, "entries": extract(path, dest)}
         _save_state(dest, state)
         if not keep_archives:
             os.remove(path)

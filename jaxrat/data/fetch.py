@@ -49,57 +49,18 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
     (pinned): a server offering another length is refused before a byte is written. ``mirror_flag``
     is the calling command's option for another server, which its errors name."""
     part, meta_path = path + ".part", path + ".part.json"
-    meta = _read_meta(meta_path)
+    meta = _read_meta(meta_path)  # each attempt updates it in place, so the next one resumes against it
     last_error = None
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff * attempt)
         have = os.path.getsize(part) if os.path.exists(part) else 0
         if have and have == meta.get("size"):  # complete before a kill; a Range request would get 416
-            move_into_place(part, path)
-            os.remove(meta_path)
+            _complete(part, path, meta_path)
             return meta
-        headers = {"User-Agent": "jaxrat-download"}
-        if have and meta.get("etag"):
-            headers.update({"Range": f"bytes={have}-", "If-Range": meta["etag"]})
         try:
-            resp = _open(url, headers, timeout)
-            _refuse_html(resp, url)
-            if resp.status == 206 and not _continues(resp, have, meta.get("etag")):
-                # Appending this would splice two versions or misplace bytes: start again.
-                logging.warning("%s: the server's partial answer does not continue our file; restarting", url)
-                resp.close()
-                os.remove(part)
-                resp = _open(url, {"User-Agent": "jaxrat-download"}, timeout)
-                _refuse_html(resp, url)
-            with resp:
-                etag = resp.headers.get("ETag")
-                if resp.status == 206:
-                    total = int(resp.headers["Content-Range"].rsplit("/", 1)[1])
-                    mode = "ab"
-                    logging.info("resuming %s at %.1f of %.1f MB", url, have / 1e6, total / 1e6)
-                else:  # 200: a fresh start (no partial file, no Range support, or the file changed)
-                    total = int(resp.headers.get("Content-Length", -1))
-                    mode, have = "wb", 0
-                if size is not None and total >= 0 and total != size:
-                    raise DataError(f"{url} offers {total} bytes but its pinned size is {size}; it is another file: "
-                                    f"check --base-url and the --checksums entry.")
-                total = size if size is not None and total < 0 else total
-                _check_space(part, total - have if total >= 0 else -1, url)
-                meta = {"etag": etag, "size": total}
-                _write_meta(meta_path, meta)
-                with open(part, mode) as out:
-                    # read1: whatever has arrived, so a stall or a cut loses nothing already received
-                    # (read(n) waits for n bytes and drops them all when the socket times out).
-                    for chunk in iter(lambda: resp.read1(_CHUNK), b""):
-                        out.write(chunk)
-                        have += len(chunk)
-            if total >= 0 and have != total:
-                raise ConnectionError(f"got {have} of {total} bytes")
-            if total < 0:  # no length: a closed connection looks like the end, so ask whether there is more
-                _confirm_end(url, have, etag, timeout)
-            move_into_place(part, path)
-            os.remove(meta_path)
+            _attempt(url, part, meta_path, meta, have, size=size, timeout=timeout)
+            _complete(part, path, meta_path)
             return meta
         except urllib.error.HTTPError as e:
             if e.code == 416:  # our partial file is not a prefix of the server's: start over
@@ -121,13 +82,84 @@ def fetch(url: str, path: str, *, retries: int = 5, timeout: float = 60.0, backo
             last_error = e
         if attempt < retries:
             logging.warning("download of %s interrupted (%s); retry %d of %d", url, last_error, attempt + 1, retries)
+    raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); "
+                    f"{_advice_after_failure(part, last_error, mirror_flag)}.")
+
+
+def _complete(part: str, path: str, meta_path: str) -> None:
+    move_into_place(part, path)
+    os.remove(meta_path)
+
+
+def _attempt(url: str, part: str, meta_path: str, meta: dict, have: int, *, size: int | None,
+             timeout: float) -> None:
+    """One request: the rest of ``part`` (or all of it again), checked to be whole. ``meta`` is
+    replaced in place by the answer's ETag and length, and saved, before a byte is written."""
+    resp = _open_resuming(url, part, have, meta.get("etag"), timeout)
+    with resp:
+        etag = resp.headers.get("ETag")
+        total, have = _answer_lengths(resp, url, have, size)
+        _check_space(part, total - have if total >= 0 else -1, url)
+        meta.clear()
+        meta.update({"etag": etag, "size": total})
+        _write_meta(meta_path, meta)
+        have += _write_body(resp, part, "ab" if resp.status == 206 else "wb")
+    if total >= 0 and have != total:
+        raise ConnectionError(f"got {have} of {total} bytes")
+    if total < 0:  # no length: a closed connection looks like the end, so ask whether there is more
+        _confirm_end(url, have, etag, timeout)
+
+
+def _open_resuming(url: str, part: str, have: int, etag: str | None, timeout: float):
+    """The server's answer to a request for the bytes after ``have`` (with the ETag they came with),
+    or for the whole file when there are none or a partial answer would not continue them."""
+    headers = {"User-Agent": "jaxrat-download"}
+    if have and etag:
+        headers.update({"Range": f"bytes={have}-", "If-Range": etag})
+    resp = _open(url, headers, timeout)
+    _refuse_html(resp, url)
+    if resp.status == 206 and not _continues(resp, have, etag):
+        # Appending this would splice two versions or misplace bytes: start again.
+        logging.warning("%s: the server's partial answer does not continue our file; restarting", url)
+        resp.close()
+        os.remove(part)
+        resp = _open(url, {"User-Agent": "jaxrat-download"}, timeout)
+        _refuse_html(resp, url)
+    return resp
+
+
+def _answer_lengths(resp, url: str, have: int, size: int | None) -> tuple[int, int]:
+    """(the file's length, -1 when unknown; the bytes of it the partial file keeps) by a 206 (resumed)
+    or 200 answer; a length other than the pinned ``size`` is refused."""
+    if resp.status == 206:
+        total = int(resp.headers["Content-Range"].rsplit("/", 1)[1])
+        logging.info("resuming %s at %.1f of %.1f MB", url, have / 1e6, total / 1e6)
+    else:  # 200: a fresh start (no partial file, no Range support, or the file changed)
+        total, have = int(resp.headers.get("Content-Length", -1)), 0
+    if size is not None and total >= 0 and total != size:
+        raise DataError(f"{url} offers {total} bytes but its pinned size is {size}; it is another file: "
+                        f"check --base-url and the --checksums entry.")
+    return (size if size is not None and total < 0 else total), have
+
+
+def _write_body(resp, part: str, mode: str) -> int:
+    """Write the answer's body to ``part`` (``mode`` "ab" appends); returns the bytes written."""
+    written = 0
+    with open(part, mode) as out:
+        # read1: whatever has arrived, so a stall or a cut loses nothing already received
+        # (read(n) waits for n bytes and drops them all when the socket times out).
+        for chunk in iter(lambda: resp.read1(_CHUNK), b""):
+            out.write(chunk)
+            written += len(chunk)
+    return written
+
+
+def _advice_after_failure(part: str, last_error: Exception | None, mirror_flag: str) -> str:
     if os.path.exists(part) and os.path.getsize(part):
-        fix = f"run the same command again to resume from {part}"
-    elif isinstance(last_error, urllib.error.HTTPError):  # the server answered, so not the network
-        fix = f"the server failed; run the same command again later or use a mirror with {mirror_flag}"
-    else:
-        fix = f"check the network connection and {mirror_flag}, then run the same command again"
-    raise DataError(f"Download of {url} failed after {retries + 1} attempts ({last_error}); {fix}.")
+        return f"run the same command again to resume from {part}"
+    if isinstance(last_error, urllib.error.HTTPError):  # the server answered, so not the network
+        return f"the server failed; run the same command again later or use a mirror with {mirror_flag}"
+    return f"check the network connection and {mirror_flag}, then run the same command again"
 
 
 def _refuse_html(resp, url: str) -> None:

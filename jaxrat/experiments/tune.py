@@ -8,10 +8,10 @@ JournalStorage on a file: appends under a file lock, so workers on several nodes
 elements of a SLURM job array, share it), with a TPE sampler and a median pruner.
 
 A worker (:func:`run_worker`) asks for a trial, trains it in ``ROOT/trials/trial_<n>`` as a
-subprocess, and follows its ``metrics.jsonl``: every evaluation of the objective metric is
-reported to the trial, and when the pruner says so the run gets SIGTERM (it checkpoints and stops,
-as when preempted) and the trial is PRUNED. Workers stop when the study holds ``trials`` trials
-and none of them is still queued.
+subprocess, and follows its ``metrics.jsonl`` (:mod:`jaxrat.experiments.tune_trial`): every
+evaluation of the objective metric is reported to the trial, and when the pruner says so the run
+gets SIGTERM (it checkpoints and stops, as when preempted) and the trial is PRUNED. Workers stop
+when the study holds ``trials`` trials and none of them is still queued.
 
 A trial whose worker died (kill -9, a lost node) stays RUNNING in the journal; a worker that
 finds one (its worker's process gone from this host, or its heartbeat file older than
@@ -21,20 +21,19 @@ resumes the run from its checkpoint. Such a replaced trial does not count toward
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from jaxrat.cluster import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from jaxrat.config import check_override_args, load_config, load_config_module
-from jaxrat.experiments.sweep import _value, die_with_parent, train_command, wait_for_stopping_run
+from jaxrat.experiments.sweep import _value, train_command
+from jaxrat.experiments.tune_trial import Interrupted, run_trial
 from jaxrat.runtime.errors import ConfigError, UserError
 
 JOURNAL = "optuna_journal.log"
@@ -240,91 +239,6 @@ def recover_stale(study: Any, root: str, me: str = "") -> list[int]:
     return out
 
 
-# ----------------------------------------------------------------------------------- one trial
-
-def _eval_rows(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """Complete lines of ``metrics.jsonl`` after ``offset``; returns them and the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    rows = []
-    for line in data[:end].splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows, offset + end
-
-
-class Interrupted(Exception):
-    """The worker was asked to stop (SIGTERM/SIGINT): its trial is queued again."""
-
-
-# A trial's training process that ended like this was stopped from outside (its checkpoint is kept).
-PREEMPTED_STATUSES = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE, -signal.SIGTERM, -signal.SIGINT, -signal.SIGUSR1)
-
-
-def run_trial(trial: Any, cmd: list[str], workdir: str, metric: str, env: dict[str, str] | None = None,
-              stop: threading.Event | None = None) -> tuple[str, float | None]:
-    """Train one trial; ("complete", value), ("pruned", last value) or ("failed", None).
-
-    Raises :class:`Interrupted` when ``stop`` is set (the run was told to checkpoint and stop)."""
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "metrics.jsonl")
-    offset, last, pruned = 0, None, False
-    with open(os.path.join(workdir, "tune.log"), "ab") as log:
-        wait_for_stopping_run(workdir, f"tune: trial {trial.number}")  # a killed tuner's trial, still saving
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
-        try:
-            while True:
-                done = proc.poll() is not None
-                rows, offset = _eval_rows(path, offset)
-                for row in rows:
-                    # Once pruned, later rows are not the trial's: its value is the one it was pruned
-                    # at. Neither that nor the decision may depend on how far the run got before this
-                    # loop read its rows (a run that had ended was never pruned, and a pruned trial's
-                    # value was whichever row came last), or a rerun's table differs from the first.
-                    if not pruned and metric in row and isinstance(row.get("step"), int):
-                        last = float(row[metric])
-                        trial.report(last, row["step"])
-                        if trial.should_prune():
-                            pruned = True
-                            logging.info("tune: trial %d pruned at step %d (%s %.4g)", trial.number, row["step"],
-                                         metric, last)
-                            if not done:
-                                proc.send_signal(signal.SIGTERM)  # checkpoint and stop, as when preempted
-                if done:
-                    break
-                if stop is not None and stop.is_set():
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait()
-                    raise Interrupted()
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    status = proc.returncode
-    if pruned:
-        return "pruned", last
-    if status in PREEMPTED_STATUSES:
-        # Preempted, not failed: scancel or a job's time limit sends SIGTERM to the worker and the
-        # trial alike, and the trial can die of it (or save and exit 42) before the worker's own
-        # handler has run. Seen on the local SLURM cluster: the trial was counted as failed.
-        logging.info("tune: trial %d stopped with status %s (preempted); it resumes from its checkpoint",
-                     trial.number, status)
-        raise Interrupted()
-    if status == 0 and last is not None:
-        return "complete", last
-    logging.warning("tune: trial %d ended with status %s%s; see %s", trial.number, status,
-                    "" if last is not None else f" and no {metric}", os.path.join(workdir, "tune.log"))
-    return "failed", None
-
-
 # ------------------------------------------------------------------------------------- a worker
 
 def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), *, metric: str = "",
@@ -335,8 +249,6 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     sampler's seed (:func:`sampler_for`): workers started together with one ``--seed`` drew the
     same parameters (two elements of a SLURM array ran trials 0 and 1, and 2 and 3, with identical
     overrides), and so did a resubmitted worker during the random start-up trials."""
-    import optuna
-
     if trials < 1:
         raise UserError(f"--trials {trials}: run at least one trial.")
     root = os.path.abspath(root)
@@ -344,73 +256,113 @@ def run_worker(config: str, root: str, trials: int, common: Sequence[str] = (), 
     metric, direction = objective(config, common, metric, mode)
     study = open_study(root, direction, seed)
     worker = f"{socket.gethostname()}-{os.getpid()}"
-    beat = os.path.join(root, WORKERS_DIR, worker)
-    os.makedirs(os.path.dirname(beat), exist_ok=True)
-    stop, alive = threading.Event(), threading.Event()
-
-    def heartbeat() -> None:
-        while not alive.wait(HEARTBEAT_S):
-            with open(beat, "a"):
-                os.utime(beat)
-
-    with open(beat, "a"):
-        pass
-    threading.Thread(target=heartbeat, daemon=True).start()
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
-    try:
+    stop = threading.Event()
+    with _heartbeat(os.path.join(root, WORKERS_DIR, worker)), _stopping_on_signals(stop):
         while not stop.is_set():
             recover_stale(study, root, worker)
             # A retry queued by recover_stale counts already (it replaces its trial) but has not
             # run: stopping on the count alone stranded it and reported the wrong best trial.
             if not queued(study) and len(counted(study)) >= trials:
                 break
-            with _asking_lock:
-                _asking[0] += 1
-            try:
-                trial = study.ask()
-                trial.set_user_attr("worker", worker)
-            finally:
-                with _asking_lock:
-                    _asking[0] -= 1
+            trial = _ask(study, worker)
             if not budget_left(study, trial, trials):  # another worker asked at the same moment and took the last one
-                study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                _fail_replaced(study, trial)
                 break
-            # Seeded per trial, not per worker start: a worker started after a kill drew other
-            # parameters than the undisturbed search for the trials after the retry, and so reported
-            # another best trial. (The sampler is only asked in suggest(); a retry's parameters are
-            # fixed, unless its trial was lost before it had any.)
-            place = len([t for t in counted(study) if t.number < trial.number])
-            study.sampler = sampler_for(seed, worker_index, place)
-            params = suggest(trial, space)
-            workdir = trial.user_attrs.get("workdir") or os.path.join(root, TRIALS_DIR, f"trial_{trial.number}")
-            trial.set_user_attr("workdir", workdir)
-            trial.set_user_attr("overrides", to_overrides(params))
+            params, workdir = _draw(study, trial, space, root, seed, worker_index)
             cmd = train_command(config, workdir, [*to_overrides(params), *common], python)
             logging.info("tune: trial %d: %s", trial.number, " ".join(to_overrides(params)))
             try:
                 state, value = run_trial(trial, cmd, workdir, metric, stop=stop)
             except Interrupted:
                 # Queued again with its workdir: the next worker resumes it from its checkpoint.
-                study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                _fail_replaced(study, trial)
                 study.enqueue_trial(params, user_attrs={"workdir": workdir, "retry_of": trial.number})
                 break
-            if state == "complete":
-                study.tell(trial, value)
-            elif state == "pruned":
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            else:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            logging.info("tune: trial %d %s%s", trial.number, state, f" ({metric} {value:.4g})" if value is not None
-                         else "")
+            _tell(study, trial, state, value, metric)
+    return 42 if stop.is_set() else 0
+
+
+@contextlib.contextmanager
+def _heartbeat(beat: str) -> Iterator[None]:
+    """The file ``beat`` exists while the block runs, touched every :data:`HEARTBEAT_S`: other workers
+    take a trial whose worker's file is older than :data:`STALE_S` for abandoned."""
+    os.makedirs(os.path.dirname(beat), exist_ok=True)
+    alive = threading.Event()
+
+    def touch() -> None:
+        while not alive.wait(HEARTBEAT_S):
+            with open(beat, "a"):
+                os.utime(beat)
+
+    with open(beat, "a"):
+        pass
+    threading.Thread(target=touch, daemon=True).start()
+    try:
+        yield
     finally:
         alive.set()
+        with contextlib.suppress(OSError):
+            os.remove(beat)
+
+
+@contextlib.contextmanager
+def _stopping_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set ``stop`` while the block runs (Python lets only the main thread handle them)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
+    try:
+        yield
+    finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        try:
-            os.remove(beat)
-        except OSError:
-            pass
-    return 42 if stop.is_set() else 0
+
+
+def _ask(study: Any, worker: str) -> Any:
+    """A new trial, named for ``worker``; until it is, other workers' :func:`recover_stale` waits."""
+    with _asking_lock:
+        _asking[0] += 1
+    try:
+        trial = study.ask()
+        trial.set_user_attr("worker", worker)
+        return trial
+    finally:
+        with _asking_lock:
+            _asking[0] -= 1
+
+
+def _draw(study: Any, trial: Any, space: dict[str, dict[str, Any]], root: str, seed: int,
+          worker_index: int) -> tuple[dict[str, Any], str]:
+    """The trial's parameters and workdir (a retry's are those of the trial it replaces), recorded on it."""
+    # Seeded per trial, not per worker start: a worker started after a kill drew other
+    # parameters than the undisturbed search for the trials after the retry, and so reported
+    # another best trial. (The sampler is only asked in suggest(); a retry's parameters are
+    # fixed, unless its trial was lost before it had any.)
+    place = len([t for t in counted(study) if t.number < trial.number])
+    study.sampler = sampler_for(seed, worker_index, place)
+    params = suggest(trial, space)
+    workdir = trial.user_attrs.get("workdir") or os.path.join(root, TRIALS_DIR, f"trial_{trial.number}")
+    trial.set_user_attr("workdir", workdir)
+    trial.set_user_attr("overrides", to_overrides(params))
+    return params, workdir
+
+
+def _fail_replaced(study: Any, trial: Any) -> None:
+    """End the worker's own ``trial`` as FAIL and replaced: it no longer counts towards ``--trials``."""
+    import optuna
+
+    study._storage.set_trial_user_attr(trial._trial_id, REPLACED, True)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def _tell(study: Any, trial: Any, state: str, value: float | None, metric: str) -> None:
+    """Record how :func:`run_trial` ended ``trial``."""
+    import optuna
+
+    if state == "complete":
+        study.tell(trial, value)
+    elif state == "pruned":
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    logging.info("tune: trial %d %s%s", trial.number, state, f" ({metric} {value:.4g})" if value is not None
+                 else "")

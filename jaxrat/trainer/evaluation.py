@@ -71,11 +71,7 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     check_kernels_run_here(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     task = load_task(config)
-    out_dir = out_dir or eval_dir(workdir, (name(step) if callable(name) else name) or f"step_{step}")
-    why = unwritable(out_dir)
-    if why:
-        raise UserError(f"Cannot write the evaluation to {out_dir} ({why}); pass --out DIR to write it to a folder "
-                        "you can write to.")
+    out_dir = _out_dir(workdir, out_dir, name, step)
     logging.info("data: %s", task.prepare_data(data_dir or out_dir))
     if prepared is not None:
         prepared(task)
@@ -92,18 +88,36 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
         metrics = evaluation.run(step, params, interrupt=lambda: False)
     finally:
         writer.close()
-    acc = evaluation.last_accumulator
+    _save_results(config, workdir, out_dir, step, metrics, evaluation.last_accumulator, per_image)
+    return step, metrics
+
+
+def _out_dir(workdir: str, out_dir: str | None, name: str | Callable[[int], str], step: int) -> str:
+    """Where the evaluation of ``step`` is written (see :func:`evaluate_checkpoint`); refused, with the
+    reason, when it cannot be written."""
+    out_dir = out_dir or eval_dir(workdir, (name(step) if callable(name) else name) or f"step_{step}")
+    why = unwritable(out_dir)
+    if why:
+        raise UserError(f"Cannot write the evaluation to {out_dir} ({why}); pass --out DIR to write it to a folder "
+                        "you can write to.")
+    return out_dir
+
+
+def _save_results(config: mlc.ConfigDict, workdir: str, out_dir: str, step: int, metrics: dict[str, float],
+                  acc: Any, per_image: bool) -> None:
+    """``metrics.json`` (and with ``per_image`` ``per_image.csv``) in ``out_dir``, from process 0; every
+    process calls it."""
     rows = acc.per_image() if per_image else []  # a collective under several processes: every one asks
     extra = acc.per_image_summary() if per_image else {}
-    if jax.process_index() == 0:
-        result = {"workdir": workdir, "step": step, "metrics": metrics, **extra,
-                  "config": json.loads(config.to_json_best_effort())}
-        if per_image:
-            write_rows(os.path.join(out_dir, "per_image.csv"), rows)
-            logging.info("wrote %s (%d images)", os.path.join(out_dir, "per_image.csv"), len(rows))
-        write_json(os.path.join(out_dir, "metrics.json"), result, indent=2, sort_keys=True)
-        logging.info("wrote %s", os.path.join(out_dir, "metrics.json"))
-    return step, metrics
+    if jax.process_index() != 0:
+        return
+    result = {"workdir": workdir, "step": step, "metrics": metrics, **extra,
+              "config": json.loads(config.to_json_best_effort())}
+    if per_image:
+        write_rows(os.path.join(out_dir, "per_image.csv"), rows)
+        logging.info("wrote %s (%d images)", os.path.join(out_dir, "per_image.csv"), len(rows))
+    write_json(os.path.join(out_dir, "metrics.json"), result, indent=2, sort_keys=True)
+    logging.info("wrote %s", os.path.join(out_dir, "metrics.json"))
 
 
 def eval_dir(workdir: str, name: str) -> str:

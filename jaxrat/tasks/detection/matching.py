@@ -56,6 +56,65 @@ class _Search(NamedTuple):
     steps: jax.Array
 
 
+def _shortest_path(cost: jax.Array, u: jax.Array, v: jax.Array, row4col: jax.Array, cur: jax.Array) -> _Search:
+    """The search from row ``cur`` over the reduced costs ``cost - u - v`` for the shortest alternating
+    path to an unassigned column (its ``sink``); settles one column per step."""
+    n, m = cost.shape
+    inf = jnp.array(jnp.inf, cost.dtype)
+
+    def search_cond(s: _Search) -> jax.Array:
+        # The step bound only matters if costs were non-finite; each step settles one column.
+        return (s.sink < 0) & (s.steps < m)
+
+    def search_body(s: _Search) -> _Search:
+        sr = s.sr.at[s.i].set(True)
+        reduced = s.min_val + cost[s.i] - u[s.i] - v
+        better = ~s.sc & (reduced < s.spc)
+        path = jnp.where(better, s.i, s.path)
+        spc = jnp.where(better, reduced, s.spc)
+        remaining = jnp.where(s.sc, inf, spc)
+        low = remaining.min()
+        tied = remaining == low
+        # Among equally short paths an unassigned column ends the search now (scipy does the same).
+        free = tied & (row4col < 0)
+        j = jnp.where(free.any(), jnp.argmax(free), jnp.argmax(tied)).astype(jnp.int32)
+        nxt = row4col[j]
+        return _Search(i=jnp.where(nxt < 0, s.i, nxt), min_val=low, sr=sr, sc=s.sc.at[j].set(True),
+                       spc=spc, path=path, sink=jnp.where(nxt < 0, j, -1), steps=s.steps + 1)
+
+    return jax.lax.while_loop(search_cond, search_body, _Search(
+        i=cur, min_val=jnp.zeros((), cost.dtype), sr=jnp.zeros(n, bool), sc=jnp.zeros(m, bool),
+        spc=jnp.full(m, inf), path=jnp.full(m, -1, jnp.int32), sink=jnp.array(-1, jnp.int32),
+        steps=jnp.array(0, jnp.int32)))
+
+
+def _update_duals(s: _Search, cur: jax.Array, u: jax.Array, v: jax.Array,
+                  col4row: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The duals after search ``s`` from row ``cur``: every reduced cost stays non-negative for the next search."""
+    others = s.sr & (jnp.arange(u.shape[0]) != cur)
+    u = u + jnp.where(others, s.min_val - s.spc[jnp.maximum(col4row, 0)], 0.0)
+    u = u.at[cur].add(s.min_val)
+    v = v - jnp.where(s.sc, s.min_val - s.spc, 0.0)
+    return u, v
+
+
+def _flip_path(s: _Search, cur: jax.Array, col4row: jax.Array,
+               row4col: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Flip the alternating path of search ``s`` back from its sink to row ``cur``: (col4row, row4col,
+    loop steps so far); the path is at most as long as the rows reached."""
+    def aug_cond(c: tuple) -> jax.Array:
+        return c[0] >= 0
+
+    def aug_body(c: tuple) -> tuple:
+        j, col4row, row4col, k = c
+        i = s.path[j]
+        prev = col4row[i]
+        return jnp.where(i == cur, -1, prev), col4row.at[i].set(j), row4col.at[j].set(i), k + 1
+
+    _, col4row, row4col, k = jax.lax.while_loop(aug_cond, aug_body, (s.sink, col4row, row4col, s.steps))
+    return col4row, row4col, k
+
+
 def _solve(cost: jax.Array, n_rows: jax.Array, col4row: jax.Array,
            row4col: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Extends a partial assignment of ``cost`` (n, m), n <= m, by one augmenting path per row ``0..n_rows-1``.
@@ -65,53 +124,12 @@ def _solve(cost: jax.Array, n_rows: jax.Array, col4row: jax.Array,
     taken (what the solver's time grows with; the benchmark reports it). Unbatched; vmap it.
     """
     n, m = cost.shape
-    rows = jnp.arange(n)
-    inf = jnp.array(jnp.inf, cost.dtype)
 
     def augment_one(cur: jax.Array, u: jax.Array, v: jax.Array, col4row: jax.Array, row4col: jax.Array,
                     steps: jax.Array) -> tuple:
-        def search_cond(s: _Search) -> jax.Array:
-            # The step bound only matters if costs were non-finite; each step settles one column.
-            return (s.sink < 0) & (s.steps < m)
-
-        def search_body(s: _Search) -> _Search:
-            sr = s.sr.at[s.i].set(True)
-            reduced = s.min_val + cost[s.i] - u[s.i] - v
-            better = ~s.sc & (reduced < s.spc)
-            path = jnp.where(better, s.i, s.path)
-            spc = jnp.where(better, reduced, s.spc)
-            remaining = jnp.where(s.sc, inf, spc)
-            low = remaining.min()
-            tied = remaining == low
-            # Among equally short paths an unassigned column ends the search now (scipy does the same).
-            free = tied & (row4col < 0)
-            j = jnp.where(free.any(), jnp.argmax(free), jnp.argmax(tied)).astype(jnp.int32)
-            nxt = row4col[j]
-            return _Search(i=jnp.where(nxt < 0, s.i, nxt), min_val=low, sr=sr, sc=s.sc.at[j].set(True),
-                           spc=spc, path=path, sink=jnp.where(nxt < 0, j, -1), steps=s.steps + 1)
-
-        s = jax.lax.while_loop(search_cond, search_body, _Search(
-            i=cur, min_val=jnp.zeros((), cost.dtype), sr=jnp.zeros(n, bool), sc=jnp.zeros(m, bool),
-            spc=jnp.full(m, inf), path=jnp.full(m, -1, jnp.int32), sink=jnp.array(-1, jnp.int32),
-            steps=jnp.array(0, jnp.int32)))
-
-        # Dual update keeps every reduced cost non-negative for the next search.
-        others = s.sr & (rows != cur)
-        u = u + jnp.where(others, s.min_val - s.spc[jnp.maximum(col4row, 0)], 0.0)
-        u = u.at[cur].add(s.min_val)
-        v = v - jnp.where(s.sc, s.min_val - s.spc, 0.0)
-
-        # Flip the alternating path back from the sink; its length is at most the rows reached.
-        def aug_cond(c: tuple) -> jax.Array:
-            return c[0] >= 0
-
-        def aug_body(c: tuple) -> tuple:
-            j, col4row, row4col, k = c
-            i = s.path[j]
-            prev = col4row[i]
-            return jnp.where(i == cur, -1, prev), col4row.at[i].set(j), row4col.at[j].set(i), k + 1
-
-        _, col4row, row4col, k = jax.lax.while_loop(aug_cond, aug_body, (s.sink, col4row, row4col, s.steps))
+        s = _shortest_path(cost, u, v, row4col, cur)
+        u, v = _update_duals(s, cur, u, v, col4row)
+        col4row, row4col, k = _flip_path(s, cur, col4row, row4col)
         return u, v, col4row, row4col, steps + k + 1
 
     def outer_cond(c: tuple) -> jax.Array:
