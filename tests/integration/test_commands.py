@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxrat.commands import COMMANDS
+from jaxrat.cli import command_line
+from jaxrat.cli.commands import COMMANDS
 from jaxrat.config import check_override_args, load_config
-from jaxrat.runtime import command_line
 from jaxrat.runtime.errors import ConfigError
 from runner import REPO, SMOKE, env_with_devices
 

@@ -215,7 +215,7 @@ def test_single_job_scripts_have_no_array_lines():
 
 
 def test_cli_dry_run_submits_only_unfinished_variants(tmp_path, capsys):
-    from jaxrat import sweep as cli
+    from jaxrat.cli import sweep as cli
 
     root = tmp_path / "root"
     fake_checkpoint(root / "lr_high", 4)
@@ -473,7 +473,7 @@ def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_
     """The study's baselines (configs/ablations.py's transunet, swin_unet) train their own configs/isic.py
     variant: the command names that file once, the target step count is its own, and a job array's
     element runs it."""
-    from jaxrat import sweep as cli
+    from jaxrat.cli import sweep as cli
 
     cmd = sweep.train_command("configs/ablations.py:demo", "/w",
                               ["--config=configs/isic.py:transunet_demo", "--config.seed=1"], python="py")
