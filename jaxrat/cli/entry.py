@@ -13,7 +13,7 @@ from typing import Any
 from absl import app, flags
 
 from jaxrat.cli import command_line
-from jaxrat.config.loader import ALLOW_IMPORT_HELP
+from jaxrat.config_schema.loader import ALLOW_IMPORT_HELP
 from jaxrat.runtime.console import fail
 from jaxrat.runtime.errors import UserError
 

@@ -7,7 +7,7 @@ The run's own config (``DIR/config.json``) is loaded and may be overridden like 
 ``metrics.jsonl`` + TensorBoard there), one row per image to ``per_image.csv``, and with
 ``--save_predictions`` the files ``python -m jaxrat.predict`` writes to ``predictions/``;
 checkpoints are only read. Synthetic data is read at the size it was trained on and resized like
-real data (:func:`jaxrat.config.load_run_config`). The work is
+real data (:func:`jaxrat.config_schema.load_run_config`). The work is
 :func:`jaxrat.trainer.evaluation.evaluate_checkpoint`; ``python -m jaxrat.robustness`` runs it at
 several resolutions. ``--tta`` averages augmented views inside the eval step (every metric);
 ``--tile`` predicts each image in windows at its own resolution and reports the metrics at the

@@ -34,7 +34,7 @@ from jaxrat.cluster.jobscript import (  # noqa: F401  (re-exported: the renderer
     submit,
     validate,
 )
-from jaxrat.config.loader import portable_spec
+from jaxrat.config_schema.loader import portable_spec
 from jaxrat.runtime.errors import UserError
 
 

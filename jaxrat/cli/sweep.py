@@ -23,7 +23,7 @@ from pathlib import Path
 
 from jaxrat.cli.entry import arguments, parser, user_errors
 from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
-from jaxrat.config.loader import portable_spec
+from jaxrat.config_schema.loader import portable_spec
 from jaxrat.experiments import sweep
 from jaxrat.experiments.summary import report
 from jaxrat.runtime.errors import UserError

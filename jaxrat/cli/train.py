@@ -15,8 +15,8 @@ from ml_collections import config_flags
 
 from jaxrat.cli import command_line
 from jaxrat.cluster import preemption
-from jaxrat.config import check_override_args, load_config
-from jaxrat.config.loader import ALLOW_IMPORT_HELP, describe_packaged
+from jaxrat.config_schema import check_override_args, load_config
+from jaxrat.config_schema.loader import ALLOW_IMPORT_HELP, describe_packaged
 from jaxrat.runtime import device_errors, hugepages, platform_hint
 from jaxrat.runtime.console import fail, quiet_libraries
 from jaxrat.runtime.errors import ConfigError, UserError

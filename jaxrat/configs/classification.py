@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ml_collections as mlc
 
-from jaxrat.config import base_config
+from jaxrat.config_schema import base_config
 from jaxrat.models.rat import rat_config
 
 # What ``jaxrat train --list-configs`` lists ("" is the default variant).

@@ -33,7 +33,7 @@ import time
 from typing import Any, Sequence
 
 from jaxrat.cluster import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
-from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.config_schema import check_override_args, load_config, load_config_module
 from jaxrat.experiments.sweep import _value, die_with_parent, train_command, wait_for_stopping_run
 from jaxrat.runtime.errors import ConfigError, UserError
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
-from jaxrat.config import load_run_config
+from jaxrat.config_schema import load_run_config
 from jaxrat.inference import augment
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError, UserError

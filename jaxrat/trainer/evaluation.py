@@ -15,7 +15,7 @@ from jaxrat import cluster
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.cluster.together import compiled_together
-from jaxrat.config import load_run_config
+from jaxrat.config_schema import load_run_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime import compile_cache
 from jaxrat.runtime.errors import UserError

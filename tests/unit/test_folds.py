@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.data import datasets, folds
 from jaxrat.experiments import stats, summary, sweep
 from jaxrat.runtime.errors import ConfigError

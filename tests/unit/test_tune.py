@@ -44,7 +44,7 @@ def test_bad_ranges_and_keys_name_the_fix(tmp_path):
     def space(text):
         path = tmp_path / "c.py"
         isic = str(REPO / "configs/isic.py")
-        path.write_text(f"from jaxrat.config import load_config\n"
+        path.write_text(f"from jaxrat.config_schema import load_config\n"
                         f"def get_config(arg=None):\n    return load_config({isic!r} + ':smoke')\n"
                         f"def get_search_space(arg=None):\n    return {text}\n")
         return tune.load_search_space(str(path))
