@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Any
 
 from absl import flags
 
@@ -46,64 +47,76 @@ def main(argv: list[str], overrides: list[str]) -> None:
     """Load the run, expand the inputs, predict, say how many were written and skipped; SIGTERM or
     Ctrl-C end it in one line, with no temporary file left."""
     quiet_libraries()
-    lock = None
     with user_errors():
         try:
             raise_on_signals()
             no_positional(argv, "--workdir, --input, --out and options (--help)")
-            from jaxrat.inference.augment import parse_tta
-            from jaxrat.inference.inputs import expand_inputs
-            from jaxrat.inference.run import Options, check_output, claim_output, predict_files
-
-            tta = parse_tta(_TTA.value)
-            options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
-                              top_k=_TOP_K.value, min_score=_MIN_SCORE.value)
-            if options.tile:
-                from jaxrat.inference.augment import check_tiling
-
-                check_tiling(options.tile, options.overlap)
-            inputs = expand_inputs(_INPUT.value)
-            workdir, config = _RUN.open(overrides)
-            import jax
-
-            from jaxrat.inference.predictor import Predictor
-            from jaxrat.runtime.output_folder import run_inputs
-            from jaxrat.trainer.workdir_lock import OutputFolderLock
-
-            if jax.process_index() == 0:
-                check_output(_OUT.value, inputs, _INPUT.value, run_inputs(workdir, config))  # before minutes of loading
-                lock = OutputFolderLock(_OUT.value)
-                lock.acquire()
-                claim_output(_OUT.value, inputs, _OVERWRITE.value)
-            sync, run_id = None, ""
-            if jax.process_count() > 1:
-                import numpy as np
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("predict: output folder ready")
-                sync = lambda: multihost_utils.sync_global_devices("predict: parts written")  # noqa: E731
-                # One name for this prediction's part files, the same in every process.
-                run_id = f"{int(multihost_utils.broadcast_one_to_all(np.int64(time.time_ns() % 2**62))):x}"
-            from jaxrat.inference.checkpoint_choice import choose
-
-            predictor = Predictor(config, workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value, tta=tta)
-            logging.info("predict: %d images, %s, step %d, tta %s%s", len(inputs), predictor.kind, predictor.step,
-                         tta.describe(), f", tiles {options.tile} px" if options.tile else "")
-            with device_errors.in_a_sentence(lambda: f"--batch (now {predictor.batch_size})"):
-                counts = predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),
-                                       process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync,
-                                       run_id=run_id)
-            if jax.process_index() == 0:
-                skipped = f"; {counts['skipped']} skipped (see {_OUT.value}/skipped.txt)" if counts["skipped"] else ""
-                print(f"jaxrat: predicted {counts['images']} images into {_OUT.value}{skipped}", flush=True)
+            _predict(overrides)
         except Stopped as e:
             sys.stderr.write(("\n" if _PROGRESS.value else "") + f"jaxrat: predict stopped by {e.name}; {_OUT.value} "
                              f"holds the images finished so far: rerun with --overwrite to predict them all.\n")
             sys.stderr.flush()
             sys.exit(e.exit_code)
-        finally:
-            if lock is not None:
-                lock.release()
+
+
+def _predict(overrides: list[str]) -> None:
+    """Check the options, expand the inputs, open the run; then process 0 claims --out under its lock
+    (checked before the minutes of loading) while every process predicts its share of the images."""
+    from jaxrat.inference.augment import check_tiling, parse_tta
+    from jaxrat.inference.inputs import expand_inputs
+    from jaxrat.inference.run import Options, check_output, claim_output
+
+    tta = parse_tta(_TTA.value)
+    options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
+                      top_k=_TOP_K.value, min_score=_MIN_SCORE.value)
+    if options.tile:
+        check_tiling(options.tile, options.overlap)
+    inputs = expand_inputs(_INPUT.value)
+    workdir, config = _RUN.open(overrides)
+    import jax
+
+    from jaxrat.runtime.output_folder import run_inputs
+    from jaxrat.trainer.workdir_lock import OutputFolderLock
+
+    lock = None
+    try:
+        if jax.process_index() == 0:
+            check_output(_OUT.value, inputs, _INPUT.value, run_inputs(workdir, config))  # before minutes of loading
+            lock = OutputFolderLock(_OUT.value)
+            lock.acquire()
+            claim_output(_OUT.value, inputs, _OVERWRITE.value)
+        counts = _predict_files(config, workdir, inputs, tta, options)
+        if jax.process_index() == 0:
+            skipped = f"; {counts['skipped']} skipped (see {_OUT.value}/skipped.txt)" if counts["skipped"] else ""
+            print(f"jaxrat: predicted {counts['images']} images into {_OUT.value}{skipped}", flush=True)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _predict_files(config: Any, workdir: str, inputs: list[Any], tta: Any, options: Any) -> dict[str, Any]:
+    """Load the checkpoint and predict this process's share of ``inputs`` into --out; the counts."""
+    import jax
+
+    from jaxrat.inference.checkpoint_choice import choose
+    from jaxrat.inference.predictor import Predictor
+    from jaxrat.inference.run import predict_files
+
+    sync, run_id = None, ""
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("predict: output folder ready")
+        sync = lambda: multihost_utils.sync_global_devices("predict: parts written")  # noqa: E731
+        # One name for this prediction's part files, the same in every process.
+        run_id = f"{int(multihost_utils.broadcast_one_to_all(np.int64(time.time_ns() % 2**62))):x}"
+    predictor = Predictor(config, workdir, choose(workdir, _STEP.value), batch_size=_BATCH.value, tta=tta)
+    logging.info("predict: %d images, %s, step %d, tta %s%s", len(inputs), predictor.kind, predictor.step,
+                 tta.describe(), f", tiles {options.tile} px" if options.tile else "")
+    with device_errors.in_a_sentence(lambda: f"--batch (now {predictor.batch_size})"):
+        return predict_files(predictor, inputs, _OUT.value, options, process_index=jax.process_index(),
+                             process_count=jax.process_count(), progress=_PROGRESS.value, sync=sync, run_id=run_id)
 
 
 def run() -> None:
