@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 from jaxrat.cli import command_line
 from jaxrat.cluster import preemption
-from jaxrat.config_schema import check_override_args, load_config
+from jaxrat.config_schema import check_override_args, field, load_config
 from jaxrat.config_schema.loader import ALLOW_IMPORT_HELP, describe_packaged
 from jaxrat.runtime import device_errors, hugepages, platform_hint
 from jaxrat.runtime.console import fail, quiet_libraries
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
             raise UserError("Pass --workdir DIR: the folder for the run's checkpoints, logs and config.")
         config = flags.FLAGS["config"].value
         if platform_hint.expects_cpu():  # before JAX's CPU client exists; a GPU run leaves it alone
-            pin_cpu_parallelism(int(config.train.get("reduction_shards", 0) or 0))
+            pin_cpu_parallelism(int(field(config.train, "train.reduction_shards") or 0))
         preemption.note_process_count(cluster.initialize(config.distributed).process_count)
         compile_cache.enable(config.train.compilation_cache_dir)
         from jaxrat.trainer.loop import train_and_evaluate

@@ -8,7 +8,12 @@ the right type or a typed placeholder.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import ml_collections as mlc
+
+from jaxrat.runtime.dotted import flatten
 
 
 def base_config() -> mlc.ConfigDict:
@@ -259,3 +264,32 @@ def _workdir() -> mlc.ConfigDict:
     s.lease_seconds = 120.0  # another host's lock unrefreshed for this long is taken over
     s.allow_config_change = False  # resume even if model/task/data/optimizer/seed/batch changed
     return s
+
+
+# What a config without the field meant, where that is not the default above: configs written
+# before these fields existed ran without them (a run's config.json resumes as it trained).
+_BEFORE_THE_FIELD: dict[str, Any] = {
+    "init_from_strict": True,
+    "optimizer.ema_warmup": False,
+    "optimizer.weight_decay_exclude": "",
+}
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return {**flatten(base_config()), **_BEFORE_THE_FIELD}
+
+
+def default(key: str) -> Any:
+    """The value of the dotted field ``key`` (``"model.kernels"``) for a config that lacks it: a run's
+    config.json from an older jaxrat, a section a config file built whole (``c.model = ConfigDict(...)``)
+    or by hand. Readers write ``config.model.get("kernels", default("model.kernels"))``, so each
+    default is stated once, here."""
+    return _defaults()[key]
+
+
+def field(node: Any, key: str) -> Any:
+    """The dotted field ``key`` read from ``node``, the config section that holds it (the config itself
+    for a top-level field): ``field(config.model, "model.kernels")``, :func:`default` where absent."""
+    name = key.rpartition(".")[2]
+    return node[name] if name in node else default(key)

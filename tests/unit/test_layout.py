@@ -19,7 +19,8 @@ LAYERS = {
     "trainer": 4, "experiments": 4,
     "tasks": 3,
     "models": 2, "data": 2,
-    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config_schema": 1,
+    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1,
+    "config_schema": 0.5,  # what a config is and its defaults: below every room that reads a config
     "ops": 1,
     "runtime": 0,
 }
