@@ -266,8 +266,8 @@ def _workdir() -> mlc.ConfigDict:
     return s
 
 
-# What a config without the field meant, where that is not the default above: configs written
-# before these fields existed ran without them (a run's config.json resumes as it trained).
+# What a config without the field means, where that differs from the default above: what the
+# jaxrat that wrote it did before the field existed (a run's config.json resumes as it trained).
 _BEFORE_THE_FIELD: dict[str, Any] = {
     "init_from_strict": True,
     "optimizer.ema_warmup": False,
@@ -283,8 +283,7 @@ def _defaults() -> dict[str, Any]:
 def default(key: str) -> Any:
     """The value of the dotted field ``key`` (``"model.kernels"``) for a config that lacks it: a run's
     config.json from an older jaxrat, a section a config file built whole (``c.model = ConfigDict(...)``)
-    or by hand. Readers write ``config.model.get("kernels", default("model.kernels"))``, so each
-    default is stated once, here."""
+    or by hand. Readers use :func:`field`, so each default is stated once, here."""
     return _defaults()[key]
 
 
