@@ -14,11 +14,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrat.cli import command_line
+from jaxrat.cli.entry import no_positional, user_errors
 from jaxrat.cluster import preemption
 from jaxrat.config_schema import check_override_args, field, load_config
 from jaxrat.config_schema.loader import ALLOW_IMPORT_HELP, describe_packaged
 from jaxrat.runtime import device_errors, hugepages, platform_hint
-from jaxrat.runtime.console import fail, quiet_libraries
+from jaxrat.runtime.console import quiet_libraries
 from jaxrat.runtime.errors import ConfigError, UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and the resolved config go (required).")
@@ -36,10 +37,8 @@ def main(argv: list[str]) -> None:
     from jaxrat.runtime import compile_cache  # before anything that touches JAX devices
 
     quiet_libraries()
-    try:
-        if len(argv) > 1:
-            raise UserError(f"Unexpected arguments {argv[1:]}; pass --config, --workdir and --config.KEY=VALUE "
-                            f"(--help lists them).")
+    with user_errors():
+        no_positional(argv, "--config, --workdir and --config.KEY=VALUE (--help lists them)")
         if not _WORKDIR.value:
             raise UserError("Pass --workdir DIR: the folder for the run's checkpoints, logs and config.")
         config = flags.FLAGS["config"].value
@@ -65,8 +64,6 @@ def main(argv: list[str]) -> None:
             if why is not None:
                 raise why from None
             raise
-    except UserError as e:
-        fail(str(e))
 
 
 def _take_config(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -109,7 +106,7 @@ def run() -> None:
         sys.stdout.write(describe_packaged())
         sys.exit(0)
     spec, argv = _take_config(argv)
-    try:
+    with user_errors():
         mistake = command_line.flag_mistake(argv[1:], __name__)
         if mistake:
             raise UserError(mistake)
@@ -118,8 +115,6 @@ def run() -> None:
                               "(--list-configs lists them).")
         config = load_config(spec, _allowed_imports(argv))
         check_override_args(argv[1:], config=config, spec=spec)
-    except UserError as e:
-        fail(str(e))
     config_flags.DEFINE_config_dict("config", config, lock_config=True, sys_argv=argv)
     app.run(main, argv=argv)
 
