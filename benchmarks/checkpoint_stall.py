@@ -40,7 +40,7 @@ def _build_state(spec: str, overrides: list[str]):
     import jax
     import ml_collections as mlc
 
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from detection_matching import _free_match, _median_ms  # noqa: E402
 
-from jaxrat.config import load_config  # noqa: E402
+from jaxrat.config_schema import load_config  # noqa: E402
 from jaxrat.parallel.mesh import make_mesh  # noqa: E402
 from jaxrat.tasks.base import load_task  # noqa: E402
 from jaxrat.tasks.detection import data as detection_data  # noqa: E402

@@ -139,7 +139,7 @@ def batches_hash(pairs, workers: int, image_size: int, n: int = 3) -> str:
 
 
 def load_config(spec: str):
-    from jaxrat.config import load_config as load
+    from jaxrat.config_schema import load_config as load
 
     return load(spec)
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 
 from hlo_calls import fused_attention_calls  # noqa: E402
 
-from jaxrat.config import load_config  # noqa: E402
+from jaxrat.config_schema import load_config  # noqa: E402
 from jaxrat.ops.gpu import dense_sga, multires_attention, why_not  # noqa: E402
 
 FORMS = ("fused", "fallback", "portable")

@@ -209,7 +209,7 @@ def isic_step(device: jax.Device, size: int = 256, batch: int = 16, attention: s
               **rat: Any) -> tuple[Any, Any, dict]:
     """The ISIC RAT train step (``config``, ``model.rat.attention``, any other RAT fields) at ``size`` px,
     ``batch`` images in all (over ``layout``'s devices when given)."""
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
 
     c = load_config(str(REPO / config))
     c.data.image_size, c.data.batch_size = size, batch
@@ -223,7 +223,7 @@ def coco_step(device: jax.Device, size: int = 800, batch: int | None = None,
               gpu_forms: str = "all", layout: Layout | None = None) -> tuple[Any, Any, dict]:
     """The COCO RAT-DETR train step (``configs/coco.py``, its full RAT) at ``size`` px, the config's batch
     (over ``layout``'s devices when given)."""
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
 
     c = load_config(str(REPO / "configs" / "coco.py"))
     c.data.image_size = size

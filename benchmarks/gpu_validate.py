@@ -182,7 +182,7 @@ def _model_value_and_grads(policy, dtype, attention: str, size: int):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.models import build_model
 
     config = load_config(str(REPO / "configs" / "isic.py"))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from step_profile import Step, median_step_s  # noqa: E402
 
-from jaxrat.config import load_config  # noqa: E402
+from jaxrat.config_schema import load_config  # noqa: E402
 from jaxrat.trainer.step import make_train_step  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, dict]] = {

@@ -67,7 +67,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from jaxrat.config import load_config  # noqa: E402
+from jaxrat.config_schema import load_config  # noqa: E402
 from jaxrat.parallel.mesh import make_mesh  # noqa: E402
 from jaxrat.tasks.base import load_task  # noqa: E402
 from jaxrat.trainer import hooks  # noqa: E402

@@ -59,7 +59,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec

@@ -1,6 +1,6 @@
-"""``python -m jaxrat SUBCOMMAND ...``: the ``jaxrat`` command (:mod:`jaxrat.commands`)."""
+"""``python -m jaxrat SUBCOMMAND ...``: the ``jaxrat`` command (:mod:`jaxrat.cli.commands`)."""
 
-from jaxrat.commands import main
+from jaxrat.cli.commands import main
 
 if __name__ == "__main__":
     main()

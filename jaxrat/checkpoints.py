@@ -1,9 +1,6 @@
-"""``python -m jaxrat.checkpoints WORKDIR [--json]``: list a run's checkpoints (see jaxrat.checkpointing.inspect)."""
+"""``python -m jaxrat.checkpoints``: the ``jaxrat checkpoints`` command, whose code is :mod:`jaxrat.cli.checkpoints`."""
 
-import sys
-
-from jaxrat.checkpointing.inspect import main
-from jaxrat.runtime.command_line import run_argparse
+from jaxrat.cli.checkpoints import run
 
 if __name__ == "__main__":
-    sys.exit(run_argparse(main, sys.argv[1:]))
+    run()

@@ -1,22 +1,6 @@
-"""``jaxrat download DATASET --dest DIR`` (also ``python -m jaxrat.download``): official dataset archives
-(:mod:`jaxrat.data.download`); ``jaxrat download hf:OWNER/NAME[@REV]``: a pretrained model from the
-Hugging Face hub into its cache (:mod:`jaxrat.data.hub`)."""
+"""``python -m jaxrat.download``: the ``jaxrat download`` command, whose code is :mod:`jaxrat.cli.download`."""
 
-import sys
-
-from jaxrat.runtime.command_line import run_argparse
-
-
-def main(argv: list[str]) -> int:
-    """Dispatch on the first argument: ``hf:...`` is a model, anything else a dataset."""
-    if argv and argv[0].startswith("hf:"):
-        from jaxrat.data import hub
-
-        return hub.main(argv)
-    from jaxrat.data import download
-
-    return download.main(argv)
-
+from jaxrat.cli.download import run
 
 if __name__ == "__main__":
-    sys.exit(run_argparse(main, sys.argv[1:]))
+    run()

@@ -16,7 +16,7 @@ pin_cpu_parallelism(8)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrat.config import load_config  # noqa: E402
+from jaxrat.config_schema import load_config  # noqa: E402
 from jaxrat.parallel.mesh import make_mesh  # noqa: E402
 from jaxrat.tasks.base import SHARD_TOTALS, load_task  # noqa: E402
 from jaxrat.trainer.loop import to_global  # noqa: E402

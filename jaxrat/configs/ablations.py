@@ -27,7 +27,7 @@ import os
 
 import ml_collections as mlc
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.models.rat import rat_config
 
 _ISIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "isic.py")

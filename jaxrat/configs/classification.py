@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ml_collections as mlc
 
-from jaxrat.config import base_config
+from jaxrat.config_schema import base_config
 from jaxrat.models.rat import rat_config
 
 # What ``jaxrat train --list-configs`` lists ("" is the default variant).
@@ -36,6 +36,30 @@ VARIANTS = ("", "demo", "rat_demo", "smoke", "rat", "beit", "beit_demo")
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """Return the classification config for ``arg``: None, demo, rat_demo, smoke, rat, beit or beit_demo."""
+    c = _real()
+    variant = arg or ""
+    if variant in ("demo", "rat_demo", "smoke", "beit_demo"):
+        _synthetic(c)
+    if variant in ("demo", "rat_demo", "beit_demo"):
+        _demo(c)
+    if variant == "rat_demo":
+        _rat_demo(c)
+    if variant == "smoke":
+        _smoke(c)
+    elif variant in ("beit", "beit_demo"):
+        _beit(c, demo=variant == "beit_demo")
+    elif variant == "rat":
+        c.model = mlc.ConfigDict(dict(name="rat_classifier", kernels="auto", pool="mean"))
+        c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1,
+                                 attention="dense", positional_encoding="rose")
+    elif variant not in ("", "demo", "rat_demo"):
+        raise ValueError(f"Unknown variant {variant!r} for configs/classification.py; "
+                         "use demo, rat_demo, smoke, rat, beit, beit_demo or none.")
+    return c
+
+
+def _real() -> mlc.ConfigDict:
+    """The default variant: labelled images listed in CSVs, a small CNN."""
     c = base_config()
     c.data.name = "classification"
     c.data.source = "csv"  # "csv" or "folder"
@@ -67,94 +91,99 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.checkpoint.best_metric = "eval/label/balanced_accuracy"
 
     c.model = mlc.ConfigDict(dict(name="cnn_classifier", kernels="auto", features=(32, 64, 128, 256)))
+    return c
 
-    variant = arg or ""
-    if variant in ("demo", "rat_demo", "smoke", "beit_demo"):
-        c.data.synthetic = True
-        c.data.random_crop_scale = (1.0, 1.0)
-        c.data.random_flip = False
-        c.task.heads = ("shape", "kind")
-        c.task.num_classes = (0, 0)
-        c.task.loss_weights = (1.0, 1.0)
-        c.checkpoint.best_metric = "eval/kind/top1"
-        # Bit-identical losses on 1, 2, 4 or 8 devices and on several processes (docs/tasks.md), at
-        # some cost in speed on one CPU device, still well inside the demo's budget.
-        c.train.reduction_shards = 8
-    if variant in ("demo", "rat_demo", "beit_demo"):
-        c.data.synthetic_train = 512
-        c.data.synthetic_val = 128
-        c.data.image_size = 32
-        c.data.batch_size = 32
-        c.data.eval_batch_size = 64
-        c.num_train_steps = 300
-        c.optimizer.learning_rate = 3e-3
-        c.optimizer.warmup_steps = 30
-        c.train.eval_every = 100
-        c.checkpoint.every_steps = 100
-        c.train.log_every = 20
-        c.model.features = (16, 32, 64)
-    if variant == "rat_demo":
-        c.train.reduction_shards = 0  # one program per step (the 8 shard programs' cost for a RAT: not measured)
-        # On the CNN demo's 512 images the RAT overfit (train loss 0.15, eval top-1 0.70 at step 500;
-        # 0.82 after 1000 steps): 8x more synthetic images, each seen ~5 times, and it generalises.
-        c.data.synthetic_train = 4096
+
+def _synthetic(c: mlc.ConfigDict) -> None:
+    """The synthetic shapes (two heads) of the demos and the smoke variant, bit-identical on any devices."""
+    c.data.synthetic = True
+    c.data.random_crop_scale = (1.0, 1.0)
+    c.data.random_flip = False
+    c.task.heads = ("shape", "kind")
+    c.task.num_classes = (0, 0)
+    c.task.loss_weights = (1.0, 1.0)
+    c.checkpoint.best_metric = "eval/kind/top1"
+    # Bit-identical losses on 1, 2, 4 or 8 devices and on several processes (docs/tasks.md), at
+    # some cost in speed on one CPU device, still well inside the demo's budget.
+    c.train.reduction_shards = 8
+
+
+def _demo(c: mlc.ConfigDict) -> None:
+    """The demos' size and schedule: minutes on a laptop CPU."""
+    c.data.synthetic_train = 512
+    c.data.synthetic_val = 128
+    c.data.image_size = 32
+    c.data.batch_size = 32
+    c.data.eval_batch_size = 64
+    c.num_train_steps = 300
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.warmup_steps = 30
+    c.train.eval_every = 100
+    c.checkpoint.every_steps = 100
+    c.train.log_every = 20
+    c.model.features = (16, 32, 64)
+
+
+def _rat_demo(c: mlc.ConfigDict) -> None:
+    """The RAT on more synthetic images than the CNN demo's."""
+    c.train.reduction_shards = 0  # one program per step (the 8 shard programs' cost for a RAT: not measured)
+    # On the CNN demo's 512 images the RAT overfit (train loss 0.15, eval top-1 0.70 at step 500;
+    # 0.82 after 1000 steps): 8x more synthetic images, each seen ~5 times, and it generalises.
+    c.data.synthetic_train = 4096
+    c.num_train_steps = 600
+    c.optimizer.learning_rate = 2e-3
+    c.optimizer.warmup_steps = 50
+    c.train.eval_every = 200
+    c.checkpoint.every_steps = 200
+    c.model = mlc.ConfigDict(dict(name="rat_classifier", kernels="auto", pool="mean"))
+    c.model.rat = rat_config(feature_dims=64, num_blocks=3, num_heads=4, iters=1, mlp_ratio=2,
+                             attention="sparse", positional_encoding="rose", mr_attention="windowed",
+                             mr_window=16)
+
+
+def _smoke(c: mlc.ConfigDict) -> None:
+    """Tiny and fast, for the framework tests."""
+    c.data.synthetic_train = 32
+    c.data.synthetic_val = 16
+    c.data.image_size = 16
+    c.data.batch_size = 8
+    c.data.eval_batch_size = 8
+    c.data.num_threads = 1
+    c.data.num_workers = 0
+    c.num_train_steps = 6
+    c.optimizer.warmup_steps = 2
+    c.train.eval_every = 3
+    c.checkpoint.every_steps = 3
+    c.train.log_every = 1
+    c.train.log_images = False
+    c.model.features = (4, 8)
+
+
+def _beit(c: mlc.ConfigDict, demo: bool) -> None:
+    """BEiT fine-tuning (the pretrained file by --config.model.pretrained); a small one from scratch for the demo."""
+    size = c.data.image_size
+    c.model = mlc.ConfigDict(dict(name="backbone_classifier", kernels="auto", backbone="beit_base_patch16_224",
+                                  backbone_fields={"img_size": size}, pretrained=""))
+    c.optimizer.layer_decay = 0.65
+    c.optimizer.weight_decay = 0.05
+    # BEiT's fine-tuning decays neither the class token nor the relative position tables
+    c.optimizer.weight_decay_exclude += "|cls_token|relative_position_bias_table"
+    if demo:  # a BEiT small enough to learn the 32 px shapes in minutes on a CPU
+        c.model.backbone_fields = {"img_size": size, "patch_size": 4, "embed_dim": 64, "depth": 4,
+                                   "num_heads": 4}
+        c.optimizer.learning_rate = 1e-3
+        # From random weights, no layer-wise decay: it is a fine-tuning recipe that keeps pretrained
+        # lower layers near their start, and on random ones it starves them (0.9**4 gave the first
+        # block 2/3 of the rate; top-1 0.61 / 0.58 after 400 steps on 2048 images). Set it again
+        # (e.g. 0.65) with a pretrained file.
+        c.optimizer.layer_decay = 0.0
+        # 4096 images seen ~5 times each, as the RAT demo's: a transformer overfits the CNN demo's 512
         c.num_train_steps = 600
-        c.optimizer.learning_rate = 2e-3
-        c.optimizer.warmup_steps = 50
+        c.data.synthetic_train = 4096
         c.train.eval_every = 200
         c.checkpoint.every_steps = 200
-        c.model = mlc.ConfigDict(dict(name="rat_classifier", kernels="auto", pool="mean"))
-        c.model.rat = rat_config(feature_dims=64, num_blocks=3, num_heads=4, iters=1, mlp_ratio=2,
-                                 attention="sparse", positional_encoding="rose", mr_attention="windowed",
-                                 mr_window=16)
-    if variant == "smoke":
-        c.data.synthetic_train = 32
-        c.data.synthetic_val = 16
-        c.data.image_size = 16
-        c.data.batch_size = 8
-        c.data.eval_batch_size = 8
-        c.data.num_threads = 1
-        c.data.num_workers = 0
-        c.num_train_steps = 6
-        c.optimizer.warmup_steps = 2
-        c.train.eval_every = 3
-        c.checkpoint.every_steps = 3
-        c.train.log_every = 1
-        c.train.log_images = False
-        c.model.features = (4, 8)
-    elif variant in ("beit", "beit_demo"):
-        demo = variant == "beit_demo"
-        size = c.data.image_size
-        c.model = mlc.ConfigDict(dict(name="backbone_classifier", kernels="auto", backbone="beit_base_patch16_224",
-                                      backbone_fields={"img_size": size}, pretrained=""))
-        c.optimizer.layer_decay = 0.65
-        c.optimizer.weight_decay = 0.05
-        # BEiT's fine-tuning decays neither the class token nor the relative position tables
-        c.optimizer.weight_decay_exclude += "|cls_token|relative_position_bias_table"
-        if demo:  # a BEiT small enough to learn the 32 px shapes in minutes on a CPU
-            c.model.backbone_fields = {"img_size": size, "patch_size": 4, "embed_dim": 64, "depth": 4,
-                                       "num_heads": 4}
-            c.optimizer.learning_rate = 1e-3
-            # From random weights, no layer-wise decay: it is a fine-tuning recipe that keeps pretrained
-            # lower layers near their start, and on random ones it starves them (0.9**4 gave the first
-            # block 2/3 of the rate; top-1 0.61 / 0.58 after 400 steps on 2048 images). Set it again
-            # (e.g. 0.65) with a pretrained file.
-            c.optimizer.layer_decay = 0.0
-            # 4096 images seen ~5 times each, as the RAT demo's: a transformer overfits the CNN demo's 512
-            c.num_train_steps = 600
-            c.data.synthetic_train = 4096
-            c.train.eval_every = 200
-            c.checkpoint.every_steps = 200
-        else:
-            c.task.class_weights = "inverse"
-            c.checkpoint.best_metric = "eval/label/macro_f1"
-            c.optimizer.learning_rate = 1e-4
-            c.optimizer.warmup_steps = 1000
-    elif variant == "rat":
-        c.model = mlc.ConfigDict(dict(name="rat_classifier", kernels="auto", pool="mean"))
-        c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_dropout=0.1,
-                                 attention="dense", positional_encoding="rose")
-    elif variant not in ("", "demo", "rat_demo"):
-        raise ValueError(f"Unknown variant {variant!r} for configs/classification.py; "
-                         "use demo, rat_demo, smoke, rat, beit, beit_demo or none.")
-    return c
+    else:
+        c.task.class_weights = "inverse"
+        c.checkpoint.best_metric = "eval/label/macro_f1"
+        c.optimizer.learning_rate = 1e-4
+        c.optimizer.warmup_steps = 1000

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ml_collections as mlc
 
-from jaxrat.config import base_config
+from jaxrat.config_schema import base_config
 from jaxrat.models.rat import rat_config
 
 # What ``jaxrat train --list-configs`` lists ("" is the default variant).
@@ -34,6 +34,23 @@ VARIANTS = ("", "demo", "rat_demo", "smoke")
 
 def get_config(arg: str | None = None) -> mlc.ConfigDict:
     """Return the detection config for ``arg`` in {None, "demo", "rat_demo", "smoke"}."""
+    c = _real()
+    variant = arg or ""
+    if variant in ("demo", "rat_demo", "smoke"):
+        _synthetic(c)
+    if variant in ("demo", "rat_demo"):
+        _demo(c)
+    if variant == "rat_demo":
+        _rat_demo(c)
+    if variant == "smoke":
+        _smoke(c)
+    elif variant not in ("", "demo", "rat_demo"):
+        raise ValueError(f"Unknown variant {variant!r} for configs/coco.py; use demo, rat_demo, smoke or none.")
+    return c
+
+
+def _real() -> mlc.ConfigDict:
+    """The default variant: COCO 2017 at 800 px, DETR on the RAT, the reference's schedule."""
     c = base_config()
     c.data.name = "coco2017"
     c.data.image_size = 800  # square canvas; images are letterboxed (top-left) with a pad mask
@@ -75,65 +92,73 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     c.model.rat = rat_config(feature_dims=128, num_blocks=4, num_heads=8, iters=3, mlp_ratio=4, mlp_dropout=0.1,
                              sga_kernel_size=7, proj_kernel_size=7, attention="sparse", positional_encoding="rose",
                              mr_attention="windowed", mr_window=16)
-
-    variant = arg or ""
-    if variant in ("demo", "rat_demo", "smoke"):
-        c.data.synthetic = True
-        c.data.scale_jitter = (0.8, 1.2)
-        c.optimizer.clip_norm = 1.0
-        c.model.dropout = 0.0
-        c.task.max_boxes = 8
-    if variant in ("demo", "rat_demo"):
-        c.data.synthetic_train = 1024
-        c.data.synthetic_val = 128
-        c.data.image_size = 64
-        c.data.synthetic_image_size = 64
-        c.data.batch_size = 16
-        c.data.eval_batch_size = 32
-        c.num_train_steps = 1000  # eval AP50 ~0.5 after 250 steps, 0.77 at 1000 (docs/tasks.md, "Detection")
-        c.optimizer.learning_rate = 5e-4
-        c.optimizer.warmup_steps = 100
-        c.train.eval_every = 250
-        c.checkpoint.every_steps = 250
-        c.train.log_every = 50
-        # The same losses on any device or process count (docs/tasks.md, "Over a whole demo"), at
-        # the default step's speed here (2.8 steps/s on one CPU device).
-        c.train.reduction_shards = 8
-        c.task.num_detections = 20
-        c.task.focal = True
-        c.model.update(dict(backbone="cnn", cnn_widths=(32, 64, 96, 128), feature_levels=(1, 2, 3), hidden_dim=96,
-                            num_queries=64, decoder_layers=3, decoder_heads=4, ffn_dim=256, box_refine=True,
-                            query_level=2))
-    if variant == "rat_demo":
-        # The COCO RAT's width, depth and 3 grouping iterations dominate the demo step (6.6 s against
-        # 0.88 s for this one, benchmarks/rat_detr_step.py); one program per step rather than the demo's
-        # 8 shard programs (their cost for a RAT is not measured yet: the benchmark's *_shards rows).
-        c.train.reduction_shards = 0
-        c.num_train_steps = 600
-        c.train.eval_every = 200
-        c.checkpoint.every_steps = 200
-        c.model.update(dict(backbone="rat", feature_levels=(1, 2, 3), query_level=2))
-        c.model.rat = rat_config(feature_dims=64, num_blocks=3, num_heads=4, iters=1, mlp_ratio=2,
-                                 mlp_dropout=0.0, sga_kernel_size=7, proj_kernel_size=7, attention="sparse",
-                                 positional_encoding="rose", mr_attention="windowed", mr_window=16)
-    if variant == "smoke":
-        c.data.synthetic_train = 16
-        c.data.synthetic_val = 8
-        c.data.image_size = 32
-        c.data.synthetic_image_size = 32
-        c.data.batch_size = 8
-        c.data.eval_batch_size = 8
-        c.data.num_threads = 1
-        c.data.num_workers = 0
-        c.num_train_steps = 4
-        c.optimizer.warmup_steps = 1
-        c.train.eval_every = 2
-        c.checkpoint.every_steps = 2
-        c.train.log_every = 1
-        c.train.log_images = False
-        c.task.num_detections = 10
-        c.model.update(dict(backbone="cnn", cnn_widths=(8, 16), feature_levels=None, hidden_dim=16, num_queries=10,
-                            decoder_layers=2, decoder_heads=2, ffn_dim=32))
-    elif variant not in ("", "demo", "rat_demo"):
-        raise ValueError(f"Unknown variant {variant!r} for configs/coco.py; use demo, rat_demo, smoke or none.")
     return c
+
+
+def _synthetic(c: mlc.ConfigDict) -> None:
+    """Synthetic COCO-format images, for the demos and the smoke variant."""
+    c.data.synthetic = True
+    c.data.scale_jitter = (0.8, 1.2)
+    c.optimizer.clip_norm = 1.0
+    c.model.dropout = 0.0
+    c.task.max_boxes = 8
+
+
+def _demo(c: mlc.ConfigDict) -> None:
+    """The demos' 64 px images and schedule, with a small CNN DETR."""
+    c.data.synthetic_train = 1024
+    c.data.synthetic_val = 128
+    c.data.image_size = 64
+    c.data.synthetic_image_size = 64
+    c.data.batch_size = 16
+    c.data.eval_batch_size = 32
+    c.num_train_steps = 1000  # eval AP50 ~0.5 after 250 steps, 0.77 at 1000 (docs/tasks.md, "Detection")
+    c.optimizer.learning_rate = 5e-4
+    c.optimizer.warmup_steps = 100
+    c.train.eval_every = 250
+    c.checkpoint.every_steps = 250
+    c.train.log_every = 50
+    # The same losses on any device or process count (docs/tasks.md, "Over a whole demo"), at
+    # the default step's speed here (2.8 steps/s on one CPU device).
+    c.train.reduction_shards = 8
+    c.task.num_detections = 20
+    c.task.focal = True
+    c.model.update(dict(backbone="cnn", cnn_widths=(32, 64, 96, 128), feature_levels=(1, 2, 3), hidden_dim=96,
+                        num_queries=64, decoder_layers=3, decoder_heads=4, ffn_dim=256, box_refine=True,
+                        query_level=2))
+
+
+def _rat_demo(c: mlc.ConfigDict) -> None:
+    """The demo with a small RAT backbone."""
+    # The COCO RAT's width, depth and 3 grouping iterations dominate the demo step (6.6 s against
+    # 0.88 s for this one, benchmarks/rat_detr_step.py); one program per step rather than the demo's
+    # 8 shard programs (their cost for a RAT is not measured yet: the benchmark's *_shards rows).
+    c.train.reduction_shards = 0
+    c.num_train_steps = 600
+    c.train.eval_every = 200
+    c.checkpoint.every_steps = 200
+    c.model.update(dict(backbone="rat", feature_levels=(1, 2, 3), query_level=2))
+    c.model.rat = rat_config(feature_dims=64, num_blocks=3, num_heads=4, iters=1, mlp_ratio=2,
+                             mlp_dropout=0.0, sga_kernel_size=7, proj_kernel_size=7, attention="sparse",
+                             positional_encoding="rose", mr_attention="windowed", mr_window=16)
+
+
+def _smoke(c: mlc.ConfigDict) -> None:
+    """Tiny and fast, for the framework tests."""
+    c.data.synthetic_train = 16
+    c.data.synthetic_val = 8
+    c.data.image_size = 32
+    c.data.synthetic_image_size = 32
+    c.data.batch_size = 8
+    c.data.eval_batch_size = 8
+    c.data.num_threads = 1
+    c.data.num_workers = 0
+    c.num_train_steps = 4
+    c.optimizer.warmup_steps = 1
+    c.train.eval_every = 2
+    c.checkpoint.every_steps = 2
+    c.train.log_every = 1
+    c.train.log_images = False
+    c.task.num_detections = 10
+    c.model.update(dict(backbone="cnn", cnn_widths=(8, 16), feature_levels=None, hidden_dim=16, num_queries=10,
+                        decoder_layers=2, decoder_heads=2, ffn_dim=32))

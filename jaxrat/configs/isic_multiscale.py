@@ -12,7 +12,7 @@ import os
 
 import ml_collections as mlc
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.models.rat import rat_config
 
 # What ``jaxrat train --list-configs`` lists ("" is the default variant).

@@ -67,7 +67,7 @@ def run_robustness(config: mlc.ConfigDict, workdir: str, *, sizes: Sequence[int]
     """Evaluate checkpoint ``step`` of ``workdir`` at every (size, spacing) and return the table
     (the content of ``table.json``); ``write`` (process 0) writes the four files.
 
-    ``config`` is the run's config (:func:`jaxrat.config.load_run_config`); the training point
+    ``config`` is the run's config (:func:`jaxrat.config_schema.load_run_config`); the training point
     (its ``data.image_size`` at spacing 1) is always evaluated, as the reference.
     """
     # One checkpoint for every point, held still while a training beside it rotates its checkpoints.

@@ -16,9 +16,10 @@ import time
 from typing import Any
 
 from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
+from jaxrat.config_schema import default
 
 LOCK = "run.lock"  # jaxrat.trainer.workdir_lock.LOCK_NAME (a layer this one does not import)
-LEASE_S = 120.0  # jaxrat.trainer.workdir_lock.DEFAULT_LEASE_S: a holder elsewhere silent this long is gone
+LEASE_S = default("workdir.lease_seconds")  # a holder elsewhere silent this long is gone
 STOPPING = LOCK + ".stopping"  # jaxrat.trainer.workdir_lock.STOPPING_SUFFIX: its holder was told to stop
 
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrat.cluster.jobscript import ELEMENT_NAME
-from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.config_schema import check_override_args, load_config, load_config_module
 from jaxrat.experiments.status import (  # noqa: F401  (sweep's API)
     LEASE_S,
     RunState,

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Iterator, Sequence
 
-from jaxrat.config import check_override_args, load_config, load_config_module
+from jaxrat.config_schema import check_override_args, load_config, load_config_module
 from jaxrat.experiments.sweep import _value, train_command
 from jaxrat.experiments.tune_trial import Interrupted, run_trial
 from jaxrat.runtime.errors import ConfigError, UserError

@@ -138,7 +138,7 @@ def best_sweep_file(s: dict[str, Any]) -> str | None:
     doc = f'Written by python -m jaxrat.tune: trial {s["best"]["number"]} of {s["root"]}, ' \
           f'{s.get("metric")} {s["best"]["value"]!r}.'
     return (f"{doc!r}\n\n"
-            "from jaxrat.config import load_config\n\n"
+            "from jaxrat.config_schema import load_config\n\n"
             f"CONFIG = {s['config']!r}\n"
             f"BEST = {overrides!r}\n\n\n"
             "def get_config(arg=None):\n    return load_config(CONFIG)\n\n\n"

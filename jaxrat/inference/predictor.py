@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
-from jaxrat.config import load_run_config
+from jaxrat.config_schema import field, load_run_config
 from jaxrat.inference import augment
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError, UserError
@@ -140,7 +140,7 @@ class Predictor:
 
     @property
     def keep_aspect(self) -> bool:
-        return self.kind == "detection" or bool(self.config.data.get("keep_aspect_ratio", False))
+        return self.kind == "detection" or bool(field(self.config.data, "data.keep_aspect_ratio"))
 
     def label_name(self, head: str, index: int) -> str:
         """The original label string of class ``index`` of ``head`` (its number when the data had none)."""

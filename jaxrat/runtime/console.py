@@ -6,9 +6,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
 
-from absl import app, flags
+from absl import flags
 
 USER_ERROR_EXIT_CODE = 2
 # Set once jaxrat has said why it stops: library threads still failing (Orbax's background writes
@@ -163,30 +162,3 @@ def fail(message: str) -> None:
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     logging.shutdown()
     sys.exit(USER_ERROR_EXIT_CODE)
-
-
-def help_or_respell(module: str, config_overrides: bool = True) -> list[str]:
-    """``sys.argv`` in absl's flag style; with ``--help``, print the command's help as text and exit 0.
-
-    ``module`` is the ``__name__`` of the module that defines the command's flags."""
-    from jaxrat.runtime import command_line
-
-    defining = sys.argv[0] if module == "__main__" else module  # where absl filed the flags
-    if command_line.wants_help(sys.argv[1:]):
-        spec = getattr(sys.modules[module], "__spec__", None)
-        prog = "python -m " + (spec.name if spec else module)
-        text = command_line.absl_help(sys.modules[module].__doc__ or "", defining, prog, config_overrides)
-        command_line.print_help_and_exit(text)
-    argv = [sys.argv[0], *command_line.absl_style(sys.argv[1:])]
-    mistake = command_line.flag_mistake(argv[1:], defining)
-    if mistake:
-        fail(mistake)
-    return argv
-
-
-def run_with_config_overrides(main: Callable[[list[str], list[str]], None]) -> None:
-    """``absl.app.run(main)`` for a command that also takes ``--config.KEY=VALUE`` overrides: they are
-    not absl flags, so they are set apart and handed to ``main(argv, overrides)``."""
-    argv = help_or_respell(main.__module__)
-    overrides = [a for a in argv[1:] if a.startswith("--config.")]
-    app.run(lambda argv: main(argv, overrides), argv=[a for a in argv if not a.startswith("--config.")])

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrat.config_schema import field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks import segmentation_metrics as metrics
 from jaxrat.tasks import segmentation_multiclass as multiclass
@@ -170,7 +171,7 @@ class SegmentationTask(ImageTask):
             where = source.name or "the eval set"
             raise ConfigError(f"config.task.eval_original_resolution=True: the loader of {where} cannot read masks "
                               "as stored; set it False.")
-        keep = bool(d.get("keep_aspect_ratio", False))
+        keep = bool(field(d, "data.keep_aspect_ratio"))
         return metrics.OriginalResolution(
             original_mask=lambda i: read(source.records[i]), threshold=self.threshold,
             content=(lambda h, w: T.letterbox_shape(h, w, d.image_size)) if keep else (lambda h, w: None))

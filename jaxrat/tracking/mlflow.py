@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from jaxrat.config_schema import default, field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 from jaxrat.tracking.base import Guard, TrackerBase, describe
@@ -54,20 +55,20 @@ class MLflowTracker(TrackerBase):
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         # Empty: $MLFLOW_TRACKING_URI, else a database in the workdir (mlflow's own default is the
         # current directory, which on a cluster is wherever the job happened to start).
-        self.uri = tracking.get("mlflow_uri", "") or os.environ.get("MLFLOW_TRACKING_URI", "")
+        self.uri = field(tracking, "tracking.mlflow_uri") or os.environ.get("MLFLOW_TRACKING_URI", "")
         # The workdir's own database keeps its artifacts beside it, not in the current directory.
         self._artifacts = None if self.uri else os.path.join(workdir, "mlflow_artifacts")
         self.uri = self.uri or "sqlite:///" + os.path.join(workdir, "mlflow.db")
-        self.experiment = tracking.get("experiment", "") or "jaxrat"
-        self.run_name = tracking.get("run_name", "") or os.path.basename(os.path.normpath(workdir))
-        self.tags = {str(k): str(v) for k, v in tuple(tracking.get("tags", ()))}
+        self.experiment = tracking.get("experiment") or default("tracking.experiment")
+        self.run_name = field(tracking, "tracking.run_name") or os.path.basename(os.path.normpath(workdir))
+        self.tags = {str(k): str(v) for k, v in tuple(field(tracking, "tracking.tags"))}
         self.tags.update({"jaxrat.workdir": workdir, "jaxrat.host": socket.gethostname()})
-        self.close_timeout_s = float(tracking.get("close_timeout_s", 30.0))
+        self.close_timeout_s = float(field(tracking, "tracking.close_timeout_s"))
         self._id_file = os.path.join(workdir, "mlflow_run.json")
         self._mlflow_client = None  # made in the thread: opening a database may take seconds
         self.run_id: str | None = None
         self._resumed = False
-        self._queue: queue.Queue = queue.Queue(maxsize=int(tracking.get("queue_size", 1000)))
+        self._queue: queue.Queue = queue.Queue(maxsize=int(field(tracking, "tracking.queue_size")))
         self._guard = Guard()
         self._failures, self._paused_until, self._dropped = 0, 0.0, 0
         self._thread = threading.Thread(target=self._work, name="jaxrat-mlflow", daemon=True)

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxrat.config_schema import default, field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 from jaxrat.tracking.base import TrackerBase
@@ -31,7 +32,7 @@ class WandbTracker(TrackerBase):
             raise ConfigError("config.tracking.backends includes 'wandb' but the wandb package is not installed; "
                               "run pip install 'jaxrat[tracking]'.") from None
         self._wandb = wandb
-        mode = tracking.get("wandb_mode", "offline") or "offline"  # checked by writers.check_tracking
+        mode = tracking.get("wandb_mode") or default("tracking.wandb_mode")  # checked by writers.check_tracking
         # The same W&B run id across resumes of this workdir.
         id_file = os.path.join(workdir, "wandb_run.json")
         try:
@@ -40,10 +41,12 @@ class WandbTracker(TrackerBase):
         except (OSError, ValueError, KeyError):
             run_id = uuid.uuid4().hex[:12]
             write_json(id_file, {"run_id": run_id})
+        tags = [f"{k}={v}" for k, v in tuple(field(tracking, "tracking.tags"))]
         self._run = wandb.init(
-            project=tracking.get("wandb_project", "") or "jaxrat", entity=tracking.get("wandb_entity", "") or None,
-            name=tracking.get("run_name", "") or os.path.basename(os.path.normpath(workdir)), id=run_id,
-            resume="allow", dir=workdir, mode=mode, tags=[f"{k}={v}" for k, v in tuple(tracking.get("tags", ()))],
+            project=tracking.get("wandb_project") or default("tracking.wandb_project"),
+            entity=field(tracking, "tracking.wandb_entity") or None,
+            name=field(tracking, "tracking.run_name") or os.path.basename(os.path.normpath(workdir)), id=run_id,
+            resume="allow", dir=workdir, mode=mode, tags=tags,
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
         self.run_dir = self._run.dir

@@ -9,6 +9,7 @@ it, which is also how tests simulate a device.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -19,6 +20,7 @@ import jax
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.config_schema import field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 
@@ -50,13 +52,13 @@ class Choice:
 
 def wanted(config: mlc.ConfigDict) -> bool:
     """Whether the config asks for automatic sizing (``data.per_device_batch_size = "auto"``)."""
-    return str(config.data.get("per_device_batch_size", "")).strip().lower() == "auto"
+    return str(field(config.data, "data.per_device_batch_size")).strip().lower() == "auto"
 
 
 def budget_bytes(config: mlc.ConfigDict) -> int:
     """Bytes one device may use for the step: the config's budget, else the device's limit, with
     ``train.memory_margin`` kept free (fragmentation, the allocator, the input prefetch)."""
-    configured = float(config.train.get("memory_budget_gb", 0.0))
+    configured = float(field(config.train, "train.memory_budget_gb"))
     if configured > 0:
         total = configured * 2**30
     else:
@@ -65,7 +67,7 @@ def budget_bytes(config: mlc.ConfigDict) -> int:
             raise ConfigError("data.per_device_batch_size='auto' needs the devices' memory, which this platform does "
                               "not report; set --config.train.memory_budget_gb.")
         total = float(stats["bytes_limit"])
-    return int(total * (1.0 - float(config.train.get("memory_margin", 0.1))))
+    return int(total * (1.0 - float(field(config.train, "train.memory_margin"))))
 
 
 def compiled_bytes(compile_step: Callable[[int], Any], per_device: int) -> int:
@@ -99,7 +101,7 @@ def choose(config: mlc.ConfigDict, devices: int, compile_step: Callable[[int], A
     while bad is not None and bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    target = int(config.data.get("target_batch_size", 0) or config.data.batch_size)
+    target = int(field(config.data, "data.target_batch_size") or config.data.batch_size)
     micro = good * devices
     accum = max(1, math.ceil(target / micro))
     per_device = math.ceil(target / (devices * accum))  # the smallest micro-batch that reaches the target
@@ -110,10 +112,10 @@ def choose(config: mlc.ConfigDict, devices: int, compile_step: Callable[[int], A
 
 def scaled_learning_rate(config: mlc.ConfigDict, global_batch: int) -> float:
     """``optimizer.learning_rate`` scaled from ``optimizer.reference_batch_size`` to ``global_batch``."""
-    rule = str(config.optimizer.get("lr_scaling", "none"))
+    rule = str(field(config.optimizer, "optimizer.lr_scaling"))
     if rule not in LR_RULES:
         raise ConfigError(f"config.optimizer.lr_scaling={rule!r}; use one of {list(LR_RULES)}.")
-    ref = int(config.optimizer.get("reference_batch_size", 0) or 0)
+    ref = int(field(config.optimizer, "optimizer.reference_batch_size") or 0)
     lr = float(config.optimizer.learning_rate)
     if rule == "none" or ref <= 0:
         return lr
@@ -121,11 +123,18 @@ def scaled_learning_rate(config: mlc.ConfigDict, global_batch: int) -> float:
     return lr * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
-def apply(config: mlc.ConfigDict, choice: Choice, workdir: str) -> None:
-    """Write the choice into the config (batch, accumulation, learning rate) and ``WORKDIR/autotune.json``."""
-    config.data.batch_size = choice.global_batch
-    config.optimizer.grad_accum_steps = choice.accum
-    config.optimizer.learning_rate = choice.learning_rate
+def apply(config: mlc.ConfigDict, choice: Choice) -> mlc.ConfigDict:
+    """A copy of ``config`` with the choice in it (batch, accumulation, learning rate); ``config``
+    itself stays what was asked for, which is what ``config.json`` records."""
+    sized = copy.deepcopy(config)
+    sized.data.batch_size = choice.global_batch
+    sized.optimizer.grad_accum_steps = choice.accum
+    sized.optimizer.learning_rate = choice.learning_rate
+    return sized
+
+
+def record(choice: Choice, workdir: str) -> None:
+    """Log the choice's table and write it to ``WORKDIR/autotune.json`` (process 0)."""
     logging.info("%s", choice.table())
     if jax.process_index() == 0:
         write_json(os.path.join(workdir, "autotune.json"), dataclasses.asdict(choice), indent=2)
@@ -156,10 +165,9 @@ def train_step_lowering(config: mlc.ConfigDict, mesh: jax.sharding.Mesh,
 
 def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, example: dict[str, np.ndarray],
                workdir: str) -> Choice:
-    """Choose and apply the batch for ``config`` on ``mesh``; ``example`` is a host batch of the task
-    (any size) that gives the fields' shapes and types."""
-    import copy
-
+    """Choose the batch for ``config`` on ``mesh`` and record it (:func:`apply` makes the config that
+    trains with it); ``example`` is a host batch of the task (any size) that gives the fields' shapes
+    and types."""
     if config.train.reduction_shards:
         # The probe sizes would not divide into the shards, and what must fit is one shard's program.
         raise ConfigError(
@@ -173,5 +181,5 @@ def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, examp
         return lower(example, per_device * mesh.size).compile()
 
     choice = choose(config, mesh.size, compile_step)
-    apply(config, choice, workdir)
+    record(choice, workdir)
     return choice

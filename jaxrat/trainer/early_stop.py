@@ -13,6 +13,7 @@ from typing import Any
 import ml_collections as mlc
 
 from jaxrat.checkpointing.store import EARLY_STOP_KEY as META_KEY
+from jaxrat.config_schema import field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 
@@ -21,7 +22,7 @@ def evaluations(config: mlc.ConfigDict) -> int:
     """How many evaluations a run of ``config`` makes (every ``eval_every`` steps, and at the end)."""
     t, total = config.train, int(config.num_train_steps)
     every = max(1, int(t.eval_every))
-    return total // every + (1 if t.get("eval_at_end", True) and total % every else 0)
+    return total // every + (1 if field(t, "train.eval_at_end") and total % every else 0)
 
 
 class EarlyStop:
@@ -29,10 +30,10 @@ class EarlyStop:
 
     def __init__(self, config: mlc.ConfigDict, task: Task, warn: bool = True) -> None:
         t, c = config.train, config.checkpoint
-        self.patience = int(t.get("early_stop_patience", 0) or 0)
-        self.min_delta = float(t.get("early_stop_min_delta", 0.0) or 0.0)
-        self.metric = str(t.get("early_stop_metric", "") or c.best_metric)
-        self.mode = c.best_mode if self.metric == c.best_metric else str(t.get("early_stop_mode", "max"))
+        self.patience = int(field(t, "train.early_stop_patience") or 0)
+        self.min_delta = float(field(t, "train.early_stop_min_delta") or 0.0)
+        self.metric = str(field(t, "train.early_stop_metric") or c.best_metric)
+        self.mode = c.best_mode if self.metric == c.best_metric else str(field(t, "train.early_stop_mode"))
         self.best: float | None = None
         self.best_step: int | None = None
         self.bad = 0

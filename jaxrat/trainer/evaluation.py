@@ -15,7 +15,7 @@ from jaxrat import cluster
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.cluster.together import compiled_together
-from jaxrat.config import load_run_config
+from jaxrat.config_schema import field, load_run_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime import compile_cache
 from jaxrat.runtime.errors import UserError
@@ -38,7 +38,7 @@ def open_trained_run(workdir: str, overrides: list[str],
     workdir = os.path.abspath(os.path.expanduser(workdir))
     config = load_run_config(workdir, overrides, allow_import)
     cluster.initialize(config.distributed)
-    compile_cache.enable(config.train.get("compilation_cache_dir", ""))
+    compile_cache.enable(field(config.train, "train.compilation_cache_dir"))
     return workdir, config
 
 

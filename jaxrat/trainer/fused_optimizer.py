@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrat.config_schema import field
 from jaxrat.ops.gpu import adamw, ema
 from jaxrat.ops.gpu.per_device import replicated
 from jaxrat.trainer.optimizer import ADAM_EPS, decay_mask, layer_scales
@@ -53,8 +54,8 @@ class FusedAdamW:
         """The new parameters and optimizer state; ``norm`` is the gradients' global norm (clipping)."""
         adam, sched = _adam_and_schedule(opt_state)
         leaves, treedef = jax.tree.flatten(params)
-        decays = jax.tree.leaves(decay_mask(params, str(self.cfg.get("weight_decay_exclude", ""))))
-        layer_decay = float(self.cfg.get("layer_decay", 0.0) or 0.0)
+        decays = jax.tree.leaves(decay_mask(params, str(field(self.cfg, "optimizer.weight_decay_exclude"))))
+        layer_decay = float(field(self.cfg, "optimizer.layer_decay") or 0.0)
         scales = (jax.tree.leaves(layer_scales(params, layer_decay)) if 0.0 < layer_decay < 1.0
                   else [1.0] * len(leaves))
         count_inc = optax.safe_increment(adam.count)

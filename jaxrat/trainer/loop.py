@@ -121,6 +121,7 @@ def _clear(workdir: str, remove_folder: bool) -> None:
 class _Started:
     """A run's world, task, state spec, compiled steps and restored (or fresh) state."""
 
+    config: mlc.ConfigDict  # with the batch automatic sizing chose, where it was asked for
     mesh: jax.sharding.Mesh
     task: Any
     policy: Policy
@@ -153,7 +154,8 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
                                    process_count=jax.process_count(), processes_on_host=on_host)
 
     if autotune.wanted(config):
-        autotune.size_batch(config, mesh, task, _first_batch(train_iter(0, local_batch=1)), workdir)
+        choice = autotune.size_batch(config, mesh, task, _first_batch(train_iter(0, local_batch=1)), workdir)
+        config = autotune.apply(config, choice)
         check_batch_sizes(config, mesh.size, jax.process_count())
     spec = make_state_spec(config, mesh, task)
     train_step = compiled_together(make_train_step(spec), "train step")
@@ -161,12 +163,13 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)
     save_config()  # only now: a resume the checkpoint refused has left config.json as it was
-    return _Started(mesh, task, policy, spec, train_step, eval_step, ckpt, start)
+    return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 
 
 def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, save_config: Any) -> dict[str, float]:
     watch = PreemptionWatch()  # one counter for every check of the run (a collective's agreed call number)
     w = _start(config, workdir, watch, save_config)
+    config = w.config
     spec, ckpt, start = w.spec, w.ckpt, w.start
     state, first, total = start.state, start.step, config.num_train_steps
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrat.config_schema import field
 from jaxrat.ops.gpu.adamw import flatten
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.tree_paths import path_name
@@ -115,14 +116,14 @@ def make_optimizer(cfg: Any, num_steps: int, *, concatenate_norm: bool = False
     decoupled weight decay of each layer, as BEiT's parameter groups do); 0 or 1: off.
     ``concatenate_norm``: clip by :func:`global_norm` over one concatenated vector (unsharded gradients)."""
     schedule = make_schedule(cfg, num_steps)
-    exclude = str(cfg.get("weight_decay_exclude", ""))
+    exclude = str(field(cfg, "optimizer.weight_decay_exclude"))
     _exclude_rule(exclude)  # a bad regex fails now, not inside the first jit
     parts = []
     if cfg.clip_norm > 0:
         parts.append(clip_by_global_norm(cfg.clip_norm, concatenate=concatenate_norm))
     parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=ADAM_EPS, weight_decay=cfg.weight_decay,
                              mask=lambda params: decay_mask(params, exclude)))
-    layer_decay = float(cfg.get("layer_decay", 0.0) or 0.0)
+    layer_decay = float(field(cfg, "optimizer.layer_decay") or 0.0)
     if not 0.0 <= layer_decay <= 1.0:
         raise ConfigError(f"config.optimizer.layer_decay={layer_decay}; use 0 (off) or a factor in (0, 1] such as "
                           f"0.65.")
@@ -135,7 +136,7 @@ def make_optimizer(cfg: Any, num_steps: int, *, concatenate_norm: bool = False
 def ema_enabled(cfg: Any) -> bool:
     """Whether ``optimizer.ema_decay`` asks for an average of the parameters; a decay outside
     [0, 1) is a ConfigError."""
-    decay = float(cfg.get("ema_decay", 0.0) or 0.0)
+    decay = float(field(cfg, "optimizer.ema_decay") or 0.0)
     if not 0.0 <= decay < 1.0:
         raise ConfigError(f"config.optimizer.ema_decay={decay}; use 0 (off) or a decay in (0, 1) such as 0.999.")
     return decay > 0.0
@@ -148,7 +149,7 @@ def ema_decay_at(cfg: Any, step: jax.Array) -> jax.Array:
     TensorFlow's ExponentialMovingAverage and timm's first ModelEma), so early updates weigh more.
     """
     decay = jnp.asarray(float(cfg.ema_decay), jnp.float32)
-    if not cfg.get("ema_warmup", False):
+    if not field(cfg, "optimizer.ema_warmup"):
         return decay
     t = step.astype(jnp.float32) + 1.0
     return jnp.minimum(decay, (1.0 + t) / (10.0 + t))

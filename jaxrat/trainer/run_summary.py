@@ -19,6 +19,7 @@ import jax
 import ml_collections as mlc
 
 from jaxrat.checkpointing import store
+from jaxrat.config_schema import field
 from jaxrat.tracking.summary import write_summary
 from jaxrat.tracking.writers import MetricWriter
 from jaxrat.trainer.state import resolve_compute_dtype
@@ -81,9 +82,9 @@ def kernels_summary(config: mlc.ConfigDict, kernels: Any) -> dict[str, Any]:
     those held back (:mod:`jaxrat.ops.forms`)."""
     from jaxrat.ops.forms import candidates
 
-    out = {"configured": config.model.get("kernels", "auto"), **dataclasses.asdict(kernels)}
+    out = {"configured": field(config.model, "model.kernels"), **dataclasses.asdict(kernels)}
     if kernels.gpu:
-        out["gpu_forms_requested"] = str(config.model.get("gpu_forms", "validated"))
+        out["gpu_forms_requested"] = str(field(config.model, "model.gpu_forms"))
         out["gpu_forms"] = sorted(kernels.gpu_forms)
         out["gpu_forms_held_back"] = sorted(candidates() - kernels.gpu_forms)
     else:
@@ -114,7 +115,7 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "kernels": None if kernels is None else kernels_summary(config, kernels),
         "last_train": last_train,
         "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},
-        "best": best_of_run(best, ck), "ema_decay": float(config.optimizer.get("ema_decay", 0.0) or 0.0),
+        "best": best_of_run(best, ck), "ema_decay": float(field(config.optimizer, "optimizer.ema_decay") or 0.0),
         "stopped_early": stopped_early,
         "checkpoints": ck,
         "config": json.loads(config.to_json_best_effort()),
@@ -146,8 +147,9 @@ def publish(writer: MetricWriter, workdir: str, summary: dict[str, Any],
     if jax.process_index() != 0:
         return
     config = summary.get("config") or {}
-    pictures = (draw(workdir, str(config.get("checkpoint", {}).get("best_metric", "")), confusions, foreground)
-                if config.get("train", {}).get("plots", True) else [])
+    best_metric = str(field(config.get("checkpoint", {}), "checkpoint.best_metric"))
+    plots = field(config.get("train", {}), "train.plots")
+    pictures = draw(workdir, best_metric, confusions, foreground) if plots else []
     summary = {**summary, "plots": [os.path.basename(p) for p in pictures]}
     try:
         paths = write_summary(workdir, summary) + pictures

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrat import ops
 from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.checkpointing.init_from import merge_params
+from jaxrat.config_schema import field
 from jaxrat.parallel import sharding
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
@@ -53,13 +54,13 @@ def resolve_kernels(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> ops.Kern
     on the gpu form, ``config.model.gpu_forms``: which fused forms)."""
     from jaxrat.ops.forms import parse_request
 
-    gpu_forms = config.model.get("gpu_forms", "validated")
+    gpu_forms = field(config.model, "model.gpu_forms")
     try:
         parse_request(gpu_forms)
     except ValueError as e:
         raise ConfigError(f"config.{e}.") from None
     try:
-        return ops.resolve(config.model.get("kernels", "auto"), ops.policy.platform_of(mesh.devices.flat),
+        return ops.resolve(field(config.model, "model.kernels"), ops.policy.platform_of(mesh.devices.flat),
                            process_count=jax.process_count(), gpu_forms=gpu_forms)
     except ValueError as e:
         raise ConfigError(f"config.model.kernels: {e}.") from None
@@ -70,14 +71,14 @@ def gpu_forms_line(config: mlc.ConfigDict, kernels: ops.KernelPolicy) -> str:
     from jaxrat.ops.forms import Selection, candidates
 
     used = kernels.gpu_forms
-    return Selection(used, candidates() - used, str(config.model.get("gpu_forms", "validated"))).line()
+    return Selection(used, candidates() - used, str(field(config.model, "model.gpu_forms"))).line()
 
 
 def check_kernels_run_here(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> None:
     """A run (not a lowering) needs kernels its devices can execute: the gpu form's fused attention is
     a set of CUDA custom calls."""
     platform = ops.policy.platform_of(mesh.devices.flat)
-    if config.model.get("kernels", "auto") == "gpu" and ops.policy.form_for_platform(platform) != "gpu":
+    if field(config.model, "model.kernels") == "gpu" and ops.policy.form_for_platform(platform) != "gpu":
         raise ConfigError(f"config.model.kernels='gpu' builds the GPU program, which cannot run on {platform} "
                           f"devices; use 'auto' here (the GPU program can still be lowered and inspected on this "
                           f"machine: docs/rat.md, 'On GPUs').")
@@ -168,7 +169,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
     dtype = DTYPES[compute_dtype]
     kernels = resolve_kernels(config, mesh) if kernels is None else kernels
     logging.info("kernels: %s form (model.kernels=%s), attention block %d", kernels.form,
-                 config.model.get("kernels", "auto"), kernels.block_elements)
+                 field(config.model, "model.kernels"), kernels.block_elements)
     if kernels.gpu:
         logging.info("%s", gpu_forms_line(config, kernels))
     zero = config.sharding.zero
@@ -238,8 +239,8 @@ def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
     path = resolve_pretrained(str(config.model.pretrained))  # hf:OWNER/NAME[@REV]: the hub cache's folder
     arrays = pretrained_arrays(path, abstract_params)
     logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
-    return place_arrays(arrays, abstract_params, include=config.get("init_from_include", ""),
-                        exclude=config.get("init_from_exclude", ""), where=path)
+    return place_arrays(arrays, abstract_params, include=field(config, "init_from_include"),
+                        exclude=field(config, "init_from_exclude"), where=path)
 
 
 def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[int], Iterator]) -> Restored:
@@ -262,9 +263,9 @@ def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[i
     loaded: dict[str, Any] = {}
     if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
         loaded = load_init(config.init_from, spec.abstract_with_shardings(),
-                           optimizer=config.checkpoint.init_optimizer, include=config.get("init_from_include", ""),
-                           exclude=config.get("init_from_exclude", ""), strict=config.get("init_from_strict", True),
-                           rename=config.get("init_from_rename", ""))
+                           optimizer=config.checkpoint.init_optimizer, include=field(config, "init_from_include"),
+                           exclude=field(config, "init_from_exclude"), strict=field(config, "init_from_strict"),
+                           rename=field(config, "init_from_rename"))
     elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
         loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
     init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)

@@ -19,10 +19,11 @@ from typing import Any
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.config_schema import field
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
-from jaxrat.trainer.workdir_lock import DEFAULT_LEASE_S, WorkdirInUse, WorkdirLock
+from jaxrat.trainer.workdir_lock import WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
 # Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals and
@@ -160,12 +161,12 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
             if why:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
                                 "to (--workdir).")
-            if settings.get("lock", True):
+            if field(settings, "workdir.lock"):
                 from jaxrat.cluster import preemption
 
-                lock = WorkdirLock(workdir, settings.get("lease_seconds", DEFAULT_LEASE_S), preemption.signalled)
+                lock = WorkdirLock(workdir, field(settings, "workdir.lease_seconds"), preemption.signalled)
                 lock.acquire()
-            save = check_config(config, workdir, bool(settings.get("allow_config_change", False)))
+            save = check_config(config, workdir, bool(field(settings, "workdir.allow_config_change")))
             if not has_checkpoint(workdir):
                 save()
                 save = lambda: None  # noqa: E731

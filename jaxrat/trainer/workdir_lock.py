@@ -21,11 +21,12 @@ import time
 import uuid
 from typing import Callable
 
+from jaxrat.config_schema import default
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_bytes
 
 LOCK_NAME = "run.lock"
-DEFAULT_LEASE_S = 120.0
+DEFAULT_LEASE_S = default("workdir.lease_seconds")
 STOPPING_SUFFIX = ".stopping"  # LOCK_NAME + this: the holder (its token) was told to stop and is stopping
 STOPPING_POLL_S = 0.5  # how soon the heartbeat notices that the holder was told to stop
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmark_scripts import load
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from runner import REPO
 
 

@@ -126,7 +126,7 @@ def _tiny_gpu_isic(monkeypatch, dtype: str, accum: int = 1, shards: int = 0, ema
     batch of 4 32-px images (cuDNN's version pretended, so that CUDA lowering works here)."""
     from jax._src.cudnn import fused_attention_stablehlo
 
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.parallel.mesh import make_mesh
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.config import check_override_args
+from jaxrat.config_schema import check_override_args
 from jaxrat.data import badfiles
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxrat.commands import COMMANDS
-from jaxrat.config import check_override_args, load_config
-from jaxrat.runtime import command_line
+from jaxrat.cli import command_line
+from jaxrat.cli.commands import COMMANDS
+from jaxrat.config_schema import check_override_args, load_config
 from jaxrat.runtime.errors import ConfigError
 from runner import REPO, SMOKE, env_with_devices
 
@@ -113,7 +113,7 @@ def test_train_from_outside_the_clone_by_name_refuses_a_bad_range_before_the_wor
 
 
 def test_a_trained_runs_overrides_are_checked_alike(tmp_path):
-    from jaxrat.config import load_run_config
+    from jaxrat.config_schema import load_run_config
     from jaxrat.trainer.workdir import config_as_json
 
     (tmp_path / "config.json").write_text(json.dumps(config_as_json(load_config(SMOKE))))
@@ -134,7 +134,7 @@ def test_flag_mistakes_are_one_sentence(args, sentence):
 
 
 def test_every_listed_variant_loads():
-    from jaxrat.config.loader import load_config_module, packaged_configs
+    from jaxrat.config_schema.loader import load_config_module, packaged_configs
 
     for name in packaged_configs():
         for variant in load_config_module(name).VARIANTS:

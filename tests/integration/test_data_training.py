@@ -46,7 +46,7 @@ def test_skip_policy_trains_and_lists_the_skipped_files(broken_dir, tmp_path):
 
 
 def _config(variant=None):
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from runner import REPO
 
     path = os.path.join(REPO, "configs", "isic.py")

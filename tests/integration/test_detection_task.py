@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat import ops
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.experiments.sweep import run_state
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task

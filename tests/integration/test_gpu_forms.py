@@ -20,7 +20,7 @@ from flax import nnx
 
 from benchmark_scripts import load
 from jaxrat import ops
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.ops import forms
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from jaxrat import ops
-from jaxrat.config import check_override_args, load_config
+from jaxrat.config_schema import check_override_args, load_config
 from jaxrat.models import build_model
 from jaxrat.models.rat.config import field_names
 from jaxrat.ops.cpu import SCOPE

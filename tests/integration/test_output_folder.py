@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.inference import run as predict_run
 from jaxrat.inference.inputs import expand_inputs
 from jaxrat.runtime import output_folder
@@ -239,7 +239,7 @@ def test_a_second_predict_into_a_folder_in_use_is_refused_naming_the_first(tmp_p
 
 DRIVER = """
 import sys
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 import jaxrat.trainer.evaluation as ev, jaxrat.inference.predictor as pr, jaxrat.inference.checkpoint_choice as cc
 from test_output_folder import FakePredictor
 config = load_config(sys.argv.pop())
@@ -281,7 +281,7 @@ def test_a_stopped_predict_says_so_in_one_line_and_leaves_no_temporary_file(tmp_
 
 EVALUATE_DRIVER = """
 import contextlib, os, sys, time
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 import jaxrat.trainer.evaluation as ev, jaxrat.checkpointing.reading as rd, jaxrat.inference.checkpoint_choice as cc
 from jaxrat.runtime.fileio import atomic_open
 config = load_config(sys.argv.pop())

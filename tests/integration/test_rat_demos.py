@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.models.rat import RATConfig
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tasks.base import load_task

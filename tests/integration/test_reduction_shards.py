@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.parallel.cpu_client import pin_cpu_parallelism
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError

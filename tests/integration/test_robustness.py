@@ -98,7 +98,7 @@ def test_sizes_and_spacings_are_parsed_with_one_sentence_errors():
 def test_eval_spacing_coarsens_the_image_only():
     import ml_collections as mlc
 
-    from jaxrat.config import base_config
+    from jaxrat.config_schema import base_config
     from jaxrat.data import pipeline
     from jaxrat.data import transforms as T
     from jaxrat.runtime.errors import ConfigError
@@ -122,7 +122,7 @@ def test_eval_spacing_coarsens_the_image_only():
 
 
 def test_run_config_pins_synthetic_data_to_the_trained_size(tmp_path):
-    from jaxrat.config import base_config, load_run_config
+    from jaxrat.config_schema import base_config, load_run_config
 
     config = base_config()
     config.data.synthetic, config.data.image_size = True, 48

@@ -134,7 +134,7 @@ def test_label_map_ignore_and_out_of_range_values(tmp_path):
 
 
 def test_a_demo_variant_on_your_data_is_not_the_demo():
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.data.own_data import on_own_data
 
     c = load_config("segmentation:demo")

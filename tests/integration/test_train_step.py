@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrat import ops
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
@@ -90,7 +90,7 @@ def test_accumulation_gives_the_unaccumulated_step(accum):
 
 
 def test_weight_decay_skips_biases_norms_positions_and_frequencies():
-    from jaxrat.config import base_config
+    from jaxrat.config_schema import base_config
     from jaxrat.trainer.optimizer import decay_mask
 
     rule = base_config().optimizer.weight_decay_exclude

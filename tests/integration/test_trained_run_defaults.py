@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.tracking.summary import markdown
 from jaxrat.trainer import run_summary

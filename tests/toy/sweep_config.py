@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 
 ISIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs", "isic.py")
 

@@ -1,6 +1,6 @@
 """Config of the toy regression task (tests/toy/toy_regression.py)."""
 
-from jaxrat.config import base_config
+from jaxrat.config_schema import base_config
 
 
 def get_config(arg=None):

@@ -8,7 +8,7 @@ import ml_collections as mlc
 import pytest
 
 from jaxrat.checkpointing import inspect, store
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.experiments.summary import summarize_run
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.trainer import run_summary

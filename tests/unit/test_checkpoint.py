@@ -252,7 +252,7 @@ def test_restore_latest_gives_the_newest_step_or_none(tmp_path):
     ("best_metric", "dice", "not an eval metric"),
 ])
 def test_policy_errors_name_the_field(field, value, words):
-    from jaxrat.config import base_config
+    from jaxrat.config_schema import base_config
 
     c = base_config().checkpoint
     c[field] = value

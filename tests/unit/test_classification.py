@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from sklearn import metrics as skm
 
 from jaxrat import ops
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.class_weights import class_weights

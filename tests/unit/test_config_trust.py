@@ -8,7 +8,7 @@ import sys
 import pytest
 from PIL import Image
 
-from jaxrat.config import load_config, load_run_config
+from jaxrat.config_schema import load_config, load_run_config
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import load_task
 from runner import REPO, env_with_devices

@@ -369,7 +369,7 @@ SWITCHES = {  # config.data field -> (value, the one op it adds, what that op mu
 
 @pytest.mark.parametrize("field", sorted(SWITCHES))
 def test_each_config_switch_adds_exactly_its_op_and_eval_has_no_random_op(field):
-    from jaxrat.config import base_config
+    from jaxrat.config_schema import base_config
 
     cfg = base_config().data
     cfg.random_flip = False
@@ -389,7 +389,7 @@ def test_each_config_switch_adds_exactly_its_op_and_eval_has_no_random_op(field)
 
 
 def test_keep_aspect_ratio_also_holds_when_random_crop_is_on():
-    from jaxrat.config import base_config
+    from jaxrat.config_schema import base_config
 
     cfg = base_config().data
     cfg.image_size, cfg.keep_aspect_ratio, cfg.random_crop_scale, cfg.random_flip = 16, True, (1.0, 1.0), False

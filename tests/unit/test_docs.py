@@ -36,8 +36,8 @@ import sys
 
 import pytest
 
-from jaxrat.config import base_config, flatten, load_config
-from jaxrat.config.loader import packaged_configs
+from jaxrat.config_schema import base_config, flatten, load_config
+from jaxrat.config_schema.loader import packaged_configs
 from jaxrat.runtime.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

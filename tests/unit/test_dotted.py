@@ -11,7 +11,7 @@ def test_dicts_and_config_dicts_flatten_alike_and_every_layer_uses_the_one():
     assert dotted.flatten(mlc.ConfigDict(nested)) == dotted.flatten(nested)
     assert dotted.flatten(nested, "cfg.", leaf=str) == {"cfg.data.batch_size": "16", "cfg.data.sizes": "[1, 2]",
                                                         "cfg.seed": "0"}
-    from jaxrat import config
+    from jaxrat import config_schema as config
     from jaxrat.experiments import report
     from jaxrat.trainer import workdir
 

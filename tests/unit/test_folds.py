@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.data import datasets, folds
 from jaxrat.experiments import stats, summary, sweep
 from jaxrat.runtime.errors import ConfigError
@@ -80,7 +80,7 @@ def test_a_fold_of_the_training_split_is_the_validation_split(tmp_path, which):
 
 
 def test_repeats_name_runs_and_submit_one_array(tmp_path, capsys):
-    from jaxrat import sweep as cli
+    from jaxrat.cli import sweep as cli
 
     variants = sweep.load_sweep(TOY)
     runs = sweep.replicate(sweep.select(variants, ["base", "wide"]), str(tmp_path), folds=3, seeds=2, first_seed=5)

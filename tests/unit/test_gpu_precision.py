@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.trainer.state import resolve_compute_dtype
 from runner import REPO

@@ -295,7 +295,7 @@ def test_pretrained_hf_spec_loads_through_the_trainer(serve, monkeypatch):
 
 
 def test_jaxrat_download_takes_a_model_and_prints_the_pretrained_value(serve, capsys, tmp_path):
-    from jaxrat import download
+    from jaxrat.cli import download
 
     serve({"org/m": {"main": _files()}})
     assert download.main(["hf:org/m@main", "--timeout", "5"]) == 0

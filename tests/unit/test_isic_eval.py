@@ -12,7 +12,7 @@ from flax import nnx
 from PIL import Image
 
 from jaxrat import ops
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.data import pipeline
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.runtime.errors import ConfigError

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrat import launch as L
+from jaxrat.cli import launch as L
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -240,7 +240,7 @@ def test_job_script_requeues_by_exit_status(scheduler, tmp_path):
 
 
 def test_rendering_a_script_does_not_load_jax():
-    code = ("import sys; from jaxrat import launch as L; spec, _ = L.parse_args(['--config', 'configs/isic.py']); "
+    code = ("import sys; from jaxrat.cli import launch as L; spec, _ = L.parse_args(['--config', 'configs/isic.py']); "
             "L.render(spec); print('jax' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

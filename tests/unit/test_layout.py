@@ -10,14 +10,17 @@ PACKAGE = pathlib.Path(REPO, "jaxrat")
 # Higher layers may import lower ones, never the reverse; two rooms of one layer never import
 # each other. Inside a room (a package folder) imports are free.
 LAYERS = {
-    "main": 6, "launch": 6, "checkpoints": 6, "evaluate": 6, "sweep": 6, "summarize": 6, "robustness": 6,
-    "predict": 6, "export": 6, "tune": 6, "report": 6, "download": 6, "commands": 6, "__main__": 7,
+    # the ``python -m jaxrat.NAME`` entry modules, each calling its command in cli/
+    "main": 7, "launch": 7, "checkpoints": 7, "evaluate": 7, "sweep": 7, "summarize": 7, "robustness": 7,
+    "predict": 7, "export": 7, "tune": 7, "report": 7, "download": 7, "__main__": 7,
+    "cli": 6,
     "configs": 3,
     "inference": 5,
     "trainer": 4, "experiments": 4,
     "tasks": 3,
     "models": 2, "data": 2,
-    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1, "config": 1,
+    "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1,
+    "config_schema": 0.5,  # what a config is and its defaults: below every room that reads a config
     "ops": 1,
     "runtime": 0,
 }

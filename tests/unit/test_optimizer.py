@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.trainer.optimizer import clip_by_global_norm, decay_mask, global_norm, make_optimizer, make_schedule
 from jaxrat.trainer.state import concatenates_norm
 

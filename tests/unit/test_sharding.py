@@ -49,7 +49,7 @@ def test_rules_override_the_preset_by_path():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_presets_shard_what_they_promise(zero):
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec
 
@@ -70,7 +70,7 @@ def test_zero_presets_shard_what_they_promise(zero):
 def test_zero_alone_shards_over_the_data_devices_of_the_default_mesh(zero):
     """The default mesh is {'data': N, 'fsdp': 1}: ZeRO over its 1-device fsdp axis would shard nothing
     (and still turn the replicated-state forms off), so it shards over every mesh axis instead."""
-    from jaxrat.config import load_config
+    from jaxrat.config_schema import load_config
     from jaxrat.tasks.base import load_task
     from jaxrat.trainer.state import make_state_spec
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxrat.cluster.jobscript import JobSpec, index_ranges, render
-from jaxrat.config import flatten, load_config
+from jaxrat.config_schema import flatten, load_config
 from jaxrat.experiments import summary, sweep
 from jaxrat.runtime.errors import ConfigError, UserError
 
@@ -215,7 +215,7 @@ def test_single_job_scripts_have_no_array_lines():
 
 
 def test_cli_dry_run_submits_only_unfinished_variants(tmp_path, capsys):
-    from jaxrat import sweep as cli
+    from jaxrat.cli import sweep as cli
 
     root = tmp_path / "root"
     fake_checkpoint(root / "lr_high", 4)
@@ -473,7 +473,7 @@ def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_
     """The study's baselines (configs/ablations.py's transunet, swin_unet) train their own configs/isic.py
     variant: the command names that file once, the target step count is its own, and a job array's
     element runs it."""
-    from jaxrat import sweep as cli
+    from jaxrat.cli import sweep as cli
 
     cmd = sweep.train_command("configs/ablations.py:demo", "/w",
                               ["--config=configs/isic.py:transunet_demo", "--config.seed=1"], python="py")
@@ -492,7 +492,7 @@ def test_a_variant_may_train_another_config_file_locally_and_in_a_job_array(tmp_
     assert 'CONFIG="$VARIANT_CONFIG"' in out and '--config="$CONFIG"' in out
     # a variant's own file given relative to this folder: its absolute path in the script
     (tmp_path / "own_sweep.py").write_text(
-        "from jaxrat.config import load_config\n"
+        "from jaxrat.config_schema import load_config\n"
         "def get_config(arg=None):\n    return load_config('isic:smoke')\n"
         "def get_sweep(arg=None):\n    return {'base': [], 'toy': ['--config=tests/toy/sweep_config.py']}\n")
     assert cli.main(["--config", str(tmp_path / "own_sweep.py"), "--root", str(tmp_path / "own"), "--slurm",

@@ -44,7 +44,7 @@ def test_bad_ranges_and_keys_name_the_fix(tmp_path):
     def space(text):
         path = tmp_path / "c.py"
         isic = str(REPO / "configs/isic.py")
-        path.write_text(f"from jaxrat.config import load_config\n"
+        path.write_text(f"from jaxrat.config_schema import load_config\n"
                         f"def get_config(arg=None):\n    return load_config({isic!r} + ':smoke')\n"
                         f"def get_search_space(arg=None):\n    return {text}\n")
         return tune.load_search_space(str(path))
@@ -130,7 +130,7 @@ def test_the_best_variant_file_embeds_a_hostile_root_as_text_not_code(tmp_path):
 
 
 def test_slurm_dry_run_is_an_array_of_workers_on_one_study(tmp_path, capsys):
-    from jaxrat import tune as cli
+    from jaxrat.cli import tune as cli
 
     assert cli.main(["--config", TOY, "--root", str(tmp_path), "--trials", "6", "--slurm", "--workers", "2",
                      "--dry-run", "--config.train.eval_every=1"]) == 0
@@ -379,7 +379,7 @@ def test_a_replaced_trial_counts_until_its_retry_is_queued(tmp_path):
 def test_config_names_are_taken_from_any_folder(tmp_path, monkeypatch, capsys):
     """``--config ablations:smoke`` is a packaged config's name, not a file in the current folder:
     the search space loads and the job array's CONFIG stays the name."""
-    from jaxrat import tune as cli
+    from jaxrat.cli import tune as cli
 
     monkeypatch.chdir(tmp_path)
     assert cli.main(["--config", "ablations:smoke", "--root", str(tmp_path / "search"), "--trials", "2", "--slurm",
@@ -389,7 +389,7 @@ def test_config_names_are_taken_from_any_folder(tmp_path, monkeypatch, capsys):
 
 
 def test_without_optuna_one_sentence_names_the_extra_and_nothing_is_written(tmp_path, monkeypatch):
-    code = ("import sys; sys.modules['optuna'] = None; from jaxrat import tune; "
+    code = ("import sys; sys.modules['optuna'] = None; from jaxrat.cli import tune; "
             f"sys.exit(tune.main(['--config', {TOY!r}, '--root', {str(tmp_path / 'search')!r}, '--trials', '2']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jaxrat.config import load_config
+from jaxrat.config_schema import load_config
 from jaxrat.trainer import workdir as wdm
 from jaxrat.trainer.workdir_lock import LOCK_NAME, Holder, WorkdirInUse, WorkdirLock, dead_reason
 from runner import SMOKE

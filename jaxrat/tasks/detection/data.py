@@ -15,6 +15,7 @@ import grain
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.config_schema import field
 from jaxrat.data import transforms as T
 from jaxrat.data.badfiles import refuse_once
 from jaxrat.data.options import eval_coarsen, loader_options, option
@@ -122,11 +123,11 @@ def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy
     from jaxrat.data.sources.coco import CocoDetection
 
-    if int(data_cfg.get("folds", 0) or 0):
+    if int(field(data_cfg, "data.folds") or 0):
         raise ConfigError("config.data.folds: cross-validation folds are not implemented for COCO detection; "
                           "set --config.data.folds=0 (COCO's val2017 is the validation split).")
     record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
-    policy = BadFilePolicy(data_cfg.get("on_bad_file", "fail"), record)
+    policy = BadFilePolicy(field(data_cfg, "data.on_bad_file"), record)
     root = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and not root:
         from jaxrat.data.datasets import synthetic_image_size

@@ -1,8 +1,8 @@
 """The ``jaxrat`` command: ``jaxrat SUBCOMMAND [options]`` runs ``python -m jaxrat.MODULE [options]``.
 
-Each subcommand is exactly its module run as a program (the module's own ``__main__`` block), so
-``jaxrat train ...`` and ``python -m jaxrat.main ...`` are the same command; cluster scripts keep
-calling the modules.
+Each subcommand is exactly its entry module run as a program (``jaxrat/NAME.py``, which calls
+``jaxrat.cli.NAME.run``), so ``jaxrat train ...`` and ``python -m jaxrat.main ...`` are the same
+command; cluster scripts keep calling the modules.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         hint = f"did you mean jaxrat {close[0]}?" if close else "jaxrat --help lists them."
         print(f"jaxrat: error: unknown subcommand {name!r}; {hint}", file=sys.stderr)
         sys.exit(2)
-    from jaxrat.runtime import command_line
+    from jaxrat.cli import command_line
 
     module = COMMANDS[name][0]
     command_line.PROG[:] = [f"jaxrat {name}"]

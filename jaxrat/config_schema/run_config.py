@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import ml_collections as mlc
 
-from jaxrat.config.loader import check_task_import, check_value, flatten, read_config_json
+from jaxrat.config_schema.loader import check_task_import, check_value, flatten, read_config_json
 from jaxrat.runtime.errors import ConfigError, UserError
 
 
@@ -16,7 +16,7 @@ def load_run_config(workdir: str, overrides: Sequence[str] = (), allow_import: S
     """The run's resolved config with ``--config.a.b=value`` overrides applied (types kept).
 
     A task the file names outside jaxrat is refused unless its module is in ``allow_import``
-    (:func:`jaxrat.config.loader.check_task_import`); a ``--config.task.name`` override is the
+    (:func:`jaxrat.config_schema.loader.check_task_import`); a ``--config.task.name`` override is the
     user's own choice and is not checked.
 
     Synthetic data is pinned to the side it was generated at in training (``data.synthetic_image_size``,
