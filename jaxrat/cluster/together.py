@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,16 +38,27 @@ def meet(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
 
 
 def compiled_together(fn: Any, name: str) -> Callable[..., Any]:
-    """``fn`` (a jitted function) whose first call compiles, meets the other processes, then runs."""
+    """``fn`` (a jitted function) whose first call compiles, meets the other processes, then runs.
+
+    The first call logs the compilation's start and its time: on a CPU a full-size model compiles for
+    minutes, and a silent wait that long reads as a hang."""
     first = True
 
     def call(*args: Any) -> Any:
         nonlocal first
-        if first and jax.process_count() > 1:
-            fn.lower(*args).compile()
-            logging.info("%s compiled; waiting for the other processes to start it together", name)
-            meet(name)
+        if not first:
+            return fn(*args)
         first = False
-        return fn(*args)
+        logging.info("compiling the %s (XLA; a rerun of this config reads it from the compilation cache)", name)
+        t0 = time.perf_counter()
+        if jax.process_count() > 1:
+            fn.lower(*args).compile()
+            logging.info("%s compiled in %.1f s; waiting for the other processes to start it together", name,
+                         time.perf_counter() - t0)
+            meet(name)
+            return fn(*args)
+        out = fn(*args)  # returns once compiled and dispatched: the time is the compilation's
+        logging.info("%s compiled in %.1f s", name, time.perf_counter() - t0)
+        return out
 
     return call
