@@ -7,6 +7,8 @@ arithmetic (clipping, Adam, masked decoupled weight decay, schedule, layer-wise 
 guard), the same optimizer state, read and written in optax's own structure, so checkpoints do not
 change and a run may resume under either form. The parameters' moving average (``optimizer.ema_decay``)
 is updated the same way, by :func:`jaxrat.optim.gpu_ema.multi_tensor_ema` (:meth:`FusedAdamW.ema`).
+Which form a run takes is decided once, where its optimizer is built
+(:func:`jaxrat.trainer.optimizer_step.optimizer_for`).
 """
 
 from __future__ import annotations
