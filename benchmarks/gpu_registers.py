@@ -83,10 +83,13 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
-    from jaxrat.ops.gpu import adamw, cast, ema, mlp, sparse_sga, sparse_sga_kernels, sparse_sga_projection
     from jaxrat.ops.gpu import layer_norm as norm
+    from jaxrat.ops.gpu import mlp, sparse_sga, sparse_sga_kernels, sparse_sga_projection
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
     from jaxrat.ops.portable.sparse_sga import Geometry
+    from jaxrat.optim import gpu_adamw as adamw
+    from jaxrat.optim import gpu_cast as cast
+    from jaxrat.optim import gpu_ema as ema
 
     geom = Geometry((256, 256), (7, 7), (3, 3))  # the ISIC first layer, batch 16, 8 heads of 16
     of = sparse_sga_kernels.Tiling.of.__func__

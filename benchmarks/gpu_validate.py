@@ -271,7 +271,7 @@ def cast_parity() -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from jaxrat.ops.gpu import cast
+    from jaxrat.optim import gpu_cast as cast
 
     leaves = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(128, 512), (512,), (7, 9), (1,)] * 3)]
     got = jax.jit(lambda *a: cast.multi_tensor_cast(a, jnp.bfloat16))(*leaves)

@@ -77,11 +77,11 @@ _FORMS = (
                                       "jaxrat/ops/gpu/per_device.py")),
     Form("rotate", "rotate", ("jaxrat/ops/gpu/rotate.py",)),
     Form("resize", "resize", ("jaxrat/ops/resize.py",)),
-    Form("adamw", "adamw", ("jaxrat/ops/gpu/adamw.py", "jaxrat/ops/gpu/multi_tensor.py",
+    Form("adamw", "adamw", ("jaxrat/optim/gpu_adamw.py", "jaxrat/optim/multi_tensor.py",
                             "jaxrat/trainer/fused_optimizer.py")),
-    Form("ema", "ema", ("jaxrat/ops/gpu/ema.py", "jaxrat/ops/gpu/multi_tensor.py",
+    Form("ema", "ema", ("jaxrat/optim/gpu_ema.py", "jaxrat/optim/multi_tensor.py",
                         "jaxrat/trainer/fused_optimizer.py"), requires=("adamw",)),
-    Form("cast", "cast", ("jaxrat/ops/gpu/cast.py", "jaxrat/ops/gpu/multi_tensor.py",
+    Form("cast", "cast", ("jaxrat/optim/gpu_cast.py", "jaxrat/optim/multi_tensor.py",
                           "jaxrat/trainer/param_cast.py")),
 )
 FORMS: dict[str, Form] = {f.name: f for f in _FORMS}

@@ -2,11 +2,13 @@
 
 Under the gpu kernel policy with replicated parameters and optimizer state (``sharding.zero = 0``, no
 sharding rules) and float32 parameters, the train step updates every leaf with
-:func:`jaxrat.ops.gpu.adamw.multi_tensor_adamw` instead of optax's leaf-by-leaf update: the same
+:func:`jaxrat.optim.gpu_adamw.multi_tensor_adamw` instead of optax's leaf-by-leaf update: the same
 arithmetic (clipping, Adam, masked decoupled weight decay, schedule, layer-wise factors, the finite
 guard), the same optimizer state, read and written in optax's own structure, so checkpoints do not
 change and a run may resume under either form. The parameters' moving average (``optimizer.ema_decay``)
-is updated the same way, by :func:`jaxrat.ops.gpu.ema.multi_tensor_ema` (:meth:`FusedAdamW.ema`).
+is updated the same way, by :func:`jaxrat.optim.gpu_ema.multi_tensor_ema` (:meth:`FusedAdamW.ema`).
+Which form a run takes is decided once, where its optimizer is built
+(:func:`jaxrat.trainer.optimizer_step.optimizer_for`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxrat.config_schema import field
-from jaxrat.ops.gpu import adamw, ema
 from jaxrat.ops.gpu.per_device import replicated
+from jaxrat.optim import gpu_adamw as adamw
+from jaxrat.optim import gpu_ema as ema
 from jaxrat.trainer.optimizer import ADAM_EPS, decay_mask, layer_scales
 
 _STATES = (optax.ScaleByAdamState, optax.ScaleByScheduleState)

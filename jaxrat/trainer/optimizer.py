@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrat.config_schema import field
-from jaxrat.ops.gpu.adamw import flatten
+from jaxrat.optim.gpu_adamw import flatten
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.tree_paths import path_name
 

@@ -4,7 +4,7 @@ A bfloat16 step casts most float32 weights where it reads them; before a cuBLAS 
 cast is a kernel of its own. Under the gpu policy with replicated parameters (where the fused AdamW
 applies) the step instead traces its loss once to find the leaves whose every read is one cast to
 one narrower dtype, once (:func:`narrow_reads`), and hands the model those leaves already cast, by
-:func:`jaxrat.ops.gpu.cast.multi_tensor_cast`. The values the model sees are the ones it cast
+:func:`jaxrat.optim.gpu_cast.multi_tensor_cast`. The values the model sees are the ones it cast
 itself, and the gradients are the same casts' gradients: only the number of kernels changes.
 """
 
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-from jaxrat.ops.gpu import cast
 from jaxrat.ops.gpu.per_device import replicated
+from jaxrat.optim import gpu_cast as cast
 
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIXED = object()  # a leaf read otherwise than as one narrow cast

@@ -29,6 +29,7 @@ from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 from jaxrat.trainer.input_feed import Restorable
 from jaxrat.trainer.optimizer import ema_enabled, make_optimizer
+from jaxrat.trainer.optimizer_step import Optimizer, optimizer_for
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -123,7 +124,7 @@ class StateSpec:
     mesh: jax.sharding.Mesh
     task: Task
     dtype: Any
-    tx: Any
+    tx: Optimizer  # init builds the optimizer state; the train step applies it (optimizer_step)
     schedule: Callable[[Any], Any]
     train_graphdef: Any
     eval_graphdef: Any
@@ -193,6 +194,8 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
     ema = ema_enabled(config.optimizer)
     abstract_state = jax.eval_shape(functools.partial(init_state, task, dtype, kernels, tx, ema),
                                     jax.random.key_data(jax.random.key(0)))
+    # chosen once, here: its state is the chain's whichever form applies it, so the shapes above hold
+    tx = optimizer_for(config, kernels, tx, schedule, abstract_state)
 
     sc = config.sharding
     axis = sharding.zero_axis(mesh, sc.axis, zero)

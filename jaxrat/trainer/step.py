@@ -19,8 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
 from jaxrat.trainer.fixed_shards import FixedShardStep
-from jaxrat.trainer.fused_optimizer import fused_adamw
-from jaxrat.trainer.optimizer import ema_decay_at, global_norm, update_ema
+from jaxrat.trainer.optimizer import ema_decay_at, global_norm
 from jaxrat.trainer.param_cast import NARROW, cast_narrow_reads
 from jaxrat.trainer.state import StateSpec, concatenates_norm, resolve_compute_dtype
 
@@ -43,75 +42,80 @@ def split_microbatches(batch: Any, accum: int, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(one, batch)
 
 
-def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]]:
-    """``step(state, batch) -> (state, metrics)``, jitted with the state donated (under
-    ``train.reduction_shards``, a :class:`FixedShardStep` whose programs are)."""
-    accum = spec.config.optimizer.grad_accum_steps
-    fused = fused_adamw(spec.config, spec.kernels, spec.abstract_state, spec.schedule)
+def _loss_fn(spec: StateSpec) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, dict]]:
+    """``loss(params, batch, rng) -> (loss, parts)``: the task's loss of the model in train mode."""
 
     def loss_of(params: Any, batch: Any, rng: jax.Array) -> tuple[jax.Array, dict]:
         # The model's streams keep the step's key itself, so dropout noise is what it always was.
         task_rng = jax.random.fold_in(rng, TASK_STREAM)
         return spec.task.loss(spec.model(params, rng, train=True), batch, task_rng)
 
+    # Where the fused AdamW applies (gpu policy, replicated float32 parameters), the weights a narrow
+    # step reads once, cast, are cast in one kernel up front rather than each in its own before its
+    # matmul; in the fixed shards' programs too (the same values: their bits do not change).
+    compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
+    return cast_narrow_reads(loss_of) if spec.tx.fused and compute in NARROW else loss_of
+
+
+def _apply_fn(spec: StateSpec) -> Callable[[dict, Any, jax.Array, dict], tuple[dict, dict]]:
+    """``apply(state, grads, loss, parts) -> (state, metrics)``: the optimizer's step (and the average's),
+    taken only when the loss and the gradients' norm are finite."""
+
     def apply(state: dict, grads: Any, loss: jax.Array, parts: dict) -> tuple[dict, dict]:
         grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
-        params = state["params"]
         gnorm = global_norm(grads, concatenate=concatenates_norm(spec.config))
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-
-        def keep(new: Any, old: Any) -> Any:
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
         # Named so that profiles can tell the optimizer's ops from the model's (benchmarks/step_profile.py);
         # the scope lives here because models know nothing of training. The finite-guard's selects
         # are in it: they rewrite every parameter and moment, as the update does.
         with jax.named_scope("optimizer"):
-            if fused is not None:  # the same update in a few kernels, not one per leaf (gpu policy)
-                new_params, opt_state = fused.update(grads, state["opt_state"], params, ok, gnorm)
-            else:
-                updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
-                new_params = jax.tree.map(lambda p, u: p + u, params, updates)
-                new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
-        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": state["rng"]}
+            params, opt_state = spec.tx.apply_gradients(grads, state["opt_state"], state["params"], ok, gnorm)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
         if spec.ema:
             with jax.named_scope("ema"):
                 decay = ema_decay_at(spec.config.optimizer, state["step"])
-                ema = None if fused is None else fused.ema(state["ema_params"], new_params, decay, ok)
-                if ema is None:
-                    ema = keep(update_ema(state["ema_params"], new_params, decay), state["ema_params"])
-                new_state["ema_params"] = ema
+                new_state["ema_params"] = spec.tx.average(state["ema_params"], params, decay, ok)
         metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
                    "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
                    "train/nonfinite": jnp.logical_not(ok).astype(jnp.float32)}
         return new_state, metrics
 
-    # Where the fused AdamW applies (gpu policy, replicated float32 parameters), the weights a narrow
-    # step reads once, cast, are cast in one kernel up front rather than each in its own before its
-    # matmul; in the fixed shards' programs too (the same values: their bits do not change).
-    compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
-    narrow = fused is not None and compute in NARROW
-    loss_fn = cast_narrow_reads(loss_of) if narrow else loss_of
+    return apply
+
+
+def accumulated_gradients(grad_fn: Callable, params: Any, batch: Any, rng: jax.Array, accum: int,
+                          mesh: jax.sharding.Mesh) -> tuple[Any, jax.Array, dict]:
+    """``(grads, loss, parts)`` of ``grad_fn`` (``value_and_grad`` of the loss, with aux) averaged over
+    ``accum`` strided micro-batches (:func:`split_microbatches`) in a scan; micro-batch ``i`` draws
+    from ``fold_in(rng, i)``. One micro-batch is the whole batch, with ``rng`` itself."""
+    if accum == 1:
+        (loss, parts), grads = grad_fn(params, batch, rng)
+        return grads, loss, parts
+
+    def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        mb, i = xs
+        (loss_i, parts_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, carry, (g, loss_i, parts_i)), None
+
+    micro = split_microbatches(batch, accum, mesh)
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][0], shapes[0][1]))
+    (grads, loss, parts), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+    return jax.tree.map(lambda x: x / accum, (grads, loss, parts))
+
+
+def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]]:
+    """``step(state, batch) -> (state, metrics)``, jitted with the state donated (under
+    ``train.reduction_shards``, a :class:`FixedShardStep` whose programs are)."""
+    loss_fn, apply = _loss_fn(spec), _apply_fn(spec)
     if spec.config.train.reduction_shards:
         return FixedShardStep(spec, loss_fn, apply)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    accum = spec.config.optimizer.grad_accum_steps
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
-        params = state["params"]
         rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        if accum == 1:
-            (loss, parts), grads = grad_fn(params, batch, rng)
-        else:
-            def body(carry: Any, xs: Any) -> tuple[Any, None]:
-                mb, i = xs
-                (loss_i, parts_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
-                return jax.tree.map(jnp.add, carry, (g, loss_i, parts_i)), None
-
-            micro = split_microbatches(batch, accum, spec.mesh)
-            shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][0], shapes[0][1]))
-            (grads, loss, parts), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
-            grads, loss, parts = jax.tree.map(lambda x: x / accum, (grads, loss, parts))
+        grads, loss, parts = accumulated_gradients(grad_fn, state["params"], batch, rng, accum, spec.mesh)
         return apply(state, grads, loss, parts)
 
     rep = NamedSharding(spec.mesh, P())

@@ -1,4 +1,4 @@
-"""The gpu policy's AdamW in a few kernels (jaxrat/ops/gpu/adamw.py, jaxrat/trainer/fused_optimizer.py)
+"""The gpu policy's AdamW in a few kernels (jaxrat/optim/gpu_adamw.py, jaxrat/trainer/fused_optimizer.py)
 computes what the optax chain of make_optimizer computes, in the same optimizer state.
 
 The kernels run in Pallas interpret mode here; that they compile for an H100, and in how many kernels
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrat import ops
-from jaxrat.ops.gpu import adamw
+from jaxrat.optim import gpu_adamw as adamw
 from jaxrat.trainer import fused_optimizer
 from jaxrat.trainer.optimizer import global_norm, make_optimizer
 

@@ -1,4 +1,4 @@
-"""The gpu policy's moving average of the parameters in a few kernels (jaxrat/ops/gpu/ema.py,
+"""The gpu policy's moving average of the parameters in a few kernels (jaxrat/optim/gpu_ema.py,
 FusedAdamW.ema) computes what the step's leaf-by-leaf update_ema and finite guard compute.
 
 The kernel runs in Pallas interpret mode here; the trainer's step compiled for an H100 is lowered
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrat import ops
-from jaxrat.ops.gpu import ema
+from jaxrat.optim import gpu_ema as ema
 from jaxrat.trainer import fused_optimizer
 from jaxrat.trainer.optimizer import ema_decay_at, make_optimizer, update_ema
 

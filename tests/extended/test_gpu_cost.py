@@ -154,7 +154,7 @@ def test_the_quick_step_is_priced_per_scope(tmp_path):
     assert {"sga", "mr_blocks", "head", "loss", "optimizer"} <= set(row["by_scope"])
     assert row["by_scope"]["sga"]["bytes"] > 0 and row["total"]["kernels"] > 50
     assert any(kind.startswith("__cudnn$fmha") for kind in row["by_kind"])  # MR attention is cuDNN's on a GPU
-    # AdamW in a few kernels (jaxrat/ops/gpu/adamw.py), not one per parameter leaf (65 here before, 240 in ISIC's)
+    # AdamW in a few kernels (jaxrat/optim/gpu_adamw.py), not one per parameter leaf (65 here before, 240 in ISIC's)
     assert row["by_scope"]["optimizer"]["kernels"] <= 8, row["by_scope"]["optimizer"]
     # the weights read once as bfloat16 cast in one kernel up front (jaxrat/trainer/param_cast.py), not one
     # standalone cast kernel each before its matmul (14 here before): the one left is the images'

@@ -1,4 +1,4 @@
-"""The gpu policy's parameter casts in one kernel (jaxrat/ops/gpu/cast.py, jaxrat/trainer/param_cast.py):
+"""The gpu policy's parameter casts in one kernel (jaxrat/optim/gpu_cast.py, jaxrat/trainer/param_cast.py):
 the values and gradients are those of the casts the model wrote, and only leaves read solely as one
 narrow cast are taken.
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrat.ops.gpu import cast
+from jaxrat.optim import gpu_cast as cast
 from jaxrat.trainer import param_cast
 
 BF16, F32 = jnp.bfloat16, jnp.float32

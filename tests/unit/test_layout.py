@@ -22,6 +22,7 @@ LAYERS = {
     "parallel": 1, "checkpointing": 1, "cluster": 1, "tracking": 1,
     "config_schema": 0.5,  # what a config is and its defaults: below every room that reads a config
     "ops": 1,
+    "optim": 1,  # the optimizer's kernels over the parameter tree: beside the model's ops, importing neither
     "runtime": 0,
 }
 MAX_LINES = 420

@@ -4,7 +4,7 @@ A bfloat16 step reads most weights as ``w.astype(bfloat16)``. Where the reader i
 call XLA cannot fuse that cast into it, so every such weight cost a kernel of its own of a few
 microseconds (51 in the ISIC RAT step). Here one Pallas (Triton) kernel casts up to
 :data:`LEAVES_PER_CALL` leaves, a program a block of :data:`BLOCK` elements of one leaf
-(:mod:`jaxrat.ops.gpu.multi_tensor`).
+(:mod:`jaxrat.optim.multi_tensor`).
 
 The values are exactly ``w.astype(dtype)``; the gradient is the cotangent cast back to each leaf's
 dtype, as autodiff of ``astype`` gives it.
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrat.ops.gpu.multi_tensor import over_leaves, programs
+from jaxrat.optim.multi_tensor import over_leaves, programs
 
 Array = jax.Array
 BLOCK = 1024  # elements a program casts: 8 a thread at 4 warps

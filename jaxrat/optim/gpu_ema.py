@@ -4,7 +4,7 @@ XLA gives every leaf's average (``decay * ema + (1 - decay) * param``, kept wher
 finite) a kernel of its own: with ``optimizer.ema_decay`` set, the step compiled for an H100 had a
 kernel more per parameter leaf than without the average. Here one Pallas (Triton) kernel
 averages up to :data:`LEAVES_PER_CALL` leaves in place, a program a block of :data:`BLOCK` elements of
-one leaf (:mod:`jaxrat.ops.gpu.multi_tensor`). The arithmetic is :func:`leaf_ema`, the expression
+one leaf (:mod:`jaxrat.optim.multi_tensor`). The arithmetic is :func:`leaf_ema`, the expression
 :func:`jaxrat.trainer.optimizer.update_ema` applies leaf by leaf.
 """
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrat.ops.gpu.multi_tensor import over_leaves, programs
+from jaxrat.optim.multi_tensor import over_leaves, programs
 
 Array = jax.Array
 BLOCK = 1024  # elements a program averages: 8 a thread at 4 warps

@@ -5,7 +5,7 @@ and both moments), and the XLA of jax 0.10 has no horizontal fusion of them: a R
 spent ~190 kernels of a few microseconds on its optimizer. Here one Pallas (Triton) kernel updates
 up to :data:`LEAVES_PER_CALL` leaves in place: its grid covers every leaf's blocks of
 :data:`BLOCK` elements, and each program finds its leaf among static ranges
-(:mod:`jaxrat.ops.gpu.multi_tensor`).
+(:mod:`jaxrat.optim.multi_tensor`).
 
 The arithmetic is :func:`leaf_update`, which is also the reference the tests hold the kernel to:
 optax's ``clip_by_global_norm`` (jaxrat's form), ``scale_by_adam``, masked ``add_decayed_weights``,
@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrat.ops.gpu.multi_tensor import over_leaves, programs
+from jaxrat.optim.multi_tensor import over_leaves, programs
 
 Array = jax.Array
 BLOCK = 1024  # elements a program updates: 8 a thread at 4 warps

@@ -2,8 +2,8 @@
 
 XLA gives every small leaf-wise op (a parameter's update, its cast) a kernel of its own. A
 multi-tensor kernel instead covers every leaf's blocks with one grid; each program finds its leaf
-among static ranges and works on one block of it (:mod:`jaxrat.ops.gpu.adamw`,
-:mod:`jaxrat.ops.gpu.cast`).
+among static ranges and works on one block of it (:mod:`jaxrat.optim.gpu_adamw`,
+:mod:`jaxrat.optim.gpu_cast`).
 """
 
 from __future__ import annotations
