@@ -79,21 +79,17 @@ def conv(
 
 
 class LayerNorm(nnx.LayerNorm):
-    """nnx.LayerNorm (the same parameters) computed by the kernel policy's form (:mod:`jaxrat.ops.norm`
-    on the gpu policy, flax's own elsewhere)."""
+    """nnx.LayerNorm (the same parameters) computed by the kernel policy's form
+    (:func:`jaxrat.ops.norm.normalise`), with an optional residual added (a post-norm block's sum)."""
 
     def __init__(self, *args: Any, kernels: Optional[ops.KernelPolicy] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kernels = kernels
 
     def __call__(self, x: Array, *, mask: Optional[Array] = None, residual: Optional[Array] = None) -> Array:
-        """The normalised ``x``, plus ``residual`` when given (a post-norm block's sum: on the gpu policy
-        one kernel)."""
-        if (self.kernels is None or not self.kernels.uses("layer_norm") or mask is not None or self.scale is None
-                or self.bias is None):
-            y = super().__call__(x, mask=mask)
-            return y if residual is None else residual + y
-        return norm_ops.layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype or x.dtype, residual)
+        """``residual + norm(x)`` (``norm(x)`` without a residual)."""
+        return norm_ops.normalise(x, self.scale, self.bias, self.epsilon, self.dtype or x.dtype, self.kernels,
+                                  mask=mask, residual=residual, flax_form=super().__call__)
 
 
 def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs,
@@ -104,12 +100,8 @@ def layer_norm(dim: int, eps: float, *, dtype: Dtype, rngs: nnx.Rngs,
 
 
 class Mlp(nnx.Module):
-    """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout.
-
-    On the gpu policy, one fused kernel where it takes the call; elsewhere large calls run over token
-    chunks (:mod:`jaxrat.ops.mlp`: same values; in training, other dropout draws), as the memory and
-    the kernel policy ask.
-    """
+    """timm ``Mlp``: fc1 -> exact GELU -> dropout -> fc2 -> dropout, in the kernel policy's form
+    (:func:`jaxrat.ops.mlp.mlp`: one fused kernel, token chunks or the plain layers; same values)."""
 
     def __init__(self, dim: int, hidden: int, *, dropout: float = 0.0, bias: bool = True, dtype: Dtype,
                  rngs: nnx.Rngs, kernels: ops.KernelPolicy) -> None:
@@ -120,30 +112,4 @@ class Mlp(nnx.Module):
         self.kernels = kernels
 
     def __call__(self, x: Array) -> Array:
-        dtype = self.fc1.dtype or x.dtype
-        rate = self.drop1.rate
-        if mlp_ops.fused(self.kernels, x.shape, self.fc1.out_features, dtype, rate):
-            bias = lambda fc: fc.bias[...] if fc.bias is not None else jnp.zeros((fc.out_features,), jnp.float32)
-            w = (self.fc1.kernel[...], bias(self.fc1), self.fc2.kernel[...], bias(self.fc2))
-            key = self._dropout_key()
-            # drop2's mask is drawn in the kernels too (from drop1's key: one draw from the stream);
-            # without a key drop2 is off as well, or runs as itself.
-            out_rate = self.drop2.rate if key is not None and not self.drop2.deterministic else 0.0
-            # float32 weights as they are: the kernels round them on chip (no cast kernels), and their
-            # gradients stay float32
-            y = mlp_ops.fused_mlp(x.astype(dtype), *w, dropout_rate=rate, dropout_key=key, output_rate=out_rate)
-            return y if key is not None else self.drop2(y)
-        itemsize = jnp.dtype(dtype).itemsize
-        hidden_bytes = math.prod(x.shape[:-1]) * self.fc1.out_features * itemsize
-        chunks = mlp_ops.chunking(hidden_bytes, self.kernels) if x.ndim >= 2 else None
-        if chunks is None:
-            x = self.drop1(jax.nn.gelu(self.fc1(x), approximate=False))
-            return self.drop2(self.fc2(x))
-        y = mlp_ops.chunked_mlp(x, self.fc1, self.fc2, hidden_bytes=hidden_bytes, chunks=chunks, dropout_rate=rate,
-                                dropout_key=self._dropout_key())
-        return self.drop2(y)
-
-    def _dropout_key(self) -> Array | None:
-        """The key ``drop1`` would draw its mask with (advancing its stream as it does), None when it
-        would not draw: for the forms that apply the dropout themselves."""
-        return self.drop1.rngs() if not self.drop1.deterministic and self.drop1.rate > 0.0 else None
+        return mlp_ops.mlp(x, mlp_ops.Layers(self.fc1, self.fc2, self.drop1, self.drop2), self.kernels)

@@ -3,7 +3,8 @@
 * :func:`grouping_attention`: dense SGA's update ``(P / (colsum(P) + eps)) @ V`` with
   ``P = softmax(q k^T)`` over the keys.
 * :func:`sparse_grouping_attention`: the same with each group's keys limited to the window its
-  strided convolution covers (:class:`Window`), on keys prepared once per layer (:func:`sparse_keys`);
+  strided convolution covers (:class:`Window`), on keys prepared once per layer (:func:`sga_keys` from
+  the layer's inputs and key-value projection, :func:`sparse_keys` from keys and values);
   :func:`sparse_grouping_maps` its maps.
 * :func:`softmax_attention`: plain attention ``softmax(q k^T) @ V`` (queries scaled beforehand).
 * :func:`multires_attention`: the multi-resolution block's joint attention over all scales, global
@@ -18,17 +19,28 @@ chip (:mod:`jaxrat.ops.gpu.sparse_sga`, run per device under a mesh), the rest c
 decomposition) wherever cuDNN takes the call (bfloat16/float16, head dims up to 128); a call it
 refuses (float32 compute) takes the portable chunked kernel, which is memory-bounded at any
 resolution, where the fused module's own fallback (materialised logits) would not be.
+
+The Pallas modules (sparse SGA's) are imported when a gpu policy first takes them (:func:`_pallas`):
+importing Pallas's Triton backend is a cost at every start that a run on other devices never needs.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+import importlib
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.gpu import per_device
+from jaxrat.ops.cpu import SCOPE
+from jaxrat.ops.cpu.cache import UNBATCHED_SLICE_ELEMENTS
+from jaxrat.ops.forms import FORMS
+from jaxrat.ops.gpu import dense_sga, fused_attention, per_device, why_not
+from jaxrat.ops.gpu import masked as gpu_masked
+from jaxrat.ops.gpu import masked_attention as gpu_masked_attention
+from jaxrat.ops.gpu import multires_attention as gpu_multires
+from jaxrat.ops.gpu.fused import fused_attention_heads
 from jaxrat.ops.gpu.per_device import over_batch
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable import chunked_attention as chunked
@@ -37,11 +49,19 @@ from jaxrat.ops.portable.chunked_attention import EPS
 from jaxrat.ops.portable.sparse_sga import Geometry as Window
 from jaxrat.ops.portable.sparse_sga import strided_grid as window_grid
 from jaxrat.ops.portable.windowed_attention import multires_attention as _windowed
+from jaxrat.ops.rotate import rotate_heads
 
 Array = jax.Array
 __all__ = ["EPS", "KeyPadding", "Window", "grouping_attention", "grouping_attention_reference", "grouping_maps",
-           "masked_attention", "pack_keys", "multires_attention", "softmax_attention", "SparseKeys", "sparse_keys",
-           "sparse_grouping_attention", "sparse_grouping_maps", "window_grid"]
+           "masked_attention", "pack_keys", "multires_attention", "rolled_rounds", "sga_keys", "softmax_attention",
+           "SparseKeys", "sparse_keys", "sparse_grouping_attention", "sparse_grouping_maps", "window_grid"]
+# The Pallas kernels' modules by the name the dispatch below uses, imported on first use (:func:`_pallas`).
+_PALLAS_MODULES = {"sparse_sga": "jaxrat.ops.gpu.sparse_sga",
+                   "sparse_sga_projection": "jaxrat.ops.gpu.sparse_sga_projection"}
+
+
+def _pallas(name: str):
+    return importlib.import_module(_PALLAS_MODULES[name])
 
 
 def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Array:
@@ -50,9 +70,6 @@ def _chunked(kernel, q: Array, k: Array, v: Array, policy: KernelPolicy) -> Arra
     blocks = dict(max_block_elements=policy.block_elements, slice_batch=policy.slice_batch)
     if not policy.cpu:
         return over_batch(lambda q, k, v: kernel(q, k, v, **blocks), q, k, v)
-    from jaxrat.ops.cpu import SCOPE
-    from jaxrat.ops.cpu.cache import UNBATCHED_SLICE_ELEMENTS
-
     with jax.named_scope(SCOPE):
         return over_batch(lambda q, k, v: kernel(q, k, v, **blocks, unbatched_from=UNBATCHED_SLICE_ELEMENTS), q, k, v)
 
@@ -61,8 +78,6 @@ def _fused(policy: KernelPolicy, q: Array, k: Array, v: Array, form: str) -> boo
     """Whether the gpu policy uses the fused GPU ``form`` (cuDNN) and that takes these operands."""
     if not policy.uses(form):
         return False
-    from jaxrat.ops.gpu import why_not
-
     return why_not("cudnn", q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.dtype) is None
 
 
@@ -74,8 +89,6 @@ def grouping_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORT
     """Dense SGA update: q (..., N_out, dh) groups, k (..., N_in, dh), v (..., N_in, dv) ->
     (..., N_out, dv); logits ``q @ k^T`` unscaled."""
     if _fused(policy, q, k, v, "dense_sga"):
-        from jaxrat.ops.gpu import dense_sga
-
         return over_batch(lambda q, k, v: dense_sga(q, k, v, implementation="cudnn"), q, k, v)
     return _chunked(chunked.grouping_attention, q, k, v, policy)
 
@@ -94,8 +107,6 @@ class SparseKeys(NamedTuple):
 
 def _sparse_fused(policy: KernelPolicy) -> bool:
     """Whether the gpu policy uses one of sparse SGA's fused forms (its switches: ``policy.sparse_sga``)."""
-    from jaxrat.ops.forms import FORMS
-
     return any(policy.uses(name) for name, form in FORMS.items() if form.operation == "sparse_sga")
 
 
@@ -110,102 +121,145 @@ def _head_major(x: Array) -> Array:
     return x.transpose(0, 2, 1, 3)  # (B, N, H, d) <-> (B, H, N, d)
 
 
+class _Projection(NamedTuple):
+    """What :func:`sga_keys` projects: inputs x (B, N_in, C) by ``kernel`` (C, 2 H d) and ``bias``."""
+
+    x: Array
+    kernel: Array
+    bias: Optional[Array]
+    dtype: jnp.dtype
+    heads: int
+    rotation: Optional[tuple[Array, int]]  # (angles (N_in, Hr, d/2), Hr): RoSE on the keys' first Hr heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kernel.shape[1] // (2 * self.heads)
+
+    def product(self) -> Array:
+        """``x @ kernel + bias`` as flax's ``nnx.Linear`` computes it: operands cast, one product, the bias added."""
+        x, dt = self.x, self.dtype
+        kv = jax.lax.dot_general(x.astype(dt), self.kernel.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
+        return kv if self.bias is None else kv + self.bias.astype(dt)
+
+    def angles(self) -> Array:
+        phase, rotated = self.rotation if self.rotation is not None else (None, 0)
+        n_in, dh = self.x.shape[1], self.head_dim
+        return _device_angles(phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32))
+
+
+def _keys_form(policy: KernelPolicy, window: Window, shape: tuple, dtype, inputs: Optional[_Projection]) -> str:
+    """Which form lays out sparse SGA's keys and values for ``shape`` (B, N_in, H, dh) of ``dtype``: the
+    fused sparse kernels' where the policy uses them and they take the window and shapes, from the
+    inputs in one kernel (``inputs``, the ``sparse_sga_projection`` form) where that takes them too,
+    else from the projection ("projection") or the keys ("keys"); else the portable one."""
+    n_out = int(np.prod(window.out))
+    if not _sparse_fused(policy) or _pallas("sparse_sga").supports(window, (shape[0], n_out, *shape[2:]),
+                                                                   dtype) is not None:
+        return "portable"
+    if inputs is None:
+        return "keys"
+    if inputs.kernel.shape[1] != 2 * shape[2] * shape[3]:
+        return "portable"
+    if policy.uses("sparse_sga_projection") and _pallas("sparse_sga_projection").kernel_supports(
+            shape[1], inputs.x.shape[2], shape[3], dtype):
+        return "inputs"
+    return "projection"
+
+
+def _fused_keys(k: Array, v: Array, window: Window, policy: KernelPolicy, uses: int,
+                normalise_columns: bool) -> SparseKeys:
+    lay = lambda k, v: tuple(_pallas("sparse_sga").lay_out_keys(k, v, window, uses, normalise_columns,
+                                                                blocks=policy.sparse_sga))
+    k, v, tapes = over_batch(lay, k, v)
+    return SparseKeys(k, v, window, True, normalise_columns, tapes)
+
+
+def _portable_keys(k: Array, v: Array, window: Window, policy: KernelPolicy, uses: int,
+                   normalise_columns: bool) -> SparseKeys:
+    # Laid out once: those arrays are then what every iteration's backward keeps, and their gradients
+    # add up in that layout before one transpose back.
+    return SparseKeys(sparse.sparse_blocks(_head_major(k), window), sparse.sparse_blocks(_head_major(v), window),
+                      window, False, normalise_columns)
+
+
+def _keys_from_inputs(p: _Projection, window: Window, policy: KernelPolicy, uses: int,
+                      normalise_columns: bool) -> SparseKeys:
+    """The product, the rotation and the layout as one kernel: the projection is never written token-major.
+    The bias is added in float32 and gets a float32 gradient."""
+    full_bias = jnp.zeros((p.kernel.shape[1],), jnp.float32) if p.bias is None else p.bias.astype(jnp.float32)
+
+    def lay(x, angles, w, bias):
+        return tuple(_pallas("sparse_sga_projection").lay_out_inputs(x, w, bias, angles[0], window, p.heads, uses,
+                                                                     normalise_columns, blocks=policy.sparse_sga))
+
+    # the weights rounded here, as the Linear rounds them: a cast the train step makes with the others'
+    # in one kernel (jaxrat/trainer/param_cast.py), and the backward's product needs
+    k, v, tapes = over_batch(lay, p.x.astype(p.dtype), p.angles(), replicated=(p.kernel.astype(p.dtype), full_bias))
+    return SparseKeys(k, v, window, True, normalise_columns, tapes)
+
+
+def _keys_from_projection(p: _Projection, window: Window, policy: KernelPolicy, uses: int,
+                          normalise_columns: bool) -> SparseKeys:
+    """XLA's product; the split, the rotation and the layout one step whose backward writes the
+    projection's gradient whole (:func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection`)."""
+    kv = p.product()
+
+    def lay(kv, angles):
+        return tuple(_pallas("sparse_sga").lay_out_projection(kv, angles[0], window, p.heads, uses,
+                                                              normalise_columns, blocks=policy.sparse_sga))
+
+    k, v, tapes = over_batch(lay, kv, p.angles())
+    return SparseKeys(k, v, window, True, normalise_columns, tapes)
+
+
+def _keys_of_projection_portable(p: _Projection, window: Window, policy: KernelPolicy, uses: int,
+                                 normalise_columns: bool) -> SparseKeys:
+    """The plain operations: product, split, rotation (:func:`jaxrat.ops.rotate.rotate_heads`), layout."""
+    b, n_in, _ = p.x.shape
+    k, v = jnp.split(p.product(), 2, axis=-1)
+    k = k.reshape(b, n_in, p.heads, p.head_dim)
+    if p.rotation is not None and p.rotation[1]:
+        k = rotate_heads(k, *p.rotation, policy)
+    return _portable_keys(k, v.reshape(b, n_in, p.heads, p.head_dim), window, policy, uses, normalise_columns)
+
+
+# The forms of sparse SGA's keys (:func:`_keys_form`), from keys and values or from the layer's inputs.
+_KEYS_FORMS: dict[str, Callable[..., SparseKeys]] = {"keys": _fused_keys, "portable": _portable_keys}
+_SGA_KEYS_FORMS: dict[str, Callable[..., SparseKeys]] = {
+    "inputs": _keys_from_inputs, "projection": _keys_from_projection, "portable": _keys_of_projection_portable}
+
+
 def sparse_keys(k: Array, v: Array, window: Window, policy: KernelPolicy = PORTABLE, *, uses: int = 1,
                 normalise_columns: bool = True) -> SparseKeys:
     """Keys (B, N_in, H, dh) and values (B, N_in, H, dv) on ``window.grid``, token-major as the
     projections make them, ready for ``uses`` calls of :func:`sparse_grouping_attention`, each with
     its own ``use`` index (on the gpu policy the calls' key and value gradients are summed in one
     pass over the keys, :func:`jaxrat.ops.gpu.sparse_sga.lay_out_keys`)."""
-    if _sparse_fused(policy):
-        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
-
-        n_out = int(np.prod(window.out))
-        if gpu_sparse.supports(window, (k.shape[0], n_out, *k.shape[2:]), k.dtype) is None:
-            lay = lambda k, v: tuple(gpu_sparse.lay_out_keys(k, v, window, uses, normalise_columns,
-                                                             blocks=policy.sparse_sga))
-            k, v, tapes = over_batch(lay, k, v)
-            return SparseKeys(k, v, window, True, normalise_columns, tapes)
-    # Laid out once (here and above): those arrays are then what every iteration's backward keeps,
-    # and their gradients add up in that layout before one transpose back.
-    return SparseKeys(sparse.sparse_blocks(_head_major(k), window), sparse.sparse_blocks(_head_major(v), window),
-                      window, False, normalise_columns)
+    form = _keys_form(policy, window, k.shape, k.dtype, None)
+    return _KEYS_FORMS[form](k, v, window, policy, uses, normalise_columns)
 
 
-def sparse_keys_of_projection(kv: Array, window: Window, policy: KernelPolicy = PORTABLE, *, heads: int,
-                              rotation: Optional[tuple[Array, int]] = None, uses: int = 1,
-                              normalise_columns: bool = True) -> SparseKeys:
-    """:func:`sparse_keys` of a key-value projection's output ``kv`` (B, N_in, 2 H d): its first half
-    the keys, its second the values, ``heads`` heads each; ``rotation`` (angles (N_in, Hr, d/2),
-    Hr) turns the keys' first Hr heads (RoSE, :func:`jaxrat.ops.rotate.rotate_heads`) first.
+def sga_keys(x: Array, kernel: Array, bias: Optional[Array], window: Window, policy: KernelPolicy = PORTABLE, *,
+             heads: int, dtype=None, rotation: Optional[tuple[Array, int]] = None, uses: int = 1,
+             normalise_columns: bool = True) -> SparseKeys:
+    """:func:`sparse_keys` of a sparse SGA layer's inputs ``x`` (B, N_in, C) projected by ``kernel`` (C, 2 H d)
+    and ``bias`` as flax's ``nnx.Linear`` projects them at ``dtype`` (None: the operands' promoted dtype):
+    the first half the keys, the second the values, ``heads`` heads each; ``rotation`` (angles
+    (N_in, Hr, d/2), Hr) turns the keys' first Hr heads (RoSE, :func:`jaxrat.ops.rotate.rotate_heads`).
 
-    On the gpu policy the split, the rotation and the layout are one step whose backward writes the
-    projection's gradient whole (:func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection`); elsewhere
-    they are the plain operations."""
-    b, n_in, width = kv.shape
-    dh = width // (2 * heads)
-    phase, rotated = rotation if rotation is not None else (None, 0)
-    if _sparse_fused(policy):
-        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
-
-        n_out = int(np.prod(window.out))
-        if gpu_sparse.supports(window, (b, n_out, heads, dh), kv.dtype) is None and width == 2 * heads * dh:
-            angles = _device_angles(phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32))
-
-            def lay(kv, angles):
-                return tuple(gpu_sparse.lay_out_projection(kv, angles[0], window, heads, uses, normalise_columns,
-                                                           blocks=policy.sparse_sga))
-
-            k, v, tapes = over_batch(lay, kv, angles)
-            return SparseKeys(k, v, window, True, normalise_columns, tapes)
-    from jaxrat.ops.rotate import rotate_heads
-
-    k, v = jnp.split(kv, 2, axis=-1)
-    k = k.reshape(b, n_in, heads, dh)
-    if rotated:
-        k = rotate_heads(k, phase, rotated, policy)
-    return sparse_keys(k, v.reshape(b, n_in, heads, dh), window, policy, uses=uses,
-                       normalise_columns=normalise_columns)
-
-
-def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window: Window,
-                          policy: KernelPolicy = PORTABLE, *, heads: int, dtype=None,
-                          rotation: Optional[tuple[Array, int]] = None, uses: int = 1,
-                          normalise_columns: bool = True) -> SparseKeys:
-    """:func:`sparse_keys_of_projection` of ``x @ kernel + bias`` (B, N_in, C) @ (C, 2 H d), computed at
-    ``dtype`` as flax's ``nnx.Linear`` computes it: operands cast (to their promoted dtype when
-    ``dtype`` is None), one product, the bias added.
-
-    On the gpu policy, where the layer's shapes allow, the product, the rotation and the layout are one
-    kernel (:func:`jaxrat.ops.gpu.sparse_sga_projection.lay_out_inputs`): the projection is never
-    written token-major. The bias is added in float32 and gets a float32 gradient."""
+    The policy's form (:func:`_keys_form`): on the gpu policy, where the layer's shapes allow, the
+    product, the rotation and the layout one kernel (:func:`jaxrat.ops.gpu.sparse_sga_projection.
+    lay_out_inputs`), or XLA's product and then one step; elsewhere the plain operations."""
     dt = jnp.dtype(dtype) if dtype is not None else jnp.result_type(x, kernel, *([] if bias is None else [bias]))
-    b, n_in, _ = x.shape
-    width = kernel.shape[1]
-    dh = width // (2 * heads)
-    phase, rotated = rotation if rotation is not None else (None, 0)
-    if _sparse_fused(policy) and policy.uses("sparse_sga_projection"):
-        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
-        from jaxrat.ops.gpu import sparse_sga_projection as gpu_projection
+    p = _Projection(x, kernel, bias, dt, heads, rotation)
+    form = _keys_form(policy, window, (x.shape[0], x.shape[1], heads, p.head_dim), dt, p)
+    return _SGA_KEYS_FORMS[form](p, window, policy, uses, normalise_columns)
 
-        n_out = int(np.prod(window.out))
-        if (gpu_sparse.supports(window, (b, n_out, heads, dh), dt) is None and width == 2 * heads * dh
-                and gpu_projection.kernel_supports(n_in, x.shape[2], dh, dt)):
-            angles = _device_angles(phase if rotated else jnp.zeros((n_in, 0, dh // 2), jnp.float32))
-            full_bias = jnp.zeros((width,), jnp.float32) if bias is None else bias.astype(jnp.float32)
 
-            def lay(x, angles, w, bias):
-                return tuple(gpu_projection.lay_out_inputs(x, w, bias, angles[0], window, heads, uses,
-                                                           normalise_columns, blocks=policy.sparse_sga))
-
-            # the weights rounded here, as the Linear rounds them: a cast the train step makes with the
-            # others' in one kernel (jaxrat/trainer/param_cast.py), and the backward's product needs
-            k, v, tapes = over_batch(lay, x.astype(dt), angles, replicated=(kernel.astype(dt), full_bias))
-            return SparseKeys(k, v, window, True, normalise_columns, tapes)
-    kv = jax.lax.dot_general(x.astype(dt), kernel.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
-    if bias is not None:
-        kv = kv + bias.astype(dt)
-    return sparse_keys_of_projection(kv, window, policy, heads=heads, rotation=rotation, uses=uses,
-                                     normalise_columns=normalise_columns)
+def rolled_rounds(keys: Optional[SparseKeys], policy: KernelPolicy) -> bool:
+    """Whether a layer's grouping rounds over ``keys`` run as one loop (:attr:`KernelPolicy.rolled_rounds`):
+    the portable layout's; the fused kernels keep their rounds unrolled (each round's ``use`` its tape)."""
+    return keys is not None and not keys.fused and policy.rolled_rounds
 
 
 def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy = PORTABLE, *, use: int = 0,
@@ -219,8 +273,7 @@ def sparse_grouping_attention(q: Array, keys: SparseKeys, policy: KernelPolicy =
     # scale's gradient then does not keep the full-resolution scaled keys alive for the backward.
     q = _scaled(q, key_scale)
     if keys.fused:
-        from jaxrat.ops.gpu import sparse_sga as gpu_sparse
-
+        gpu_sparse = _pallas("sparse_sga")
         if not 0 <= use < len(keys.tapes):
             raise ValueError(f"use {use} of sparse keys prepared for {len(keys.tapes)} uses")
 
@@ -247,8 +300,6 @@ def sparse_grouping_maps(q: Array, k: Array, window: Window, *,
 def softmax_attention(q: Array, k: Array, v: Array, policy: KernelPolicy = PORTABLE) -> Array:
     """Plain softmax attention over the last two axes, (..., Nq, d) x (..., Nk, d) -> (..., Nq, dv)."""
     if _fused(policy, q, k, v, "attention"):
-        from jaxrat.ops.gpu import fused_attention
-
         return over_batch(lambda q, k, v: fused_attention(q, k, v, implementation="cudnn"), q, k, v)
     return _chunked(chunked.softmax_attention, q, k, v, policy)
 
@@ -261,8 +312,6 @@ def multires_attention(q: Array, k: Array, v: Array, segments: Sequence[tuple[in
     # Per device, whole: the windows, the segments' joins and cuDNN's batch split stay within each
     # device's images (partitioned by XLA they moved activations between devices).
     if _fused(policy, q, k, v, "attention"):
-        from jaxrat.ops.gpu import multires_attention as gpu_multires
-
         return over_batch(lambda q, k, v: gpu_multires(q, k, v, segments, window, implementation="cudnn"), q, k, v)
     return over_batch(lambda q, k, v: _windowed(q, k, v, segments, window,
                                                 attend=lambda a, b, c: softmax_attention(a, b, c, policy)), q, k, v)
@@ -288,8 +337,6 @@ def pack_keys(key_ok: Array, arrays: Sequence[Array], policy: KernelPolicy = POR
     about key order. Elsewhere the arrays are returned as they are."""
     if not policy.uses("masked_attention"):
         return KeyPadding(key_ok), tuple(arrays)
-    from jaxrat.ops.gpu import masked as gpu_masked
-
     lengths, packed = gpu_masked.pack(key_ok, arrays)
     return KeyPadding(jnp.arange(key_ok.shape[1])[None, :] < lengths[:, None], lengths), packed
 
@@ -306,12 +353,10 @@ def masked_attention(q: Array, k: Array, v: Array, key_ok: Optional[Array | KeyP
     if isinstance(key_ok, KeyPadding):
         key_ok, lengths = key_ok
     if _fused(policy, heads(q), heads(k), heads(v), "masked_attention"):
-        from jaxrat.ops.gpu import masked_attention as gpu_masked
-        from jaxrat.ops.gpu.fused import fused_attention_heads
-
         if key_ok is None or lengths is not None:  # packed: the first `lengths` keys of a row are its real ones
             return fused_attention_heads(q, k, v, scale=d**-0.5, kv_lengths=lengths, implementation="cudnn")
-        out = gpu_masked(heads(q), heads(k), heads(v), key_ok[:, None, :], scale=d**-0.5, implementation="cudnn")
+        out = gpu_masked_attention(heads(q), heads(k), heads(v), key_ok[:, None, :], scale=d**-0.5,
+                                   implementation="cudnn")
         return heads(out)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     logits = logits / jnp.sqrt(d).astype(jnp.float32)

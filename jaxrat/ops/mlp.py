@@ -1,5 +1,5 @@
-"""The transformer MLP: fused on the gpu policy, else over token chunks when the memory or the CPU
-asks for it.
+"""The transformer MLP (:func:`mlp`): fused on the gpu policy, else over token chunks when the memory
+or the CPU asks for it, else flax's layers as they are (:data:`FORMS`, chosen by :func:`form`).
 
 On the ``gpu`` policy, calls the fused kernels take (:func:`fused`) run as one Pallas (Triton)
 kernel forward and two backward, the hidden activation never in memory (:mod:`jaxrat.ops.gpu.mlp`).
@@ -14,15 +14,18 @@ layer's three MLPs would otherwise keep gigabytes of GELU inputs, outputs and dr
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.ops.cpu import mlp as cpu_mlp
+from jaxrat.ops.gpu import per_device
 from jaxrat.ops.gpu.per_device import splits
 from jaxrat.ops.policy import KernelPolicy
 
@@ -34,6 +37,12 @@ CHUNK_TOKENS_BYTES = 32 * 2**20  # hidden bytes of one rematerialised chunk
 # their dropout masks drawn by XLA, dozens of kernels more in the ISIC step compiled for an H100, for a
 # few seconds less compile (benchmarks/gpu_cost.py).
 FUSED_HIDDEN_BYTES = 0
+
+
+def _gpu_mlp():
+    """:mod:`jaxrat.ops.gpu.mlp`, imported when a gpu policy first asks for it: it loads Pallas's Triton
+    backend, a cost at every start that a run on other devices never needs."""
+    return importlib.import_module("jaxrat.ops.gpu.mlp")
 
 
 class Chunks(NamedTuple):
@@ -65,9 +74,7 @@ def fused(policy: KernelPolicy, x_shape: tuple, hidden: int, dtype, dropout_rate
         return False
     if math.prod(x_shape[:-1]) * hidden * jnp.dtype(dtype).itemsize < FUSED_HIDDEN_BYTES:
         return False
-    from jaxrat.ops.gpu import mlp as gpu_mlp
-
-    return gpu_mlp.supports(math.prod(x_shape[:-1]), x_shape[-1], hidden, dtype) is None
+    return _gpu_mlp().supports(math.prod(x_shape[:-1]), x_shape[-1], hidden, dtype) is None
 
 
 def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, *, dropout_rate: float,
@@ -75,9 +82,7 @@ def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, *, dropout_r
     """``dropout(fc2(dropout(gelu(fc1(x)))))`` (exact GELU) with the kernels :func:`fused` chose, per device
     under a mesh: the hidden units dropped at ``dropout_rate`` and the output at ``output_rate``, both
     drawn inside the kernels from ``dropout_key`` (None: no dropout), the same masks on any mesh."""
-    from jaxrat.ops.gpu import per_device
-    from jaxrat.ops.gpu.mlp import fused_mlp as gpu_fused
-
+    gpu_fused = _gpu_mlp().fused_mlp
     weights = (w1, b1, w2, b2)
     if dropout_key is None or not (dropout_rate or output_rate):
         return per_device.over_batch(lambda x, *w: gpu_fused(x, *w), x, replicated=weights)
@@ -123,3 +128,68 @@ def chunked_mlp(x: Array, fc1: Callable[[Array], Array], fc2: Callable[[Array], 
         _, ys = jax.lax.scan(jax.checkpoint(body, policy=policy), None, (xs, keys))
     y = jnp.moveaxis(ys, 0, -3).reshape(*x.shape[:-2], num * size, ys.shape[-1])
     return y[..., :n, :] if pad else y
+
+
+
+class Layers(NamedTuple):
+    """An MLP's layers, as flax holds them: fc1 -> exact GELU -> drop1 -> fc2 -> drop2."""
+
+    fc1: nnx.Linear
+    fc2: nnx.Linear
+    drop1: nnx.Dropout
+    drop2: nnx.Dropout
+
+
+def _dropout_key(drop: nnx.Dropout) -> Optional[Array]:
+    """The key ``drop`` would draw its mask with (advancing its stream as it does), None when it would
+    not draw: for the forms that apply the dropout themselves."""
+    return drop.rngs() if not drop.deterministic and drop.rate > 0.0 else None
+
+
+def _hidden_bytes(x: Array, m: Layers, dtype) -> int:
+    return math.prod(x.shape[:-1]) * m.fc1.out_features * jnp.dtype(dtype).itemsize
+
+
+def _plain(x: Array, m: Layers, dtype, policy: KernelPolicy) -> Array:
+    return m.drop2(m.fc2(m.drop1(jax.nn.gelu(m.fc1(x), approximate=False))))
+
+
+def _chunked(x: Array, m: Layers, dtype, policy: KernelPolicy) -> Array:
+    hidden_bytes = _hidden_bytes(x, m, dtype)
+    y = chunked_mlp(x, m.fc1, m.fc2, hidden_bytes=hidden_bytes, chunks=chunking(hidden_bytes, policy),
+                    dropout_rate=m.drop1.rate, dropout_key=_dropout_key(m.drop1))
+    return m.drop2(y)
+
+
+def _fused(x: Array, m: Layers, dtype, policy: KernelPolicy) -> Array:
+    bias = lambda fc: fc.bias[...] if fc.bias is not None else jnp.zeros((fc.out_features,), jnp.float32)
+    w = (m.fc1.kernel[...], bias(m.fc1), m.fc2.kernel[...], bias(m.fc2))
+    key = _dropout_key(m.drop1)
+    # drop2's mask is drawn in the kernels too (from drop1's key: one draw from the stream); without a
+    # key drop2 is off as well, or runs as itself.
+    out_rate = m.drop2.rate if key is not None and not m.drop2.deterministic else 0.0
+    # float32 weights as they are: the kernels round them on chip (no cast kernels), and their
+    # gradients stay float32
+    y = fused_mlp(x.astype(dtype), *w, dropout_rate=m.drop1.rate, dropout_key=key, output_rate=out_rate)
+    return y if key is not None else m.drop2(y)
+
+
+FORMS: dict[str, Callable[[Array, Layers, object, KernelPolicy], Array]] = {
+    "fused": _fused, "chunked": _chunked, "plain": _plain}
+
+
+def form(x: Array, m: Layers, dtype, policy: KernelPolicy) -> str:
+    """Which of :data:`FORMS` computes this call: the gpu policy's kernels where they take it
+    (:func:`fused`), else chunks where :func:`chunking` asks for them, else the plain layers."""
+    if fused(policy, x.shape, m.fc1.out_features, dtype, m.drop1.rate):
+        return "fused"
+    if x.ndim >= 2 and chunking(_hidden_bytes(x, m, dtype), policy) is not None:
+        return "chunked"
+    return "plain"
+
+
+def mlp(x: Array, layers: Layers, policy: KernelPolicy) -> Array:
+    """``drop2(fc2(drop1(gelu(fc1(x)))))`` (exact GELU) of ``layers``, computed at fc1's dtype (else x's)
+    by the policy's form (:func:`form`): the same values; in training, other dropout draws."""
+    dtype = layers.fc1.dtype or x.dtype
+    return FORMS[form(x, layers, dtype, policy)](x, layers, dtype, policy)

@@ -1,4 +1,5 @@
-"""Layer normalisation over the last axis, with a backward that reuses the forward's statistics.
+"""Layer normalisation over the last axis (:func:`normalise`: the policy's form, else flax's), with a
+backward that reuses the forward's statistics.
 
 The gpu policy's form (:func:`layer_norm`): Pallas kernels in bfloat16 (:mod:`jaxrat.ops.gpu.layer_norm`);
 otherwise XLA's, which keeps each token's mean and 1/std (float32) for the
@@ -11,13 +12,36 @@ Other policies keep flax's own (the same function, up to rounding).
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.ops.gpu import per_device
+from jaxrat.ops.policy import KernelPolicy
+
 Array = jax.Array
+
+
+def _gpu_layer_norm():
+    """:mod:`jaxrat.ops.gpu.layer_norm`, imported when a gpu policy first asks for it: it loads Pallas's
+    Triton backend, a cost at every start that a run on other devices never needs."""
+    return importlib.import_module("jaxrat.ops.gpu.layer_norm")
+
+
+def normalise(x: Array, scale: Any, bias: Any, eps: float, dtype, policy: Optional[KernelPolicy], *,
+              mask: Optional[Array] = None, residual: Optional[Array] = None,
+              flax_form: Callable[..., Array]) -> Array:
+    """``(residual +) layer_norm(x)`` with ``scale`` and ``bias`` (arrays or flax variables; None: not
+    used): :func:`layer_norm` where the policy uses that form, unmasked, with both; else ``flax_form``,
+    the flax module's own ``(x, mask=mask)``, the residual added after."""
+    if policy is None or not policy.uses("layer_norm") or mask is not None or scale is None or bias is None:
+        y = flax_form(x, mask=mask)
+        return y if residual is None else residual + y
+    return layer_norm(x, scale[...], bias[...], eps, dtype, residual)
 
 
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float, dtype, residual: Array | None = None) -> Array:
@@ -27,14 +51,11 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float, dtype, residual:
     bfloat16 in and out runs the Pallas kernels of :mod:`jaxrat.ops.gpu.layer_norm` (per device under
     a mesh), the residual added there before the one rounding; other dtypes (a float32 parity run)
     the XLA form below, the residual added after."""
-    from jaxrat.ops.gpu import layer_norm as kernels
-
+    kernels = _gpu_layer_norm()
     dtype = jnp.dtype(dtype)
     fits = residual is None or (residual.shape == x.shape and residual.dtype == dtype)
     if (fits and x.dtype == dtype == jnp.bfloat16 and x.ndim >= 2
             and kernels.supports(int(np.prod(x.shape[:-1])), x.shape[-1], x.dtype) is None):
-        from jaxrat.ops.gpu import per_device
-
         weights = (scale, bias)
         if residual is None:
             return per_device.over_batch(lambda x, s, b: kernels.layer_norm(x, s, b, eps), x, replicated=weights)

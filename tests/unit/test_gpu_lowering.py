@@ -246,7 +246,7 @@ def test_on_a_mesh_the_sparse_kernels_run_per_device_on_laid_out_keys():
 
 
 def test_on_a_mesh_the_projection_kernel_runs_per_device_with_the_weights_whole():
-    """sparse_keys_of_inputs over 8 devices: the projection kernel and the passes run under shard_map on
+    """sga_keys over 8 devices: the projection kernel and the passes run under shard_map on
     each device's image, the weights and bias given whole to every device (their gradients summed over
     the devices by the shard_map's transpose)."""
     from jaxrat import ops
@@ -263,7 +263,7 @@ def test_on_a_mesh_the_projection_kernel_runs_per_device_with_the_weights_whole(
                                                                                                 sharding=whole)
 
     def update(x, w, b, q):
-        keys = attn.sparse_keys_of_inputs(x, w, b, window, gpu, heads=8, dtype=jnp.bfloat16)
+        keys = attn.sga_keys(x, w, b, window, gpu, heads=8, dtype=jnp.bfloat16)
         return attn.sparse_grouping_attention(q, keys, gpu)
 
     with jax.set_mesh(mesh):

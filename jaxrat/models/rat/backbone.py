@@ -174,6 +174,59 @@ class ResolutionAwareTransformer(nnx.Module):
             raise ValueError(f"got {len(spacings)} spacings for {num_images} images")
         return spacings
 
+    def _inputs(self, x: Array | Sequence[Array], input_spacing: Any, mask: Any
+                ) -> tuple[list[Array], list[tuple[float, ...]], list[Optional[Array]]]:
+        """The images as a list, one spacing and one (dilated) mask or None per image."""
+        images = [x] if not isinstance(x, (list, tuple)) else list(x)
+        n = len(images)
+        if len({im.shape[0] for im in images}) != 1:
+            raise ValueError("all pyramid levels must have the same batch size")
+        spacings = self._spacings(input_spacing, n)
+        if mask is None:
+            masks = [None] * n
+        else:
+            masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
+        if len(masks) != n:
+            raise ValueError(f"got {len(masks)} masks for {n} images")
+        return images, spacings, [None if m is None else self.dilate_mask(m) for m in masks]
+
+    def _tokens(self, image: Array) -> tuple[Array, tuple[int, ...]]:
+        """The image's tokens (B, N, D) after the initial projection (and absolute positions), and their grid."""
+        feat = self.init_proj(image)
+        grid = tuple(feat.shape[1:-1])
+        t = feat.reshape(feat.shape[0], -1, self.feature_dims)
+        if self.abs_pos is not None:
+            t = t + self.abs_pos(grid).astype(t.dtype)
+        return t, grid
+
+    def _leading(self, batch: int, dtype: Any) -> Optional[Array]:
+        """The leading tokens (B, L, D) every block's joint attention shares, or None."""
+        if self.leading_tokens is None or self.reference_compat:
+            return None
+        return jnp.broadcast_to(self.leading_tokens[...], (batch,) + self.leading_tokens.shape[1:]).astype(dtype)
+
+    def _group(self, sga: SpatialGroupingAttention, tokens: Array, grid: tuple, spacing: tuple,
+               mask: Optional[Array], return_maps: bool) -> Any:
+        """One scale through one SGA layer (recomputed in the backward with ``remat="blocks"``)."""
+        # The scope names this layer's ops in the compiled HLO (op_name metadata, gradients included), so
+        # profiles can charge time to a component (benchmarks/step_profile.py).
+        with jax.named_scope("sga"):
+            if self.remat == "blocks" and not return_maps:
+                # Grids and spacings are static: closed over, not traced.
+                x = nnx.remat(lambda layer, t, mk: layer(t, grid, spacing, mk).x)(sga, tokens, mask)
+                return sga.output_geometry(x, grid, spacing)
+            return sga(tokens, grid, spacing, mask, return_maps)
+
+    def _attend_jointly(self, mr: MultiResBlock, tokens: list[Array], grids: list, spacings: list,
+                        leading: Optional[Array]) -> tuple[list[Array], Optional[Array]]:
+        """Every scale (and the leading tokens) through one multi-resolution block."""
+        with jax.named_scope("mr_blocks"):  # for profiles, as "sga" in _group
+            if self.remat == "blocks":
+                gs, sps = tuple(grids), tuple(spacings)
+                tokens, leading = nnx.remat(lambda layer, t, lead: layer(t, gs, sps, lead))(mr, tokens, leading)
+                return list(tokens), leading
+            return mr(tokens, grids, spacings, leading)
+
     def __call__(
         self,
         x: Array | Sequence[Array],
@@ -195,73 +248,28 @@ class ResolutionAwareTransformer(nnx.Module):
         Returns:
           One :class:`ScaleOutput` per image.
         """
-        images = [x] if not isinstance(x, (list, tuple)) else list(x)
+        images, spacings, masks = self._inputs(x, input_spacing, mask)
         n = len(images)
-        if len({im.shape[0] for im in images}) != 1:
-            raise ValueError("all pyramid levels must have the same batch size")
-        spacings = self._spacings(input_spacing, n)
-        if mask is None:
-            masks = [None] * n
-        else:
-            masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
-        if len(masks) != n:
-            raise ValueError(f"got {len(masks)} masks for {n} images")
-        masks = [None if m is None else self.dilate_mask(m) for m in masks]
-
-        tokens, grids = [], []
-        for im in images:
-            feat = self.init_proj(im)
-            grid = tuple(feat.shape[1:-1])
-            t = feat.reshape(feat.shape[0], -1, self.feature_dims)
-            if self.abs_pos is not None:
-                t = t + self.abs_pos(grid).astype(t.dtype)
-            tokens.append(t)
-            grids.append(grid)
-        features = [[t] for t in tokens]
-        feature_grids = [[g] for g in grids]
+        tokens, grids = map(list, zip(*(self._tokens(im) for im in images)))
+        features, feature_grids = [[t] for t in tokens], [[g] for g in grids]
         maps_q: list[Optional[Array]] = [None] * n
         maps_k: list[Optional[Array]] = [None] * n
-        leading = None
-        if self.leading_tokens is not None and not self.reference_compat:
-            shape = (images[0].shape[0],) + self.leading_tokens.shape[1:]
-            leading = jnp.broadcast_to(self.leading_tokens[...], shape).astype(tokens[0].dtype)
-
+        leading = self._leading(images[0].shape[0], tokens[0].dtype)
         for block in range(self.num_blocks):
-            sga = self.sga_layers[block]
             for s in range(n):
-                m = masks[s] if block == 0 else None
-                # The scope names this layer's ops in the compiled HLO (op_name metadata, gradients
-                # included), so profiles can charge time to a component (benchmarks/step_profile.py).
-                with jax.named_scope("sga"):
-                    if self.remat == "blocks" and not return_maps:
-                        # Grids and spacings are static: closed over, not traced.
-                        g, sp = grids[s], spacings[s]
-                        x_s = nnx.remat(lambda layer, t, mk: layer(t, g, sp, mk).x)(sga, tokens[s], m)
-                        out = sga.output_geometry(x_s, g, sp)
-                    else:
-                        out = sga(tokens[s], grids[s], spacings[s], m, return_maps)
+                out = self._group(self.sga_layers[block], tokens[s], grids[s], spacings[s],
+                                  masks[s] if block == 0 else None, return_maps)
                 tokens[s], grids[s], spacings[s] = out.x, out.grid_shape, out.spacing
-                if return_maps:
+                if return_maps:  # chained: each layer's maps after the previous layers'
                     maps_q[s] = out.attn_q if maps_q[s] is None else jnp.matmul(out.attn_q, maps_q[s])
                     maps_k[s] = out.attn_k if maps_k[s] is None else jnp.matmul(out.attn_k, maps_k[s])
-            mr = self.mr_attn_layers[block]
-            with jax.named_scope("mr_blocks"):  # for profiles, as "sga" above
-                if self.remat == "blocks":
-                    gs, sps = tuple(grids), tuple(spacings)
-                    tokens, leading = nnx.remat(lambda layer, t, lead: layer(t, gs, sps, lead))(mr, tokens, leading)
-                    tokens = list(tokens)
-                else:
-                    tokens, leading = mr(tokens, grids, spacings, leading)
+            tokens, leading = self._attend_jointly(self.mr_attn_layers[block], tokens, grids, spacings, leading)
             for s in range(n):
                 features[s].append(tokens[s])
                 feature_grids[s].append(grids[s])
-
         return [
-            ScaleOutput(
-                tokens=tokens[s], grid_shape=grids[s], spacing=spacings[s], attn_q=maps_q[s], attn_k=maps_k[s],
-                features=tuple(features[s]) if return_features else None,
-                feature_grids=tuple(feature_grids[s]) if return_features else (),
-                leading=leading,
-            )
+            ScaleOutput(tokens=tokens[s], grid_shape=grids[s], spacing=spacings[s], attn_q=maps_q[s],
+                        attn_k=maps_k[s], features=tuple(features[s]) if return_features else None,
+                        feature_grids=tuple(feature_grids[s]) if return_features else (), leading=leading)
             for s in range(n)
         ]

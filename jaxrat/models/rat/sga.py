@@ -154,65 +154,57 @@ class SpatialGroupingAttention(nnx.Module):
             nnx.update(self, rest)
         return xo
 
-    def __call__(
-        self,
-        x: Array,
-        grid_shape: Sequence[int],
-        spacing: Sequence[float],
-        mask: Optional[Array] = None,
-        return_maps: bool = False,
-    ) -> SGAOutput:
+    def _keys(self, x: Array, window: attn.Window, grid_shape: tuple[int, ...], spacing: Sequence[float],
+              maps: bool) -> tuple[Optional[attn.SparseKeys], Optional[Array], Optional[Array]]:
+        """(sparse keys, k, v) of ``x`` for the rounds: sparse attention's keys and values laid out once
+        for all rounds, with the projection itself where the maps need no keys and the value heads
+        are split properly (:func:`jaxrat.ops.attention.sga_keys`: the kernel decides where temp
+        multiplies); else k, rotated, and v as the rounds (and the maps) take them: token-major for
+        sparse attention, head-major for the others, with temp scaling k (the reference's form)."""
+        b, n_in, _ = x.shape
+        h, dh = self.num_heads, self.head_dim
+        if self.attention == "sparse" and not self.reference_compat and not maps:
+            if not self.iters:
+                return None, None, None
+            bias = self.kv.bias[...] if self.kv.bias is not None else None
+            keys = attn.sga_keys(x, self.kv.kernel[...], bias, window, self.kernels, heads=h, dtype=self.kv.dtype,
+                                 uses=self.iters, rotation=self.rose.angles(grid_shape, spacing))
+            return keys, None, None
+        k, v = jnp.split(self.kv(x), 2, axis=-1)
+        k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
+        if self.attention == "sparse":  # token-major, as the projection makes them
+            v = self._split_heads(v, True).transpose(0, 2, 1, 3) if self.reference_compat else v.reshape(b, n_in, h, dh)
+            return (attn.sparse_keys(k, v, window, self.kernels, uses=self.iters) if self.iters else None), k, v
+        k = (k * self.temp[...].astype(k.dtype)).transpose(0, 2, 1, 3)
+        return None, k, self._split_heads(v, self.reference_compat)
+
+    def _maps(self, q: Optional[Array], k: Array, window: attn.Window) -> tuple[Array, Array]:
+        """(A_q, A_k) of the last round, materialised (B, H, N_out, N_in)."""
+        if q is None:
+            raise ValueError("grouping maps need iters >= 1 (the reference returns uninitialised memory)")
+        if self.attention == "sparse":
+            return attn.sparse_grouping_maps(q, k, window, key_scale=self.temp[...])
+        if self.attention == "standard":
+            a = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32), -1)
+            return a, a
+        return attn.grouping_maps(q, k)
+
+    def __call__(self, x: Array, grid_shape: Sequence[int], spacing: Sequence[float], mask: Optional[Array] = None,
+                 return_maps: bool = False) -> SGAOutput:
         """Group ``x`` (B, N_in, D) on ``grid_shape``/``spacing``; ``mask`` (B, *grid) > 0 = masked."""
         b, n_in, d = x.shape
         grid_shape = tuple(int(g) for g in grid_shape)
-        out_grid = self.out_grid_shape(grid_shape)
         out_spacing = tuple(float(s) * st for s, st in zip(spacing, self.stride))
         if mask is not None:
             x = jnp.where(mask.reshape(b, n_in, 1) > 0, self.mask_embedding[...].astype(x.dtype), x)
-
-        xo = self.strider(x.reshape(b, *grid_shape, d))
-        xo = self.norm1(xo.reshape(b, -1, d))
-        h, dh = self.num_heads, self.head_dim
-
-        temp = self.temp[...]
+        xo = self.norm1(self.strider(x.reshape(b, *grid_shape, d)).reshape(b, -1, d))
         window = attn.Window(grid_shape, self.kernel_size, self.stride)
-        keys = k = v = None
-        if self.attention == "sparse" and not self.reference_compat and not return_maps:
-            # the projection itself to the kernel policy: it projects, splits, rotates and lays out
-            # keys and values once for the layer (the kernel decides where temp multiplies)
-            if self.iters:
-                bias = self.kv.bias[...] if self.kv.bias is not None else None
-                keys = attn.sparse_keys_of_inputs(x, self.kv.kernel[...], bias, window, self.kernels, heads=h,
-                                                  dtype=self.kv.dtype, uses=self.iters,
-                                                  rotation=self.rose.angles(grid_shape, spacing))
-        else:
-            kv = self.kv(x)
-            k, v = jnp.split(kv, 2, axis=-1)
-            k = self.rose(k.reshape(b, n_in, h, dh), grid_shape, spacing)
-            if self.attention == "sparse":  # token-major, as the projection makes them
-                v = self._split_heads(v, True).transpose(0, 2, 1, 3) if self.reference_compat else v.reshape(
-                    b, n_in, h, dh)
-                keys = attn.sparse_keys(k, v, window, self.kernels, uses=self.iters) if self.iters else None
-            else:  # head-major; temp scales the keys (the reference's form)
-                k = (k * temp.astype(k.dtype)).transpose(0, 2, 1, 3)
-                v = self._split_heads(v, self.reference_compat)
+        keys, k, v = self._keys(x, window, grid_shape, spacing, return_maps)
         q = None
-        if (self.iters > 1 and keys is not None and not keys.fused and self.kernels.rolled_rounds
-                and not return_maps):  # maps need the last q
+        if self.iters > 1 and not return_maps and attn.rolled_rounds(keys, self.kernels):  # maps need the last q
             xo = self._looped_iterations(xo, keys, window, out_spacing)
         else:
             for i in range(self.iters):
                 xo, q = self._iteration(xo, k, v, keys, i, window, out_spacing)
-
-        attn_q = attn_k = None
-        if return_maps:
-            if q is None:
-                raise ValueError("grouping maps need iters >= 1 (the reference returns uninitialised memory)")
-            if self.attention == "sparse":
-                attn_q, attn_k = attn.sparse_grouping_maps(q, k, window, key_scale=temp)
-            elif self.attention == "standard":
-                logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-                attn_k = attn_q = jax.nn.softmax(logits, -1)
-            else:
-                attn_q, attn_k = attn.grouping_maps(q, k)
-        return SGAOutput(xo, out_grid, out_spacing, attn_q, attn_k)
+        maps = self._maps(q, k, window) if return_maps else (None, None)
+        return SGAOutput(xo, self.out_grid_shape(grid_shape), out_spacing, *maps)
