@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.gpu import per_device
-from jaxrat.ops.gpu.per_device import over_batch
+from jaxrat.ops import per_device
+from jaxrat.ops.per_device import over_batch
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable import chunked_attention as chunked
 from jaxrat.ops.portable import sparse_sga as sparse

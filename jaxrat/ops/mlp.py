@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.ops.cpu import mlp as cpu_mlp
-from jaxrat.ops.gpu.per_device import splits
+from jaxrat.ops.per_device import splits
 from jaxrat.ops.policy import KernelPolicy
 
 Array = jax.Array
@@ -75,7 +75,7 @@ def fused_mlp(x: Array, w1: Array, b1: Array, w2: Array, b2: Array, *, dropout_r
     """``dropout(fc2(dropout(gelu(fc1(x)))))`` (exact GELU) with the kernels :func:`fused` chose, per device
     under a mesh: the hidden units dropped at ``dropout_rate`` and the output at ``output_rate``, both
     drawn inside the kernels from ``dropout_key`` (None: no dropout), the same masks on any mesh."""
-    from jaxrat.ops.gpu import per_device
+    from jaxrat.ops import per_device
     from jaxrat.ops.gpu.mlp import fused_mlp as gpu_fused
 
     weights = (w1, b1, w2, b2)

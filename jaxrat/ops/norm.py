@@ -33,7 +33,7 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float, dtype, residual:
     fits = residual is None or (residual.shape == x.shape and residual.dtype == dtype)
     if (fits and x.dtype == dtype == jnp.bfloat16 and x.ndim >= 2
             and kernels.supports(int(np.prod(x.shape[:-1])), x.shape[-1], x.dtype) is None):
-        from jaxrat.ops.gpu import per_device
+        from jaxrat.ops import per_device
 
         weights = (scale, bias)
         if residual is None:

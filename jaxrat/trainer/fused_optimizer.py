@@ -19,7 +19,7 @@ import optax
 
 from jaxrat.config_schema import field
 from jaxrat.ops.gpu import adamw, ema
-from jaxrat.ops.gpu.per_device import replicated
+from jaxrat.ops.per_device import replicated
 from jaxrat.trainer.optimizer import ADAM_EPS, decay_mask, layer_scales
 
 _STATES = (optax.ScaleByAdamState, optax.ScaleByScheduleState)

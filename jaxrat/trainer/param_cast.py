@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.extend import core
 
 from jaxrat.ops.gpu import cast
-from jaxrat.ops.gpu.per_device import replicated
+from jaxrat.ops.per_device import replicated
 
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MIXED = object()  # a leaf read otherwise than as one narrow cast
