@@ -176,7 +176,7 @@ def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window
     ``dtype`` is None), one product, the bias added.
 
     On the gpu policy, where the layer's shapes allow, the product, the rotation and the layout are one
-    kernel (:func:`jaxrat.ops.gpu.sparse_sga_projection.lay_out_inputs`): the projection is never
+    kernel (:func:`jaxrat.ops.gpu.sparse_sga.projection.lay_out_inputs`): the projection is never
     written token-major. The bias is added in float32 and gets a float32 gradient."""
     dt = jnp.dtype(dtype) if dtype is not None else jnp.result_type(x, kernel, *([] if bias is None else [bias]))
     b, n_in, _ = x.shape
@@ -185,7 +185,7 @@ def sparse_keys_of_inputs(x: Array, kernel: Array, bias: Optional[Array], window
     phase, rotated = rotation if rotation is not None else (None, 0)
     if _sparse_fused(policy) and policy.uses("sparse_sga_projection"):
         from jaxrat.ops.gpu import sparse_sga as gpu_sparse
-        from jaxrat.ops.gpu import sparse_sga_projection as gpu_projection
+        from jaxrat.ops.gpu.sparse_sga import projection as gpu_projection
 
         n_out = int(np.prod(window.out))
         if (gpu_sparse.supports(window, (b, n_out, heads, dh), dt) is None and width == 2 * heads * dh

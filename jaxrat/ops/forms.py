@@ -30,8 +30,9 @@ RECORD = pathlib.Path(__file__).resolve().parent / "gpu" / "validated.json"
 F32_TOLERANCE = 1e-5  # largest relative error of a float32 fused form against the portable form
 BF16_TOLERANCE = 5e-2  # largest bfloat16 error against float32 where the portable form's own is not recorded
 
-_SPARSE = ("jaxrat/ops/gpu/sparse_sga.py", "jaxrat/ops/gpu/sparse_sga_kernels.py",
-           "jaxrat/ops/gpu/sparse_sga_tiles.py", "jaxrat/ops/per_device.py")
+_SGA = "jaxrat/ops/gpu/sparse_sga/"
+_SPARSE = tuple(_SGA + f for f in ("__init__.py", "api.py", "passes.py", "taps.py", "tiles.py", "tiling.py")) + (
+    "jaxrat/ops/per_device.py",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +61,13 @@ class Form:
 
 
 _FORMS = (
-    Form("sparse_sga_products", "sparse_sga", _SPARSE + ("jaxrat/ops/gpu/sparse_sga_products.py",
-                                                         "jaxrat/ops/gpu/sparse_sga_sweep.py"),
+    Form("sparse_sga_products", "sparse_sga", _SPARSE + (_SGA + "products.py", _SGA + "sweep.py"),
          (("products", True), ("sweep_rows", 8)), candidate=False),
-    Form("sparse_sga_sweep", "sparse_sga", _SPARSE + ("jaxrat/ops/gpu/sparse_sga_sweep.py",),
+    Form("sparse_sga_sweep", "sparse_sga", _SPARSE + (_SGA + "sweep.py",),
          (("products", False), ("sweep_rows", 8))),
     Form("sparse_sga_tap", "sparse_sga", _SPARSE, (("products", False), ("sweep_rows", 0))),
     Form("sparse_sga_projection", "sparse_sga_projection",
-         ("jaxrat/ops/gpu/sparse_sga_projection.py", "jaxrat/ops/gpu/sparse_sga_input_grad.py"),
+         (_SGA + "projection.py", _SGA + "input_grad.py"),
          (("input_grad_features", 256),), requires=("sparse_sga",)),
     Form("dense_sga", "dense_sga", ("jaxrat/ops/gpu/dense_sga.py", "jaxrat/ops/gpu/fused.py")),
     Form("attention", "attention", ("jaxrat/ops/gpu/multires.py", "jaxrat/ops/gpu/permute.py",

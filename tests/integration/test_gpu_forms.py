@@ -54,7 +54,7 @@ def test_the_record_s_first_runs_are_fingerprinted_to_the_code_at_their_commits(
     record = forms.load_record()
     tap = {r["commit"]: r for r in record["forms"]["sparse_sga_tap"]}
     assert set(tap) == {"fd6ad17", "fbc9130"} and tap["fd6ad17"]["parity_f32"] == {"forward_and_every_gradient": 1.3e-6}
-    assert tap["fd6ad17"]["sources"]["jaxrat/ops/gpu/sparse_sga_tiles.py"] is None  # no such file then
+    assert tap["fd6ad17"]["sources"]["jaxrat/ops/gpu/sparse_sga/tiles.py"] is None  # no such file then
     assert tap["fd6ad17"]["blocks"] == {"products": False, "sweep_rows": 0}
     # every form's code changed after it ran, so nothing is validated yet
     assert forms.validated(record) == frozenset()
@@ -90,7 +90,7 @@ def test_a_form_whose_source_changed_after_validation_falls_back(tmp_path, monke
     mlp.write_text(mlp.read_text().replace("CHUNK = 128", "CHUNK = 64", 1))
     assert "mlp" not in ops.resolve("auto", "gpu", validated=forms.validated(record)).gpu_forms
 
-    sweep = copy / "jaxrat/ops/gpu/sparse_sga_sweep.py"
+    sweep = copy / "jaxrat/ops/gpu/sparse_sga/sweep.py"
     sweep.write_text(sweep.read_text().replace('"""', '"""Reworded. ', 1) + "\n# a comment\n")
     assert "sparse_sga_sweep" in ops.resolve("auto", "gpu", validated=forms.validated(record)).gpu_forms
     sweep.write_text(sweep.read_text() + "\nCHANGED = True\n")

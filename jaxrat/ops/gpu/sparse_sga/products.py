@@ -1,5 +1,5 @@
 """The sparse SGA passes as matrix products (``Tiling.products``): the tiles of
-:mod:`jaxrat.ops.gpu.sparse_sga_kernels` with their logits computed on the tensor cores against
+:mod:`jaxrat.ops.gpu.sparse_sga.taps` with their logits computed on the tensor cores against
 contiguous runs of keys or groups, each window's taps kept by a band mask."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxrat.ops.gpu.sparse_sga_tiles import (
+from jaxrat.ops.gpu.sparse_sga.tiles import (
     NEG,
     ceil_div,
     clip,
@@ -21,10 +21,11 @@ from jaxrat.ops.gpu.sparse_sga_tiles import (
     store,
     store1,
 )
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 
 
-def group_products(R, mode: str, t, exact: bool, at=None):  # t: sparse_sga_kernels.Tiling
-    """A group tile (``sparse_sga_kernels._group_kernel``) as matrix products. The windows of a
+def group_products(R, mode: str, t: Tiling, exact: bool, at=None):
+    """A group tile (:func:`jaxrat.ops.gpu.sparse_sga.passes.group_tile`) as matrix products. The windows of a
     tile's ``tw`` groups cover, on each of their ``ky`` input rows, one contiguous segment of
     ``t.segment`` inputs; the tile's logits against a segment are one (tw, dh) x (dh, segment)
     product, of which a band (each group's ``kx`` taps) is kept by a mask. The products compute
@@ -112,8 +113,8 @@ def group_products(R, mode: str, t, exact: bool, at=None):  # t: sparse_sga_kern
     store1(R["delta"], grow, gok, delta)
 
 
-def input_products(R, mode: str, t, eps: float, uses: int, exact: bool, at=None):  # t: sparse_sga_kernels.Tiling
-    """An input tile (``sparse_sga_kernels._input_kernel``) as matrix products: the groups whose
+def input_products(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=None):
+    """An input tile (:func:`jaxrat.ops.gpu.sparse_sga.passes.input_tile`) as matrix products: the groups whose
     windows hold some input of the tile lie, on each of their ``nt`` output rows, in one run of
     ``t.covering`` columns; the tile's logits against them are one (tx, dh) x (dh, covering)
     product, of which each input's (at most ``mx``) covering groups are kept by a band mask. ``at``:

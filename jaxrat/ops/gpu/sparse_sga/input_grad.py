@@ -1,7 +1,7 @@
 """The keys' pass of a sparse SGA layer whose keys and values are a projection of its input (the
-first layer's, :mod:`jaxrat.ops.gpu.sparse_sga_projection`), writing the input's gradient as well.
+first layer's, :mod:`jaxrat.ops.gpu.sparse_sga.projection`), writing the input's gradient as well.
 
-The plain keys' pass (:func:`jaxrat.ops.gpu.sparse_sga_kernels.input_pass`) runs one program per
+The plain keys' pass (:func:`jaxrat.ops.gpu.sparse_sga.passes.input_pass`) runs one program per
 (image, head) slice and writes the projection's gradient dkv (B, N_in, 2 H d); cuBLAS then read it
 back for the input's gradient dx = dkv W^T. Here one program takes an input tile of an image
 through every head in turn (the same tile code, on that head's views of the operands), stores its
@@ -18,11 +18,12 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxrat.ops.gpu import sparse_sga_kernels as K
-from jaxrat.ops.gpu.sparse_sga_tiles import Strided, clip, dot, load_as, store, store_keys, strided_refs
+from jaxrat.ops.gpu.sparse_sga import passes
+from jaxrat.ops.gpu.sparse_sga.tiles import Strided, clip, dot, load_as, store, store_keys, strided_refs
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 
 
-def _head_views(R: dict, t: K.Tiling, head) -> dict:
+def _head_views(R: dict, t: Tiling, head) -> dict:
     """An image's operands (all heads, :func:`keys_pass_with_inputs`) as head ``head``'s: the
     group-level ones token-major at its stride and offset, the per-slice ones (keys, values,
     statistics) at its slice's offset."""
@@ -37,7 +38,7 @@ def _head_views(R: dict, t: K.Tiling, head) -> dict:
     return out
 
 
-def _keys_with_inputs_kernel(*refs, names, t: K.Tiling, eps: float, uses: int, exact: bool, features: int):
+def _keys_with_inputs_kernel(*refs, names, t: Tiling, eps: float, uses: int, exact: bool, features: int):
     """The keys' pass over one input tile of every head of one image, which also multiplies each
     head's gradients by its columns of the projection's weights ``w`` (C, 2 H d) and sums them over
     the heads on chip: the layer input's gradient dx (tile, C), stored once (float32 sums, the
@@ -51,11 +52,11 @@ def _keys_with_inputs_kernel(*refs, names, t: K.Tiling, eps: float, uses: int, e
     rows = jnp.arange(features, dtype=jnp.int32)
     every = rows >= 0
     per_slice = pl.num_programs(0) * pl.num_programs(1) * (t.dh + t.dv)  # dbias entries of one head
-    bias_at = K.tile_index() * (t.dh + t.dv)
+    bias_at = passes.tile_index() * (t.dh + t.dv)
 
     def per_head(head, dx):
         H = _head_views(R, t, head)
-        _, _, dk, dv = K.input_tile(H, "keys", t, eps, uses, exact, at)
+        _, _, dk, dv = passes.input_tile(H, "keys", t, eps, uses, exact, at)
         dk = store_keys(H, t, prow, xok, dk, dv, head, head * per_slice + bias_at)
         dt = R["w"].dtype
         wk = load_as(Strided(R["w"], width, head * t.dh), rows, every, t.dh, t.dhp)
@@ -66,21 +67,21 @@ def _keys_with_inputs_kernel(*refs, names, t: K.Tiling, eps: float, uses: int, e
     store(R["dx"], prow, xok, features, features, dx)
 
 
-def keys_pass_with_inputs(t: K.Tiling, ins: dict, outs: dict, eps: float, interpret: bool, uses: int) -> dict:
+def keys_pass_with_inputs(t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool, uses: int) -> dict:
     """The keys' pass into a projection's gradient ``dkv`` (and ``dbias``) that also writes the layer
     input's gradient ``dx`` (B, N_in * C) from the weights ``w`` (1, C * 2 H d): one program per
     input tile of an image, looping over its heads (:func:`_keys_with_inputs_kernel`). Operands as
-    :func:`input_pass` takes them, reshaped (B, H * n) (their bytes unmoved)."""
+    :func:`~jaxrat.ops.gpu.sparse_sga.passes.input_pass` takes them, reshaped (B, H * n) (their bytes unmoved)."""
     b = outs["dkv"].shape[0]
     features = outs["dx"].shape[1] // (t.Y * t.X)
     flat = {n: a.reshape(b, -1) if n not in ("phase", "w") else a for n, a in ins.items()}
     shapes = {n: jax.ShapeDtypeStruct((b, int(np.prod(s.shape)) // b), s.dtype) for n, s in outs.items()}
     grid = (-(-t.X // t.tx), t.Y, b)
-    return K.call(_keys_with_inputs_kernel, t, grid, flat, shapes, "sparse_sga_inputs_keys_dx", interpret,
+    return passes.call(_keys_with_inputs_kernel, t, grid, flat, shapes, "sparse_sga_inputs_keys_dx", interpret,
                  per_image=True, eps=eps, uses=uses, exact=interpret, features=features)
 
 
-def tiling_with_inputs(t: K.Tiling, features: int) -> K.Tiling:
+def tiling_with_inputs(t: Tiling, features: int) -> Tiling:
     """``t`` for :func:`keys_pass_with_inputs` of inputs of ``features`` channels: tiles of at most
     4096 / features inputs (at least 16, a product's side), so that the input gradient's float32 sums
     take 32 registers of a thread of 4 warps. Compiled for an H100 at 128 channels (ptxas): tiles of 32

@@ -1,5 +1,5 @@
-"""What both forms of the sparse SGA kernels share (:mod:`jaxrat.ops.gpu.sparse_sga_kernels` the
-tiles tap by tap, :mod:`jaxrat.ops.gpu.sparse_sga_products` as matrix products): loads and stores of
+"""What both forms of the sparse SGA kernels share (:mod:`jaxrat.ops.gpu.sparse_sga.taps` the
+tiles tap by tap, :mod:`jaxrat.ops.gpu.sparse_sga.products` as matrix products): loads and stores of
 rows of a flat per-slice operand (or a token-major one's head, :class:`Strided`), clipped indices, the
 row loop, and the products' float32 rules."""
 
@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
+
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
 TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
 
@@ -22,7 +24,7 @@ def ceil_div(a, s: int, bound: int):
     return lax.div(a + s * m + s - 1, s) - m
 
 
-def loop(t, n: int, body, init):
+def loop(t: Tiling, n: int, body, init):
     """``body`` over range(n): a fori_loop, or straight-line code where the tiling says ``unroll``."""
     if not t.unroll:
         return lax.fori_loop(0, n, body, init)
@@ -138,7 +140,7 @@ def load_as(ref, rows, ok, d: int, dp: int):
     return plgpu.load(ref.at[idx], mask=mask, other=0)
 
 
-def keys_over_uses(t, uses: int, R, prow, ok, zeros_v, use_body):
+def keys_over_uses(t: Tiling, uses: int, R, prow, ok, zeros_v, use_body):
     """The keys' pass of either form: dk and dv (float32, (tile, d)) of the inputs ``prow``, summed over
     a layer's ``uses`` on chip. ``use_body(use, inv_d, gd)`` gives the loop body over the ``nt``
     covering output rows, carrying (sum_o A g_o, dk); inv_d and gd are that use's 1 / d and d's
@@ -155,7 +157,7 @@ def keys_over_uses(t, uses: int, R, prow, ok, zeros_v, use_body):
     return dk, dv
 
 
-def store_keys(R, t, prow, ok, dk, dv, head, bias_at=None):
+def store_keys(R, t: Tiling, prow, ok, dk, dv, head, bias_at=None):
     """Store :func:`keys_over_uses`' sums: as dk and dv (per slice), or into the projection's gradient
     ``dkv`` (B, N_in * 2 H d), token-major, keys then values, the keys' turned back by their RoSE
     angles first (the transpose of the forward's rotation), there with the tile's column sums at
@@ -180,7 +182,7 @@ def _store_column_sums(ref, at, ok, d: int, dp: int, val) -> None:
     plgpu.store(ref.at[jnp.where(feat < d, at + feat, ref.shape[0])], total, mask=feat < d)
 
 
-def turn_back(dk, phase_ref, prow, ok, t, head):
+def turn_back(dk, phase_ref, prow, ok, t: Tiling, head):
     """R_p^T dk for each input row p of the tile: its (re, im) feature pairs turned by minus their
     angles ``phase[p, head, pair]`` (a flat (N_in * H * dh/2) float32 ref: zero for heads RoSE leaves,
     whose cos 1 and sin 0 pass them exactly)."""
