@@ -23,14 +23,14 @@ from jaxrat.ops.gpu.sparse_sga.tiles import Strided, clip, dot, load_as, store, 
 from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 
 
-def _head_views(R: dict, t: Tiling, head) -> dict:
+def _head_views(refs: dict, t: Tiling, head) -> dict:
     """An image's operands (all heads, :func:`keys_pass_with_inputs`) as head ``head``'s: the
     group-level ones token-major at its stride and offset, the per-slice ones (keys, values,
     statistics) at its slice's offset."""
     n_in, n_out = t.Y * t.X, t.OY * t.OX
-    out = strided_refs(R, t.heads, dict(q=t.dh, dq=t.dh, g=t.dv, u=t.dv), head)
+    out = strided_refs(refs, t.heads, dict(q=t.dh, dq=t.dh, g=t.dv, u=t.dv), head)
     sizes = dict(k=(t.dh, n_in), v=(t.dv, n_in), r=(1, n_out), delta=(1, n_out), d=(1, n_in), gd=(1, n_in))
-    for name, ref in R.items():
+    for name, ref in refs.items():
         base = name if name in ("k", "v") else name.rstrip("0123456789")
         if base in sizes:
             d, n = sizes[base]
@@ -38,16 +38,16 @@ def _head_views(R: dict, t: Tiling, head) -> dict:
     return out
 
 
-def _keys_with_inputs_kernel(*refs, names, t: Tiling, eps: float, uses: int, exact: bool, features: int):
+def _keys_with_inputs_kernel(*flat_refs, names, t: Tiling, eps: float, uses: int, exact: bool, features: int):
     """The keys' pass over one input tile of every head of one image, which also multiplies each
     head's gradients by its columns of the projection's weights ``w`` (C, 2 H d) and sums them over
     the heads on chip: the layer input's gradient dx (tile, C), stored once (float32 sums, the
     products in the weights' dtype, as cuBLAS's product of the stored gradient)."""
-    R = dict(zip(names, refs))
+    refs = dict(zip(names, flat_refs))
     at = pl.program_id(0), pl.program_id(1)  # read here: interpret mode lowers no program id in a loop
     x = at[0] * t.tx + jnp.arange(t.tx, dtype=jnp.int32)
-    xok = x < t.X
-    prow = at[1] * t.X + clip(x, t.X)
+    input_ok = x < t.X
+    input_rows = at[1] * t.X + clip(x, t.X)
     width = t.heads * (t.dh + t.dv)
     rows = jnp.arange(features, dtype=jnp.int32)
     every = rows >= 0
@@ -55,16 +55,16 @@ def _keys_with_inputs_kernel(*refs, names, t: Tiling, eps: float, uses: int, exa
     bias_at = passes.tile_index() * (t.dh + t.dv)
 
     def per_head(head, dx):
-        H = _head_views(R, t, head)
-        _, _, dk, dv = passes.input_tile(H, "keys", t, eps, uses, exact, at)
-        dk = store_keys(H, t, prow, xok, dk, dv, head, head * per_slice + bias_at)
-        dt = R["w"].dtype
-        wk = load_as(Strided(R["w"], width, head * t.dh), rows, every, t.dh, t.dhp)
-        wv = load_as(Strided(R["w"], width, t.heads * t.dh + head * t.dv), rows, every, t.dv, t.dvp)
+        head_refs = _head_views(refs, t, head)
+        _, _, dk, dv = passes.input_tile(head_refs, "keys", t, eps, uses, exact, at)
+        dk = store_keys(head_refs, t, input_rows, input_ok, dk, dv, head, head * per_slice + bias_at)
+        dt = refs["w"].dtype
+        wk = load_as(Strided(refs["w"], width, head * t.dh), rows, every, t.dh, t.dhp)
+        wv = load_as(Strided(refs["w"], width, t.heads * t.dh + head * t.dv), rows, every, t.dv, t.dvp)
         return dx + dot(dk.astype(dt), wk, exact, transpose_b=True) + dot(dv.astype(dt), wv, exact, transpose_b=True)
 
     dx = lax.fori_loop(0, t.heads, per_head, jnp.zeros((t.tx, features), jnp.float32))
-    store(R["dx"], prow, xok, features, features, dx)
+    store(refs["dx"], input_rows, input_ok, features, features, dx)
 
 
 def keys_pass_with_inputs(t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool, uses: int) -> dict:

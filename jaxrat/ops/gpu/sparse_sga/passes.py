@@ -36,26 +36,26 @@ from jaxrat.ops.gpu.sparse_sga.tiles import store_keys, strided_refs, token_majo
 from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 
 
-def _group_kernel(*refs, names, mode: str, t: Tiling, exact: bool = False):
+def _group_kernel(*flat_refs, names, mode: str, t: Tiling, exact: bool = False):
     """One group tile. Modes: "lse" (r; with v also the unnormalised update u), "update" (u from r
     and the column denominators d), "grad" (dq and the per-group delta = sum_p A dA, given the update u)."""
-    group_tile(refs_of(names, refs, t), mode, t, exact)
+    group_tile(refs_of(names, flat_refs, t), mode, t, exact)
 
 
-def group_tile(R, mode: str, t: Tiling, exact: bool, at=None):
+def group_tile(refs, mode: str, t: Tiling, exact: bool, at=None):
     """:func:`_group_kernel` on the group tile ``at`` (tile, output row; the program's where None), in
     the tiling's form: tap by tap, or as matrix products."""
-    return group_products(R, mode, t, exact, at) if t.products else group_taps(R, mode, t, at)
+    return group_products(refs, mode, t, exact, at) if t.products else group_taps(refs, mode, t, at)
 
 
-def _input_kernel(*refs, names, mode: str, t: Tiling, eps: float, uses: int = 1, exact: bool = False):
+def _input_kernel(*flat_refs, names, mode: str, t: Tiling, eps: float, uses: int = 1, exact: bool = False):
     """One input tile. Modes: "colsum" (d = c + eps), "gd" (gd = dL/dd), "keys" (dk and dv summed
     over ``uses`` grouping iterations, each given by its operands suffixed 0, 1, ...)."""
-    R = refs_of(names, refs, t)
-    out = input_tile(R, mode, t, eps, uses, exact)
+    refs = refs_of(names, flat_refs, t)
+    out = input_tile(refs, mode, t, eps, uses, exact)
     if mode == "keys":
         head = lax.rem(pl.program_id(2), t.heads) if t.heads else 0
-        store_keys(R, t, *out, head, tile_index() * (t.dh + t.dv))
+        store_keys(refs, t, *out, head, tile_index() * (t.dh + t.dv))
 
 
 def tile_index():
@@ -63,19 +63,19 @@ def tile_index():
     return pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
 
 
-def input_tile(R, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=None):
+def input_tile(refs, mode: str, t: Tiling, eps: float, uses: int, exact: bool, at=None):
     """:func:`_input_kernel` on the input tile ``at`` (tile, row; the program's where None: interpret
     mode lowers no program id inside a loop), in the tiling's form; in "keys" mode returns (rows,
     validity, dk, dv) unstored."""
-    return (input_products if t.products else input_taps)(R, mode, t, eps, uses, exact, at)
+    return (input_products if t.products else input_taps)(refs, mode, t, eps, uses, exact, at)
 
 
-def refs_of(names, refs, t: Tiling) -> dict:
+def refs_of(names, flat_refs, t: Tiling) -> dict:
     """The kernel's operands by name, the group-level ones as their head's strided view where the
     tiling has them token-major."""
-    R = dict(zip(names, refs))
+    refs = dict(zip(names, flat_refs))
     head = lax.rem(pl.program_id(2), t.heads) if t.heads else None
-    return strided_refs(R, t.heads, dict(q=t.dh, dq=t.dh, g=t.dv, u=t.dv), head)
+    return strided_refs(refs, t.heads, dict(q=t.dh, dq=t.dh, g=t.dv, u=t.dv), head)
 
 
 def call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: bool, per_image: bool = False,

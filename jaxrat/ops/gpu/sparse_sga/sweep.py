@@ -39,8 +39,8 @@ def applies(t: Tiling) -> bool:
     return t.sweep_rows > 0 and t.sy <= t.ky
 
 
-def _sweep_kernel(*refs, names, t: Tiling, modes: tuple, eps: float, rows: int, exact: bool):
-    R = passes.refs_of(names, refs, t)
+def _sweep_kernel(*flat_refs, names, t: Tiling, modes: tuple, eps: float, rows: int, exact: bool):
+    refs = passes.refs_of(names, flat_refs, t)
     input_mode, group_mode = modes
     first = pl.program_id(1) * rows  # read here: interpret mode lowers no program id in a loop
     last = pl.program_id(1) == pl.num_programs(1) - 1
@@ -51,7 +51,7 @@ def _sweep_kernel(*refs, names, t: Tiling, modes: tuple, eps: float, rows: int, 
             y = clip(y0 + i, t.Y)
 
             def tile(k, carry):
-                passes.input_tile(R, input_mode, t, eps, 1, exact, at=(k, y))
+                passes.input_tile(refs, input_mode, t, eps, 1, exact, at=(k, y))
                 return carry
 
             return lax.fori_loop(0, in_tiles, tile, carry)
@@ -68,7 +68,7 @@ def _sweep_kernel(*refs, names, t: Tiling, modes: tuple, eps: float, rows: int, 
         oy = clip(j, t.OY)
 
         def tile(k, carry):
-            passes.group_tile(R, group_mode, t, exact, at=(k, oy))
+            passes.group_tile(refs, group_mode, t, exact, at=(k, oy))
             return carry
 
         return lax.fori_loop(0, out_tiles, tile, carry)
