@@ -231,7 +231,7 @@ def _keys(k, v, t: Tiling, uses: int, normalise: bool, interpret: bool):
     return k, v, blank_tapes(t, k.shape[0], k.dtype, uses, normalise)
 
 
-def _keys_fwd(k, v, t, uses, normalise, interpret):
+def _keys_fwd(k, v, t: Tiling, uses: int, normalise: bool, interpret: bool):
     return _keys(k, v, t, uses, normalise, interpret), (k, v)
 
 
@@ -270,7 +270,7 @@ def _projected(kv, phase, t: Tiling, rotated: int, uses: int, normalise: bool, i
     return _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret)[0]
 
 
-def _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret):
+def _projected_fwd(kv, phase, t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
     kv, phase = (getattr(a, "value", a) for a in (kv, phase))  # CustomVJPPrimal under symbolic zeros
     k, v = split_turn(kv, phase, t)
     return (k, v, blank_tapes(t, k.shape[0], k.dtype, uses, normalise)), (kv, phase, k, v)
@@ -357,7 +357,7 @@ def _update(q, k, v, tape, t: Tiling, normalise: bool, interpret: bool):
     return _forward(q, k, v, t, normalise, interpret)[0]
 
 
-def _update_fwd(q, k, v, tape, t, normalise, interpret):
+def _update_fwd(q, k, v, tape, t: Tiling, normalise: bool, interpret: bool):
     u, r, d = _forward(q, k, v, t, normalise, interpret)
     return u, (q, k, v, u, r, d)
 

@@ -112,7 +112,7 @@ def _inputs_projected(x, w, b, phase, t: Tiling, rotated: int, uses: int, normal
     return _fwd(x, w, b, phase, t, rotated, uses, normalise, interpret)[0]
 
 
-def _fwd(x, w, b, phase, t, rotated, uses, normalise, interpret):
+def _fwd(x, w, b, phase, t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
     x, w, b, phase = (getattr(a, "value", a) for a in (x, w, b, phase))  # CustomVJPPrimal under symbolic zeros
     bsz, n_in, _ = x.shape
     if kernel_supports(n_in, x.shape[2], t.dh, x.dtype):

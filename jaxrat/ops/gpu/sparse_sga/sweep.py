@@ -40,6 +40,8 @@ def applies(t: Tiling) -> bool:
 
 
 def _sweep_kernel(*flat_refs, names, t: Tiling, modes: tuple, eps: float, rows: int, exact: bool):
+    """One program: output rows [first, first + rows) of one slice, each after the input rows its
+    windows end with (:func:`sweep`)."""
     refs = passes.refs_of(names, flat_refs, t)
     input_mode, group_mode = modes
     first = pl.program_id(1) * rows  # read here: interpret mode lowers no program id in a loop
@@ -50,8 +52,8 @@ def _sweep_kernel(*flat_refs, names, t: Tiling, modes: tuple, eps: float, rows: 
         def row(i, carry):
             y = clip(y0 + i, t.Y)
 
-            def tile(k, carry):
-                passes.input_tile(refs, input_mode, t, eps, 1, exact, at=(k, y))
+            def tile(column_tile, carry):
+                passes.input_tile(refs, input_mode, t, eps, 1, exact, at=(column_tile, y))
                 return carry
 
             return lax.fori_loop(0, in_tiles, tile, carry)
@@ -61,14 +63,14 @@ def _sweep_kernel(*flat_refs, names, t: Tiling, modes: tuple, eps: float, rows: 
     inputs(first * t.sy - t.py, t.ky - t.sy)
 
     def step(i, carry):
-        j = first + i
+        j = first + i  # the output row
         inputs(j * t.sy - t.py + t.ky - t.sy, t.sy)
         if not exact:  # on a GPU (interpret mode runs a program's threads as one, and has no barrier)
             plgpu.debug_barrier()
         oy = clip(j, t.OY)
 
-        def tile(k, carry):
-            passes.group_tile(refs, group_mode, t, exact, at=(k, oy))
+        def tile(column_tile, carry):
+            passes.group_tile(refs, group_mode, t, exact, at=(column_tile, oy))
             return carry
 
         return lax.fori_loop(0, out_tiles, tile, carry)
