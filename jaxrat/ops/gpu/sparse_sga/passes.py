@@ -84,7 +84,7 @@ def call(kernel, t: Tiling, grid, ins: dict, outs: dict, name: str, interpret: b
 
     ``ins``/``outs`` map names to (B*H, n) arrays / ShapeDtypeStructs, the group-level ones (B, n)
     where the tiling has them token-major (all heads of an image: the program's head is then a
-    stride and an offset, :func:`_refs`); the kernel sees them by name. ``per_image``: the grid's
+    stride and an offset, :func:`refs_of`); the kernel sees them by name. ``per_image``: the grid's
     last axis is the image and every operand is (B, n), all heads of that image a block.
     """
     names = list(ins) + list(outs)
