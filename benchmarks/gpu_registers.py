@@ -84,15 +84,18 @@ def kernels(dump: str, ptxas: str) -> list[dict]:
 def compile_programs(tiles: dict, device: jax.Device) -> None:
     """The programs, compiled for ``device`` (their PTX lands in XLA's dump folder)."""
     from jaxrat.ops.gpu import layer_norm as norm
-    from jaxrat.ops.gpu import mlp, sparse_sga, sparse_sga_kernels, sparse_sga_projection
+    from jaxrat.ops.gpu import mlp
+    from jaxrat.ops.gpu.sparse_sga import api as sparse_sga
     from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys
+    from jaxrat.ops.gpu.sparse_sga import projection as sparse_sga_projection
+    from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
     from jaxrat.ops.portable.sparse_sga import Geometry
     from jaxrat.optim import gpu_adamw as adamw
     from jaxrat.optim import gpu_cast as cast
     from jaxrat.optim import gpu_ema as ema
 
     geom = Geometry((256, 256), (7, 7), (3, 3))  # the ISIC first layer, batch 16, 8 heads of 16
-    of = sparse_sga_kernels.Tiling.of.__func__
+    of = Tiling.of.__func__
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
     def sparse(products: bool):
@@ -103,14 +106,14 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
         grads.__name__ = "sparse_products" if products else "sparse_taps"
-        saved = sparse_sga_kernels.Tiling.of
-        sparse_sga_kernels.Tiling.of = classmethod(lambda cls, g, dh, dv, **kw: of(cls, g, dh, dv, **{
+        saved = Tiling.of
+        Tiling.of = classmethod(lambda cls, g, dh, dv, **kw: of(cls, g, dh, dv, **{
             **kw, **tiles, "products": products}))
         try:
             gpu_cost.compile_for(jax.jit(grads), bf16(16, 86 * 86, 8, 16), bf16(16, 256 * 256, 8, 16),
                                  bf16(16, 256 * 256, 8, 16), device=device)
         finally:
-            sparse_sga_kernels.Tiling.of = saved
+            Tiling.of = saved
 
     def fused_mlp(x, w1, b1, w2, b2):
         seed = jnp.arange(4, dtype=jnp.uint32)
@@ -133,7 +136,7 @@ def compile_programs(tiles: dict, device: jax.Device) -> None:
         n = len(leaves) // 2
         return ema.multi_tensor_ema(leaves[:n], leaves[n:], decay, True)
 
-    t = sparse_sga_kernels.Tiling.of(geom, 16, 16, heads=8)
+    t = Tiling.of(geom, 16, 16, heads=8)
     uses, tape_shapes = 3, sparse_sga._tape_shapes(t, 16 * 8, jnp.bfloat16, sparse_sga._TAPE_NORMALISED)
 
     def sparse_keys_dx(k, v, phase, w, *tapes):  # the first layer's keys' pass writing its input's gradient

@@ -28,8 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.gpu import sparse_sga_kernels
-from jaxrat.ops.gpu.sparse_sga import _keys, _update, laid_out_update, lay_out_keys, sparse_update
+from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys, sparse_update
+from jaxrat.ops.gpu.sparse_sga import passes as sga_passes
+from jaxrat.ops.gpu.sparse_sga.api import _keys, _update
+from jaxrat.ops.gpu.sparse_sga.passes import group_pass, input_pass
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_blocks, sparse_grouping
 from jaxrat.ops.portable.sparse_sga import sparse_update as portable_update
@@ -128,7 +131,7 @@ def speed(report):
     geom = Geometry((256, 256), (7, 7), (3, 3))
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     port = lambda q, k, v: portable_update(q, sparse_blocks(k, geom), sparse_blocks(v, geom), geom)
-    tiling = sparse_sga_kernels.Tiling.of(geom, 16, 16)
+    tiling = Tiling.of(geom, 16, 16)
     sliced = [heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g)]
     # "fused": the API, transposes included; "kernels" and "portable": their own layouts, made outside;
     # "fused_x3": one layer's three iterations (compare with three "fused" calls)
@@ -160,7 +163,7 @@ def tiles(report):
     (q, k, v), g = inputs(geom, 16, 8, 16, jnp.bfloat16)
     q, k, v, g = (heads_first(x).reshape(16 * 8, -1) for x in (q, k, v, g))
     for tw, tx, warps in ((32, 64, 4), (32, 64, 2), (16, 32, 2), (64, 128, 4), (64, 128, 8), (32, 128, 4)):
-        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, tw, tx, warps)
+        t = Tiling.of(geom, 16, 16, tw, tx, warps)
         f = on_slices(t)
         loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)
         name = f"tiles_{tw}_{tx}_{warps}"
@@ -170,22 +173,22 @@ def tiles(report):
 
 def pass_calls(t, bh: int, n_out: int, n_in: int) -> dict:
     """Each Triton pass alone, as a function of (q, k, v, g, r, d, gd, delta, u)."""
-    K = sparse_sga_kernels
-    S = lambda n: K.stats(bh, n)
-    F = lambda n: K.flat_like(bh, n, 16, jnp.bfloat16)
+    stats = lambda n: sga_passes.stats(bh, n)
+    values = lambda n: sga_passes.flat_like(bh, n, 16, jnp.bfloat16)
     return {
-        "F1": lambda q, k, v, g, r, d, gd, delta, u: K.group_pass("lse", t, dict(q=q, k=k), dict(r=S(n_out)), False),
-        "F2": lambda q, k, v, g, r, d, gd, delta, u: K.input_pass("colsum", t, dict(q=q, k=k, r=r),
-                                                                  dict(d=S(n_in)), 1e-7, False),
-        "F3": lambda q, k, v, g, r, d, gd, delta, u: K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
-                                                                  dict(u=F(n_out)), False),
-        "B1": lambda q, k, v, g, r, d, gd, delta, u: K.input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
-                                                                  dict(gd=S(n_in)), 1e-7, False),
-        "B2": lambda q, k, v, g, r, d, gd, delta, u: K.group_pass(
-            "grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd, u=u), dict(dq=F(n_out), delta=S(n_out)), False),
-        "B3": lambda q, k, v, g, r, d, gd, delta, u: K.input_pass(  # once per layer: keys' and values' grads
+        "F1": lambda q, k, v, g, r, d, gd, delta, u: group_pass("lse", t, dict(q=q, k=k), dict(r=stats(n_out)), False),
+        "F2": lambda q, k, v, g, r, d, gd, delta, u: input_pass("colsum", t, dict(q=q, k=k, r=r),
+                                                                dict(d=stats(n_in)), 1e-7, False),
+        "F3": lambda q, k, v, g, r, d, gd, delta, u: group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d),
+                                                                dict(u=values(n_out)), False),
+        "B1": lambda q, k, v, g, r, d, gd, delta, u: input_pass("gd", t, dict(q=q, k=k, v=v, r=r, g=g, d=d),
+                                                                dict(gd=stats(n_in)), 1e-7, False),
+        "B2": lambda q, k, v, g, r, d, gd, delta, u: group_pass(
+            "grad", t, dict(q=q, k=k, v=v, r=r, g=g, d=d, gd=gd, u=u), dict(dq=values(n_out), delta=stats(n_out)),
+            False),
+        "B3": lambda q, k, v, g, r, d, gd, delta, u: input_pass(  # once per layer: keys' and values' grads
             "keys", t, dict(k=k, v=v, q0=q, g0=g, r0=r, delta0=delta, d0=d, gd0=gd),
-            dict(dk=F(n_in), dv=F(n_in)), 1e-7, False),
+            dict(dk=values(n_in), dv=values(n_in)), 1e-7, False),
     }
 
 
@@ -200,7 +203,7 @@ def passes(report):
              "passes_products": dict(products=True), "passes_products_tw32": dict(products=True, tw=32),
              "passes_products_tx128": dict(products=True, tx=128)}
     for name, form in forms.items():
-        t = sparse_sga_kernels.Tiling.of(geom, 16, 16, **form)
+        t = Tiling.of(geom, 16, 16, **form)
         calls = pass_calls(t, bh, n_out, n_in)
         r = calls["F1"](q, k, v, g, *[None] * 5)["r"]
         d = calls["F2"](q, k, v, g, r, *[None] * 4)["d"]

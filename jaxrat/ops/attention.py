@@ -33,15 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrat.ops import per_device
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.ops.cpu.cache import UNBATCHED_SLICE_ELEMENTS
 from jaxrat.ops.forms import FORMS
-from jaxrat.ops.gpu import dense_sga, fused_attention, per_device, why_not
+from jaxrat.ops.gpu import dense_sga, fused_attention, why_not
 from jaxrat.ops.gpu import masked as gpu_masked
 from jaxrat.ops.gpu import masked_attention as gpu_masked_attention
 from jaxrat.ops.gpu import multires_attention as gpu_multires
 from jaxrat.ops.gpu.fused import fused_attention_heads
-from jaxrat.ops.gpu.per_device import over_batch
+from jaxrat.ops.per_device import over_batch
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable import chunked_attention as chunked
 from jaxrat.ops.portable import sparse_sga as sparse
@@ -57,7 +58,7 @@ __all__ = ["EPS", "KeyPadding", "Window", "grouping_attention", "grouping_attent
            "SparseKeys", "sparse_keys", "sparse_grouping_attention", "sparse_grouping_maps", "window_grid"]
 # The Pallas kernels' modules by the name the dispatch below uses, imported on first use (:func:`_pallas`).
 _PALLAS_MODULES = {"sparse_sga": "jaxrat.ops.gpu.sparse_sga",
-                   "sparse_sga_projection": "jaxrat.ops.gpu.sparse_sga_projection"}
+                   "sparse_sga_projection": "jaxrat.ops.gpu.sparse_sga.projection"}
 
 
 def _pallas(name: str):
@@ -248,7 +249,7 @@ def sga_keys(x: Array, kernel: Array, bias: Optional[Array], window: Window, pol
     (N_in, Hr, d/2), Hr) turns the keys' first Hr heads (RoSE, :func:`jaxrat.ops.rotate.rotate_heads`).
 
     The policy's form (:func:`_keys_form`): on the gpu policy, where the layer's shapes allow, the
-    product, the rotation and the layout one kernel (:func:`jaxrat.ops.gpu.sparse_sga_projection.
+    product, the rotation and the layout one kernel (:func:`jaxrat.ops.gpu.sparse_sga.projection.
     lay_out_inputs`), or XLA's product and then one step; elsewhere the plain operations."""
     dt = jnp.dtype(dtype) if dtype is not None else jnp.result_type(x, kernel, *([] if bias is None else [bias]))
     p = _Projection(x, kernel, bias, dt, heads, rotation)

@@ -16,12 +16,12 @@ class SparseSGABlocks:
 
     Attributes:
       products: logits as matrix products over row segments on the tensor cores
-        (:mod:`jaxrat.ops.gpu.sparse_sga_products`), else tap by tap.
-      sweep_rows: output rows one program of a sweep takes (:mod:`jaxrat.ops.gpu.sparse_sga_sweep`:
+        (:mod:`jaxrat.ops.gpu.sparse_sga.products`), else tap by tap.
+      sweep_rows: output rows one program of a sweep takes (:mod:`jaxrat.ops.gpu.sparse_sga.sweep`:
         the column sums and the update, and d's gradient and the queries', as one sweep down the
         image each); 0 runs those passes apart.
       input_grad_features: the first layer's keys' pass writes the layer's input gradient itself for
-        inputs of up to this many (power of two) channels (:mod:`jaxrat.ops.gpu.sparse_sga_projection`);
+        inputs of up to this many (power of two) channels (:mod:`jaxrat.ops.gpu.sparse_sga.projection`);
         0: XLA's product of the projection's gradient.
     """
 

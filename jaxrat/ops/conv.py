@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxrat.ops.gpu.per_device import splits
+from jaxrat.ops.per_device import splits
 from jaxrat.ops.policy import KernelPolicy
 
 

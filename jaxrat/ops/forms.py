@@ -3,7 +3,8 @@
 Each fused GPU form (:data:`FORMS`) replaces the portable form of one operation and is named by the
 sources its program is made of (files, or ``path::name`` for one top-level function or class) and
 the switches it runs with (:class:`jaxrat.ops.policy.SparseSGABlocks` for sparse SGA). Its
-**fingerprint** hashes both, so any change to a form's code gives it a new fingerprint.
+**fingerprint** hashes both, so any change to a form's code gives it a new fingerprint; the code is
+hashed without its comments and docstrings (:func:`code_of`), so editing those keeps a validation.
 
 The **validation record** (``jaxrat/ops/gpu/validated.json``, written by ``scripts/gpu_session.sh``
 through :mod:`jaxrat.ops.validation`) lists, per form, the fingerprints that passed parity on a GPU,
@@ -29,8 +30,9 @@ RECORD = pathlib.Path(__file__).resolve().parent / "gpu" / "validated.json"
 F32_TOLERANCE = 1e-5  # largest relative error of a float32 fused form against the portable form
 BF16_TOLERANCE = 5e-2  # largest bfloat16 error against float32 where the portable form's own is not recorded
 
-_SPARSE = ("jaxrat/ops/gpu/sparse_sga.py", "jaxrat/ops/gpu/sparse_sga_kernels.py",
-           "jaxrat/ops/gpu/sparse_sga_tiles.py", "jaxrat/ops/gpu/per_device.py")
+_SGA = "jaxrat/ops/gpu/sparse_sga/"
+_SPARSE = tuple(_SGA + f for f in ("__init__.py", "api.py", "passes.py", "taps.py", "tiles.py", "tiling.py")) + (
+    "jaxrat/ops/per_device.py",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,22 +61,21 @@ class Form:
 
 
 _FORMS = (
-    Form("sparse_sga_products", "sparse_sga", _SPARSE + ("jaxrat/ops/gpu/sparse_sga_products.py",
-                                                         "jaxrat/ops/gpu/sparse_sga_sweep.py"),
+    Form("sparse_sga_products", "sparse_sga", _SPARSE + (_SGA + "products.py", _SGA + "sweep.py"),
          (("products", True), ("sweep_rows", 8)), candidate=False),
-    Form("sparse_sga_sweep", "sparse_sga", _SPARSE + ("jaxrat/ops/gpu/sparse_sga_sweep.py",),
+    Form("sparse_sga_sweep", "sparse_sga", _SPARSE + (_SGA + "sweep.py",),
          (("products", False), ("sweep_rows", 8))),
     Form("sparse_sga_tap", "sparse_sga", _SPARSE, (("products", False), ("sweep_rows", 0))),
     Form("sparse_sga_projection", "sparse_sga_projection",
-         ("jaxrat/ops/gpu/sparse_sga_projection.py", "jaxrat/ops/gpu/sparse_sga_input_grad.py"),
+         (_SGA + "projection.py", _SGA + "input_grad.py"),
          (("input_grad_features", 256),), requires=("sparse_sga",)),
     Form("dense_sga", "dense_sga", ("jaxrat/ops/gpu/dense_sga.py", "jaxrat/ops/gpu/fused.py")),
     Form("attention", "attention", ("jaxrat/ops/gpu/multires.py", "jaxrat/ops/gpu/permute.py",
                                     "jaxrat/ops/gpu/fused.py")),
     Form("masked_attention", "masked_attention", ("jaxrat/ops/gpu/masked.py", "jaxrat/ops/gpu/fused.py")),
-    Form("mlp", "mlp", ("jaxrat/ops/gpu/mlp.py", "jaxrat/ops/gpu/per_device.py")),
+    Form("mlp", "mlp", ("jaxrat/ops/gpu/mlp.py", "jaxrat/ops/per_device.py")),
     Form("layer_norm", "layer_norm", ("jaxrat/ops/gpu/layer_norm.py", "jaxrat/ops/norm.py",
-                                      "jaxrat/ops/gpu/per_device.py")),
+                                      "jaxrat/ops/per_device.py")),
     Form("rotate", "rotate", ("jaxrat/ops/gpu/rotate.py",)),
     Form("resize", "resize", ("jaxrat/ops/resize.py",)),
     Form("adamw", "adamw", ("jaxrat/optim/gpu_adamw.py", "jaxrat/optim/multi_tensor.py",
@@ -114,20 +115,41 @@ def source_text(entry: str, read=None) -> Optional[str]:
     return None
 
 
+def code_of(text: Optional[str]) -> Optional[str]:
+    """``text``'s code without comments or docstrings (the module's, classes' and functions'), as
+    ``ast.unparse`` writes it: what a form's fingerprint hashes, so that only code changes count. Text
+    that does not parse as Python is taken whole."""
+    if text is None:
+        return None
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
 def digest(text: Optional[str]) -> Optional[str]:
+    """sha256 of ``text`` (None for None)."""
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
 
 
 def fingerprint_of(sources: dict[str, Optional[str]], blocks: Iterable[tuple[str, Any]]) -> str:
-    """The fingerprint of a form made of ``sources`` (entry -> sha256 of its text) run with ``blocks``."""
+    """The fingerprint of a form made of ``sources`` (entry -> sha256 of its code) run with ``blocks``."""
     canonical = json.dumps({"sources": dict(sorted(sources.items())), "blocks": dict(sorted(dict(blocks).items()))},
                            sort_keys=True)
     return digest(canonical)[:16]
 
 
 def source_digests(form: Form, read=None) -> dict[str, Optional[str]]:
-    """sha256 of each of ``form``'s sources as ``read`` (default: this checkout) gives them."""
-    return {entry: digest(source_text(entry, read)) for entry in form.sources}
+    """sha256 of the code (:func:`code_of`) of each of ``form``'s sources as ``read`` (default: this
+    checkout) gives them."""
+    return {entry: digest(code_of(source_text(entry, read))) for entry in form.sources}
 
 
 def fingerprint(name: str, read=None) -> str:

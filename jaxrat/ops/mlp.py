@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxrat.ops import per_device
 from jaxrat.ops.cpu import SCOPE
 from jaxrat.ops.cpu import mlp as cpu_mlp
-from jaxrat.ops.gpu import per_device
-from jaxrat.ops.gpu.per_device import splits
+from jaxrat.ops.per_device import splits
 from jaxrat.ops.policy import KernelPolicy
 
 Array = jax.Array

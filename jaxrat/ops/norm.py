@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.ops.gpu import per_device
+from jaxrat.ops import per_device
 from jaxrat.ops.policy import KernelPolicy
 
 Array = jax.Array

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrat.ops.gpu import per_device
+from jaxrat.ops import per_device
 from jaxrat.ops.policy import PORTABLE, KernelPolicy
 from jaxrat.ops.portable.rotate import turn_heads
 

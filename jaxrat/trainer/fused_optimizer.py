@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrat.config_schema import field
-from jaxrat.ops.gpu.per_device import replicated
+from jaxrat.ops.per_device import replicated
 from jaxrat.optim import gpu_adamw as adamw
 from jaxrat.optim import gpu_ema as ema
 from jaxrat.trainer.optimizer import ADAM_EPS, decay_mask, layer_scales

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-from jaxrat.ops.gpu.per_device import replicated
+from jaxrat.ops.per_device import replicated
 from jaxrat.optim import gpu_cast as cast
 
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -16,9 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrat.ops.gpu.sparse_sga import hbm_bytes, laid_out_update, lay_out_keys, sparse_update, supports
+from benchmark_scripts import load
+from jaxrat.ops.gpu.sparse_sga import laid_out_update, lay_out_keys, sparse_update, supports
 from jaxrat.ops.policy import SparseSGABlocks
 from jaxrat.ops.portable.sparse_sga import Geometry, sparse_grouping
+
+hbm_bytes = load("sparse_sga_traffic").hbm_bytes
 
 TRITON = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton\(")
 
@@ -126,15 +129,15 @@ def test_the_sweeps_give_what_the_separate_passes_give(rows, group_form):
     """With and without the sweeps, float32 in interpret mode, every statistic and result of a call's
     forward and backward (the column sums d and d's gradient gd of the rows below the last window too,
     which no group reads but the keys' pass does): the same tile code in another order, in both forms."""
-    from jaxrat.ops.gpu import sparse_sga as gs
-    from jaxrat.ops.gpu import sparse_sga_kernels as K
-    from jaxrat.ops.gpu import sparse_sga_sweep
+    from jaxrat.ops.gpu.sparse_sga import api as gs
+    from jaxrat.ops.gpu.sparse_sga import sweep as sparse_sga_sweep
+    from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 
     grid, kernel, stride, dh, dv, _ = TAIL
     geom = Geometry(grid, kernel, stride)
     (q, k, v), g = _inputs(geom, dh, dv, jnp.float32)
     b, h = q.shape[:2]
-    t = K.Tiling.of(geom, dh, dv, heads=h, blocks=dataclasses.replace(group_form, sweep_rows=rows))
+    t = Tiling.of(geom, dh, dv, heads=h, blocks=dataclasses.replace(group_form, sweep_rows=rows))
     assert sparse_sga_sweep.applies(t)
     assert t.Y > (t.OY - 1) * t.sy - t.py + t.ky  # input rows below the last window
     q, g = (x.transpose(0, 2, 1, 3).reshape(b, -1) for x in (q, g))  # token-major, as the layer gives them
@@ -245,7 +248,7 @@ def test_the_projection_kernel_matches_the_product_laid_out(geom, heads, dh, rot
     keys read outside the updates too. Float32, interpret mode: the value and the gradients of the
     inputs, weights, bias, angles and queries to 1e-5 of their largest entry."""
     from jaxrat.ops.gpu.sparse_sga import lay_out_projection
-    from jaxrat.ops.gpu.sparse_sga_projection import kernel_supports, lay_out_inputs
+    from jaxrat.ops.gpu.sparse_sga.projection import kernel_supports, lay_out_inputs
 
     b, n_in, n_out = 2, int(np.prod(geom.grid)), int(np.prod(geom.out))
     assert kernel_supports(n_in, channels, dh, jnp.float32) == (n_in % 64 == 0)
@@ -287,7 +290,7 @@ def test_the_input_gradient_from_the_keys_pass_matches_xla_s_product(geom, heads
     """The layer input's gradient summed over the heads in the keys' pass (keys_pass_with_inputs)
     against XLA's product of the projection's gradient (input_grad_features 0). Float32, interpret
     mode: every gradient to 1e-5 of its largest entry."""
-    from jaxrat.ops.gpu import sparse_sga_projection as gp
+    from jaxrat.ops.gpu.sparse_sga import projection as gp
 
     b, n_in, n_out, dh = 2, int(np.prod(geom.grid)), int(np.prod(geom.out)), 16
     ks = jax.random.split(jax.random.PRNGKey(7), 6)
@@ -451,7 +454,7 @@ def test_a_layer_s_iterations_on_the_gpu_policy_match_the_portable_layer(monkeyp
     from jaxrat.models.rat import RATConfig
     from jaxrat.models.rat.sga import SpatialGroupingAttention
     from jaxrat.ops.gpu import sparse_sga as gs
-    from jaxrat.ops.gpu import sparse_sga_projection as gp
+    from jaxrat.ops.gpu.sparse_sga import projection as gp
 
     for module, name in ((gs, "lay_out_keys"), (gs, "lay_out_projection"), (gs, "laid_out_update"),
                          (gp, "lay_out_inputs")):

@@ -283,7 +283,7 @@ def test_the_gpu_benchmarks_sparse_sga_forms_lower_for_cuda():
     """benchmarks/sparse_sga_gpu.py runs only on a lent GPU: its kernels-alone and three-iteration
     forms must at least trace and lower here, so that a GPU session does not find them broken."""
     bench = load("sparse_sga_gpu")
-    from jaxrat.ops.gpu.sparse_sga_kernels import Tiling
+    from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
     from jaxrat.ops.portable.sparse_sga import Geometry
 
     geom = Geometry((64, 64), (7, 7), (3, 3))

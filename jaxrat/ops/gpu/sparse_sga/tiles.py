@@ -1,5 +1,5 @@
-"""What both forms of the sparse SGA kernels share (:mod:`jaxrat.ops.gpu.sparse_sga_kernels` the
-tiles tap by tap, :mod:`jaxrat.ops.gpu.sparse_sga_products` as matrix products): loads and stores of
+"""What both forms of the sparse SGA kernels share (:mod:`jaxrat.ops.gpu.sparse_sga.taps` the
+tiles tap by tap, :mod:`jaxrat.ops.gpu.sparse_sga.products` as matrix products): loads and stores of
 rows of a flat per-slice operand (or a token-major one's head, :class:`Strided`), clipped indices, the
 row loop, and the products' float32 rules."""
 
@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
+
 NEG = -1e30  # masked logit: finite, so a fully masked row never makes inf - inf
 TINY = 1e-30  # floor of a column denominator (real ones are >= EPS)
 
@@ -22,7 +24,7 @@ def ceil_div(a, s: int, bound: int):
     return lax.div(a + s * m + s - 1, s) - m
 
 
-def loop(t, n: int, body, init):
+def loop(t: Tiling, n: int, body, init):
     """``body`` over range(n): a fori_loop, or straight-line code where the tiling says ``unroll``."""
     if not t.unroll:
         return lax.fori_loop(0, n, body, init)
@@ -59,13 +61,13 @@ def token_major(name: str) -> bool:
     return _GROUP_LEVEL.fullmatch(name) is not None
 
 
-def strided_refs(R: dict, heads: int, dims: dict, head) -> dict:
-    """``R`` with its group-level refs as :class:`Strided` views of head ``head`` of ``heads``;
+def strided_refs(refs: dict, heads: int, dims: dict, head) -> dict:
+    """``refs`` with its group-level refs as :class:`Strided` views of head ``head`` of ``heads``;
     ``dims`` maps a name's first letters (q, g, u, dq) to its feature size."""
     if not heads:
-        return R
-    out = dict(R)
-    for name, ref in R.items():
+        return refs
+    out = dict(refs)
+    for name, ref in refs.items():
         if token_major(name):
             d = dims[name.rstrip("0123456789")]
             out[name] = Strided(ref, heads * d, head * d)
@@ -138,8 +140,8 @@ def load_as(ref, rows, ok, d: int, dp: int):
     return plgpu.load(ref.at[idx], mask=mask, other=0)
 
 
-def keys_over_uses(t, uses: int, R, prow, ok, zeros_v, use_body):
-    """The keys' pass of either form: dk and dv (float32, (tile, d)) of the inputs ``prow``, summed over
+def keys_over_uses(t: Tiling, uses: int, refs, input_rows, ok, zeros_v, use_body):
+    """The keys' pass of either form: dk and dv (float32, (tile, d)) of the inputs ``input_rows``, summed over
     a layer's ``uses`` on chip. ``use_body(use, inv_d, gd)`` gives the loop body over the ``nt``
     covering output rows, carrying (sum_o A g_o, dk); inv_d and gd are that use's 1 / d and d's
     gradient at the inputs, (None, None) without column normalisation. A use whose backward never ran
@@ -147,30 +149,30 @@ def keys_over_uses(t, uses: int, R, prow, ok, zeros_v, use_body):
     dk, dv = jnp.zeros((zeros_v.shape[0], t.dhp), jnp.float32), zeros_v
     for use in map(str, range(uses)):
         inv_d = gd = None
-        if "d" + use in R:
-            inv_d = 1.0 / jnp.maximum(load1(R["d" + use], prow, ok, 1.0), TINY)
-            gd = load1(R["gd" + use], prow, ok)
+        if "d" + use in refs:
+            inv_d = 1.0 / jnp.maximum(load1(refs["d" + use], input_rows, ok, 1.0), TINY)
+            gd = load1(refs["gd" + use], input_rows, ok)
         gw, dk = loop(t, t.nt, use_body(use, inv_d, gd), (zeros_v, dk))
         dv = dv + (gw if inv_d is None else gw * inv_d[:, None])
     return dk, dv
 
 
-def store_keys(R, t, prow, ok, dk, dv, head, bias_at=None):
+def store_keys(refs, t: Tiling, input_rows, ok, dk, dv, head, bias_at=None):
     """Store :func:`keys_over_uses`' sums: as dk and dv (per slice), or into the projection's gradient
     ``dkv`` (B, N_in * 2 H d), token-major, keys then values, the keys' turned back by their RoSE
     angles first (the transpose of the forward's rotation), there with the tile's column sums at
     ``bias_at`` of ``dbias`` where there is one. Returns dk as stored (turned back)."""
-    if "dkv" not in R:
-        store(R["dk"], prow, ok, t.dh, t.dhp, dk)
-        store(R["dv"], prow, ok, t.dv, t.dvp, dv)
+    if "dkv" not in refs:
+        store(refs["dk"], input_rows, ok, t.dh, t.dhp, dk)
+        store(refs["dv"], input_rows, ok, t.dv, t.dvp, dv)
         return dk
     width = t.heads * (t.dh + t.dv)
-    dk = turn_back(dk, R["phase"], prow, ok, t, head)
-    store(Strided(R["dkv"], width, head * t.dh), prow, ok, t.dh, t.dhp, dk)
-    store(Strided(R["dkv"], width, t.heads * t.dh + head * t.dv), prow, ok, t.dv, t.dvp, dv)
-    if "dbias" in R:  # the projection's bias: this tile's column sums, which XLA adds (no pass over dkv)
-        _store_column_sums(R["dbias"], bias_at, ok, t.dh, t.dhp, dk)
-        _store_column_sums(R["dbias"], bias_at + t.dh, ok, t.dv, t.dvp, dv)
+    dk = turn_back(dk, refs["phase"], input_rows, ok, t, head)
+    store(Strided(refs["dkv"], width, head * t.dh), input_rows, ok, t.dh, t.dhp, dk)
+    store(Strided(refs["dkv"], width, t.heads * t.dh + head * t.dv), input_rows, ok, t.dv, t.dvp, dv)
+    if "dbias" in refs:  # the projection's bias: this tile's column sums, which XLA adds (no pass over dkv)
+        _store_column_sums(refs["dbias"], bias_at, ok, t.dh, t.dhp, dk)
+        _store_column_sums(refs["dbias"], bias_at + t.dh, ok, t.dv, t.dvp, dv)
     return dk
 
 
@@ -180,13 +182,13 @@ def _store_column_sums(ref, at, ok, d: int, dp: int, val) -> None:
     plgpu.store(ref.at[jnp.where(feat < d, at + feat, ref.shape[0])], total, mask=feat < d)
 
 
-def turn_back(dk, phase_ref, prow, ok, t, head):
+def turn_back(dk, phase_ref, input_rows, ok, t: Tiling, head):
     """R_p^T dk for each input row p of the tile: its (re, im) feature pairs turned by minus their
     angles ``phase[p, head, pair]`` (a flat (N_in * H * dh/2) float32 ref: zero for heads RoSE leaves,
     whose cos 1 and sin 0 pass them exactly)."""
     half = t.dhp // 2
     pair = jnp.arange(half, dtype=jnp.int32)
-    idx = prow[:, None] * (t.heads * (t.dh // 2)) + head * (t.dh // 2) + jnp.minimum(pair, t.dh // 2 - 1)[None, :]
+    idx = input_rows[:, None] * (t.heads * (t.dh // 2)) + head * (t.dh // 2) + jnp.minimum(pair, t.dh // 2 - 1)[None, :]
     angle = plgpu.load(phase_ref.at[idx], mask=ok[:, None] & (pair < t.dh // 2)[None, :], other=0.0)
     c, s = jnp.cos(angle), jnp.sin(angle)
     re, im = jnp.unstack(dk.reshape(dk.shape[0], half, 2), axis=-1)

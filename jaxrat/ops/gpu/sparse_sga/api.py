@@ -14,7 +14,7 @@ normalised: a flash-attention pass gives u and r together):
 2. input tiles: recompute each input's covering logits from q and r, sum them: d (N_in floats);
 3. group tiles: u.
 
-(2 and 3 run as one sweep down the image, :mod:`jaxrat.ops.gpu.sparse_sga_sweep`, as do 1 and 2 of
+(2 and 3 run as one sweep down the image, :mod:`jaxrat.ops.gpu.sparse_sga.sweep`, as do 1 and 2 of
 the backward: a group row needs only its window's statistics.)
 
 Backward (custom VJP; residuals q, k, v, u, r, d: no map is kept). With w = v / d,
@@ -31,7 +31,8 @@ and once for all the calls on one layer's keys (its grouping iterations, :func:`
 Unnormalised, gd = 0 and pass 1 goes. A layer of three iterations thus reads its keys and values
 for the backward three times, not nine, and writes their gradients once, already summed. Operands
 are read in their dtype (bfloat16 on the GPU) and all arithmetic is float32; statistics are
-float32. See :mod:`jaxrat.ops.gpu.sparse_sga_kernels` for the tiles, :func:`hbm_bytes` for the traffic.
+float32. See :mod:`jaxrat.ops.gpu.sparse_sga.passes` for the tiles, ``benchmarks/sparse_sga_traffic.py`` for
+the traffic.
 
 The API is token-major, (B, N, H, d) as the projections make them. The kernels read keys and values
 as head-major slices, laid out once per layer: kernels reading them token-major in place measured
@@ -54,9 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrat.ops.blocks import SparseSGABlocks
-from jaxrat.ops.gpu import sparse_sga_input_grad as G
-from jaxrat.ops.gpu import sparse_sga_kernels as K
-from jaxrat.ops.gpu import sparse_sga_sweep as S
+from jaxrat.ops.gpu.sparse_sga import input_grad, sweep
+from jaxrat.ops.gpu.sparse_sga.passes import flat_like, group_pass, input_pass, stats
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 from jaxrat.ops.portable.chunked_attention import EPS
 from jaxrat.ops.portable.sparse_sga import Geometry
 
@@ -117,7 +118,7 @@ def lay_out_keys(k: Array, v: Array, geom: Geometry, uses: int = 1, normalise_co
         raise ValueError(f"keys {k.shape} and values {v.shape} do not match the grid {geom.grid}")
     if uses < 1:
         raise ValueError(f"keys are laid out for at least one use, not {uses}")
-    t = K.Tiling.of(geom, dh, dv, heads=h, blocks=blocks)
+    t = Tiling.of(geom, dh, dv, heads=h, blocks=blocks)
     flat = lambda x: lay_out(x).reshape(b * h, -1)
     kf, vf, tapes = _keys(flat(k), flat(v.astype(k.dtype)), t, uses, normalise_columns, interpret)
     # tapes travel image-major (batch first, as per_device.over_batch splits them)
@@ -153,7 +154,7 @@ def lay_out_projection(kv: Array, phase: Array | None, geom: Geometry, heads: in
     # every head gets angles: zero (cos 1, sin 0) for those RoSE leaves
     rotated = phase.shape[1]
     full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - rotated), (0, 0)))
-    t = K.Tiling.of(geom, dh, dh, heads=heads, blocks=blocks)
+    t = Tiling.of(geom, dh, dh, heads=heads, blocks=blocks)
     kf, vf, tapes = _projected(kv, full, t, rotated, uses, normalise_columns, interpret)
     return LaidOutKeys(kf.reshape(b, heads, n_in, dh), vf.reshape(b, heads, n_in, dh),
                        tuple(tuple(x.reshape(b, -1) for x in tape) for tape in tapes))
@@ -190,7 +191,7 @@ def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, norma
         raise ValueError(f"use {use} of keys laid out for {len(keys.tapes)}")
     if len(keys.tapes[use]) != len(_TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN):
         raise ValueError("normalise_columns differs from the one the keys were laid out for")
-    t = K.Tiling.of(geom, dh, dv, heads=h, blocks=blocks)
+    t = Tiling.of(geom, dh, dv, heads=h, blocks=blocks)
     names = _TAPE_NORMALISED if normalise_columns else _TAPE_PLAIN
     tape = tuple(x.reshape(s.shape) for x, s in zip(keys.tapes[use], _tape_shapes(t, b * h, q.dtype, names)))
     flat = lambda x: x.astype(keys.k.dtype).reshape(b * h, -1)
@@ -199,59 +200,26 @@ def laid_out_update(q: Array, keys: LaidOutKeys, use: int, geom: Geometry, norma
     return u.reshape(b, n_out, h, dv)
 
 
-def hbm_bytes(geom: Geometry, q_shape, dv: int, dtype, normalise_columns: bool = True, uses: int = 1,
-              blocks: SparseSGABlocks = SparseSGABlocks()) -> dict[str, int]:
-    """Bytes each pass reads and writes in device memory for ``uses`` calls with queries of
-    ``q_shape`` (B, N_out, H, dh) on one layer's keys, counting every operand it touches once (the
-    transposes around the passes not included). Per-call passes are summed over the calls.
-
-    That is the traffic when a tile's halo (the key rows its neighbours read too) comes from the
-    L2 cache; tiles of neighbouring rows run together, so it does. Without that reuse the group
-    passes would read keys and values ``ky/sy`` times over (each input row is in that many output
-    rows' windows). A sweep's second pass reads what its first has just read and written.
-    """
-    b, n_out, h, dh = q_shape
-    n_in, bh, e = int(np.prod(geom.grid)), b * h, np.dtype(dtype).itemsize
-    size = dict(q=n_out * dh * e, g=n_out * dv * e, u=n_out * dv * e, dq=n_out * dh * e, r=n_out * 4,
-                delta=n_out * 4, k=n_in * dh * e, v=n_in * dv * e, dk=n_in * dh * e, dv=n_in * dv * e,
-                d=n_in * 4, gd=n_in * 4)
-    if normalise_columns and S.applies(K.Tiling.of(geom, dh, dv, heads=h, blocks=blocks)):
-        passes = {"fwd groups lse": "q k | r", "fwd sweep colsum update": "q k v r | d u",
-                  "bwd sweep gd dq": "q k v u r g d | gd dq delta"}
-        per_use = "q g r delta d gd"
-    elif normalise_columns:
-        passes = {"fwd groups lse": "q k | r", "fwd inputs colsum": "q k r | d", "fwd groups update": "q k v r d | u",
-                  "bwd inputs gd": "q k v r g d | gd", "bwd groups dq": "q k v u r g d gd | dq delta"}
-        per_use = "q g r delta d gd"
-    else:
-        passes = {"fwd groups flash": "q k v | r u", "bwd groups dq": "q k v u r g | dq delta"}
-        per_use = "q g r delta"
-    count = lambda names: bh * sum(size[x] for x in names.replace("|", " ").split())
-    out = {name: uses * count(names) for name, names in passes.items()}
-    out["bwd inputs dk dv"] = count("k v dk dv") + uses * count(per_use)
-    return out
-
-
 _TAPE_PLAIN = ("q", "g", "r", "delta")  # what a use's backward hands the keys' pass
 _TAPE_NORMALISED = _TAPE_PLAIN + ("d", "gd")
 
 
-def _groups_like(t: K.Tiling, bh: int, d: int, dtype) -> jax.ShapeDtypeStruct:
+def _groups_like(t: Tiling, bh: int, d: int, dtype) -> jax.ShapeDtypeStruct:
     """A group-level operand as the kernels take it: token-major, all heads of an image a row (or
     per (image, head) slice where the tiling has no ``heads``, as the benchmarks' bare kernels)."""
     if not t.heads:
-        return K.flat_like(bh, t.OY * t.OX, d, dtype)
-    return K.flat_like(bh // t.heads, t.OY * t.OX * t.heads, d, dtype)
+        return flat_like(bh, t.OY * t.OX, d, dtype)
+    return flat_like(bh // t.heads, t.OY * t.OX * t.heads, d, dtype)
 
 
-def _tape_shapes(t: K.Tiling, bh: int, dtype, names) -> list:
+def _tape_shapes(t: Tiling, bh: int, dtype, names) -> list:
     n_out, n_in = t.OY * t.OX, t.Y * t.X
     shapes = dict(q=_groups_like(t, bh, t.dh, dtype), g=_groups_like(t, bh, t.dv, dtype),
-                  r=K.stats(bh, n_out), delta=K.stats(bh, n_out), d=K.stats(bh, n_in), gd=K.stats(bh, n_in))
+                  r=stats(bh, n_out), delta=stats(bh, n_out), d=stats(bh, n_in), gd=stats(bh, n_in))
     return [shapes[name] for name in names]
 
 
-def blank_tapes(t: K.Tiling, bh: int, dtype, uses: int, normalise: bool) -> tuple:
+def blank_tapes(t: Tiling, bh: int, dtype, uses: int, normalise: bool) -> tuple:
     """One tape of zeros per use of keys laid out for ``uses`` calls: what a layout's forward returns,
     so that each call's backward hands its statistics to the keys' pass as the tape's cotangent."""
     names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
@@ -259,15 +227,15 @@ def blank_tapes(t: K.Tiling, bh: int, dtype, uses: int, normalise: bool) -> tupl
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _keys(k, v, t: K.Tiling, uses: int, normalise: bool, interpret: bool):
+def _keys(k, v, t: Tiling, uses: int, normalise: bool, interpret: bool):
     return k, v, blank_tapes(t, k.shape[0], k.dtype, uses, normalise)
 
 
-def _keys_fwd(k, v, t, uses, normalise, interpret):
+def _keys_fwd(k, v, t: Tiling, uses: int, normalise: bool, interpret: bool):
     return _keys(k, v, t, uses, normalise, interpret), (k, v)
 
 
-def _keys_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts):
+def _keys_bwd(t: Tiling, uses: int, normalise: bool, interpret: bool, res, cts):
     k, v = res
     ck, cv, tapes = cts
     bh, n_in = k.shape[0], t.Y * t.X
@@ -275,8 +243,8 @@ def _keys_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts
     ins = dict(k=k, v=v)
     for use, tape in enumerate(tapes):
         ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
-    outs = dict(dk=K.flat_like(bh, n_in, t.dh, k.dtype), dv=K.flat_like(bh, n_in, t.dv, k.dtype))
-    out = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
+    outs = dict(dk=flat_like(bh, n_in, t.dh, k.dtype), dv=flat_like(bh, n_in, t.dv, k.dtype))
+    out = input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
     # the calls' own cotangents of k and v are zeros (XLA drops the sums); anything else is added
     return out["dk"] + ck, out["dv"] + cv
 
@@ -284,7 +252,7 @@ def _keys_bwd(t: K.Tiling, uses: int, normalise: bool, interpret: bool, res, cts
 _keys.defvjp(_keys_fwd, _keys_bwd)
 
 
-def split_turn(kv, phase, t: K.Tiling):
+def split_turn(kv, phase, t: Tiling):
     """The projection's keys, turned, and values, each laid out head-major (B*H, N_in*d)."""
     from jaxrat.ops.gpu.rotate import tables, turn
 
@@ -298,24 +266,24 @@ def split_turn(kv, phase, t: K.Tiling):
 
 # ``rotated``: the heads RoSE turns (the first); the others' angles are zeros, their gradient too
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _projected(kv, phase, t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
+def _projected(kv, phase, t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
     return _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret)[0]
 
 
-def _projected_fwd(kv, phase, t, rotated, uses, normalise, interpret):
+def _projected_fwd(kv, phase, t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
     kv, phase = (getattr(a, "value", a) for a in (kv, phase))  # CustomVJPPrimal under symbolic zeros
     k, v = split_turn(kv, phase, t)
     return (k, v, blank_tapes(t, k.shape[0], k.dtype, uses, normalise)), (kv, phase, k, v)
 
 
-def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: bool, interpret: bool,
+def projection_gradient(k, v, phase, tapes, t: Tiling, uses: int, normalise: bool, interpret: bool,
                         shape: tuple, dtype, bias: bool = False, weights=None):
     """The keys' pass over laid-out ``k``, ``v`` (B*H, N_in*d) and the uses' ``tapes`` (their
     cotangents): the gradient of the projection ``shape`` (B, N_in, 2 H d) they were laid out from,
     keys' part turned back by ``phase`` (N_in, H, d/2); with ``bias``, also its sum over the batch and
     the inputs, float32 (2 H d,), from the tiles' partial sums. Given the projection's ``weights``
     (C, 2 H d), the pass also writes the gradient of the projection's input (B, N_in, C) in ``dtype``
-    (:func:`jaxrat.ops.gpu.sparse_sga_input_grad.keys_pass_with_inputs`): returns (dkv, [dbias,] dx)."""
+    (:func:`jaxrat.ops.gpu.sparse_sga.input_grad.keys_pass_with_inputs`): returns (dkv, [dbias,] dx)."""
     names = _TAPE_NORMALISED if normalise else _TAPE_PLAIN
     ins = dict(k=k, v=v, phase=phase.reshape(1, -1))
     zero = lambda s: jnp.zeros(s.shape, s.dtype)
@@ -326,17 +294,17 @@ def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: b
         ins.update({f"{name}{use}": x for name, x in zip(names, tape)})
     b, n_in, width = shape
     if weights is not None:
-        t = G.tiling_with_inputs(t, weights.shape[0])
+        t = input_grad.tiling_with_inputs(t, weights.shape[0])
     outs = dict(dkv=jax.ShapeDtypeStruct((b, n_in * width), dtype))
     tiles = -(-t.X // t.tx) * t.Y  # the pass's programs per (image, head)
     if bias:
         outs["dbias"] = jax.ShapeDtypeStruct((b * t.heads, tiles * (t.dh + t.dv)), jnp.float32)
     if weights is None:
-        out = K.input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
+        out = input_pass("keys", t, ins, outs, EPS, interpret, uses=uses)
     else:
         ins["w"] = weights.astype(dtype).reshape(1, -1)
         outs["dx"] = jax.ShapeDtypeStruct((b, n_in * weights.shape[0]), dtype)
-        out = G.keys_pass_with_inputs(t, ins, outs, EPS, interpret, uses)
+        out = input_grad.keys_pass_with_inputs(t, ins, outs, EPS, interpret, uses)
     result = (out["dkv"].reshape(shape),)
     if bias:
         parts = out["dbias"].reshape(b, t.heads, tiles, t.dh + t.dv).sum((0, 2))
@@ -346,7 +314,7 @@ def projection_gradient(k, v, phase, tapes, t: K.Tiling, uses: int, normalise: b
     return result[0] if len(result) == 1 else result
 
 
-def _projected_bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):
+def _projected_bwd(t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):
     kv, phase, k, v = res
     ck, cv, tapes = cts
     b, n_in, width = kv.shape
@@ -368,49 +336,49 @@ def _projected_bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interp
 _projected.defvjp(_projected_fwd, _projected_bwd, symbolic_zeros=True)
 
 
-def _forward(q, k, v, t: K.Tiling, normalise: bool, interpret: bool):
+def _forward(q, k, v, t: Tiling, normalise: bool, interpret: bool):
     bh, n_out, n_in = k.shape[0], t.OY * t.OX, t.Y * t.X
     u_shape = _groups_like(t, bh, t.dv, q.dtype)
     if not normalise:
-        out = K.group_pass("lse", t, dict(q=q, k=k, v=v), dict(r=K.stats(bh, n_out), u=u_shape), interpret)
+        out = group_pass("lse", t, dict(q=q, k=k, v=v), dict(r=stats(bh, n_out), u=u_shape), interpret)
         return out["u"], out["r"], None
-    r = K.group_pass("lse", t, dict(q=q, k=k), dict(r=K.stats(bh, n_out)), interpret)["r"]
-    if S.applies(t):
-        out = S.sweep(("colsum", "update"), t, dict(q=q, k=k, v=v, r=r), dict(d=K.stats(bh, n_in), u=u_shape),
+    r = group_pass("lse", t, dict(q=q, k=k), dict(r=stats(bh, n_out)), interpret)["r"]
+    if sweep.applies(t):
+        out = sweep.sweep(("colsum", "update"), t, dict(q=q, k=k, v=v, r=r), dict(d=stats(bh, n_in), u=u_shape),
                       EPS, interpret)
         return out["u"], r, out["d"]
-    d = K.input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=K.stats(bh, n_in)), EPS, interpret)["d"]
-    u = K.group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d), dict(u=u_shape), interpret)["u"]
+    d = input_pass("colsum", t, dict(q=q, k=k, r=r), dict(d=stats(bh, n_in)), EPS, interpret)["d"]
+    u = group_pass("update", t, dict(q=q, k=k, v=v, r=r, d=d), dict(u=u_shape), interpret)["u"]
     return u, r, d
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _update(q, k, v, tape, t: K.Tiling, normalise: bool, interpret: bool):
+def _update(q, k, v, tape, t: Tiling, normalise: bool, interpret: bool):
     return _forward(q, k, v, t, normalise, interpret)[0]
 
 
-def _update_fwd(q, k, v, tape, t, normalise, interpret):
+def _update_fwd(q, k, v, tape, t: Tiling, normalise: bool, interpret: bool):
     u, r, d = _forward(q, k, v, t, normalise, interpret)
     return u, (q, k, v, u, r, d)
 
 
-def _update_bwd(t: K.Tiling, normalise: bool, interpret: bool, res, g):
+def _update_bwd(t: Tiling, normalise: bool, interpret: bool, res, g):
     """dq, and for k and v zeros: their gradients come from :func:`_keys_bwd`, given this call's
     statistics as the tape's cotangent."""
     q, k, v, u, r, d = res
     bh, n_out, n_in = k.shape[0], t.OY * t.OX, t.Y * t.X
     g = g.astype(q.dtype)
-    outs = dict(dq=_groups_like(t, bh, t.dh, q.dtype), delta=K.stats(bh, n_out))
+    outs = dict(dq=_groups_like(t, bh, t.dh, q.dtype), delta=stats(bh, n_out))
     base = dict(q=q, k=k, v=v, r=r, g=g)
-    if normalise and S.applies(t):
-        out = S.sweep(("gd", "grad"), t, dict(base, u=u, d=d), dict(gd=K.stats(bh, n_in), **outs), EPS, interpret)
+    if normalise and sweep.applies(t):
+        out = sweep.sweep(("gd", "grad"), t, dict(base, u=u, d=d), dict(gd=stats(bh, n_in), **outs), EPS, interpret)
         tape = (q, g, r, out["delta"], d, out["gd"])
     elif normalise:
-        gd = K.input_pass("gd", t, dict(base, d=d), dict(gd=K.stats(bh, n_in)), EPS, interpret)["gd"]
-        out = K.group_pass("grad", t, dict(base, u=u, d=d, gd=gd), outs, interpret)
+        gd = input_pass("gd", t, dict(base, d=d), dict(gd=stats(bh, n_in)), EPS, interpret)["gd"]
+        out = group_pass("grad", t, dict(base, u=u, d=d, gd=gd), outs, interpret)
         tape = (q, g, r, out["delta"], d, gd)
     else:
-        out = K.group_pass("grad", t, dict(base, u=u), outs, interpret)
+        out = group_pass("grad", t, dict(base, u=u), outs, interpret)
         tape = (q, g, r, out["delta"])
     return out["dq"], None, None, tape  # None: symbolic zeros, which the keys' backwards skip
 

@@ -1,6 +1,6 @@
 """A sparse SGA layer's key-value projection and its layout as one Pallas (Triton) kernel, for GPUs.
 
-:func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection` takes the projection ``x @ W + b`` as XLA made
+:func:`jaxrat.ops.gpu.sparse_sga.api.lay_out_projection` takes the projection ``x @ W + b`` as XLA made
 it: cuBLAS writes it token-major, and one more kernel reads it back to add the bias, turn the keys
 (RoSE) and write keys and values head-major, as the passes read them. In the ISIC first layer,
 compiled for an H100, that second kernel moved more bytes than the product itself. Here each
@@ -9,7 +9,7 @@ the tensor cores, float32 accumulation), adds the bias, turns the keys and store
 straight into the head-major keys and values: the inputs are read once and the projection is never
 written token-major.
 
-The backward is :func:`jaxrat.ops.gpu.sparse_sga.projection_gradient`: the keys' pass writes the
+The backward is :func:`jaxrat.ops.gpu.sparse_sga.api.projection_gradient`: the keys' pass writes the
 projection's gradient token-major, keys turned back, and (inputs of at most
 :data:`MAX_FEATURES_IN_PASS` channels) the inputs' gradient too, each program taking one tile of an
 image through every head and multiplying each head's gradients by its columns of ``W`` on chip; XLA's
@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrat.ops.blocks import SparseSGABlocks
-from jaxrat.ops.gpu import sparse_sga as S
-from jaxrat.ops.gpu import sparse_sga_kernels as K
+from jaxrat.ops.gpu.sparse_sga import api
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 from jaxrat.ops.portable.sparse_sga import Geometry
 
 Array = jax.Array
@@ -56,7 +56,7 @@ def kernel_supports(n_in: int, features: int, dh: int, dtype) -> bool:
     """Whether the kernel takes inputs of ``features`` channels on ``n_in`` tokens into heads of ``dh``
     (otherwise the same op runs XLA's product and layout): Triton's products want powers of two of
     at least 16, and the tiles cover the tokens exactly."""
-    return (jnp.dtype(dtype) in S.DTYPES and _pow2(features) and features <= 512 and _pow2(dh)
+    return (jnp.dtype(dtype) in api.DTYPES and _pow2(features) and features <= 512 and _pow2(dh)
             and dh <= 128 and n_in % TOKENS == 0)
 
 
@@ -108,25 +108,25 @@ def _xla_projection(x, w, b):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _inputs_projected(x, w, b, phase, t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
+def _inputs_projected(x, w, b, phase, t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
     return _fwd(x, w, b, phase, t, rotated, uses, normalise, interpret)[0]
 
 
-def _fwd(x, w, b, phase, t, rotated, uses, normalise, interpret):
+def _fwd(x, w, b, phase, t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool):
     x, w, b, phase = (getattr(a, "value", a) for a in (x, w, b, phase))  # CustomVJPPrimal under symbolic zeros
     bsz, n_in, _ = x.shape
     if kernel_supports(n_in, x.shape[2], t.dh, x.dtype):
         k, v = (a.reshape(bsz * t.heads, -1) for a in project(x, w, b, phase, t.heads, rotated, interpret=interpret))
     else:
-        k, v = S.split_turn(_xla_projection(x, w, b), phase, t)
-    return (k, v, S.blank_tapes(t, k.shape[0], k.dtype, uses, normalise)), (x, w, b, phase, k, v)
+        k, v = api.split_turn(_xla_projection(x, w, b), phase, t)
+    return (k, v, api.blank_tapes(t, k.shape[0], k.dtype, uses, normalise)), (x, w, b, phase, k, v)
 
 
 def _zero(c):
     return jnp.zeros(c.shape, c.dtype) if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
 
 
-def _bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):
+def _bwd(t: Tiling, rotated: int, uses: int, normalise: bool, interpret: bool, res, cts):
     x, w, b, phase, k, v = res
     ck, cv, tapes = cts
     bsz, n_in, _ = x.shape
@@ -135,14 +135,14 @@ def _bwd(t: K.Tiling, rotated: int, uses: int, normalise: bool, interpret: bool,
     times_w = lambda g: jax.lax.dot_general(g, w.astype(g.dtype), (((2,), (1,)), ((), ())))
     dx = None
     if _pow2(x.shape[2]) and x.shape[2] <= min(t.input_grad_features, MAX_FEATURES_IN_PASS):  # the keys' pass writes dx
-        dkv, db, dx = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
+        dkv, db, dx = api.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
                                             bias=True, weights=w)
     else:
-        dkv, db = S.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
+        dkv, db = api.projection_gradient(k, v, phase, tapes, t, uses, normalise, interpret, shape, x.dtype,
                                         bias=True)
     if not all(isinstance(c, jax.custom_derivatives.SymbolicZero) for c in (ck, cv)):
         # the laid-out keys or values were used outside the updates too: their gradients join by autodiff
-        turn = lambda kv: S.split_turn(kv, phase, t)
+        turn = lambda kv: api.split_turn(kv, phase, t)
         extra = jax.vjp(turn, _xla_projection(x, w, b))[1]((_zero(ck), _zero(cv)))[0]
         dkv, db = dkv + extra, db + jnp.sum(extra.astype(jnp.float32), (0, 1))
         dx = None if dx is None else dx + times_w(extra)
@@ -165,8 +165,8 @@ _inputs_projected.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 def lay_out_inputs(x: Array, w: Array, b: Array, phase: Array | None, geom: Geometry, heads: int, uses: int = 1,
                    normalise_columns: bool = True, *, interpret: bool = False,
-                   blocks: SparseSGABlocks = SparseSGABlocks()) -> S.LaidOutKeys:
-    """:func:`jaxrat.ops.gpu.sparse_sga.lay_out_projection` of ``x @ w + b`` (x (B, N_in, C) in the
+                   blocks: SparseSGABlocks = SparseSGABlocks()) -> api.LaidOutKeys:
+    """:func:`jaxrat.ops.gpu.sparse_sga.api.lay_out_projection` of ``x @ w + b`` (x (B, N_in, C) in the
     compute dtype, ``w`` (C, 2 H d), ``b`` (2 H d,)), the product and the layout
     in one kernel where :func:`kernel_supports` says so; differentiable in x, w, b and the angles
     ``phase`` (N_in, Hr, d/2) that turn the keys' first Hr heads (None: none)."""
@@ -183,7 +183,7 @@ def lay_out_inputs(x: Array, w: Array, b: Array, phase: Array | None, geom: Geom
         raise ValueError(f"RoSE angles {phase.shape} do not match {n_in} inputs of {heads} heads of {dh}")
     rotated = phase.shape[1]
     full = jnp.pad(phase.astype(jnp.float32), ((0, 0), (0, heads - rotated), (0, 0)))
-    t = K.Tiling.of(geom, dh, dh, heads=heads, blocks=blocks)
+    t = Tiling.of(geom, dh, dh, heads=heads, blocks=blocks)
     k, v, tapes = _inputs_projected(x, w, b, full, t, rotated, uses, normalise_columns, interpret)
-    return S.LaidOutKeys(k.reshape(bsz, heads, n_in, dh), v.reshape(bsz, heads, n_in, dh),
+    return api.LaidOutKeys(k.reshape(bsz, heads, n_in, dh), v.reshape(bsz, heads, n_in, dh),
                          tuple(tuple(a.reshape(bsz, -1) for a in tape) for tape in tapes))

@@ -26,11 +26,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrat.ops.gpu import sparse_sga_kernels as K
-from jaxrat.ops.gpu.sparse_sga_tiles import clip
+from jaxrat.ops.gpu.sparse_sga import passes
+from jaxrat.ops.gpu.sparse_sga.tiles import clip
+from jaxrat.ops.gpu.sparse_sga.tiling import Tiling
 
 
-def applies(t: K.Tiling) -> bool:
+def applies(t: Tiling) -> bool:
     """Whether ``t``'s passes sweep: asked for (``t.sweep_rows`` > 0, the output rows a program sweeps:
     fewer make more programs, the ISIC first layer's 86 rows x 128 slices make 1,408 at 8, but recompute
     more overlap rows, ky - sy input rows a program: 4 of 28 there; 0 runs the passes apart, the form
@@ -38,8 +39,10 @@ def applies(t: K.Tiling) -> bool:
     return t.sweep_rows > 0 and t.sy <= t.ky
 
 
-def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int, exact: bool):
-    R = K.refs_of(names, refs, t)
+def _sweep_kernel(*flat_refs, names, t: Tiling, modes: tuple, eps: float, rows: int, exact: bool):
+    """One program: output rows [first, first + rows) of one slice, each after the input rows its
+    windows end with (:func:`sweep`)."""
+    refs = passes.refs_of(names, flat_refs, t)
     input_mode, group_mode = modes
     first = pl.program_id(1) * rows  # read here: interpret mode lowers no program id in a loop
     last = pl.program_id(1) == pl.num_programs(1) - 1
@@ -49,8 +52,8 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
         def row(i, carry):
             y = clip(y0 + i, t.Y)
 
-            def tile(k, carry):
-                K.input_tile(R, input_mode, t, eps, 1, exact, at=(k, y))
+            def tile(column_tile, carry):
+                passes.input_tile(refs, input_mode, t, eps, 1, exact, at=(column_tile, y))
                 return carry
 
             return lax.fori_loop(0, in_tiles, tile, carry)
@@ -60,14 +63,14 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
     inputs(first * t.sy - t.py, t.ky - t.sy)
 
     def step(i, carry):
-        j = first + i
+        j = first + i  # the output row
         inputs(j * t.sy - t.py + t.ky - t.sy, t.sy)
         if not exact:  # on a GPU (interpret mode runs a program's threads as one, and has no barrier)
             plgpu.debug_barrier()
         oy = clip(j, t.OY)
 
-        def tile(k, carry):
-            K.group_tile(R, group_mode, t, exact, at=(k, oy))
+        def tile(column_tile, carry):
+            passes.group_tile(refs, group_mode, t, exact, at=(column_tile, oy))
             return carry
 
         return lax.fori_loop(0, out_tiles, tile, carry)
@@ -80,12 +83,12 @@ def _sweep_kernel(*refs, names, t: K.Tiling, modes: tuple, eps: float, rows: int
             inputs(t.Y - tail, tail)
 
 
-def sweep(modes: tuple[str, str], t: K.Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
+def sweep(modes: tuple[str, str], t: Tiling, ins: dict, outs: dict, eps: float, interpret: bool) -> dict:
     """The input pass ``modes[0]`` ("colsum" or "gd") and the group pass ``modes[1]`` ("update" or
     "grad") that reads its statistic, as one kernel; operands and results as the two passes take and
     give them (the statistic among ``outs``)."""
     bh = ins["k"].shape[0]
     rows = min(t.sweep_rows, t.OY)
     grid = (1, -(-t.OY // rows), bh)
-    return K.call(_sweep_kernel, t, grid, ins, outs, f"sparse_sga_sweep_{modes[0]}_{modes[1]}", interpret,
+    return passes.call(_sweep_kernel, t, grid, ins, outs, f"sparse_sga_sweep_{modes[0]}_{modes[1]}", interpret,
                   modes=modes, eps=eps, rows=rows, exact=interpret)
