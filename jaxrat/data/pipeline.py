@@ -35,7 +35,12 @@ from jaxrat.data.example_source import MAX_CONSECUTIVE_BAD, ExampleSource, LoadW
 from jaxrat.data.imageio import BadFileError
 from jaxrat.data.options import eval_coarsen, eval_options, loader_options, train_options
 from jaxrat.data.process_rows import ProcessRows
-from jaxrat.data.workers import finish_shared_memory_unlinks, resolve_num_workers, worker_ignores_job_signals
+from jaxrat.data.workers import (
+    finish_shared_memory_unlinks,
+    resolve_num_workers,
+    worker_ignores_job_signals,
+    worker_shared_memory_used,
+)
 from jaxrat.runtime.errors import ConfigError, DataError
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ExampleSource", "StreamIterator", "as_source", "augment_ops",
@@ -119,9 +124,11 @@ class StreamIterator:
             close()
         self._it = None
         # A reader thread that stopped on an error keeps its last element in a reference cycle with
-        # that error; collect it now, while its worker shared memory can still be unlinked.
-        gc.collect()
-        finish_shared_memory_unlinks()
+        # that error; collect it now, while its worker shared memory can still be unlinked. Without
+        # workers there is no shared memory to unlink, and a full collection is a tenth of a second.
+        if worker_shared_memory_used():
+            gc.collect()
+            finish_shared_memory_unlinks()
 
 
 

@@ -52,6 +52,14 @@ def _exit_with_parent(period_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def worker_shared_memory_used() -> bool:
+    """Whether this process has received batches in worker shared memory: Grain's process prefetch
+    starts its unlink pool before the first one, and nothing else in a run makes shared memory."""
+    from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+
+    return SharedMemoryArray._del_thread_pool is not None
+
+
 def finish_shared_memory_unlinks() -> None:
     """Wait until every worker batch dropped so far has had its shared memory unlinked.
 

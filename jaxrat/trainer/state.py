@@ -9,7 +9,6 @@ step from the step's key instead of being carried, so dropout noise depends only
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any, Callable, Iterator
 
@@ -101,6 +100,13 @@ def init_state(task: Task, dtype: Any, kernels: ops.KernelPolicy, tx: Any, ema: 
     key = jax.random.wrap_key_data(rng_data)
     rngs = nnx.Rngs(params=jax.random.fold_in(key, 0), default=jax.random.fold_in(key, 1))
     params = nnx.to_pure_dict(nnx.state(task.build_model(dtype=dtype, rngs=rngs, kernels=kernels), nnx.Param))
+    return state_from_params(params, tx, ema, key)
+
+
+def state_from_params(params: Any, tx: Any, ema: bool, key: jax.Array) -> dict[str, Any]:
+    """The train state around the model's fresh ``params``: what :func:`init_state` returns once it has
+    built the model. Run under ``jax.eval_shape`` on an abstract model's parameters, it gives the state's
+    shapes without building the model a second time."""
     # A parameter made from a Python float is weakly typed; the step's outputs are not, so the
     # step would be traced and compiled a second time at step 2 (seen: DETR's anchor_size).
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
@@ -192,8 +198,10 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                 f"jaxrat models must not keep mutable statistics (use GroupNorm/LayerNorm)."
             )
     ema = ema_enabled(config.optimizer)
-    abstract_state = jax.eval_shape(functools.partial(init_state, task, dtype, kernels, tx, ema),
-                                    jax.random.key_data(jax.random.key(0)))
+    # The parameters' shapes do not depend on the key they are drawn with: the abstract model's serve.
+    abstract_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    abstract_state = jax.eval_shape(lambda p, key: state_from_params(p, tx, ema, key), abstract_params,
+                                    jax.random.key(0))
     # chosen once, here: its state is the chain's whichever form applies it, so the shapes above hold
     tx = optimizer_for(config, kernels, tx, schedule, abstract_state)
 
