@@ -46,6 +46,11 @@ TESTS = Path(__file__).resolve().parent
 TEST_XLA_FLAGS = os.environ.setdefault("JAXRAT_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"] and (TESTS.parent / "jaxrat").is_dir():
     os.environ["XLA_FLAGS"] += f" {TEST_XLA_FLAGS}"  # not in tests/unit/test_tiers.py's throwaway suite
+# The training runs the suite starts import jaxrat afresh each time; where the environment forbids
+# bytecode files (PYTHONDONTWRITEBYTECODE, as on our development machines), each one compiled ~140 modules from
+# source, ~0.7 s of CPU a run. The bytecode goes to __pycache__ folders that git ignores.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 TIERS = ("unit", "integration", "fault", "extended")
 # The helpers in tests/, and every tier's folder: a test module may import another's helpers
 # (``from test_preempt import Run``) whichever tier either is in, and whichever tiers this run collects.
