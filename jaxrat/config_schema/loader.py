@@ -139,7 +139,13 @@ def load_config_module(path: str) -> Any:
     name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == "jaxrat.config" or e.name.startswith("jaxrat.config.")):
+            raise ConfigError(f"{path} imports {e.name}, which is now jaxrat.config_schema (renamed so it is not "
+                              f"confused with jaxrat.configs); change the import in that file.") from None
+        raise
     return module
 
 

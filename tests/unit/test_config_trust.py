@@ -70,3 +70,14 @@ def test_predict_on_a_shared_workdir_says_so_in_one_sentence_and_runs_nothing(sh
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "pass --allow-import planted" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "RAN").exists()
+
+
+def test_a_config_file_importing_the_old_package_name_is_told_the_new_one(tmp_path):
+    old = tmp_path / "mine.py"
+    old.write_text("from jaxrat.config import base_config\n\ndef get_config():\n    return base_config()\n")
+    with pytest.raises(ConfigError, match=r"imports jaxrat\.config, which is now jaxrat\.config_schema"):
+        load_config(str(old))
+    broken = tmp_path / "typo.py"  # any other missing module keeps its own error
+    broken.write_text("import jaxrat_no_such_module\n")
+    with pytest.raises(ModuleNotFoundError):
+        load_config(str(broken))
