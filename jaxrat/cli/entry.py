@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from absl import app, flags
@@ -83,3 +84,16 @@ def parser(doc: str, default_prog: str, **kwargs: Any) -> argparse.ArgumentParse
 def arguments(argv: list[str] | None) -> list[str]:
     """An argparse command's arguments (``sys.argv`` when None) in argparse's flag style."""
     return command_line.argparse_style(sys.argv[1:] if argv is None else argv)
+
+
+def print_or_submit(spec: Any, scheduler: str, dry_run: bool, root: str, stem: str) -> int:
+    """The job script of ``spec``: printed with ``--dry-run``, else written beside the runs in ``root``
+    (``stem``.sbatch or .bsub) and submitted without waiting; the exit status."""
+    from jaxrat.cluster.jobscript import render, submit
+
+    script = render(spec, scheduler)
+    if dry_run:
+        sys.stdout.write(script)
+        return 0
+    path = Path(root) / f"{stem}.{'sbatch' if scheduler == 'slurm' else 'bsub'}"
+    return submit(script, spec, scheduler, wait=False, timeout=60, path=path)

@@ -21,8 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from jaxrat.cli.entry import arguments, parser, user_errors
-from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
+from jaxrat.cli.entry import arguments, parser, print_or_submit, user_errors
+from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields
 from jaxrat.config_schema.loader import portable_spec
 from jaxrat.experiments import sweep
 from jaxrat.experiments.summary import report
@@ -113,12 +113,7 @@ def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], 
     spec = JobSpec(config=portable_spec(a.config), workdir=a.root, extra_args=tuple(common), command=command,
                    array=tuple((v.name, _portable(v.overrides)) for v in variants), array_indices=tuple(todo),
                    array_parallel=a.max_parallel, **job_fields(p, a))
-    script = render(spec, scheduler)
-    if a.dry_run:
-        sys.stdout.write(script)
-        return 0
-    path = Path(a.root) / ("sweep.sbatch" if scheduler == "slurm" else "sweep.bsub")
-    return submit(script, spec, scheduler, wait=False, timeout=60, path=path)
+    return print_or_submit(spec, scheduler, a.dry_run, a.root, "sweep")
 
 
 def run() -> None:

@@ -22,8 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from jaxrat.cli.entry import arguments, parser, user_errors
-from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields, render, submit
+from jaxrat.cli.entry import arguments, parser, print_or_submit, user_errors
+from jaxrat.cluster.jobscript import JobSpec, add_job_arguments, job_fields
 from jaxrat.config_schema.loader import portable_spec
 from jaxrat.runtime.errors import UserError
 
@@ -114,12 +114,7 @@ def _submit(a: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], 
     fields["module"] = "jaxrat.tune"
     spec = JobSpec(config=portable_spec(a.config), workdir=os.path.abspath(a.root), extra_args=tuple(common),
                    command=command, array=tuple((f"worker-{i}", worker_args) for i in range(a.workers)), **fields)
-    script = render(spec, scheduler)
-    if a.dry_run:
-        sys.stdout.write(script)
-        return 0
-    path = Path(a.root) / ("tune.sbatch" if scheduler == "slurm" else "tune.bsub")
-    return submit(script, spec, scheduler, wait=False, timeout=60, path=path)
+    return print_or_submit(spec, scheduler, a.dry_run, a.root, "tune")
 
 
 def run() -> None:
