@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
+from jaxrat.runtime.compile_options import step_compiler_options
 from jaxrat.tasks.base import SHARD_TOTALS
 from jaxrat.trainer.state import StateSpec
 
@@ -53,7 +54,9 @@ class FixedShardStep:
         mesh = spec.mesh
         self.rows = NamedSharding(mesh, sharding.batch_spec(mesh))
         rep = NamedSharding(mesh, P())
-        self._grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
+        # The shards' gradient is the heavy program, compiled as the plain step is.
+        self._grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True),
+                             compiler_options=step_compiler_options(mesh.devices.flat[0].platform))
         self._prepare = jax.jit(self._prepare_fn, out_shardings=rep)
         self._apply = jax.jit(functools.partial(self._apply_fn, apply),
                               in_shardings=(spec.state_shardings, self.rows),

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
+from jaxrat.runtime.compile_options import step_compiler_options
 from jaxrat.trainer.fixed_shards import FixedShardStep
 from jaxrat.trainer.optimizer import ema_decay_at, global_norm
 from jaxrat.trainer.param_cast import NARROW, cast_narrow_reads
@@ -120,7 +121,12 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
 
     rep = NamedSharding(spec.mesh, P())
     return OnMesh(jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
-                          out_shardings=(spec.state_shardings, rep), donate_argnums=0), spec.mesh)
+                          out_shardings=(spec.state_shardings, rep), donate_argnums=0,
+                          compiler_options=_options(spec)), spec.mesh)
+
+
+def _options(spec: StateSpec) -> dict[str, Any]:
+    return step_compiler_options(spec.mesh.devices.flat[0].platform)
 
 
 class OnMesh:
@@ -163,4 +169,4 @@ def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = No
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())
     return jax.jit(step, in_shardings=(spec.state_shardings["params"], spec.batch_sharding),
-                   out_shardings=(rep, spec.batch_sharding))
+                   out_shardings=(rep, spec.batch_sharding), compiler_options=_options(spec))
