@@ -201,7 +201,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         try:  # the summary is not worth hiding why a run failed
             summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
                                         wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
-                                        kernels=spec.kernels, error=error, **run.summary(done))
+                                        kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
+                                        error=error, **run.summary(done))
             confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
             run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
         except Exception as e:
