@@ -158,8 +158,8 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
         config = autotune.apply(config, choice)
         check_batch_sizes(config, mesh.size, jax.process_count())
     spec = make_state_spec(config, mesh, task)
-    train_step = compiled_together(make_train_step(spec), "train step")
-    eval_step = compiled_together(make_eval_step(spec), "eval step")
+    train_fn, eval_fn = make_train_step(spec), make_eval_step(spec)
+    train_step, eval_step = compiled_together(train_fn, "train step"), compiled_together(eval_fn, "eval step")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(spec, ckpt, train_iter)
     save_config()  # only now: a resume the checkpoint refused has left config.json as it was
