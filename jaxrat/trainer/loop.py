@@ -161,7 +161,7 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
     train_fn, eval_fn = make_train_step(spec), make_eval_step(spec)
     train_step, eval_step = compiled_together(train_fn, "train step"), compiled_together(eval_fn, "eval step")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
-    start = restore_or_init(spec, ckpt, train_iter)
+    start = restore_or_init(config, spec, ckpt, train_iter)
     save_config()  # only now: a resume the checkpoint refused has left config.json as it was
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 

@@ -126,7 +126,6 @@ class StateSpec:
     """Everything derived from the config and the mesh that the step functions need: the model's
     graph (train and eval mode), the optimizer, the state's abstract shapes and its shardings."""
 
-    config: mlc.ConfigDict
     mesh: jax.sharding.Mesh
     task: Task
     dtype: Any
@@ -224,7 +223,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                        "opt_state": shard(opt_state, zero >= 1)}
     if ema:  # read by evaluation as the parameters are, so laid out as they are
         state_shardings["ema_params"] = state_shardings["params"]
-    spec = StateSpec(config=config, mesh=mesh, task=task, dtype=dtype, tx=tx, schedule=schedule,
+    spec = StateSpec(mesh=mesh, task=task, dtype=dtype, tx=tx, schedule=schedule,
                      train_graphdef=train_graphdef, eval_graphdef=eval_graphdef, abstract_rest=abstract_rest,
                      abstract_state=abstract_state, state_shardings=state_shardings,
                      grad_shardings=shard(params, zero >= 2),
@@ -264,10 +263,10 @@ def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
                         exclude=field(config, "init_from_exclude"), where=path)
 
 
-def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[int], Iterator]) -> Restored:
+def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
+                    train_iter: Callable[[int], Iterator]) -> Restored:
     """Resume from the newest readable checkpoint in ``ckpt``, or start fresh (from ``init_from``
-    weights when the config names some). ``train_iter(start_example)`` makes the data iterator."""
-    config = spec.config
+    weights when ``config`` names some). ``train_iter(start_example)`` makes the data iterator."""
     data = train_iter(0)
     restored = ckpt.restore_latest(spec.abstract_with_shardings(), Restorable(data))
     if restored is not None:
