@@ -63,6 +63,8 @@ def markdown(s: Mapping[str, Any]) -> str:
 def write_summary(workdir: str, summary: Mapping[str, Any]) -> list[str]:
     """Write ``summary.json`` and ``summary.md`` under ``workdir``; returns their paths."""
     paths = [os.path.join(workdir, JSON_NAME), os.path.join(workdir, MARKDOWN_NAME)]
-    write_text(paths[0], json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
-    write_text(paths[1], markdown(summary))
+    # Both rendered before either is written: a summary that cannot be rendered leaves neither file.
+    texts = [json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n", markdown(summary)]
+    for path, text in zip(paths, texts):
+        write_text(path, text)
     return paths

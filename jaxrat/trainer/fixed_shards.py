@@ -49,8 +49,7 @@ class FixedShardStep:
 
     def __init__(self, spec: StateSpec, loss_of: LossFn, apply: Apply) -> None:
         self.spec, self.task = spec, spec.task
-        self.shards = int(spec.config.train.reduction_shards)
-        self.accum = int(spec.config.optimizer.grad_accum_steps)
+        self.shards, self.accum = spec.reduction_shards, spec.accum
         mesh = spec.mesh
         self.rows = NamedSharding(mesh, sharding.batch_spec(mesh))
         rep = NamedSharding(mesh, P())

@@ -158,10 +158,10 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
         config = autotune.apply(config, choice)
         check_batch_sizes(config, mesh.size, jax.process_count())
     spec = make_state_spec(config, mesh, task)
-    train_step = compiled_together(make_train_step(spec), "train step")
-    eval_step = compiled_together(make_eval_step(spec), "eval step")
+    train_fn, eval_fn = make_train_step(spec), make_eval_step(spec)
+    train_step, eval_step = compiled_together(train_fn, "train step"), compiled_together(eval_fn, "eval step")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
-    start = restore_or_init(spec, ckpt, train_iter)
+    start = restore_or_init(config, spec, ckpt, train_iter)
     save_config()  # only now: a resume the checkpoint refused has left config.json as it was
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 
@@ -201,7 +201,8 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         try:  # the summary is not worth hiding why a run failed
             summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
                                         wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
-                                        kernels=spec.kernels, error=error, **run.summary(done))
+                                        kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
+                                        error=error, **run.summary(done))
             confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
             run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
         except Exception as e:

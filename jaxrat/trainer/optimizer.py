@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -142,17 +142,27 @@ def ema_enabled(cfg: Any) -> bool:
     return decay > 0.0
 
 
-def ema_decay_at(cfg: Any, step: jax.Array) -> jax.Array:
-    """The decay applied by update ``step + 1`` (``step`` counts updates already made).
+def ema_schedule(cfg: Any) -> Callable[[jax.Array], jax.Array]:
+    """``decay(step)``: the decay applied by update ``step + 1`` (``step`` counts updates already made).
 
     With ``ema_warmup`` it is ``min(ema_decay, (1 + t) / (10 + t))`` (the ``num_updates`` form of
     TensorFlow's ExponentialMovingAverage and timm's first ModelEma), so early updates weigh more.
     """
-    decay = jnp.asarray(float(cfg.ema_decay), jnp.float32)
-    if not field(cfg, "optimizer.ema_warmup"):
-        return decay
-    t = step.astype(jnp.float32) + 1.0
-    return jnp.minimum(decay, (1.0 + t) / (10.0 + t))
+    value, warmup = float(cfg.ema_decay), bool(field(cfg, "optimizer.ema_warmup"))
+
+    def decay_at(step: jax.Array) -> jax.Array:
+        decay = jnp.asarray(value, jnp.float32)
+        if not warmup:
+            return decay
+        t = step.astype(jnp.float32) + 1.0
+        return jnp.minimum(decay, (1.0 + t) / (10.0 + t))
+
+    return decay_at
+
+
+def ema_decay_at(cfg: Any, step: jax.Array) -> jax.Array:
+    """The decay applied by update ``step + 1``: :func:`ema_schedule` of ``cfg`` at ``step``."""
+    return ema_schedule(cfg)(step)
 
 
 def update_ema(ema: Any, params: Any, decay: jax.Array) -> Any:

@@ -22,7 +22,6 @@ from jaxrat.checkpointing import store
 from jaxrat.config_schema import field
 from jaxrat.tracking.summary import write_summary
 from jaxrat.tracking.writers import MetricWriter
-from jaxrat.trainer.state import resolve_compute_dtype
 
 
 def hardware(mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -96,12 +95,13 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
           wall_time_s: float, images_per_sec: float | None, last_train: dict[str, float],
           last_eval: dict[str, float], best: dict[str, Any] | None, checkpoint_dir: str,
           last_eval_raw: dict[str, float] | None = None, stopped_early: dict[str, Any] | None = None,
-          kernels: Any = None, error: str | None = None) -> dict[str, Any]:
+          kernels: Any = None, compute_dtype: str | None = None, error: str | None = None) -> dict[str, Any]:
     """The summary's content (every process may call it; only process 0 writes it).
 
     ``last_eval_raw`` holds the raw parameters' ``eval_raw/*`` when ``last_eval`` is their moving
     average's; ``stopped_early`` says why early stopping ended the run; ``kernels`` is the run's
-    resolved kernel policy; ``error`` why a failed run failed (its exception's type and first line)."""
+    resolved kernel policy and ``compute_dtype`` its resolved compute dtype; ``error`` why a failed run
+    failed (its exception's type and first line)."""
     hw = hardware(mesh)
     ck = checkpoints(checkpoint_dir)
     return {
@@ -111,7 +111,7 @@ def build(config: mlc.ConfigDict, workdir: str, *, status: str, mesh: jax.shardi
         "steps": {"first": first, "last": last, "total": config.num_train_steps, "run": last - first},
         "wall_time_s": wall_time_s, "images_per_sec": images_per_sec, "global_batch": config.data.batch_size,
         "hardware": hw, "mesh": hw["mesh"], "code": code_version(),
-        "compute_dtype": resolve_compute_dtype(config.train.compute_dtype, mesh),
+        "compute_dtype": compute_dtype,
         "kernels": None if kernels is None else kernels_summary(config, kernels),
         "last_train": last_train,
         "last_eval": {**{f"eval/{k}": v for k, v in last_eval.items()}, **(last_eval_raw or {})},

@@ -27,7 +27,7 @@ from jaxrat.parallel import sharding
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 from jaxrat.trainer.input_feed import Restorable
-from jaxrat.trainer.optimizer import ema_enabled, make_optimizer
+from jaxrat.trainer.optimizer import ema_enabled, ema_schedule, make_optimizer
 from jaxrat.trainer.optimizer_step import Optimizer, optimizer_for
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -126,7 +126,6 @@ class StateSpec:
     """Everything derived from the config and the mesh that the step functions need: the model's
     graph (train and eval mode), the optimizer, the state's abstract shapes and its shardings."""
 
-    config: mlc.ConfigDict
     mesh: jax.sharding.Mesh
     task: Task
     dtype: Any
@@ -141,6 +140,12 @@ class StateSpec:
     batch_sharding: NamedSharding
     kernels: ops.KernelPolicy
     ema: bool  # the state carries "ema_params"
+    # The config's settings the steps read, resolved here once: the step builders take no config.
+    accum: int  # optimizer.grad_accum_steps: the micro-batches a step's gradient averages
+    reduction_shards: int  # train.reduction_shards (0: off)
+    concatenate_norm: bool  # the gradients' norm over one vector (:func:`concatenates_norm`)
+    state_sharded: bool  # ZeRO or sharding rules lay some of the state out over the devices
+    ema_schedule: Callable[[Any], Any] | None  # the moving average's decay at a step, when ``ema``
 
     def eval_params(self, state: dict[str, Any]) -> Any:
         """The parameters evaluation, best checkpoints and predictions use: the average when on."""
@@ -183,8 +188,8 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
     # Decided by the config, not the mesh, so that a run's numbers do not depend on its device count.
-    tx, schedule = make_optimizer(config.optimizer, config.num_train_steps,
-                                  concatenate_norm=concatenates_norm(config))
+    concatenate_norm = concatenates_norm(config)
+    tx, schedule = make_optimizer(config.optimizer, config.num_train_steps, concatenate_norm=concatenate_norm)
     model = nnx.eval_shape(lambda: task.build_model(dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels))
     model.train()
     train_graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -198,6 +203,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                 f"jaxrat models must not keep mutable statistics (use GroupNorm/LayerNorm)."
             )
     ema = ema_enabled(config.optimizer)
+    ema_decay = ema_schedule(config.optimizer) if ema else None
     # The parameters' shapes do not depend on the key they are drawn with: the abstract model's serve.
     abstract_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     abstract_state = jax.eval_shape(lambda p, key: state_from_params(p, tx, ema, key), abstract_params,
@@ -217,11 +223,14 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                        "opt_state": shard(opt_state, zero >= 1)}
     if ema:  # read by evaluation as the parameters are, so laid out as they are
         state_shardings["ema_params"] = state_shardings["params"]
-    spec = StateSpec(config=config, mesh=mesh, task=task, dtype=dtype, tx=tx, schedule=schedule,
+    spec = StateSpec(mesh=mesh, task=task, dtype=dtype, tx=tx, schedule=schedule,
                      train_graphdef=train_graphdef, eval_graphdef=eval_graphdef, abstract_rest=abstract_rest,
                      abstract_state=abstract_state, state_shardings=state_shardings,
                      grad_shardings=shard(params, zero >= 2),
-                     batch_sharding=NamedSharding(mesh, sharding.batch_spec(mesh)), kernels=kernels, ema=ema)
+                     batch_sharding=NamedSharding(mesh, sharding.batch_spec(mesh)), kernels=kernels, ema=ema,
+                     accum=int(config.optimizer.grad_accum_steps), reduction_shards=int(config.train.reduction_shards),
+                     concatenate_norm=concatenate_norm, state_sharded=bool(zero != 0 or sc.get("rules")),
+                     ema_schedule=ema_decay)
     sharding.log_shardings(params, spec.state_shardings["params"], "params")
     sharding.log_shardings(opt_state, spec.state_shardings["opt_state"], "opt_state")
     return spec
@@ -254,10 +263,10 @@ def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
                         exclude=field(config, "init_from_exclude"), where=path)
 
 
-def restore_or_init(spec: StateSpec, ckpt: Checkpointer, train_iter: Callable[[int], Iterator]) -> Restored:
+def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
+                    train_iter: Callable[[int], Iterator]) -> Restored:
     """Resume from the newest readable checkpoint in ``ckpt``, or start fresh (from ``init_from``
-    weights when the config names some). ``train_iter(start_example)`` makes the data iterator."""
-    config = spec.config
+    weights when ``config`` names some). ``train_iter(start_example)`` makes the data iterator."""
     data = train_iter(0)
     restored = ckpt.restore_latest(spec.abstract_with_shardings(), Restorable(data))
     if restored is not None:

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 from jaxrat.parallel import sharding
 from jaxrat.runtime.compile_options import step_compiler_options
 from jaxrat.trainer.fixed_shards import FixedShardStep
-from jaxrat.trainer.optimizer import ema_decay_at, global_norm
+from jaxrat.trainer.optimizer import global_norm
 from jaxrat.trainer.param_cast import NARROW, cast_narrow_reads
-from jaxrat.trainer.state import StateSpec, concatenates_norm, resolve_compute_dtype
+from jaxrat.trainer.state import StateSpec
 
 TASK_STREAM = 0x7A5C  # folded into a micro-batch's key for the task's own randomness
 
@@ -54,8 +54,7 @@ def _loss_fn(spec: StateSpec) -> Callable[[Any, Any, jax.Array], tuple[jax.Array
     # Where the fused AdamW applies (gpu policy, replicated float32 parameters), the weights a narrow
     # step reads once, cast, are cast in one kernel up front rather than each in its own before its
     # matmul; in the fixed shards' programs too (the same values: their bits do not change).
-    compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
-    return cast_narrow_reads(loss_of) if spec.tx.fused and compute in NARROW else loss_of
+    return cast_narrow_reads(loss_of) if spec.tx.fused and jnp.dtype(spec.dtype) in NARROW else loss_of
 
 
 def _apply_fn(spec: StateSpec) -> Callable[[dict, Any, jax.Array, dict], tuple[dict, dict]]:
@@ -64,7 +63,7 @@ def _apply_fn(spec: StateSpec) -> Callable[[dict, Any, jax.Array, dict], tuple[d
 
     def apply(state: dict, grads: Any, loss: jax.Array, parts: dict) -> tuple[dict, dict]:
         grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
-        gnorm = global_norm(grads, concatenate=concatenates_norm(spec.config))
+        gnorm = global_norm(grads, concatenate=spec.concatenate_norm)
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         # Named so that profiles can tell the optimizer's ops from the model's (benchmarks/step_profile.py);
         # the scope lives here because models know nothing of training. The finite-guard's selects
@@ -74,7 +73,7 @@ def _apply_fn(spec: StateSpec) -> Callable[[dict, Any, jax.Array, dict], tuple[d
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
         if spec.ema:
             with jax.named_scope("ema"):
-                decay = ema_decay_at(spec.config.optimizer, state["step"])
+                decay = spec.ema_schedule(state["step"])
                 new_state["ema_params"] = spec.tx.average(state["ema_params"], params, decay, ok)
         metrics = {"train/loss": loss, **{f"train/{k}": v for k, v in parts.items()},
                    "train/grad_norm": gnorm, "train/learning_rate": spec.schedule(state["step"]),
@@ -109,10 +108,10 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
     """``step(state, batch) -> (state, metrics)``, jitted with the state donated (under
     ``train.reduction_shards``, a :class:`FixedShardStep` whose programs are)."""
     loss_fn, apply = _loss_fn(spec), _apply_fn(spec)
-    if spec.config.train.reduction_shards:
+    if spec.reduction_shards:
         return FixedShardStep(spec, loss_fn, apply)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    accum = spec.config.optimizer.grad_accum_steps
+    accum = spec.accum
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
@@ -162,9 +161,7 @@ def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = No
 
     # As the train step: on the gpu policy with the parameters replicated, a narrow step's weights read
     # once, cast, are cast in one kernel up front (each was a kernel of its own before its matmul).
-    compute = jnp.dtype(resolve_compute_dtype(spec.config.train.compute_dtype, spec.mesh))
-    sharded = spec.config.sharding.zero != 0 or spec.config.sharding.get("rules")
-    if spec.kernels.uses("cast") and not sharded and compute in NARROW:
+    if spec.kernels.uses("cast") and not spec.state_sharded and jnp.dtype(spec.dtype) in NARROW:
         step = cast_narrow_reads(step)
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())
