@@ -30,7 +30,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
-from jaxrat.runtime.compile_options import step_compiler_options
 from jaxrat.tasks.base import SHARD_TOTALS
 from jaxrat.trainer.state import StateSpec
 
@@ -55,7 +54,7 @@ class FixedShardStep:
         rep = NamedSharding(mesh, P())
         # The shards' gradient is the heavy program, compiled as the plain step is.
         self._grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True),
-                             compiler_options=step_compiler_options(mesh.devices.flat[0].platform))
+                             compiler_options=spec.compiler_options)
         self._prepare = jax.jit(self._prepare_fn, out_shardings=rep)
         self._apply = jax.jit(functools.partial(self._apply_fn, apply),
                               in_shardings=(spec.state_shardings, self.rows),

@@ -24,6 +24,7 @@ from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.checkpointing.init_from import merge_params
 from jaxrat.config_schema import field
 from jaxrat.parallel import sharding
+from jaxrat.runtime.compile_options import step_compiler_options
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 from jaxrat.trainer.input_feed import Restorable
@@ -146,6 +147,7 @@ class StateSpec:
     concatenate_norm: bool  # the gradients' norm over one vector (:func:`concatenates_norm`)
     state_sharded: bool  # ZeRO or sharding rules lay some of the state out over the devices
     ema_schedule: Callable[[Any], Any] | None  # the moving average's decay at a step, when ``ema``
+    compiler_options: dict[str, Any]  # XLA's options for the steps' compiles on these devices
 
     def eval_params(self, state: dict[str, Any]) -> Any:
         """The parameters evaluation, best checkpoints and predictions use: the average when on."""
@@ -230,7 +232,8 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                      batch_sharding=NamedSharding(mesh, sharding.batch_spec(mesh)), kernels=kernels, ema=ema,
                      accum=int(config.optimizer.grad_accum_steps), reduction_shards=int(config.train.reduction_shards),
                      concatenate_norm=concatenate_norm, state_sharded=bool(zero != 0 or sc.get("rules")),
-                     ema_schedule=ema_decay)
+                     ema_schedule=ema_decay,
+                     compiler_options=step_compiler_options(mesh.devices.flat[0].platform))
     sharding.log_shardings(params, spec.state_shardings["params"], "params")
     sharding.log_shardings(opt_state, spec.state_shardings["opt_state"], "opt_state")
     return spec

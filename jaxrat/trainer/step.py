@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat.parallel import sharding
-from jaxrat.runtime.compile_options import step_compiler_options
 from jaxrat.trainer.fixed_shards import FixedShardStep
 from jaxrat.trainer.optimizer import global_norm
 from jaxrat.trainer.param_cast import NARROW, cast_narrow_reads
@@ -121,11 +120,7 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
     rep = NamedSharding(spec.mesh, P())
     return OnMesh(jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
                           out_shardings=(spec.state_shardings, rep), donate_argnums=0,
-                          compiler_options=_options(spec)), spec.mesh)
-
-
-def _options(spec: StateSpec) -> dict[str, Any]:
-    return step_compiler_options(spec.mesh.devices.flat[0].platform)
+                          compiler_options=spec.compiler_options), spec.mesh)
 
 
 class OnMesh:
@@ -166,4 +161,4 @@ def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = No
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())
     return jax.jit(step, in_shardings=(spec.state_shardings["params"], spec.batch_sharding),
-                   out_shardings=(rep, spec.batch_sharding), compiler_options=_options(spec))
+                   out_shardings=(rep, spec.batch_sharding), compiler_options=spec.compiler_options)
