@@ -147,7 +147,7 @@ class StateSpec:
     concatenate_norm: bool  # the gradients' norm over one vector (:func:`concatenates_norm`)
     state_sharded: bool  # ZeRO or sharding rules lay some of the state out over the devices
     ema_schedule: Callable[[Any], Any] | None  # the moving average's decay at a step, when ``ema``
-    compiler_options: dict[str, Any]  # XLA's options for the steps' compiles on these devices
+    compiler_options: dict[str, Any]  # XLA's options for the run's compiles (initialisation, steps) on these devices
 
     def eval_params(self, state: dict[str, Any]) -> Any:
         """The parameters evaluation, best checkpoints and predictions use: the average when on."""
@@ -291,7 +291,7 @@ def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
                            rename=field(config, "init_from_rename"))
     elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
         loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
-    init = jax.jit(spec.init_state, out_shardings=spec.state_shardings)
+    init = jax.jit(spec.init_state, out_shardings=spec.state_shardings, compiler_options=spec.compiler_options)
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values
         loaded["params"] = merge_params(state["params"], loaded["params"])

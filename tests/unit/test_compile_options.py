@@ -41,3 +41,16 @@ def test_the_train_and_eval_steps_compile_with_the_platforms_options(monkeypatch
     evaluate = step_module.make_eval_step(spec).lower(spec.abstract_with_shardings()["params"], {**batch, **valid})
     want = {"xla_backend_optimization_level": np.int64(CPU_OPTIMIZATION_LEVEL)}
     assert _options_of(train) == want and _options_of(evaluate) == want
+
+
+def test_level_1_draws_the_initial_parameters_level_2_draws():
+    # The run compiles its initialisation at level 1 on CPU; a run started before, or with the user's
+    # own level, must begin from the same weights.
+    config = load_config("configs/isic.py:smoke")
+    spec = make_state_spec(config, make_mesh(config.mesh.axes, devices=jax.devices()[:1]), load_task(config))
+    key = jax.random.key_data(jax.random.key(0))
+    lowered = jax.jit(spec.init_state).lower(key)
+    states = [lowered.compile(compiler_options={"xla_backend_optimization_level": level})(key) for level in (1, 2)]
+    leaves = [[np.asarray(x) for x in jax.tree.leaves(s)] for s in states]
+    assert len(leaves[0]) > 10
+    assert all(np.array_equal(a, b) for a, b in zip(*leaves))
