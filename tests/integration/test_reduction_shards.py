@@ -177,6 +177,7 @@ def test_a_shard_program_gives_the_same_gradient_bits_in_a_1_and_an_8_device_pro
 
     probe = os.path.join(REPO, "tests", "shard_grad_probe.py")
     env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
+    env["PYTHONPATH"] = REPO  # the tree under test, not whichever one the environment installed
     # The 8-device process takes the shard program's inputs from the 1-device one (shard_grad_probe.py).
     for devices in (1, 8):
         subprocess.run([sys.executable, probe, str(devices), str(tmp_path / f"{devices}.npz"),
