@@ -52,9 +52,7 @@ class FixedShardStep:
         mesh = spec.mesh
         self.rows = NamedSharding(mesh, sharding.batch_spec(mesh))
         rep = NamedSharding(mesh, P())
-        # The shards' gradient is the heavy program, compiled as the plain step is.
-        self._grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True),
-                             compiler_options=spec.compiler_options)
+        self._grad = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
         self._prepare = jax.jit(self._prepare_fn, out_shardings=rep)
         self._apply = jax.jit(functools.partial(self._apply_fn, apply),
                               in_shardings=(spec.state_shardings, self.rows),

@@ -24,7 +24,7 @@ from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.checkpointing.init_from import merge_params
 from jaxrat.config_schema import field
 from jaxrat.parallel import sharding
-from jaxrat.runtime.compile_options import step_compiler_options
+from jaxrat.runtime.compile_options import init_compiler_options
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.tasks.base import Task
 from jaxrat.trainer.input_feed import Restorable
@@ -147,7 +147,7 @@ class StateSpec:
     concatenate_norm: bool  # the gradients' norm over one vector (:func:`concatenates_norm`)
     state_sharded: bool  # ZeRO or sharding rules lay some of the state out over the devices
     ema_schedule: Callable[[Any], Any] | None  # the moving average's decay at a step, when ``ema``
-    compiler_options: dict[str, Any]  # XLA's options for the run's compiles (initialisation, steps) on these devices
+    init_options: dict[str, Any]  # XLA's options for compiling the initialisation on these devices
 
     def eval_params(self, state: dict[str, Any]) -> Any:
         """The parameters evaluation, best checkpoints and predictions use: the average when on."""
@@ -161,6 +161,11 @@ class StateSpec:
     def init_state(self, rng_data: jax.Array) -> dict[str, Any]:
         """A fresh train state (jit it with ``out_shardings=state_shardings`` to create it sharded)."""
         return init_state(self.task, self.dtype, self.kernels, self.tx, self.ema, rng_data)
+
+    def initialiser(self) -> Any:
+        """``init(rng_data) -> state``: :meth:`init_state` jitted to create the state sharded, compiled
+        as the platform compiles it fastest (:mod:`jaxrat.runtime.compile_options`)."""
+        return jax.jit(self.init_state, out_shardings=self.state_shardings, compiler_options=self.init_options)
 
     def abstract_with_shardings(self) -> Any:
         """The state's shapes carrying the current mesh's shardings (restore target)."""
@@ -233,7 +238,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                      accum=int(config.optimizer.grad_accum_steps), reduction_shards=int(config.train.reduction_shards),
                      concatenate_norm=concatenate_norm, state_sharded=bool(zero != 0 or sc.get("rules")),
                      ema_schedule=ema_decay,
-                     compiler_options=step_compiler_options(mesh.devices.flat[0].platform))
+                     init_options=init_compiler_options(mesh.devices.flat[0].platform))
     sharding.log_shardings(params, spec.state_shardings["params"], "params")
     sharding.log_shardings(opt_state, spec.state_shardings["opt_state"], "opt_state")
     return spec
@@ -291,7 +296,7 @@ def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
                            rename=field(config, "init_from_rename"))
     elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
         loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
-    init = jax.jit(spec.init_state, out_shardings=spec.state_shardings, compiler_options=spec.compiler_options)
+    init = spec.initialiser()
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values
         loaded["params"] = merge_params(state["params"], loaded["params"])

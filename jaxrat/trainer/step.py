@@ -119,8 +119,7 @@ def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]
 
     rep = NamedSharding(spec.mesh, P())
     return OnMesh(jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
-                          out_shardings=(spec.state_shardings, rep), donate_argnums=0,
-                          compiler_options=spec.compiler_options), spec.mesh)
+                          out_shardings=(spec.state_shardings, rep), donate_argnums=0), spec.mesh)
 
 
 class OnMesh:
@@ -161,4 +160,4 @@ def make_eval_step(spec: StateSpec, wrap_model: Callable[[Any], Any] | None = No
     # One sharding stands for every leaf below it: all sums replicated, all outputs batch-sharded.
     rep = NamedSharding(spec.mesh, P())
     return jax.jit(step, in_shardings=(spec.state_shardings["params"], spec.batch_sharding),
-                   out_shardings=(rep, spec.batch_sharding), compiler_options=spec.compiler_options)
+                   out_shardings=(rep, spec.batch_sharding))
