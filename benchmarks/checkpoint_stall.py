@@ -55,7 +55,7 @@ def _build_state(spec: str, overrides: list[str]):
         node[leaf] = value if isinstance(node[leaf], str) else ast.literal_eval(value)
     mesh = make_mesh(config.mesh.axes)
     s = make_state_spec(config, mesh, load_task(config))
-    state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    state = s.initialiser()(jax.random.key_data(jax.random.key(0)))
     # After training the AdamW moments are not zeros; zeros would compress to nothing on disk.
     state["opt_state"] = jax.tree.map(_noise_like, state["opt_state"])
     jax.block_until_ready(state)

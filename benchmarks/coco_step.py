@@ -122,7 +122,7 @@ def timings(config, mesh, args: argparse.Namespace, compiled) -> dict:
     for name, matcher in (("step", hungarian_match), ("step_free_match", free)):
         detection_task.hungarian_match = matcher  # what DetectionTask.loss calls, per device under shard_map
         spec = make_state_spec(config, mesh, _task(config))
-        state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
+        state = spec.initialiser()(jax.random.key_data(jax.random.key(0)))
         step = compiled if matcher is hungarian_match else make_train_step(spec)
         runs[name] = _runner(step, state, to_global(batch, spec.batch_sharding))
         jax.block_until_ready(runs[name]())  # compile (the free step) and warm up

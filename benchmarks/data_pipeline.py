@@ -158,7 +158,7 @@ def step_rate(spec: str, steps: int) -> dict:
     mesh = make_mesh(cfg.mesh.axes)
     s = make_state_spec(cfg, mesh, load_task(cfg))
     step = make_train_step(s)
-    state = jax.jit(s.init_state, out_shardings=s.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    state = s.initialiser()(jax.random.key_data(jax.random.key(0)))
     b, size = cfg.data.batch_size, cfg.data.image_size
     rng = np.random.default_rng(0)
     batch = to_global({"image": rng.normal(size=(b, size, size, 3)).astype(np.float32),

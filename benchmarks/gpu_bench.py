@@ -311,7 +311,7 @@ def isic_setup(config_path: str, size: int, batch: int, kernels: str, attention:
                                    process_index=jax.process_index(), process_count=jax.process_count(),
                                    processes_on_host=1)
         batch_ = to_global(_first_batch(data), spec.batch_sharding)
-    state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    state = spec.initialiser()(jax.random.key_data(jax.random.key(0)))
     row = {"step": "isic_rat", "config": config_path, "px": size, "global_batch": config.data.batch_size,
            "devices": mesh.size, "attention": config.model.rat.attention, "dtype": str(jnp.dtype(spec.dtype)),
            "gpu_forms": sorted(spec.kernels.gpu_forms) if spec.kernels.gpu else []}
@@ -333,7 +333,7 @@ def coco_step(config_spec: str, size: int, batch: int, kernels: str, reps: int,
     _with_kernels(config, kernels, gpu_forms)
     mesh = make_mesh(config.mesh.axes)
     spec = make_state_spec(config, mesh, coco._task(config))
-    state = jax.jit(spec.init_state, out_shardings=spec.state_shardings)(jax.random.key_data(jax.random.key(0)))
+    state = spec.initialiser()(jax.random.key_data(jax.random.key(0)))
     batch_ = to_global(coco._batch(config, config.data.batch_size, np.random.default_rng(0)), spec.batch_sharding)
     row = {"step": "coco_rat_detr", "config": config_spec, "px": int(config.data.image_size),
            "global_batch": config.data.batch_size, "devices": mesh.size, "dtype": str(jnp.dtype(spec.dtype))}

@@ -364,7 +364,7 @@ class Step:
         self.spec = make_state_spec(config, self.mesh, self.task)
         self.batch = to_global(_first_batch(self.train_iterator()), self.spec.batch_sharding)
         t = time.perf_counter()
-        self.state = jax.jit(self.spec.init_state, out_shardings=self.spec.state_shardings)(
+        self.state = self.spec.initialiser()(
             jax.random.key_data(jax.random.key(0)))
         self.compiled = make_train_step(self.spec).lower(self.state, self.batch).compile()
         self.compile_s = time.perf_counter() - t

@@ -160,11 +160,6 @@ def ema_schedule(cfg: Any) -> Callable[[jax.Array], jax.Array]:
     return decay_at
 
 
-def ema_decay_at(cfg: Any, step: jax.Array) -> jax.Array:
-    """The decay applied by update ``step + 1``: :func:`ema_schedule` of ``cfg`` at ``step``."""
-    return ema_schedule(cfg)(step)
-
-
 def update_ema(ema: Any, params: Any, decay: jax.Array) -> Any:
     """``decay * ema + (1 - decay) * params``, leaf by leaf in each leaf's dtype."""
     return jax.tree.map(lambda e, p: (decay * e + (1.0 - decay) * p).astype(e.dtype), ema, params)

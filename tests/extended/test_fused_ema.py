@@ -14,7 +14,7 @@ import pytest
 from jaxrat import ops
 from jaxrat.optim import gpu_ema as ema
 from jaxrat.trainer import fused_optimizer
-from jaxrat.trainer.optimizer import ema_decay_at, make_optimizer, update_ema
+from jaxrat.trainer.optimizer import ema_schedule, make_optimizer, update_ema
 
 # ragged ends, a leaf of several blocks, and more leaves than one call takes
 SHAPES = [(3, 1030), (1,), (2, 3, 4), (5, 7), (9,)] + [(4, 3)] * (ema.LEAVES_PER_CALL + 2)
@@ -82,7 +82,7 @@ def test_the_fused_optimizer_averages_a_tree_as_the_step_did():
     averages = jax.tree.map(lambda p: p * 0.0 + 0.25, params)
     new_params = jax.tree.map(lambda p: p + 1.0, params)
     for step, ok in ((0, True), (3, False), (7, True)):
-        decay = ema_decay_at(config.optimizer, jnp.asarray(step))
+        decay = ema_schedule(config.optimizer)(jnp.asarray(step))
         got = fused.ema(averages, new_params, decay, jnp.asarray(ok))
         want = jax.tree.map(lambda n, o: jnp.where(ok, n, o), update_ema(averages, new_params, decay), averages)
         assert jax.tree.structure(got) == jax.tree.structure(want)
