@@ -30,7 +30,10 @@ def _transposed(x):  # flax's ConvTranspose: a convolution of the dilated input
 
 
 def _attention(x):
-    q = x.reshape(x.shape[0], 16, 16, 4).transpose(0, 2, 1, 3)  # (B, heads, tokens, dim)
+    # Scaled as a model's activations are: products of raw 0..255 pixels make logits of ~6e4, where
+    # float32 rounds a sum differently for each dot kernel's order (onnxruntime's, XLA's on AVX-512), and a
+    # near tie in the softmax then moved an output by 8e-4 relative on a Zen 5 CPU.
+    q = (x / 64.0).reshape(x.shape[0], 16, 16, 4).transpose(0, 2, 1, 3)  # (B, heads, tokens, dim)
     s = jnp.einsum("bhqd,bhkd->bhqk", q, q) / 2.0
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), q)
 
