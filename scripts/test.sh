@@ -18,7 +18,10 @@ while [[ $# -gt 0 && "$1" =~ ^(unit|integration|fault|extended|all)$ ]]; do
 done
 # tests/extended stays out unless named: the rest must fit CI's 90 minutes on 2 cores (tests/conftest.py).
 [[ ${#tiers[@]} -gt 0 ]] || tiers=(tests/unit tests/integration tests/fault)
-bash scripts/setup_venv.sh "dev,reference"
+# --no-compile: pip byte-compiles every module of every package it installs (torch, transformers, mlflow:
+# ~50 of the install's ~75 s on the 2-core machine); the suite writes bytecode for the modules it imports
+# as it imports them (tests/conftest.py), ~3 s of it.
+bash scripts/setup_venv.sh "dev,reference" --no-compile
 bash scripts/setup_gpu_aot.sh
 .venv/bin/ruff check jaxrat tests benchmarks configs scripts
 exec .venv/bin/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile ${tiers[@]+"${tiers[@]}"} "$@"

@@ -173,3 +173,28 @@ def test_every_tests_path_the_docs_and_sources_name_exists():
     missing = [f"{path.relative_to(repo)}: {found}" for path in named if path.is_file()
                for found in _TESTS_PATH.findall(path.read_text(encoding="utf-8")) if not (repo / found).exists()]
     assert not missing, "these name test files that are not there (moved to a tier?):\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("pip_status", [0, 1])
+def test_the_setup_passes_pip_its_arguments_and_stops_when_pip_fails(tmp_path, pip_status):
+    """The test script installs with --no-compile; a pip that fails (a package it cannot get) stops the
+    setup with pip's own messages, not a run that fails later on a missing import."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(TESTS.parent / "scripts" / "setup_venv.sh", tmp_path / "scripts" / "setup_venv.sh")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    pip = tmp_path / ".venv" / "bin" / "pip"
+    pip.write_text(f'#!/bin/sh\necho "pip got: $*"\necho "no matching distribution for torch" >&2\nexit {pip_status}\n')
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "imported"\n')
+    for exe in (pip, python):
+        exe.chmod(0o755)
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "setup_venv.sh"), "dev,reference", "--no-compile"],
+                          capture_output=True, text=True, timeout=30)
+    pip_args = "install --quiet --disable-pip-version-check --no-compile -e .[dev,reference]"
+    assert f"pip got: {pip_args}" in proc.stdout + proc.stderr
+    if pip_status:
+        assert proc.returncode == 1 and "imported" not in proc.stdout
+        assert "no matching distribution for torch" in proc.stderr
+        assert "pip could not install jaxrat[dev,reference]" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "imported", proc.stderr
