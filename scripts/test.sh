@@ -24,4 +24,8 @@ done
 bash scripts/setup_venv.sh "dev,reference" --no-compile
 bash scripts/setup_gpu_aot.sh
 .venv/bin/ruff check jaxrat tests benchmarks configs scripts
-exec .venv/bin/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile ${tiers[@]+"${tiers[@]}"} "$@"
+# --max-worker-restart=0: a worker that crashes (an abort in native code) ends the run with the test it was
+# running named; with a replacement worker, xdist's loadfile scheduler can wait forever (pytest-xdist #784,
+# #1378: seen here, a crashed worker and the session idle until killed).
+exec .venv/bin/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile --max-worker-restart=0 \
+  ${tiers[@]+"${tiers[@]}"} "$@"

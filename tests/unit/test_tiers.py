@@ -157,7 +157,8 @@ def test_the_test_script_runs_the_tiers_named_and_passes_the_rest_to_pytest(tmp_
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     called = lines[lines.index("python") + 1:]
-    assert called == ["-m", "pytest", "-q", "-ra", "--durations=15", "-n", "2", "--dist", "loadfile", *pytest_args]
+    assert called == ["-m", "pytest", "-q", "-ra", "--durations=15", "-n", "2", "--dist", "loadfile",
+                      "--max-worker-restart=0", *pytest_args]
     assert lines[:2] == ["ruff", "check"]
 
 
