@@ -34,16 +34,26 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 TESTS = Path(__file__).resolve().parent
 
-# LLVM's optimisation level for every program the test run compiles: in the test processes, and in the
-# training runs they start (they inherit XLA_FLAGS, and tests/runner.py adds this to the XLA_FLAGS it
-# sets). The suite's time is mostly XLA:CPU compiling small programs that then run a few steps on tiny
-# shapes; at 0 LLVM compiles them in far less CPU. Measured on the 2-core machine: the ISIC smoke
-# training run 27.2 -> 12.1 s wall with a cold compilation cache (42.7 -> 14.6 s user), 9.2 -> 7.9 s warm;
-# the COCO demo's 4 steps 69.6 -> 55.4 s; a tiny RAT's forward and backward 72 -> 42 s. XLA's own HLO
-# passes (fusion, simplification) still run, so the numbers are the same. What it costs is step time: the
-# ISIC demo RAT trained 20 steps in 120 s against 90 s, so a test that times steps or trains a RAT long
-# sets XLA_FLAGS itself. JAXRAT_TEST_XLA_FLAGS="" runs the whole suite at XLA's defaults.
-TEST_XLA_FLAGS = os.environ.setdefault("JAXRAT_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+# How XLA:CPU compiles every program of the test run: in the test processes, and in the training runs they
+# start (they inherit XLA_FLAGS, and tests/runner.py adds these to the XLA_FLAGS it sets). The suite's time
+# is mostly XLA:CPU compiling small programs that then run a few steps on tiny shapes, so both flags trade
+# run time for compile time:
+# - LLVM at -O0. Measured on the 2-core machine: the ISIC smoke training run 27.2 -> 12.1 s wall with a cold
+#   compilation cache (42.7 -> 14.6 s user), 9.2 -> 7.9 s warm; the COCO demo's 4 steps 69.6 -> 55.4 s; a
+#   tiny RAT's forward and backward 72 -> 42 s. XLA's own HLO passes still run, so the numbers are the same.
+# - XLA's elemental kernel emitters instead of its newer MLIR fusion emitters, which spend most of a small
+#   program's compile in MLIR. Measured on a 2-core Zen 5 machine: test_window_attention, test_training and
+#   test_sga 157 -> 102 s (208 -> 119 s of CPU); test_kernel_policy's cpu/portable comparison 30 -> 17 s.
+#   Kernels fuse and round alike but not always to the bit: a test that compares two programs bit for bit
+#   compiles them as users do (``USER_COMPILE`` below).
+# What it costs is step time: the ISIC demo RAT trained 20 steps in 120 s against 90 s at -O0, so a test
+# that times steps or trains a RAT long sets XLA_FLAGS itself. JAXRAT_TEST_XLA_FLAGS="" runs the whole suite
+# at XLA's defaults.
+TEST_XLA_FLAGS = os.environ.setdefault("JAXRAT_TEST_XLA_FLAGS",
+                                       "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+# ``compiler_options`` for a test that compiles in its own process two programs whose bits it compares:
+# the kernel emitters users get.
+USER_COMPILE = {"xla_cpu_use_fusion_emitters": True}
 if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"] and (TESTS.parent / "jaxrat").is_dir():
     os.environ["XLA_FLAGS"] += f" {TEST_XLA_FLAGS}"  # not in tests/unit/test_tiers.py's throwaway suite
 # The training runs the suite starts import jaxrat afresh each time; where the environment forbids
