@@ -27,7 +27,7 @@ from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
-from jaxrat.trainer.state import check_kernels_run_here, make_state_spec, restore_or_init
+from jaxrat.trainer.state import check_state_settings, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
 from jaxrat.trainer.workdir import hold as hold_workdir
 
@@ -54,6 +54,14 @@ def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: i
     if config.data.device_prefetch < 0:
         raise ConfigError(f"config.data.device_prefetch={config.data.device_prefetch}; "
                           "use 0 (off) or the number of batches to keep on the devices ahead.")
+
+
+def check_run(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, policy: Policy) -> None:
+    """The config's refusals on these devices and for this task, before the data is prepared (which can
+    take minutes): the state's settings, the batch sizes, the hooks' settings."""
+    check_state_settings(config, mesh)
+    check_batch_sizes(config, mesh.size, jax.process_count())
+    hooks.check_config(config, policy, task)
 
 
 def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
@@ -133,17 +141,15 @@ class _Started:
 
 
 def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_config: Any) -> _Started:
-    # ---- world
-    mesh = make_mesh(config.mesh.axes)
-    check_kernels_run_here(config, mesh)
-    check_batch_sizes(config, mesh.size, jax.process_count())
+    # ---- task and world, the config checked against both before anything is prepared
+    task = load_task(config)
     check_tracking(config.get("tracking"))
+    mesh = make_mesh(config.mesh.axes)
+    policy = Policy.from_config(config.checkpoint)
+    check_run(config, mesh, task, policy)
     logging.info("mesh %s over %d devices in %d processes", dict(mesh.shape), mesh.size, jax.process_count())
 
-    # ---- task, data, state
-    task = load_task(config)
-    policy = Policy.from_config(config.checkpoint)
-    hooks.check_config(config, policy, task)
+    # ---- data, state
     logging.info("data: %s", task.prepare_data(workdir))
     hooks.stop_if_preempted(watch, 0)
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it

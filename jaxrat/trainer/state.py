@@ -85,6 +85,23 @@ def check_kernels_run_here(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> N
                           f"machine: docs/rat.md, 'On GPUs').")
 
 
+def check_state_settings(config: mlc.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+    """The settings :func:`make_state_spec` resolves (compute dtype, kernels, ZeRO level), checked
+    before the data is prepared: each mistake in one sentence, seconds after the start."""
+    check_kernels_run_here(config, mesh)
+    resolve_compute_dtype(config.train.compute_dtype, mesh)
+    resolve_kernels(config, mesh)
+    zero_level(config)
+
+
+def zero_level(config: mlc.ConfigDict) -> int:
+    """``sharding.zero``: 0 (replicated), 1 (optimizer state sharded), 2 (and gradients), 3 (and parameters)."""
+    zero = config.sharding.zero
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
+    return zero
+
+
 def fresh_rest(abstract_rest: Any, rng: jax.Array) -> Any:
     """Concrete non-parameter model state (dropout RNG streams) derived from ``rng``."""
     leaves, treedef = jax.tree.flatten(abstract_rest)
@@ -191,9 +208,7 @@ def make_state_spec(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Task,
                  field(config.model, "model.kernels"), kernels.block_elements)
     if kernels.gpu:
         logging.info("%s", gpu_forms_line(config, kernels))
-    zero = config.sharding.zero
-    if zero not in (0, 1, 2, 3):
-        raise ConfigError(f"config.sharding.zero={zero}; use 0, 1, 2 or 3.")
+    zero = zero_level(config)
     # Decided by the config, not the mesh, so that a run's numbers do not depend on its device count.
     concatenate_norm = concatenates_norm(config)
     tx, schedule = make_optimizer(config.optimizer, config.num_train_steps, concatenate_norm=concatenate_norm)
@@ -288,6 +303,7 @@ def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
             logging.info("init_from=%s ignored: this workdir already has checkpoints", config.init_from)
         meta = ckpt.step_metadata(step)
         return Restored(state, data, bool(meta.get("eval_pending")), meta)
+    init = spec.initialiser()  # traced and compiled at its call below, after the weights have been read
     loaded: dict[str, Any] = {}
     if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
         loaded = load_init(config.init_from, spec.abstract_with_shardings(),
@@ -296,7 +312,6 @@ def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
                            rename=field(config, "init_from_rename"))
     elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
         loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
-    init = spec.initialiser()
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values
         loaded["params"] = merge_params(state["params"], loaded["params"])
