@@ -126,17 +126,21 @@ def _isic_files(data_cfg: Any, workdir: str, policy: BadFilePolicy, eval_split: 
         isic.find_pairs(data_dir, "train")  # raises the helpful "not found" message
     data_dir = _staged(data_cfg, data_dir)
     split_file = _get(data_cfg, "split_file", "")
+    stats = label_check.HistogramCache(os.path.join(workdir, label_check.LABEL_STATS_NAME), binary=True)
     if folds.settings(data_cfg)[0]:  # validation is a fold of the training split
         pairs = isic.find_pairs(data_dir, "train", split_file=split_file, policy=policy)
         ids = [os.path.splitext(os.path.basename(img))[0] for img, _ in pairs]
         parts = folds.split(pairs, ids, data_cfg, process_index=process_index, workdir=workdir)
         assert parts is not None
         k, fold = folds.settings(data_cfg)[:2]
+        label_check.check_binary_split(parts[0], f"train-fold{fold}of{k}", stats)
+        label_check.check_binary_split(parts[1], f"fold{fold}of{k}", stats)
         return (ExampleSource(parts[0], policy=policy, name=f"isic2018/train-fold{fold}of{k}"),
                 ExampleSource(parts[1], policy=policy, name=f"isic2018/fold{fold}of{k}"))
     out = []
     for split in ("train", eval_split):
         pairs = isic.find_pairs(data_dir, split, split_file=split_file, policy=policy)
+        label_check.check_binary_split(pairs, split, stats)
         out.append(ExampleSource(pairs, policy=policy, name=f"isic2018/{split}"))
     return out[0], out[1]
 
@@ -165,10 +169,12 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
               pairs_csv=_get(data_cfg, "pairs_csv", ""), val_fraction=fraction, seed=seed, policy=policy)
     label_map = tuple(tuple(p) for p in _get(data_cfg, "label_map", ()))
     loader = isic.DecodePair() if num_classes == 1 else sf.DecodeLabelPair(num_classes, label_map)
-    stats = label_check.HistogramCache(os.path.join(workdir, label_check.LABEL_STATS_NAME))
+    stats = label_check.HistogramCache(os.path.join(workdir, label_check.LABEL_STATS_NAME), binary=num_classes == 1)
 
     def check_labels(pairs: list, split: str) -> None:
-        if num_classes > 1:  # binary masks are thresholded: no ignore value, and label_map does not apply
+        if num_classes == 1:  # thresholded: no ignore value, and label_map does not apply
+            label_check.check_binary_split(pairs, split, stats)
+        else:
             label_check.check_split(pairs, split, num_classes, sf.label_table(label_map, num_classes), stats)
     if folds.settings(data_cfg)[0]:
         pairs = sf.find_pairs(data_dir, "train", **kw) + sf.find_pairs(data_dir, "validation", **kw)

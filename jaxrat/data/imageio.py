@@ -192,16 +192,29 @@ def load_mask(path: Source) -> np.ndarray:
     Colour and palette masks use their brightest colour channel (a white or red lesion on black),
     alpha is ignored. 16-bit and float masks: any non-zero value.
     """
+    return binary_mask(mask_levels(path))
+
+
+def mask_levels(path: Source) -> np.ndarray:
+    """The 8-bit levels (H, W) that :func:`load_mask` thresholds: grey levels, a colour mask's brightest
+    channel, 0/255 for a 1-bit or a 16-bit/float mask's zero/non-zero."""
     img, _ = _open(path)
     if img.mode in _WIDE_MODES:
-        return (np.asarray(img) > 0).astype(np.uint8)
+        return np.where(np.asarray(img) > 0, 255, 0).astype(np.uint8)
     if img.mode != "L":
         img = _convert(source_name(path), img, lambda i: i.convert("L") if i.mode == "1" else _as_rgb(i))
-    return binary_mask(np.asarray(img))
+    arr = np.asarray(img)
+    return arr.max(axis=-1) if arr.ndim == 3 else arr
 
 
 def binary_mask(arr: np.ndarray) -> np.ndarray:
     """An 8-bit mask array, (H, W) or (H, W, C) colour, as uint8 {0, 1} by the rule of :func:`load_mask`."""
     if arr.ndim == 3:
         arr = arr.max(axis=-1)
-    return (arr > (0 if arr.max(initial=0) <= 1 else 127)).astype(np.uint8)
+    return (arr > binary_threshold(int(arr.max(initial=0)))).astype(np.uint8)
+
+
+def binary_threshold(top: int) -> int:
+    """The level above which a binary mask whose highest level is ``top`` is foreground: 0 for 0/1 masks,
+    127 otherwise (0/255 masks, anti-aliased edges split at half)."""
+    return 0 if top <= 1 else 127

@@ -129,3 +129,75 @@ def test_an_image_with_two_candidate_masks_is_refused(tmp_path):
         sf.find_pairs(root, "train", val_fraction=0.25)
     os.remove(os.path.join(root, "masks", "im00.png"))
     assert len(sf.find_pairs(root, "train", val_fraction=0.25)) == 3
+
+
+def _discs(root, n, suffix, extra_class=False):
+    """images/imNN.png and masks/imNN<suffix> of 64 px: a disc of 1s (and a square of 2s) on 0."""
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[:64, :64]
+    for sub in ("images", "masks"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    for i in range(n):
+        cy, cx = rng.integers(16, 48, 2)
+        mask = (((yy - cy) ** 2 + (xx - cx) ** 2) < 144).astype(np.uint8)
+        if extra_class:
+            mask[4:14, 4:14] = 2
+        Image.fromarray(np.full((64, 64, 3), 60, np.uint8)).save(os.path.join(root, "images", f"im{i:02d}.png"))
+        Image.fromarray(mask).save(os.path.join(root, "masks", f"im{i:02d}{suffix}"))
+    return root
+
+
+@pytest.mark.parametrize("suffix, extra_class", [(".png", True), (".jpg", False)])
+def test_binary_masks_of_small_values_that_would_read_empty_are_refused(tmp_path, suffix, extra_class):
+    # A class map (0/1/2) trained binary, or 0/1 masks saved as JPEG (compression adds 2s and 3s):
+    # thresholded above 127, such masks read as background and the run scored Dice 1.0, silently.
+    root = _discs(str(tmp_path / "d"), 20, suffix, extra_class)
+    tops = [np.asarray(Image.open(os.path.join(root, "masks", f"im{i:02d}{suffix}"))).max() for i in range(20)]
+    assert any(1 < t <= 127 for t in tops)  # what such masks hold
+    with pytest.raises(DataError, match=r"masks/im\d\d\.(png|jpg) holds the values \[0, 1, 2.*none above 127, "
+                                        r"which a binary run \(model.num_classes=1\) reads as all background; for "
+                                        r"class maps set --config.model.num_classes to the number of classes"):
+        _resolve(root, tmp_path / "wd", num_classes=1)
+    if extra_class:  # the fix the sentence names: as a class map, the 0/1/2 masks are fine
+        train, _ = _resolve(root, tmp_path / "wd3", num_classes=3)
+        assert set(np.unique(train.loader.map(train.records[0])["mask"])) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("mask", [_lesion(255), _lesion(1), np.stack([_lesion(255), _lesion(0), _lesion(0)], -1)])
+def test_usable_binary_masks_pass_and_read_as_before(tmp_path, mask):
+    from jaxrat.data.imageio import load_mask
+
+    root = _dataset(str(tmp_path / "d"), [mask] * 8)  # 0/255, 0/1, a red lesion on black
+    train, val = _resolve(root, tmp_path / "wd", num_classes=1)
+    assert len(train.records) + len(val.records) == 8
+    assert load_mask(os.path.join(root, "masks", "im00.png")).sum() == 12
+    with open(tmp_path / "wd" / label_check.LABEL_STATS_NAME) as f:
+        entries = json.load(f)["masks"]
+    assert len(entries) == 8 and {e["kind"] for e in entries.values()} == {"levels"}
+
+
+def test_a_binary_training_split_without_foreground_is_refused_and_an_empty_validation_warned(tmp_path, caplog):
+    root = _dataset(str(tmp_path / "d"), [np.zeros((6, 8), np.uint8)] * 8)
+    with pytest.raises(DataError, match=r"No mask of the train split \(6 read\) has a foreground pixel .*nothing to "
+                                        r"learn"):
+        _resolve(root, tmp_path / "wd", num_classes=1)
+    pairs = [(f"i{i}", os.path.join(root, "masks", f"im{i:02d}.png")) for i in range(2)]
+    with caplog.at_level("WARNING"):
+        label_check.check_binary_split(pairs, "validation", label_check.HistogramCache(None, binary=True))
+    assert "No mask of the validation split (2 read) has a foreground pixel" in caplog.text
+    assert "only score empty predictions" in caplog.text
+
+
+def test_a_class_map_saved_as_jpeg_names_the_compression_not_num_classes(tmp_path):
+    from jaxrat.data.imageio import BadFileError
+
+    root = _discs(str(tmp_path / "d"), 6, ".jpg", extra_class=True)
+    messages = []
+    for i in range(6):
+        try:
+            sf.load_labels(os.path.join(root, "masks", f"im{i:02d}.jpg"), None, 3)
+        except BadFileError as e:
+            messages.append(str(e))
+    assert messages  # JPEG's rounding put values 3+ into some of the masks
+    assert all("and is a JPEG, whose compression changes class values near edges; save the class maps as PNG."
+               in m and "model.num_classes=3, and is a JPEG" in m for m in messages)

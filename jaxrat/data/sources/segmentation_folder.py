@@ -204,7 +204,12 @@ def load_labels(path, table: np.ndarray | None, num_classes: int) -> np.ndarray:
     labels = stored if table is None else table[stored]
     bad = np.unique(labels[(labels >= num_classes) & (labels != IGNORE_INDEX)])
     if bad.size:
-        raise BadFileError(source_name(path), f"has label value(s) {bad[:5].tolist()} but model.num_classes="
+        name = source_name(path)
+        if os.path.splitext(name)[1].lower() in (".jpg", ".jpeg"):  # lossy: new values near every edge
+            raise BadFileError(name, f"has label value(s) {bad[:5].tolist()} but model.num_classes={num_classes}, "
+                               f"and is a JPEG, whose compression changes class values near edges",
+                               "save the class maps as PNG")
+        raise BadFileError(name, f"has label value(s) {bad[:5].tolist()} but model.num_classes="
                            f"{num_classes}", "set --config.model.num_classes, or map the values with "
                            "--config.data.label_map")
     return labels
