@@ -190,6 +190,9 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
     out = []
     for split in ("train", eval_split):
         pairs = isic.check_pairs(sf.find_pairs(data_dir, split, **kw), policy, f"the {split} split of {data_dir}")
+        if not pairs and split == "test":
+            raise DataError(f"{data_dir} has no test split (a test/ folder holding images/ and masks/, or rows "
+                            f"with split=test in the pairs CSV); evaluate --split validation or train instead.")
         if not pairs:
             raise DataError(f"No image/mask pairs for the {split} split in {data_dir}; check the folders "
                             f"(or --config.data.val_fraction).")
@@ -230,7 +233,7 @@ def resolve_classification(
         raise ConfigError("config.data.data_dir is empty; point it at the folder of your images (and CSVs).")
     data_dir = _staged(data_cfg, data_dir)
     if source == "folder":
-        splits = _class_folder_splits(data_dir, heads, policy)
+        splits = _class_folder_splits(data_dir, heads, policy, val_needed=not folds.settings(data_cfg)[0])
     else:
         splits = _csv_splits(data_cfg, data_dir, csvs, heads, policy)
     records, shared = _share_vocabularies([r for r, _ in splits], [v for _, v in splits], heads)
@@ -242,16 +245,35 @@ def resolve_classification(
     return out[0], out[1], shared, found
 
 
-def _class_folder_splits(data_dir: str, heads: tuple[str, ...],
-                         policy: BadFilePolicy) -> list[tuple[list[dict], dict[str, list]]]:
-    """(records, vocabularies) of ``data_dir/train`` and ``data_dir/val``, one folder per class."""
+def _class_folder_splits(data_dir: str, heads: tuple[str, ...], policy: BadFilePolicy,
+                         val_needed: bool = True) -> list[tuple[list[dict], dict[str, list]]]:
+    """(records, vocabularies) of ``data_dir/train`` and ``data_dir/val``, one folder per class; with
+    ``val_needed`` False (folds of train/ validate) a missing val/ is an empty split."""
     from jaxrat.data.sources import folder
 
     if tuple(heads) != ("label",):
         raise ConfigError(f"config.task.heads={tuple(heads)}: a folder per class gives one head; "
                           f"use ('label',) or a CSV for several.")
-    splits = [folder.folder_records(os.path.join(data_dir, s), policy=policy) for s in ("train", "val")]
-    return [(records, {"label": classes}) for records, classes in splits]
+    train_dir, val_dir = os.path.join(data_dir, "train"), os.path.join(data_dir, "val")
+    if os.path.isdir(data_dir) and not os.path.isdir(train_dir):
+        raise DataError(f"{data_dir} has no train/ folder; put one folder per class in {train_dir} (and in "
+                        f"{val_dir} for validation).")
+    train = folder.folder_records(train_dir, policy=policy)
+    if not os.path.isdir(val_dir):
+        if val_needed:
+            raise DataError(f"{data_dir} has no val/ folder; add {val_dir} with a folder per class as in train/, "
+                            f"or validate on folds of train/ with --config.data.folds=5.")
+        val: tuple[list[dict], list[str]] = ([], [])
+    else:
+        val = folder.folder_records(val_dir, policy=policy, empty_classes=True)
+    unknown = [c for c in val[1] if c not in train[1]]
+    if unknown:
+        near = {c.lower(): c for c in train[1]}
+        hint = (f"rename it to {near[unknown[0].lower()]!r} as in train/" if unknown[0].lower() in near
+                else "add its training images under train/, or remove it from val/")
+        raise DataError(f"Class {unknown[0]!r} of {val_dir} has no folder in {train_dir} (whose classes are "
+                        f"{', '.join(train[1][:8])}), so it cannot be learned; {hint}.")
+    return [(records, {"label": classes}) for records, classes in (train, val)]
 
 
 def _csv_splits(data_cfg: Any, data_dir: str, csvs: tuple[str, str], heads: tuple[str, ...],

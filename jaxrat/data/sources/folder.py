@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import os
 from typing import Any, Sequence
 
@@ -30,18 +31,40 @@ def _is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
 
 
-def folder_records(root: str, *, policy: BadFilePolicy | None = None) -> tuple[list[dict], list[str]]:
-    """(records, class names) of ``root/<class>/<image>``; classes in sorted order."""
+# Folders that archivers, NAS boxes and Python leave beside the classes: never a class.
+SYSTEM_FOLDERS = ("__MACOSX", "__pycache__", "@eaDir", "$RECYCLE.BIN", "System Volume Information")
+
+
+def folder_records(root: str, *, policy: BadFilePolicy | None = None,
+                   empty_classes: bool = False) -> tuple[list[dict], list[str]]:
+    """(records, class names) of ``root/<class>/<image>``; classes in sorted order. A class folder
+    without a usable image directly in it is refused (nothing to learn it from), or left out with
+    ``empty_classes`` (a validation split need not hold every class); images in a class folder's
+    sub-folders are not read, and said so."""
     policy = policy or BadFilePolicy()
     if not os.path.isdir(root):
         raise DataError(f"Image folder {root} not found; fix --config.data.data_dir.")
-    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
-    records = []
-    for label, name in enumerate(classes):
-        for f in sorted(os.listdir(os.path.join(root, name))):
-            path = os.path.join(root, name, f)
-            if _is_image_name(f) and _usable(path, policy):
-                records.append({"path": path, "labels": np.array([label], np.int32)})
+    names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
+                   and not d.startswith(".") and d not in SYSTEM_FOLDERS)
+    records, classes = [], []
+    for name in names:
+        folder = os.path.join(root, name)
+        paths = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if _is_image_name(f)
+                 and not os.path.isdir(os.path.join(folder, f))]
+        usable = [p for p in paths if _usable(p, policy)]
+        nested = sum(1 for d, _, files in os.walk(folder) if d != folder for f in files if _is_image_name(f))
+        if nested and usable:
+            logging.warning("data: %d image(s) in sub-folders of %s are not read; move them into %s itself.",
+                            nested, folder, name)
+        if not usable:
+            if empty_classes:
+                continue
+            why = (f"its {nested} image(s) are in sub-folders, which are not read; move them into {name}/ itself"
+                   if nested else "add its images, or remove the folder")
+            raise DataError(f"Class folder {folder} holds no usable image, so class {name!r} cannot be learned; {why}.")
+        label = len(classes)
+        classes.append(name)
+        records += [{"path": p, "labels": np.array([label], np.int32)} for p in usable]
     if not records:
         raise DataError(f"No images in class sub-folders of {root}; expected ROOT/<class>/<image>.jpg.")
     return records, classes

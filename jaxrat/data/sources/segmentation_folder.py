@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import os
 import random
 from typing import Sequence
@@ -36,8 +37,34 @@ SPLIT_NAMES = {"train": ("train", "training"), "validation": ("val", "validation
 
 
 def _images_in(folder: str) -> list[str]:
-    return sorted(e.path for e in os.scandir(folder)
-                  if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith("."))
+    """The image files directly in ``folder``, a broken link included (the bad-file policy meets it
+    as "file not found" instead of its image vanishing); images in sub-folders are warned about,
+    since they are not read."""
+    entries = list(os.scandir(folder))
+    found = sorted(e.path for e in entries
+                   if not e.is_dir() and e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith("."))
+    nested = {e.name: n for e in entries if e.is_dir() and not e.name.startswith(".")
+              for n in [_count_images(e.path)] if n}
+    if nested:
+        where = ", ".join(f"{name}/ ({n})" for name, n in sorted(nested.items())[:3])
+        _warn_once(f"data: {sum(nested.values())} image(s) in sub-folders of {folder} are not read: {where}; move "
+                   f"them into {os.path.basename(folder)}/ itself, or list the pairs with --config.data.pairs_csv.")
+    return found
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` once per process: every split lists the same folders."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logging.warning("%s", message)
+
+
+def _count_images(folder: str) -> int:
+    return sum(1 for _, _, files in os.walk(folder) for f in files
+               if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
 
 
 def _stem(path: str) -> str:
@@ -51,8 +78,13 @@ def _match(images: list[str], mask_dir: str, policy: BadFilePolicy) -> list[tupl
     for path in _images_in(mask_dir):
         masks.setdefault(_stem(path).lower(), []).append(path)
     pairs = []
+    used: dict[str, str] = {}
     for image in images:
         stem = _stem(image).lower()
+        if stem in used:  # a converted copy beside the original: one example (and one mask), not two
+            _warn_once(f"data: {image} has the name of {used[stem]} (one mask for both); using {used[stem]} only.")
+            continue
+        used[stem] = image
         found = [m for s in MASK_SUFFIXES for m in masks.get(stem + s, ()) if m != image]
         if len(found) > 1:
             names = " and ".join(os.path.basename(m) for m in found[:3])
@@ -77,9 +109,10 @@ def _split_folder(data_dir: str, split: str, images: str, masks: str) -> str | N
 def _csv_pairs(path: str, policy: BadFilePolicy) -> dict[str, list[tuple[str, str]]]:
     root = os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, newline="") as f:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark that would rename the first column.
+        with open(path, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.DictReader(f))
-    except OSError as e:
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"Cannot read the pairs CSV {path} ({e}); fix --config.data.pairs_csv.") from None
     if not rows or not {"image", "mask"} <= set(rows[0]):
         raise DataError(f"{path} needs the columns image,mask (and optionally split); add a header line.")

@@ -1,0 +1,140 @@
+"""A user's own folders as users leave them: a macOS archive's __MACOSX, an empty or misspelt class
+folder, images one folder too deep, a converted copy beside its original, a broken link, a CSV from
+Excel. Each trains what it should, or is refused in one sentence naming the folder and the fix;
+nothing is dropped without a word."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxrat.config_schema import load_config
+from jaxrat.data import datasets
+from jaxrat.data.badfiles import BadFilePolicy
+from jaxrat.data.imageio import BadFileError
+from jaxrat.data.sources import segmentation_folder as sf
+from jaxrat.runtime.errors import DataError
+
+
+def _png(path, value=90, size=(8, 6)):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.fromarray(np.full((size[1], size[0], 3), value, np.uint8)).save(path)
+
+
+def _classes(root, split_classes):
+    """root/<split>/<class>/<i>.png for {split: {class: count}}."""
+    for split, classes in split_classes.items():
+        for name, n in classes.items():
+            os.makedirs(os.path.join(root, split, name), exist_ok=True)
+            for i in range(n):
+                _png(os.path.join(root, split, name, f"{name}{i}.png"))
+    return root
+
+
+def _classify(root, wd, **kw):
+    config = load_config("classification")
+    config.data.data_dir, config.data.source = str(root), "folder"
+    for k, v in kw.items():
+        config.data[k] = v
+    return datasets.resolve_classification(config.data, ("label",), str(wd), seed=0, process_index=0)
+
+
+def test_a_macos_archive_folder_is_no_class(tmp_path):
+    root = _classes(str(tmp_path / "d"), {"train": {"circle": 4, "square": 4}, "val": {"circle": 2, "square": 2}})
+    _png(os.path.join(root, "train", "__MACOSX", "circle", "._circle0.png"))  # what unzip leaves
+    _png(os.path.join(root, "train", "__MACOSX", "x.png"))
+    train, val, vocabs, found = _classify(root, tmp_path / "wd")
+    assert vocabs["label"] == ["circle", "square"] and found == (2,) and len(train.records) == 8
+
+
+@pytest.mark.parametrize("layout, says", [
+    ({"train": {"circle": 4, "hexagon": 0}, "val": {"circle": 2}},
+     r"Class folder .*train/hexagon holds no usable image, so class 'hexagon' cannot be learned; add its images, "
+     r"or remove the folder\."),
+    ({"train": {"circle": 4, "square": 4}, "val": {"circle": 2, "Square": 2}},
+     r"Class 'Square' of .*/val has no folder in .*/train \(whose classes are circle, square\), so it cannot be "
+     r"learned; rename it to 'square' as in train/\."),
+    ({"train": {"circle": 4}, "val": {"circle": 2, "hexagon": 2}},
+     r"Class 'hexagon' .* cannot be learned; add its training images under train/, or remove it from val/\."),
+])
+def test_a_class_that_cannot_be_learned_is_refused_naming_it(tmp_path, layout, says):
+    root = _classes(str(tmp_path / "d"), layout)
+    with pytest.raises(DataError, match=says):
+        _classify(root, tmp_path / "wd")
+
+
+def test_images_one_folder_too_deep_are_said_and_an_only_nested_class_refused(tmp_path, caplog):
+    root = _classes(str(tmp_path / "d"), {"train": {"circle": 3, "square": 3}, "val": {"circle": 1, "square": 1}})
+    for i in range(2):
+        _png(os.path.join(root, "train", "circle", "batch2", f"c{i}.png"))
+    with caplog.at_level(logging.WARNING):
+        train, *_ = _classify(root, tmp_path / "wd")
+    assert len(train.records) == 6 and "2 image(s) in sub-folders of" in caplog.text and "are not read" in caplog.text
+    deep = _classes(str(tmp_path / "deep"), {"train": {"square": 3}, "val": {"square": 1}})
+    for i in range(3):
+        _png(os.path.join(deep, "train", "circle", "batch1", f"c{i}.png"))
+    with pytest.raises(DataError, match=r"train/circle holds no usable image.*its 3 image\(s\) are in sub-folders, "
+                                        r"which are not read; move them into circle/ itself\."):
+        _classify(deep, tmp_path / "wd2")
+
+
+def test_folds_need_no_val_folder_and_without_folds_the_message_says_so(tmp_path):
+    root = _classes(str(tmp_path / "d"), {"train": {"circle": 6, "square": 6}})
+    with pytest.raises(DataError, match=r"has no val/ folder; add .*/val with a folder per class as in train/, or "
+                                        r"validate on folds of train/ with --config.data.folds=5\."):
+        _classify(root, tmp_path / "wd")
+    train, val, _, _ = _classify(root, tmp_path / "wd", folds=3, fold=0)
+    assert len(train.records) + len(val.records) == 12 and len(val.records) == 4
+
+
+def _pairs(root, stems, image_ext=".png"):
+    for stem in stems:
+        _png(os.path.join(root, "images", stem + image_ext))
+        mask = np.zeros((6, 8), np.uint8)
+        mask[1:4, 2:6] = 1
+        os.makedirs(os.path.join(root, "masks"), exist_ok=True)
+        Image.fromarray(mask).save(os.path.join(root, "masks", stem + ".png"))
+    return root
+
+
+def test_a_converted_copy_beside_its_image_is_one_example_with_a_warning(tmp_path, caplog):
+    root = _pairs(str(tmp_path / "d"), [f"im{i:02d}" for i in range(10)])
+    _png(os.path.join(root, "images", "im05.jpg"))  # the same photo, converted
+    with caplog.at_level(logging.WARNING):
+        pairs = sf.find_pairs(root, "train", val_fraction=0.3) + sf.find_pairs(root, "validation", val_fraction=0.3)
+    assert len(pairs) == 10 and len({m for _, m in pairs}) == 10  # no mask twice, so none in both splits
+    assert "im05.png has the name of" in caplog.text and "im05.jpg" in caplog.text
+
+
+def test_a_broken_link_is_a_missing_file_not_a_vanished_image(tmp_path):
+    root = _pairs(str(tmp_path / "d"), [f"im{i:02d}" for i in range(6)])
+    os.symlink(str(tmp_path / "gone.png"), os.path.join(root, "images", "zz.png"))
+    os.symlink(str(tmp_path / "gone.png"), os.path.join(root, "masks", "zz.png"))
+    pairs = sf.find_pairs(root, "train", val_fraction=0.5) + sf.find_pairs(root, "validation", val_fraction=0.5)
+    assert any(img.endswith("zz.png") for img, _ in pairs)  # the pipeline's bad-file policy meets it
+    from jaxrat.data.sources import isic
+
+    with pytest.raises(BadFileError, match=r"zz.png: file not found"):
+        isic.check_pairs(sorted(pairs), BadFilePolicy(), "the dataset")
+
+
+def test_a_pairs_csv_from_excel_with_a_byte_order_mark_is_read(tmp_path):
+    root = _pairs(str(tmp_path / "d"), [f"im{i:02d}" for i in range(6)])
+    rows = [f"images/im{i:02d}.png,masks/im{i:02d}.png,{'val' if i < 2 else 'train'}" for i in range(6)]
+    with open(os.path.join(root, "pairs.csv"), "w", encoding="utf-8-sig") as f:
+        f.write("image,mask,split\r\n" + "\r\n".join(rows) + "\r\n")
+    assert len(sf.find_pairs(root, "train", pairs_csv="pairs.csv")) == 4
+    assert len(sf.find_pairs(root, "validation", pairs_csv="pairs.csv")) == 2
+
+
+def test_a_folder_without_a_test_split_says_so(tmp_path):
+    root = _pairs(str(tmp_path / "d"), [f"im{i:02d}" for i in range(6)])
+    config = load_config("segmentation")
+    config.data.data_dir, config.data.eval_split = root, "test"
+    with pytest.raises(DataError, match=r"has no test split \(a test/ folder holding images/ and masks/, or rows "
+                                        r"with split=test in the pairs CSV\); evaluate --split validation or train"):
+        datasets.resolve_segmentation(config.data, str(tmp_path / "wd"), seed=0, process_index=0, num_classes=2)
