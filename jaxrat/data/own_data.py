@@ -4,13 +4,16 @@
 ``segmentation:demo``, ...) trains on DIR: the resolved config then says so itself
 (``data.synthetic`` off, in ``config.json`` too, so evaluation and prediction read DIR as well), and
 the synthetic data's class names are not the user's (their classes are named by
-``task.class_names`` when given, else ``class_<k>``).
+``task.class_names`` when given, else ``class_<k>``). A classification demo's two synthetic heads
+(shape, kind) become the one head a folder per class gives (``data.source=folder``), as in
+``configs/classification.py`` without a variant.
 """
 
 from __future__ import annotations
 
 import ml_collections as mlc
 
+from jaxrat.data.synthetic.classification import LABEL_COLUMNS as SYNTHETIC_HEADS
 from jaxrat.data.synthetic.segmentation import CLASS_NAMES as SYNTHETIC_CLASS_NAMES
 
 
@@ -24,6 +27,13 @@ def on_own_data(config: mlc.ConfigDict) -> mlc.ConfigDict:
         task = config.get("task")
         if task is not None and tuple(task.get("class_names", ()) or ()) == SYNTHETIC_CLASS_NAMES:
             task.class_names = ()
+        one_head = data.get("source") == "folder"  # a folder per class gives one head
+        if task is not None and tuple(task.get("heads", ()) or ()) == SYNTHETIC_HEADS and one_head:
+            task.heads, task.num_classes, task.loss_weights = ("label",), (0,), (1.0,)
+            checkpoint = config.get("checkpoint")
+            best = str(checkpoint.get("best_metric", "")) if checkpoint is not None else ""
+            if best.split("/")[1:2] in (["shape"], ["kind"]):  # a synthetic head's metric
+                checkpoint.best_metric = "eval/label/balanced_accuracy"
     from jaxrat.data.datasets import note_synthetic_off
 
     note_synthetic_off(data.data_dir)

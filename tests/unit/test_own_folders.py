@@ -138,3 +138,15 @@ def test_a_folder_without_a_test_split_says_so(tmp_path):
     with pytest.raises(DataError, match=r"has no test split \(a test/ folder holding images/ and masks/, or rows "
                                         r"with split=test in the pairs CSV\); evaluate --split validation or train"):
         datasets.resolve_segmentation(config.data, str(tmp_path / "wd"), seed=0, process_index=0, num_classes=2)
+
+
+def test_the_classification_demo_on_a_folder_per_class_is_one_head():
+    from jaxrat.data.own_data import on_own_data
+
+    config = on_own_data(load_config("classification:demo"))
+    assert config.task.heads == ("shape", "kind")  # the demo itself
+    config.data.data_dir, config.data.source = "/my/folders", "folder"
+    config = on_own_data(config)
+    assert not config.data.synthetic and config.task.heads == ("label",)
+    assert config.task.num_classes == (0,) and config.task.loss_weights == (1.0,)
+    assert config.checkpoint.best_metric == "eval/label/balanced_accuracy"
