@@ -1,5 +1,6 @@
 """User mistakes end with one clear sentence and exit status 2, never a traceback."""
 
+import json
 import os
 import re
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.config_schema import check_override_args
+from jaxrat.config_schema import check_override_args, load_config
 from jaxrat.data import badfiles
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
@@ -130,3 +131,17 @@ def test_skip_trains_and_evaluates_through_odd_and_bad_files_in_both_splits(tmp_
     rows = read_metrics(wd)
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in rows if "eval/dice" in r] == [3, 6]
+
+
+def test_a_wrong_typed_config_json_is_refused_before_the_workdir_is_made(tmp_path):
+    raw = json.loads(load_config(SMOKE).to_json_best_effort())
+    raw["num_train_steps"] = "30"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    wd = tmp_path / "wd"
+    proc = run_main(str(wd), config=str(tmp_path / "config.json"), check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(f'jaxrat: error: {tmp_path / "config.json"}: num_train_steps is "30", not an '
+                                        'integer; write it like the default, 1000, or delete the key to take that '
+                                        'default.'), proc.stderr[-3000:]
+    assert not wd.exists(), "a refused run leaves no workdir behind"
