@@ -30,7 +30,7 @@ def resolve_config_path(path: str) -> str:
     """The file a ``--config`` path names: the path itself when it is a file; else a packaged config
     named ``NAME`` (or ``NAME.py``, or ``configs/NAME.py`` from outside a clone, as the docs write it).
 
-    A path that names neither is a ConfigError listing the packaged names.
+    A path that names neither is a ConfigError listing the packaged names; a folder is one saying what to pass.
     """
     if os.path.isfile(path):
         return path
@@ -38,10 +38,22 @@ def resolve_config_path(path: str) -> str:
     folder = os.path.basename(os.path.dirname(os.path.normpath(path)))
     if (folder in ("", "configs") and path.endswith((".py", name)) and not path.endswith(".json")
             and name in packaged_configs()):
-        return os.path.join(PACKAGED_DIR, name + ".py")
+        return os.path.join(PACKAGED_DIR, name + ".py")  # even beside a folder of that name (./coco, the data)
+    if os.path.isdir(path):
+        raise ConfigError(_folder_message(path))
     names = ", ".join(packaged_configs())
     raise ConfigError(f"Config file {path} does not exist; pass a config file's path or a packaged config's "
                       f"name ({names}), e.g. --config isic:demo.")
+
+
+def _folder_message(path: str) -> str:
+    """What to pass instead of the folder ``path``: its config.json when it is a run's folder."""
+    run_config = os.path.join(path, "config.json")
+    if os.path.isfile(run_config):
+        return (f"--config {path} is a folder, not a config file; pass {run_config} to train with that run's "
+                f"config.")
+    return (f"--config {path} is a folder, not a config file; pass a config file's path (.py), a run's "
+            f"config.json or a packaged config's name ({', '.join(packaged_configs())}).")
 
 
 ALLOW_IMPORT_HELP = ("A module (or package) whose task a run's config.json may name as task.name='module:Class'; "
@@ -203,6 +215,10 @@ def load_config_module(path: str) -> Any:
     """Import the config file at ``path`` (or the packaged config it names) as a module (for
     ``get_config``, ``get_sweep``)."""
     path = resolve_config_path(path)
+    if not path.endswith(".py"):
+        # Only a .py file is imported as code: an image or a YAML file has no loader (spec None) to run it.
+        raise ConfigError(f"--config {path} is neither a Python config file (.py, defining get_config()) nor a "
+                          f"run's config.json; pass one of those, or a packaged config's name such as isic:demo.")
     name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)

@@ -2,12 +2,14 @@
 field taking its default, each mistake one sentence naming the key, the file and what was expected."""
 
 import json
+import os
+import re
 
 import pytest
 
 from jaxrat.config_schema import load_config
 from jaxrat.runtime.errors import ConfigError
-from runner import SMOKE
+from runner import REPO, SMOKE
 
 
 def _write(tmp_path, edit):
@@ -71,3 +73,35 @@ def test_the_task_and_models_own_fields_are_kept(tmp_path):
     config = load_config(_write(tmp_path, lambda raw: None))
     smoke = load_config(SMOKE)
     assert config.task.to_dict() == json.loads(smoke.task.to_json_best_effort())
+
+
+@pytest.mark.parametrize("name", ["my.yaml", "photo.png", "settings.cfg"])
+def test_a_file_neither_python_nor_json_is_one_sentence(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\x89PNG\r\n" if name.endswith(".png") else b"num_train_steps: 30\n")
+    with pytest.raises(ConfigError, match=rf"--config {re.escape(str(path))} is neither a Python config file "
+                                          r"\(\.py, defining get_config\(\)\) nor a run's config\.json"):
+        load_config(str(path))
+
+
+def test_a_run_folder_names_its_config_json(tmp_path):
+    run = tmp_path / "run1"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(run))
+    assert str(e.value) == (f"--config {run} is a folder, not a config file; pass {run / 'config.json'} to train "
+                            "with that run's config.")
+
+
+def test_a_folder_is_not_said_to_be_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a folder, not a config file; pass a config file's path \(\.py\), "
+                                          r"a run's config\.json or a packaged config's name \(ablations, "):
+        load_config(str(tmp_path))
+
+
+def test_a_packaged_name_wins_over_a_folder_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "coco").mkdir()  # the dataset, say
+    packaged = load_config(os.path.join(REPO, "configs", "coco.py") + ":smoke")
+    assert load_config("coco:smoke").to_dict() == packaged.to_dict()
