@@ -23,6 +23,7 @@ from absl import flags
 from jaxrat.cli.entry import TrainedRunFlags, no_positional, run_with_config_overrides, user_errors
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import quiet_libraries
+from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.interrupt import Stopped, raise_on_signals
 
 _RUN = TrainedRunFlags(__name__)
@@ -66,6 +67,9 @@ def _predict(overrides: list[str]) -> None:
     from jaxrat.inference.inputs import expand_inputs
     from jaxrat.inference.run import Options, check_output, claim_output
 
+    if _BATCH.value < 0:
+        raise UserError(f"--batch {_BATCH.value} is negative; pass the images per forward pass (>= 1), or 0 for "
+                        f"the run's evaluation batch.")
     tta = parse_tta(_TTA.value)
     options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
                       top_k=_TOP_K.value, min_score=_MIN_SCORE.value)

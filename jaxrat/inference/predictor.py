@@ -66,6 +66,9 @@ class Predictor:
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
                  tta: augment.TTA = augment.TTA(), data_dir: str = "", opened: Opened | None = None) -> None:
+        if batch_size < 0:
+            raise UserError(f"batch_size={batch_size} is negative; pass the images per forward pass (>= 1), or 0 for "
+                            f"the run's evaluation batch.")
         self.config, self.workdir, self.tta = config, workdir, tta
         with contextlib.ExitStack() as stack:  # held from resolving to loading: a training may rotate it away
             if opened is None:

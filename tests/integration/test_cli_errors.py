@@ -3,6 +3,8 @@
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from jaxrat.data import badfiles
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.runtime.errors import ConfigError
-from runner import SMOKE, read_metrics, run_main
+from runner import REPO, SMOKE, env_with_devices, read_metrics, run_main
 
 
 def test_unknown_key_suggests_the_right_one():
@@ -145,3 +147,19 @@ def test_a_wrong_typed_config_json_is_refused_before_the_workdir_is_made(tmp_pat
                                         'integer; write it like the default, 1000, or delete the key to take that '
                                         'default.'), proc.stderr[-3000:]
     assert not wd.exists(), "a refused run leaves no workdir behind"
+
+
+def test_predict_refuses_a_negative_batch_before_writing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "p"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.predict", f"--workdir={run}", f"--input={tmp_path / 'a.png'}",
+                           f"--out={out}", "--batch=-1"], cwd=REPO, env=env_with_devices(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith("jaxrat: error: --batch -1 is negative; pass the images per forward pass "
+                                        "(>= 1), or 0 for the run's evaluation batch."), proc.stderr[-3000:]
+    assert not out.exists(), "a refused prediction leaves no output folder"
