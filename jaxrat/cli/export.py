@@ -56,8 +56,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
             require_onnx()
         from jaxrat.inference import exported
         from jaxrat.inference.checkpoint_choice import choose
-        from jaxrat.inference.exporting import export_model, portable
+        from jaxrat.inference.exporting import export_model, platform_names, portable
         from jaxrat.inference.predictor import Predictor
+        platforms = platform_names(platforms)
         workdir, config = _RUN.open(overrides)
         # Before the minutes of loading and exporting: never the run's files or its data, writable,
         # not full; --overwrite replaces only a previous export's files. (A non-empty --out was once

@@ -163,3 +163,20 @@ def test_predict_refuses_a_negative_batch_before_writing(tmp_path):
     assert proc.stderr.strip().endswith("jaxrat: error: --batch -1 is negative; pass the images per forward pass "
                                         "(>= 1), or 0 for the run's evaluation batch."), proc.stderr[-3000:]
     assert not out.exists(), "a refused prediction leaves no output folder"
+
+
+@pytest.mark.parametrize("platforms, needle", [
+    ("bogus", "--platforms bogus is not a platform jax.export knows; pass cpu, cuda, rocm or tpu (several separated "
+              "by commas, e.g. cpu,cuda)."),
+    ("cpu,gpu", "--platforms gpu: jax.export names a GPU by its runtime; pass cuda (NVIDIA) or rocm (AMD)."),
+])
+def test_export_refuses_a_platform_jax_export_does_not_know_before_writing(tmp_path, platforms, needle):
+    (tmp_path / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    out = tmp_path / "e"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={tmp_path}", f"--out={out}",
+                           f"--platforms={platforms}"], cwd=REPO, env=env_with_devices(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(f"jaxrat: error: {needle}"), proc.stderr[-3000:]
+    assert not out.exists(), "a refused export leaves no output folder"
