@@ -33,7 +33,8 @@ _INPUT = flags.DEFINE_string("input", None, "A folder (recursive), an image, a g
 _OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace jaxrat's outputs in an existing non-empty --out.")
 _SAVE_PROBS = flags.DEFINE_enum("save_probs", "", ["", "png16", "npy"],
-                                "Also save segmentation probabilities: 16-bit PNG (p * 65535) or float32 .npy.")
+                                "Also save segmentation probabilities: 16-bit PNG (p * 65535) or float32 .npy "
+                                "(multi-class runs: npy, (H, W, classes)).")
 _TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
 _TILE = flags.DEFINE_integer("tile", 0, "Segmentation: predict at the image's own resolution in TILE x TILE windows.")
 _OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with its neighbour (with --tile).")
@@ -77,6 +78,7 @@ def _predict(overrides: list[str]) -> None:
         check_tiling(options.tile, options.overlap)
     inputs = expand_inputs(_INPUT.value)
     workdir, config = _RUN.open(overrides)
+    _check_save_probs(config)
     import jax
 
     from jaxrat.runtime.output_folder import run_inputs
@@ -96,6 +98,14 @@ def _predict(overrides: list[str]) -> None:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_save_probs(config: Any) -> None:
+    """Refuse --save_probs png16 for a multi-class segmentation run before --out is claimed."""
+    from jaxrat.inference.writers import check_probs_format
+
+    if _SAVE_PROBS.value and config.task.get("name") == "segmentation":
+        check_probs_format(_SAVE_PROBS.value, int(config.model.get("num_classes", 1) or 1))
 
 
 def _predict_files(config: Any, workdir: str, inputs: list[Any], tta: Any, options: Any) -> dict[str, Any]:

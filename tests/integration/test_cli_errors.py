@@ -180,3 +180,20 @@ def test_export_refuses_a_platform_jax_export_does_not_know_before_writing(tmp_p
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().endswith(f"jaxrat: error: {needle}"), proc.stderr[-3000:]
     assert not out.exists(), "a refused export leaves no output folder"
+
+
+def test_predict_refuses_png16_probabilities_of_a_multiclass_run_before_writing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(load_config(os.path.join(REPO, "configs", "segmentation.py") + ":smoke")
+                                     .to_json_best_effort())
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "p"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.predict", f"--workdir={run}", f"--input={tmp_path / 'a.png'}",
+                           f"--out={out}", "--save_probs=png16"], cwd=REPO, env=env_with_devices(1),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().endswith("jaxrat: error: --save_probs png16 writes one probability per pixel, but this "
+                                        "run predicts 3 classes; pass --save_probs npy for each class's probability, "
+                                        "(H, W, 3) float32."), proc.stderr[-3000:]
+    assert not out.exists(), "a refused prediction leaves no output folder"
