@@ -43,6 +43,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
     quiet_libraries()
     with user_errors():
         no_positional(argv, "--workdir, --out, --format, --platforms, --batch")
+        from jaxrat.inference.checkpoint_choice import check_step
+
+        check_step(_STEP.value)
         platforms = tuple(p.strip() for p in _PLATFORMS.value.split(",") if p.strip())
         if not platforms or _BATCH.value < 0:
             raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a number >= 0.")

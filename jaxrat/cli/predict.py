@@ -65,9 +65,11 @@ def _predict(overrides: list[str]) -> None:
     """Check the options, expand the inputs, open the run; then process 0 claims --out under its lock
     (checked before the minutes of loading) while every process predicts its share of the images."""
     from jaxrat.inference.augment import check_tiling, parse_tta
+    from jaxrat.inference.checkpoint_choice import check_step
     from jaxrat.inference.inputs import expand_inputs
     from jaxrat.inference.run import Options, check_output, claim_output
 
+    check_step(_STEP.value)
     if _BATCH.value < 0:
         raise UserError(f"--batch {_BATCH.value} is negative; pass the images per forward pass (>= 1), or 0 for "
                         f"the run's evaluation batch.")

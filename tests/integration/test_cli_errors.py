@@ -197,3 +197,18 @@ def test_predict_refuses_png16_probabilities_of_a_multiclass_run_before_writing(
                                         "run predicts 3 classes; pass --save_probs npy for each class's probability, "
                                         "(H, W, 3) float32."), proc.stderr[-3000:]
     assert not out.exists(), "a refused prediction leaves no output folder"
+
+
+@pytest.mark.parametrize("command", ["predict", "export"])
+def test_an_invalid_step_is_refused_before_writing(tmp_path, command):
+    (tmp_path / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    extra = [f"--input={tmp_path / 'a.png'}"] if command == "predict" else []
+    proc = subprocess.run([sys.executable, "-m", f"jaxrat.{command}", f"--workdir={tmp_path}", f"--out={out}",
+                           "--step=foo", *extra], cwd=REPO, env=env_with_devices(1), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().endswith("jaxrat: error: --step foo names no checkpoint; pass a step number (0 or "
+                                        "more), latest or best."), proc.stderr[-3000:]
+    assert not out.exists()
