@@ -132,6 +132,19 @@ def _problem(where: str, items: Sequence[str]) -> str | None:
     return f"{bad[0]} reads back different from what was saved ({len(bad)} arrays differ)" if bad else None
 
 
+def _damaged(real: str, pinned: str | None, problem: str, elsewhere: Sequence[int], others: str) -> UserError:
+    """The sentence for a checkpoint that cannot be read; the folder named is ``real``, never the temporary
+    ``pinned`` copy the reader held (gone once the sentence is read), and another step is suggested only
+    where the run holds one."""
+    if pinned:  # the reason may be cut short inside the copy's path: its folder then reads as the real one's
+        problem = problem.replace(pinned, real).replace(os.path.dirname(pinned), os.path.dirname(real))
+    if not elsewhere:
+        return UserError(f"The checkpoint {real} cannot be read ({problem}) and it is the run's only complete "
+                         f"checkpoint; restore that folder from a copy, or train the run again.")
+    return UserError(f"The checkpoint {real} cannot be read ({problem}); ask for another step (complete: {others}) "
+                     f"or --step latest, which skips damaged ones.")
+
+
 @contextlib.contextmanager
 def open_checkpoint(spec: str, items: Sequence[str] = ("params",), *, together: bool = True) -> Iterator[Opened]:
     """The checkpoint ``PATH[:STEP|:best|:latest]`` held still and checked, for reading ``items``.
@@ -171,5 +184,4 @@ def open_checkpoint(spec: str, items: Sequence[str] = ("params",), *, together: 
             raise UserError(f"Checkpoint step {step} of {directory} was removed while it was read (the training "
                             f"there keeps only its newest checkpoints); ask for --step latest or a step it still "
                             f"holds ({others}).")
-        raise UserError(f"The checkpoint {os.path.join(directory, str(step))} cannot be read ({problem}); ask for "
-                        f"another step (complete: {others}) or --step latest, which skips damaged ones.")
+        raise _damaged(os.path.join(directory, str(step)), where, problem, [s for s in steps if s != step], others)

@@ -145,7 +145,8 @@ def resolve(spec: str) -> tuple[str, int]:
     directory = checkpoint_dir(path)
     steps = committed_steps(directory)
     if not steps:
-        raise UserError(f"{directory} holds no complete checkpoint; point init_from at a run that saved one.")
+        raise UserError(f"{directory} holds no complete checkpoint; train that run first, or name a run "
+                        f"that saved one.")
     if step_spec in ("", "latest"):
         return directory, steps[-1]
     if step_spec == "best":
@@ -153,7 +154,7 @@ def resolve(spec: str) -> tuple[str, int]:
         if best is None:
             raise UserError(
                 f"{directory} has no ranked checkpoint (no eval metric was saved with one); "
-                f"use :latest or a step number ({', '.join(map(str, steps))})."
+                f"ask for the latest or a step number ({', '.join(map(str, steps))}) instead."
             )
         return directory, best[0]
     if int(step_spec) not in steps:

@@ -43,6 +43,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
     quiet_libraries()
     with user_errors():
         no_positional(argv, "--workdir, --out, --format, --platforms, --batch")
+        from jaxrat.inference.checkpoint_choice import check_step
+
+        check_step(_STEP.value)
         platforms = tuple(p.strip() for p in _PLATFORMS.value.split(",") if p.strip())
         if not platforms or _BATCH.value < 0:
             raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a number >= 0.")
@@ -56,8 +59,9 @@ def main(argv: list[str], overrides: list[str]) -> None:
             require_onnx()
         from jaxrat.inference import exported
         from jaxrat.inference.checkpoint_choice import choose
-        from jaxrat.inference.exporting import export_model, portable
+        from jaxrat.inference.exporting import export_model, platform_names, portable
         from jaxrat.inference.predictor import Predictor
+        platforms = platform_names(platforms)
         workdir, config = _RUN.open(overrides)
         # Before the minutes of loading and exporting: never the run's files or its data, writable,
         # not full; --overwrite replaces only a previous export's files. (A non-empty --out was once

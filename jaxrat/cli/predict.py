@@ -23,6 +23,7 @@ from absl import flags
 from jaxrat.cli.entry import TrainedRunFlags, no_positional, run_with_config_overrides, user_errors
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import quiet_libraries
+from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.interrupt import Stopped, raise_on_signals
 
 _RUN = TrainedRunFlags(__name__)
@@ -32,7 +33,8 @@ _INPUT = flags.DEFINE_string("input", None, "A folder (recursive), an image, a g
 _OUT = flags.DEFINE_string("out", None, "Output folder (new or empty; see --overwrite).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace jaxrat's outputs in an existing non-empty --out.")
 _SAVE_PROBS = flags.DEFINE_enum("save_probs", "", ["", "png16", "npy"],
-                                "Also save segmentation probabilities: 16-bit PNG (p * 65535) or float32 .npy.")
+                                "Also save segmentation probabilities: 16-bit PNG (p * 65535) or float32 .npy "
+                                "(multi-class runs: npy, (H, W, classes)).")
 _TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
 _TILE = flags.DEFINE_integer("tile", 0, "Segmentation: predict at the image's own resolution in TILE x TILE windows.")
 _OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with its neighbour (with --tile).")
@@ -63,9 +65,14 @@ def _predict(overrides: list[str]) -> None:
     """Check the options, expand the inputs, open the run; then process 0 claims --out under its lock
     (checked before the minutes of loading) while every process predicts its share of the images."""
     from jaxrat.inference.augment import check_tiling, parse_tta
+    from jaxrat.inference.checkpoint_choice import check_step
     from jaxrat.inference.inputs import expand_inputs
     from jaxrat.inference.run import Options, check_output, claim_output
 
+    check_step(_STEP.value)
+    if _BATCH.value < 0:
+        raise UserError(f"--batch {_BATCH.value} is negative; pass the images per forward pass (>= 1), or 0 for "
+                        f"the run's evaluation batch.")
     tta = parse_tta(_TTA.value)
     options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
                       top_k=_TOP_K.value, min_score=_MIN_SCORE.value)
@@ -73,6 +80,7 @@ def _predict(overrides: list[str]) -> None:
         check_tiling(options.tile, options.overlap)
     inputs = expand_inputs(_INPUT.value)
     workdir, config = _RUN.open(overrides)
+    _check_save_probs(config)
     import jax
 
     from jaxrat.runtime.output_folder import run_inputs
@@ -92,6 +100,14 @@ def _predict(overrides: list[str]) -> None:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_save_probs(config: Any) -> None:
+    """Refuse --save_probs png16 for a multi-class segmentation run before --out is claimed."""
+    from jaxrat.inference.writers import check_probs_format
+
+    if _SAVE_PROBS.value and config.task.get("name") == "segmentation":
+        check_probs_format(_SAVE_PROBS.value, int(config.model.get("num_classes", 1) or 1))
 
 
 def _predict_files(config: Any, workdir: str, inputs: list[Any], tta: Any, options: Any) -> dict[str, Any]:

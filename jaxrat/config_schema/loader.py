@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import ml_collections as mlc
 
+from jaxrat.config_schema.base import base_config, default
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError
 
@@ -29,7 +30,7 @@ def resolve_config_path(path: str) -> str:
     """The file a ``--config`` path names: the path itself when it is a file; else a packaged config
     named ``NAME`` (or ``NAME.py``, or ``configs/NAME.py`` from outside a clone, as the docs write it).
 
-    A path that names neither is a ConfigError listing the packaged names.
+    A path that names neither is a ConfigError listing the packaged names; a folder is one saying what to pass.
     """
     if os.path.isfile(path):
         return path
@@ -37,10 +38,22 @@ def resolve_config_path(path: str) -> str:
     folder = os.path.basename(os.path.dirname(os.path.normpath(path)))
     if (folder in ("", "configs") and path.endswith((".py", name)) and not path.endswith(".json")
             and name in packaged_configs()):
-        return os.path.join(PACKAGED_DIR, name + ".py")
+        return os.path.join(PACKAGED_DIR, name + ".py")  # even beside a folder of that name (./coco, the data)
+    if os.path.isdir(path):
+        raise ConfigError(_folder_message(path))
     names = ", ".join(packaged_configs())
     raise ConfigError(f"Config file {path} does not exist; pass a config file's path or a packaged config's "
                       f"name ({names}), e.g. --config isic:demo.")
+
+
+def _folder_message(path: str) -> str:
+    """What to pass instead of the folder ``path``: its config.json when it is a run's folder."""
+    run_config = os.path.join(path, "config.json")
+    if os.path.isfile(run_config):
+        return (f"--config {path} is a folder, not a config file; pass {run_config} to train with that run's "
+                f"config.")
+    return (f"--config {path} is a folder, not a config file; pass a config file's path (.py), a run's "
+            f"config.json or a packaged config's name ({', '.join(packaged_configs())}).")
 
 
 ALLOW_IMPORT_HELP = ("A module (or package) whose task a run's config.json may name as task.name='module:Class'; "
@@ -120,7 +133,73 @@ def read_config_json(path: str) -> mlc.ConfigDict:
         raise ConfigError(f"{path} is not valid JSON ({e}); it was not written by jaxrat, or was damaged.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds no config object; pass the config.json in a training run's workdir.")
-    return mlc.ConfigDict(_tuples(raw))
+    return mlc.ConfigDict(_tuples(checked_json(raw, path)))
+
+
+def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
+    """``raw`` (a config.json's object) with every field the schema (:func:`base.base_config`) knows
+    checked against the kind of its default, as ``--config.KEY=VALUE`` overrides are, and every one it
+    lacks set to :func:`base.default` (an older jaxrat wrote no such field); a ConfigError names the
+    first wrong one. The task's and model's own fields are not in the schema and are kept as they are.
+    """
+    for key, schema_value in flatten(base_config()).items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for i, name in enumerate(parents):
+            child = node.setdefault(name, {})
+            if not isinstance(child, dict):
+                section = ".".join(parents[:i + 1])
+                raise ConfigError(f"{path}: {section} is {json.dumps(child)}, not a section of fields; write it "
+                                  f"as an object of fields, or delete it to take the defaults.")
+            node = child
+        if leaf not in node:
+            node[leaf] = default(key)
+        else:
+            node[leaf] = _checked_json_value(key, node[leaf], schema_value, path)
+    return raw
+
+
+def _checked_json_value(key: str, value: Any, schema_value: Any, path: str) -> Any:
+    """``value`` if of ``schema_value``'s kind (an integer for a float field made a float), else a ConfigError."""
+    kind, expected = _json_kind(schema_value), None
+    if kind is int:
+        expected = None if _json_kind(value) is int else "an integer"  # a step count, a size: 30, not 30.0
+    elif kind is float:
+        expected = None if _json_kind(value) in (int, float) else "a number"
+        value = float(value) if expected is None else value
+    elif kind is tuple:
+        expected = _json_list_misfit(key, value, schema_value)
+    elif _json_kind(value) is not kind:
+        expected = {bool: "true or false", str: "a string (in double quotes)"}.get(kind, f"a {kind.__name__}")
+    if expected:
+        shown = json.dumps(list(schema_value) if isinstance(schema_value, tuple) else schema_value)
+        raise ConfigError(f"{path}: {key} is {json.dumps(value)}, not {expected}; write it like the default, "
+                          f"{shown}, or delete the key to take that default.")
+    return value
+
+
+def _json_kind(value: Any) -> type:
+    """The kind a JSON value (or a schema default) is checked as: bool, int, float, str, tuple (lists) or other."""
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, (tuple, list)):
+        return tuple
+    return type(value)
+
+
+def _json_list_misfit(key: str, value: Any, schema_value: tuple) -> str | None:
+    """What a tuple field expects, where ``value`` (from JSON) does not fit it: a range is two ordered
+    numbers, other lists hold items of the default's kind; None where it fits."""
+    if key in RANGES:
+        fits = (isinstance(value, list) and len(value) == 2 and all(_kind(v) is float for v in value)
+                and value[0] <= value[1])
+        return None if fits else "a range [low, high] with low <= high"
+    if not isinstance(value, list):
+        return "a list"
+    kinds = {_kind(v) for v in schema_value}
+    if len(kinds) == 1 and any(_kind(v) not in kinds for v in value):
+        return "a list of " + {float: "numbers", str: "strings", tuple: "lists", bool: "booleans"}[kinds.pop()]
+    return None
 
 
 def _tuples(x: Any) -> Any:
@@ -136,6 +215,10 @@ def load_config_module(path: str) -> Any:
     """Import the config file at ``path`` (or the packaged config it names) as a module (for
     ``get_config``, ``get_sweep``)."""
     path = resolve_config_path(path)
+    if not path.endswith(".py"):
+        # Only a .py file is imported as code: an image or a YAML file has no loader (spec None) to run it.
+        raise ConfigError(f"--config {path} is neither a Python config file (.py, defining get_config()) nor a "
+                          f"run's config.json; pass one of those, or a packaged config's name such as isic:demo.")
     name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)

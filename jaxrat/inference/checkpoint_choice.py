@@ -7,12 +7,21 @@ from __future__ import annotations
 import logging
 
 from jaxrat.checkpointing.store import best_step, checkpoint_dir, committed_steps
+from jaxrat.runtime.errors import UserError
 
 AUTO = ""  # the --step default: best when ranked, else latest
 
 
+def check_step(step: str) -> None:
+    """Refuse a --step that is neither a step number, "latest", "best" nor :data:`AUTO` (before anything is written)."""
+    if not (step == AUTO or step.isdigit() or step in ("best", "latest")):
+        raise UserError(f"--step {step} names no checkpoint; pass a step number (0 or more), latest or best.")
+
+
 def choose(workdir: str, step: str) -> str:
-    """``step`` as given, or for :data:`AUTO` "best" or "latest" (logged: which step, and why)."""
+    """``step`` as given (checked by :func:`check_step`), or for :data:`AUTO` "best" or "latest" (logged:
+    which step, and why)."""
+    check_step(step)
     if step != AUTO:
         return step
     directory = checkpoint_dir(workdir)

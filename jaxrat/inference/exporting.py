@@ -26,6 +26,22 @@ from jaxrat.runtime.errors import UserError
 
 # Largest difference allowed between the deserialised function and the model.
 TOLERANCE = 1e-5
+# The platform names jax.export lowers for and its loader compares with jax.default_backend():
+# a name outside them ("CPU", "bogus") exported fine and then refused to load anywhere.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def platform_names(platforms: Sequence[str]) -> tuple[str, ...]:
+    """``platforms`` lower-cased, each once, in order; a UserError for a name jax.export does not know."""
+    names = tuple(dict.fromkeys(p.strip().lower() for p in platforms if p.strip()))
+    for name in names:
+        if name == "gpu":
+            raise UserError("--platforms gpu: jax.export names a GPU by its runtime; pass cuda (NVIDIA) or rocm "
+                            "(AMD).")
+        if name not in PLATFORMS:
+            raise UserError(f"--platforms {name} is not a platform jax.export knows; pass {', '.join(PLATFORMS[:-1])} "
+                            f"or {PLATFORMS[-1]} (several separated by commas, e.g. cpu,cuda).")
+    return names
 
 
 def portable(config: Any) -> Any:
@@ -88,6 +104,7 @@ def export_model(predictor: Any, out: str, *, platforms: Sequence[str] = ("cpu",
 
     if predictor.tta.active:
         raise UserError("Export does not include test-time augmentation; export without --tta.")
+    platforms = platform_names(platforms)
     s, kind = predictor.image_size, predictor.kind
     params = jax.device_get(predictor.params)  # constants of the program, on no particular device
     mean, std = np.asarray(IMAGENET_MEAN, np.float32), np.asarray(IMAGENET_STD, np.float32)

@@ -42,8 +42,9 @@ KINDS = {"SegmentationTask": "segmentation", "ClassificationTask": "classificati
 class Prediction:
     """One image's outputs at its original size. Segmentation: ``probability`` (H, W) and ``mask``
     (H, W) bool (multi-class: ``labels`` (H, W) uint8 classes, ``probability`` the winning class's,
-    ``mask`` not background); classification: ``heads`` {head: (classes,) probabilities}; detection: ``boxes``
-    (K, 4) x1, y1, x2, y2 in pixels, ``scores`` (K,), ``labels`` (K,) contiguous class indices."""
+    ``class_probabilities`` (H, W, C) every class's, ``mask`` not background); classification: ``heads``
+    {head: (classes,) probabilities}; detection: ``boxes`` (K, 4) x1, y1, x2, y2 in pixels, ``scores`` (K,),
+    ``labels`` (K,) contiguous class indices."""
 
     width: int
     height: int
@@ -53,6 +54,7 @@ class Prediction:
     boxes: np.ndarray | None = None
     scores: np.ndarray | None = None
     labels: np.ndarray | None = None
+    class_probabilities: np.ndarray | None = None
 
 
 class Predictor:
@@ -66,6 +68,9 @@ class Predictor:
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
                  tta: augment.TTA = augment.TTA(), data_dir: str = "", opened: Opened | None = None) -> None:
+        if batch_size < 0:
+            raise UserError(f"batch_size={batch_size} is negative; pass the images per forward pass (>= 1), or 0 for "
+                            f"the run's evaluation batch.")
         self.config, self.workdir, self.tta = config, workdir, tta
         with contextlib.ExitStack() as stack:  # held from resolving to loading: a training may rotate it away
             if opened is None:
@@ -232,7 +237,7 @@ class Predictor:
         if prob.ndim == 3:  # class probabilities: each resized, then the most likely class per pixel
             p = np.stack([to_original(prob[..., k], h, w, content) for k in range(prob.shape[-1])], -1)
             labels = np.argmax(p, -1).astype(np.uint8)
-            return Prediction(w, h, probability=p.max(-1), mask=labels > 0, labels=labels)
+            return Prediction(w, h, probability=p.max(-1), mask=labels > 0, labels=labels, class_probabilities=p)
         p = to_original(prob, h, w, content)
         return Prediction(w, h, probability=p, mask=p >= self.threshold)
 

@@ -2,6 +2,7 @@
 
     OUT/masks/<rel>.png         segmentation: 0/255 mask at the image's original size and orientation
     OUT/probs/<rel>.png|.npy    with --save-probs: probabilities as 16-bit PNG (p * 65535) or float32 .npy
+                                (multi-class: .npy only, (H, W, C), every class's probability)
     OUT/overlays/<rel>.jpg      the image with the predicted lesion tinted red
     OUT/predictions.csv         one row per image (see :data:`CSV_COLUMNS` and the task's columns)
     OUT/detections.json         detection: COCO results (image_id, category_id, bbox x, y, w, h, score)
@@ -25,6 +26,7 @@ from PIL import Image, ImageDraw
 
 from jaxrat.inference.inputs import InputImage
 from jaxrat.runtime import fileio
+from jaxrat.runtime.errors import UserError
 
 # Files and folders a prediction writes (and --overwrite replaces).
 OUTPUT_NAMES = ("masks", "probs", "overlays", "boxes", "predictions.csv", "detections.json", "images.json",
@@ -52,8 +54,12 @@ def _save_atomic(img: Image.Image, path: str, **kw: Any) -> None:
 def write_segmentation(out: str, stem: str, image: np.ndarray, pred: Any, save_probs: str,
                        class_names: Sequence[str] = ()) -> dict[str, Any]:
     """Mask (+ probabilities, overlay) of one image; returns its CSV row (without the image name).
-    A multi-class prediction (``pred.labels``) is written by :func:`write_classes`."""
+    A multi-class prediction (``pred.labels``) is written by :func:`write_classes`, its probabilities
+    (``save_probs="npy"`` only: a 16-bit PNG holds one channel) as (H, W, C) float32."""
     if pred.labels is not None:
+        if save_probs:
+            check_probs_format(save_probs, pred.class_probabilities.shape[-1])
+            _save_npy(pred.class_probabilities, _path(out, "probs", stem, ".npy"))
         return write_classes(out, stem, image, pred, class_names)
     _save_atomic(Image.fromarray(pred.mask.astype(np.uint8) * 255, "L"), _path(out, "masks", stem, ".png"),
                  format="PNG")
@@ -61,14 +67,26 @@ def write_segmentation(out: str, stem: str, image: np.ndarray, pred: Any, save_p
         q = np.round(np.clip(pred.probability, 0, 1) * 65535).astype(np.uint16)
         _save_atomic(Image.fromarray(q), _path(out, "probs", stem, ".png"), format="PNG")
     elif save_probs == "npy":
-        with fileio.atomic_open(_path(out, "probs", stem, ".npy"), "wb") as f:
-            np.save(f, pred.probability.astype(np.float32))
+        _save_npy(pred.probability, _path(out, "probs", stem, ".npy"))
     _save_atomic(Image.fromarray(overlay(image, pred.mask)), _path(out, "overlays", stem, ".jpg"), format="JPEG",
                  quality=90)
     fg = pred.mask
     return {"width": pred.width, "height": pred.height, "foreground_fraction": float(fg.mean()),
             "mean_probability": float(pred.probability.mean()),
             "mean_foreground_probability": float(pred.probability[fg].mean()) if fg.any() else 0.0}
+
+
+def check_probs_format(save_probs: str, num_classes: int) -> None:
+    """Refuse ``save_probs="png16"`` for a run of several classes: a 16-bit grey PNG holds one probability
+    a pixel, and one file per class would be C files an image for the one array .npy holds."""
+    if save_probs == "png16" and num_classes > 1:
+        raise UserError(f"--save_probs png16 writes one probability per pixel, but this run predicts {num_classes} "
+                        f"classes; pass --save_probs npy for each class's probability, (H, W, {num_classes}) float32.")
+
+
+def _save_npy(array: np.ndarray, path: str) -> None:
+    with fileio.atomic_open(path, "wb") as f:
+        np.save(f, np.asarray(array, np.float32))
 
 
 def write_classes(out: str, stem: str, image: np.ndarray, pred: Any, class_names: Sequence[str]) -> dict[str, Any]:

@@ -1,18 +1,21 @@
 """User mistakes end with one clear sentence and exit status 2, never a traceback."""
 
+import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from jaxrat.config_schema import check_override_args
+from jaxrat.config_schema import check_override_args, load_config
 from jaxrat.data import badfiles
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
 from jaxrat.runtime.errors import ConfigError
-from runner import SMOKE, read_metrics, run_main
+from runner import REPO, SMOKE, env_with_devices, read_metrics, run_main
 
 
 def test_unknown_key_suggests_the_right_one():
@@ -130,3 +133,82 @@ def test_skip_trains_and_evaluates_through_odd_and_bad_files_in_both_splits(tmp_
     rows = read_metrics(wd)
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in rows if "eval/dice" in r] == [3, 6]
+
+
+def test_a_wrong_typed_config_json_is_refused_before_the_workdir_is_made(tmp_path):
+    raw = json.loads(load_config(SMOKE).to_json_best_effort())
+    raw["num_train_steps"] = "30"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    wd = tmp_path / "wd"
+    proc = run_main(str(wd), config=str(tmp_path / "config.json"), check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(f'jaxrat: error: {tmp_path / "config.json"}: num_train_steps is "30", not an '
+                                        'integer; write it like the default, 1000, or delete the key to take that '
+                                        'default.'), proc.stderr[-3000:]
+    assert not wd.exists(), "a refused run leaves no workdir behind"
+
+
+def test_predict_refuses_a_negative_batch_before_writing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "p"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.predict", f"--workdir={run}", f"--input={tmp_path / 'a.png'}",
+                           f"--out={out}", "--batch=-1"], cwd=REPO, env=env_with_devices(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith("jaxrat: error: --batch -1 is negative; pass the images per forward pass "
+                                        "(>= 1), or 0 for the run's evaluation batch."), proc.stderr[-3000:]
+    assert not out.exists(), "a refused prediction leaves no output folder"
+
+
+@pytest.mark.parametrize("platforms, needle", [
+    ("bogus", "--platforms bogus is not a platform jax.export knows; pass cpu, cuda, rocm or tpu (several separated "
+              "by commas, e.g. cpu,cuda)."),
+    ("cpu,gpu", "--platforms gpu: jax.export names a GPU by its runtime; pass cuda (NVIDIA) or rocm (AMD)."),
+])
+def test_export_refuses_a_platform_jax_export_does_not_know_before_writing(tmp_path, platforms, needle):
+    (tmp_path / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    out = tmp_path / "e"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={tmp_path}", f"--out={out}",
+                           f"--platforms={platforms}"], cwd=REPO, env=env_with_devices(1), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(f"jaxrat: error: {needle}"), proc.stderr[-3000:]
+    assert not out.exists(), "a refused export leaves no output folder"
+
+
+def test_predict_refuses_png16_probabilities_of_a_multiclass_run_before_writing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(load_config(os.path.join(REPO, "configs", "segmentation.py") + ":smoke")
+                                     .to_json_best_effort())
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "p"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.predict", f"--workdir={run}", f"--input={tmp_path / 'a.png'}",
+                           f"--out={out}", "--save_probs=png16"], cwd=REPO, env=env_with_devices(1),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().endswith("jaxrat: error: --save_probs png16 writes one probability per pixel, but this "
+                                        "run predicts 3 classes; pass --save_probs npy for each class's probability, "
+                                        "(H, W, 3) float32."), proc.stderr[-3000:]
+    assert not out.exists(), "a refused prediction leaves no output folder"
+
+
+@pytest.mark.parametrize("command", ["predict", "export"])
+def test_an_invalid_step_is_refused_before_writing(tmp_path, command):
+    (tmp_path / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    extra = [f"--input={tmp_path / 'a.png'}"] if command == "predict" else []
+    proc = subprocess.run([sys.executable, "-m", f"jaxrat.{command}", f"--workdir={tmp_path}", f"--out={out}",
+                           "--step=foo", *extra], cwd=REPO, env=env_with_devices(1), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().endswith("jaxrat: error: --step foo names no checkpoint; pass a step number (0 or "
+                                        "more), latest or best."), proc.stderr[-3000:]
+    assert not out.exists()

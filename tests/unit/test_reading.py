@@ -4,6 +4,7 @@ training's), and a step held for reading survives the training rotating it away.
 
 import logging
 import os
+import re
 import shutil
 
 import numpy as np
@@ -105,3 +106,45 @@ def test_unwritable_says_why_and_leaves_nothing(tmp_path):
     (tmp_path / "f").write_text("")
     assert unwritable(tmp_path / "f" / "x") == "Not a directory"
     assert unwritable("/sys/jaxrat_probe") is not None  # a filesystem that takes no files
+
+
+def test_the_only_checkpoint_damaged_is_said_so_naming_the_real_folder(tmp_path):
+    """The advice was to ask for another step, listing the damaged one, of a folder the reader had deleted."""
+    workdir = tmp_path / "run"
+    directory = str(workdir / "checkpoints")
+    _saved(directory, [1])
+    for f in _files(os.path.join(directory, "1", "state")):
+        os.truncate(f, 0)
+    with pytest.raises(UserError) as e:
+        load_init(str(workdir), _abstract())
+    message = str(e.value)
+    assert message.startswith(f"The checkpoint {os.path.join(directory, '1')} cannot be read ("), message
+    assert message.endswith(") and it is the run's only complete checkpoint; restore that folder from a copy, or "
+                            "train the run again."), message
+    assert reading.PIN_PREFIX not in message and "another step" not in message
+
+
+def test_a_run_without_checkpoints_is_refused_in_words_that_fit_every_command(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(UserError) as e:
+        store.resolve(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path / 'checkpoints'} holds no complete checkpoint; train that run first, or name "
+                            "a run that saved one.")
+
+
+def test_best_without_a_ranked_checkpoint_names_no_flag_spelling(tmp_path):
+    _saved(str(tmp_path / "checkpoints"), [1])
+    with pytest.raises(UserError, match=r"no ranked checkpoint .*; ask for the latest or a step number \(1\) "
+                                        r"instead\.$"):
+        store.resolve(f"{tmp_path}:best")
+
+
+@pytest.mark.parametrize("step", ["foo", "-1", "1.5", "Latest "])
+def test_an_invalid_step_is_refused_naming_the_values(step):
+    from jaxrat.inference.checkpoint_choice import check_step
+
+    with pytest.raises(UserError, match=rf"^--step {re.escape(step)} names no checkpoint; pass a step number \(0 or "
+                                        r"more\), latest or best\.$"):
+        check_step(step)
+    for good in ("", "0", "20", "best", "latest"):
+        check_step(good)

@@ -1,0 +1,107 @@
+"""A run's config.json read back as a config: its values checked against the schema's kinds, a missing
+field taking its default, each mistake one sentence naming the key, the file and what was expected."""
+
+import json
+import os
+import re
+
+import pytest
+
+from jaxrat.config_schema import load_config
+from jaxrat.runtime.errors import ConfigError
+from runner import REPO, SMOKE
+
+
+def _write(tmp_path, edit):
+    """A config.json as training writes it (the smoke config), changed by ``edit`` (a dict -> None)."""
+    raw = json.loads(load_config(SMOKE).to_json_best_effort())
+    edit(raw)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def _set(key, value):
+    def edit(raw):
+        *parents, leaf = key.split(".")
+        for p in parents:
+            raw = raw[p]
+        raw[leaf] = value
+    return edit
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("num_train_steps", "30", "an integer"),
+    ("num_train_steps", 30.0, "an integer"),
+    ("optimizer.learning_rate", True, "a number"),
+    ("data.random_flip", "yes", "true or false"),
+    ("model.name", 3, "a string (in double quotes)"),
+    ("data.random_crop_scale", [1.0, 0.5], "a range [low, high] with low <= high"),
+    ("mesh.axes", [["data", -1], "fsdp"], "a list of lists"),
+    ("tracking.backends", "jsonl", "a list"),
+])
+def test_a_wrong_kind_is_one_sentence_naming_key_file_and_kind(tmp_path, key, value, expected):
+    path = _write(tmp_path, _set(key, value))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: {key} is {json.dumps(value)}, not {expected};"), message
+    assert message.count(". ") == 0 and message.endswith("."), message
+
+
+def test_a_section_that_is_not_an_object_is_refused(tmp_path):
+    path = _write(tmp_path, _set("data", 5))
+    with pytest.raises(ConfigError, match=r"config\.json: data is 5, not a section of fields"):
+        load_config(path)
+
+
+def test_missing_fields_take_their_defaults_and_good_values_load(tmp_path):
+    def edit(raw):
+        del raw["num_train_steps"]  # from an older jaxrat, or deleted by hand
+        del raw["optimizer"]["ema_warmup"]  # a field added later: what the older jaxrat did
+        del raw["tracking"]
+        raw["optimizer"]["learning_rate"] = 1  # an integer for a float field
+    config = load_config(_write(tmp_path, edit))
+    assert config.num_train_steps == 1000
+    assert config.optimizer.ema_warmup is False
+    assert config.tracking.backends == ("tensorboard", "jsonl")
+    assert config.optimizer.learning_rate == 1.0 and isinstance(config.optimizer.learning_rate, float)
+    assert config.mesh.axes == load_config(SMOKE).mesh.axes
+
+
+def test_the_task_and_models_own_fields_are_kept(tmp_path):
+    config = load_config(_write(tmp_path, lambda raw: None))
+    smoke = load_config(SMOKE)
+    assert config.task.to_dict() == json.loads(smoke.task.to_json_best_effort())
+
+
+@pytest.mark.parametrize("name", ["my.yaml", "photo.png", "settings.cfg"])
+def test_a_file_neither_python_nor_json_is_one_sentence(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\x89PNG\r\n" if name.endswith(".png") else b"num_train_steps: 30\n")
+    with pytest.raises(ConfigError, match=rf"--config {re.escape(str(path))} is neither a Python config file "
+                                          r"\(\.py, defining get_config\(\)\) nor a run's config\.json"):
+        load_config(str(path))
+
+
+def test_a_run_folder_names_its_config_json(tmp_path):
+    run = tmp_path / "run1"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(run))
+    assert str(e.value) == (f"--config {run} is a folder, not a config file; pass {run / 'config.json'} to train "
+                            "with that run's config.")
+
+
+def test_a_folder_is_not_said_to_be_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a folder, not a config file; pass a config file's path \(\.py\), "
+                                          r"a run's config\.json or a packaged config's name \(ablations, "):
+        load_config(str(tmp_path))
+
+
+def test_a_packaged_name_wins_over_a_folder_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "coco").mkdir()  # the dataset, say
+    packaged = load_config(os.path.join(REPO, "configs", "coco.py") + ":smoke")
+    assert load_config("coco:smoke").to_dict() == packaged.to_dict()
