@@ -24,6 +24,7 @@ from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
+from jaxrat.tracking.summary import JSON_NAME as SUMMARY_JSON
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
@@ -172,6 +173,12 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 
 
+def _adds_nothing(workdir: str, first: int, done: int, eval_step: int | None) -> bool:
+    """Whether this run did no step and no evaluation while an earlier run's summary exists: rewriting
+    it would replace that run's metrics and throughput with empty ones (a finished run started again)."""
+    return done == first and eval_step is None and os.path.exists(os.path.join(workdir, SUMMARY_JSON))
+
+
 def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, save_config: Any) -> dict[str, float]:
     watch = PreemptionWatch()  # one counter for every check of the run (a collective's agreed call number)
     w = _start(config, workdir, watch, save_config)
@@ -204,15 +211,18 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         raise
     finally:
         feed.close()
-        try:  # the summary is not worth hiding why a run failed
-            summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
-                                        wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
-                                        kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
-                                        error=error, **run.summary(done))
-            confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
-            run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
-        except Exception as e:
-            logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
+        if _adds_nothing(workdir, first, done, run.evaluation.last_step):
+            logging.info("run summary: kept as it was (this run did no step and no evaluation)")
+        else:
+            try:  # the summary is not worth hiding why a run failed
+                summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
+                                            wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
+                                            kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
+                                            error=error, **run.summary(done))
+                confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
+                run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
+            except Exception as e:
+                logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
         writer.close(status)
         ckpt.close()
     if first >= total:
