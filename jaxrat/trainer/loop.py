@@ -57,9 +57,19 @@ def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: i
                           "use 0 (off) or the number of batches to keep on the devices ahead.")
 
 
+def check_steps(config: mlc.ConfigDict) -> None:
+    """Refuse a negative ``num_train_steps``: it trained nothing and recorded the run as finished.
+    0 stays allowed (a run that only initialises, saves and evaluates)."""
+    steps = config.num_train_steps
+    if not isinstance(steps, int) or steps < 0:
+        raise ConfigError(f"config.num_train_steps={steps!r} is not a number of steps; set it to 0 or more "
+                          f"(e.g. --config.num_train_steps=1000).")
+
+
 def check_run(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, policy: Policy) -> None:
     """The config's refusals on these devices and for this task, before the data is prepared (which can
-    take minutes): the state's settings, the batch sizes, the hooks' settings."""
+    take minutes): the number of steps, the state's settings, the batch sizes, the hooks' settings."""
+    check_steps(config)
     check_state_settings(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     hooks.check_config(config, policy, task)
