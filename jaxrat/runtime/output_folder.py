@@ -49,6 +49,16 @@ def _within(child: str, parent: str) -> bool:
     return child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def overlap(path: str, other: str) -> str:
+    """How ``path`` stands to ``other``, symlinks resolved: "is", "contains", "lies inside", or "" (apart)."""
+    a, b = _real(path), _real(other)
+    if a == b:
+        return "is"
+    if _within(b, a):
+        return "contains"
+    return "lies inside" if _within(a, b) else ""
+
+
 def _is_workdir(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json")) and os.path.isdir(os.path.join(folder, "checkpoints"))
 
@@ -88,14 +98,8 @@ def check(out: str, guarded: Iterable[Guarded], *, command: str, flag: str = "--
     for g in [*guarded, *_workdirs_around(out)]:
         if not g.path:
             continue
-        p = _real(g.path)
-        if o == p:
-            how = "is"
-        elif _within(p, o):
-            how = "contains"
-        elif _within(o, p) and not g.inside_ok:
-            how = "lies inside"
-        else:
+        how = overlap(out, g.path)
+        if not how or (how == "lies inside" and g.inside_ok):
             continue
         raise UserError(f"{flag} {out} {how} {g.what} ({g.path}), which {command} only reads; choose an output "
                         f"folder outside it.")
