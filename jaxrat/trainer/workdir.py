@@ -122,6 +122,8 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
 
     def save() -> None:
+        if not resuming and (old is None or old != new):  # not an earlier attempt of this run: keep its files
+            keep_aside_run_files(workdir)
         if os.path.exists(path) and (old is None or old != new):
             keep_aside(path)
         write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
@@ -146,8 +148,9 @@ def _run_file(name: str) -> bool:
 
 def keep_aside_run_files(workdir: str) -> list[str]:
     """Before a new run writes into ``workdir``: keep aside every file there that the run writes at the
-    top level (:data:`RUN_FILES`, ``confusion_*.png``), so a folder of the user's, or an earlier attempt
-    that saved no checkpoint, keeps its summary, plots and metrics. Returns the names kept aside."""
+    top level (:data:`RUN_FILES`, ``confusion_*.png``), so a folder of the user's, or an attempt of another
+    config that saved no checkpoint, keeps its summary, plots and metrics (an attempt of the same config
+    is this run's: its caches are reused). Returns the names kept aside."""
     if not os.path.isdir(workdir):
         return []
     names = sorted(n for n in os.listdir(workdir) if _run_file(n) and os.path.isfile(os.path.join(workdir, n)))
@@ -204,7 +207,6 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
                 lock.acquire()
             save = check_config(config, workdir, bool(field(settings, "workdir.allow_config_change")))
             if not has_checkpoint(workdir):
-                keep_aside_run_files(workdir)
                 save()
                 save = lambda: None  # noqa: E731
         except Exception as e:  # every process must hear of it, or the others wait in the next collective

@@ -323,3 +323,17 @@ def test_a_workdir_that_is_a_file_says_it_is_not_a_folder(tmp_path):
     with pytest.raises(UserError, match=rf"^--workdir {blocker}/run is not a folder: {blocker} is a file; pass"):
         train_and_evaluate(_smoke(), str(blocker / "run"))
     assert blocker.read_text() == "mine"
+
+
+def test_a_rerun_of_the_same_config_without_checkpoints_keeps_its_files_in_place(tmp_path):
+    config = _smoke()
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    wdm.check_config(config, workdir, allow_change=False)()
+    for name in ("label_stats.json", "metrics.jsonl"):  # what an attempt killed before its first checkpoint left
+        (tmp_path / "run" / name).write_text("{}")
+    wdm.check_config(config, workdir, allow_change=False)()  # the same config again: its caches are its own
+    assert sorted(os.listdir(workdir)) == ["config.json", "label_stats.json", "metrics.jsonl"]
+    wdm.check_config(_smoke("seed=7"), workdir, allow_change=False)()  # another config: kept aside
+    assert sorted(n.split(".")[0] for n in os.listdir(workdir)) == ["config", "config", "label_stats", "metrics"]
+    assert not os.path.exists(os.path.join(workdir, "label_stats.json"))
