@@ -1,5 +1,6 @@
-"""Evaluate a trained run: ``python -m jaxrat.evaluate --workdir DIR [--step N|best|latest] [--name NAME]
-[--split validation|test|train] [--tta flip,scale=0.75:1:1.25] [--tile SIZE --overlap F] [--save_predictions]``.
+"""Evaluate a trained run: ``python -m jaxrat.evaluate --workdir DIR [--step N|best|latest] [--name NAME | --out DIR
+[--overwrite]] [--split validation|test|train] [--tta flip,scale=0.75:1:1.25] [--tile SIZE --overlap F]
+[--save_predictions]``.
 
 The run's own config (``DIR/config.json``) is loaded and may be overridden like training's
 (``--config.data.image_size=384``: evaluate at another resolution). The same command runs under
@@ -35,13 +36,21 @@ _RUN = TrainedRunFlags(__name__)
 _STEP = flags.DEFINE_string("step", "", "Checkpoint to evaluate: a step number, 'best' or 'latest' (default: the "
                             "best when the run ranked one, else the latest).")
 _NAME = flags.DEFINE_string("name", "", "Subfolder of WORKDIR/eval for the results (default: step, split, TTA).")
-_OUT = flags.DEFINE_string("out", "", "Write the results to this folder instead of WORKDIR/eval/NAME.")
+_OUT = flags.DEFINE_string("out", "", "Write the results to this folder (new or empty; see --overwrite) instead of "
+                           "WORKDIR/eval/NAME.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a previous evaluation's files in an existing non-empty "
+                               "--out (files jaxrat did not write are never removed).")
 _SPLIT = flags.DEFINE_enum("split", "validation", ["validation", "test", "train"], "The data to evaluate.")
 _TTA = flags.DEFINE_string("tta", "", "Test-time augmentation: flip, scale=A:B:C, or both (flip,scale=0.75:1:1.25).")
 _TILE = flags.DEFINE_integer("tile", 0, "Segmentation: predict each image in TILE x TILE windows at its own size.")
 _OVERLAP = flags.DEFINE_float("overlap", 0.5, "Fraction of a window shared with its neighbour (with --tile).")
 _PER_IMAGE = flags.DEFINE_bool("per_image", True, "Write per_image.csv.")
 _SAVE = flags.DEFINE_bool("save_predictions", False, "Also write jaxrat.predict's files to NAME/predictions/.")
+
+
+# What an evaluation writes at the top of its folder, listed before it starts (the manifest of an
+# evaluation stopped halfway); the full list is recorded when it ends.
+EVAL_FILES = ("metrics.json", "metrics.jsonl", "per_image.csv", "label_stats.json")
 
 
 def _default_name(step: str) -> str:
@@ -67,6 +76,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
             workdir, config = _RUN.open(overrides)
             if _OUT.value:  # before the checkpoint is opened: never the run's files, its data, unwritable or full
                 output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="evaluate")
+                output_folder.refuse_taken(_OUT.value, overwrite=_OVERWRITE.value)
             from jaxrat.checkpointing.reading import open_checkpoint
             from jaxrat.inference.checkpoint_choice import choose
             from jaxrat.trainer.evaluation import READ_ITEMS
@@ -105,7 +115,15 @@ def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
     if lock is not None:
         lock.acquire()
     try:
+        # --out is the user's folder: taken as predict and export take theirs. The default folder
+        # under WORKDIR/eval is the run's own and is evaluated into again as it always was.
+        claimed = bool(_OUT.value) and lock is not None
+        if claimed:
+            output_folder.claim(out_dir, command="evaluate", overwrite=_OVERWRITE.value, files=EVAL_FILES)
+        before = output_folder.files_in(out_dir) if claimed else set()
         _evaluate_into(out_dir, config, workdir, opened, tta)
+        if claimed:  # the files are known only now (TensorBoard's, the predictions): a later --overwrite removes them
+            output_folder.record(out_dir, command="evaluate", files=sorted(output_folder.files_in(out_dir) - before))
     except Stopped as e:
         e.out_dir = out_dir  # type: ignore[attr-defined]  (the closing line names it)
         raise

@@ -229,10 +229,10 @@ def study_markdown(root: str, runs: list[RunSummary]) -> tuple[str, dict[str, An
     return text, numbers
 
 
-def write_summary(root: str) -> list[RunSummary]:
+def write_summary(root: str, runs: list[RunSummary] | None = None) -> list[RunSummary]:
     """Write ``summary.md``, ``summary.csv`` and ``summary.png`` (and ``summary_stats.json`` for a
-    sweep over folds/seeds) under ``root``; return the runs."""
-    runs = collect(root)
+    sweep over folds/seeds) under ``root``; return the runs (``runs`` when given, else :func:`collect`'s)."""
+    runs = collect(root) if runs is None else runs
     text, numbers = study_markdown(root, runs)
     write_text(os.path.join(root, "summary.md"), text)
     write_text(os.path.join(root, "summary.csv"), to_csv(*table(runs)))
@@ -243,13 +243,26 @@ def write_summary(root: str) -> list[RunSummary]:
     return runs
 
 
+def _no_runs(root: str) -> str:
+    """The sentence refusing a folder without runs; a single run's workdir is named as such."""
+    if os.path.isfile(os.path.join(root, "metrics.jsonl")):
+        return (f"{root} is one run's workdir, not a sweep's root (its results are in its summary.md); pass the "
+                "folder that holds the runs (the --root given to jaxrat sweep).")
+    return (f"{root} holds no runs (no <name>/metrics.jsonl); run the sweep first, or pass the sweep's root "
+            "folder (the --root given to jaxrat sweep).")
+
+
 def report(root: str) -> str:
-    """Write the summary files of ``root``; the markdown table and where the files are, for printing."""
+    """Write the summary files of ``root``; the markdown table and where the files are, for printing.
+
+    A folder without runs is refused before anything is written: a run's workdir passed by mistake
+    keeps its own ``summary.md``."""
     if not os.path.isdir(root):
-        raise UserError(f"{root} is not a folder; pass the --root of a sweep (one workdir per variant).")
-    runs = write_summary(root)
+        raise UserError(f"{root} is not a folder; pass the sweep's root folder (the --root given to jaxrat sweep).")
+    runs = collect(root)
     if not runs:
-        raise UserError(f"{root} holds no runs (no <name>/metrics.jsonl); run the sweep first, or pass its --root.")
+        raise UserError(_no_runs(root))
+    write_summary(root, runs)
     files = [f for f in ("summary.md", "summary.csv", "summary.png", repeat_stats.STATS_FILE)
              if os.path.exists(os.path.join(root, f))]
     text, _ = study_markdown(root, runs)

@@ -49,6 +49,16 @@ def _within(child: str, parent: str) -> bool:
     return child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def overlap(path: str, other: str) -> str:
+    """How ``path`` stands to ``other``, symlinks resolved: "is", "contains", "lies inside", or "" (apart)."""
+    a, b = _real(path), _real(other)
+    if a == b:
+        return "is"
+    if _within(b, a):
+        return "contains"
+    return "lies inside" if _within(a, b) else ""
+
+
 def _is_workdir(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json")) and os.path.isdir(os.path.join(folder, "checkpoints"))
 
@@ -88,14 +98,8 @@ def check(out: str, guarded: Iterable[Guarded], *, command: str, flag: str = "--
     for g in [*guarded, *_workdirs_around(out)]:
         if not g.path:
             continue
-        p = _real(g.path)
-        if o == p:
-            how = "is"
-        elif _within(p, o):
-            how = "contains"
-        elif _within(o, p) and not g.inside_ok:
-            how = "lies inside"
-        else:
+        how = overlap(out, g.path)
+        if not how or (how == "lies inside" and g.inside_ok):
             continue
         raise UserError(f"{flag} {out} {how} {g.what} ({g.path}), which {command} only reads; choose an output "
                         f"folder outside it.")
@@ -162,20 +166,48 @@ def _remove_listed(out: str, manifest: dict) -> None:
             folder = os.path.dirname(folder)
 
 
+def refuse_taken(out: str, *, overwrite: bool, flag: str = "--out") -> None:
+    """:func:`claim`'s refusals, writing nothing: a non-empty ``out`` without ``overwrite``, or one
+    jaxrat did not write (no :data:`MANIFEST`). For a command that says so before minutes of work."""
+    if not _present(out):
+        return
+    if not overwrite:
+        raise UserError(f"{flag} {out} exists and is not empty; choose a new folder or pass --overwrite.")
+    if read_manifest(out) is None:
+        raise UserError(f"{flag} {out} holds files jaxrat did not write (it has no {MANIFEST}), which --overwrite "
+                        f"never deletes; choose a new folder, or empty this one yourself.")
+
+
+def _present(out: str) -> list[str]:
+    return [n for n in os.listdir(out) if not n.startswith(_OWN_PREFIXES)] if os.path.isdir(out) else []
+
+
+def files_in(out: str) -> set[str]:
+    """Every file under ``out`` (relative paths) but the command's own :data:`MANIFEST` and lock."""
+    found = set()
+    for folder, _, names in os.walk(out):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), out)
+            if not rel.startswith(_OWN_PREFIXES):
+                found.add(rel)
+    return found
+
+
+def record(out: str, *, command: str, files: Sequence[str] = (), each: Sequence[str] = (),
+           stems: Sequence[str] = ()) -> None:
+    """Write ``out``'s :data:`MANIFEST`: what ``command`` writes there, which a later ``--overwrite`` removes."""
+    write_json(os.path.join(out, MANIFEST), {"command": command, "files": list(files), "each": list(each),
+                                             "stems": list(stems)}, indent=1)
+
+
 def claim(out: str, *, command: str, overwrite: bool, files: Sequence[str] = (), each: Sequence[str] = (),
           stems: Sequence[str] = (), flag: str = "--out") -> None:
     """Take ``out`` (checked by :func:`check`) for ``command``: an empty folder as it is; a non-empty
     one only with ``overwrite`` and only when jaxrat wrote it, removing exactly the files its
     manifest lists. Then record what this command will write (``files``, and ``each`` template for
     every one of ``stems``) as the new manifest, before writing any of it."""
-    present = [n for n in os.listdir(out) if not n.startswith(_OWN_PREFIXES)]
-    if present:
-        if not overwrite:
-            raise UserError(f"{flag} {out} exists and is not empty; choose a new folder or pass --overwrite.")
-        manifest = read_manifest(out)
-        if manifest is None:
-            raise UserError(f"{flag} {out} holds files jaxrat did not write (it has no {MANIFEST}), which --overwrite "
-                            f"never deletes; choose a new folder, or empty this one yourself.")
+    refuse_taken(out, overwrite=overwrite, flag=flag)
+    manifest = read_manifest(out) if _present(out) else None
+    if manifest is not None:
         _remove_listed(out, manifest)
-    write_json(os.path.join(out, MANIFEST), {"command": command, "files": list(files), "each": list(each),
-                                             "stems": list(stems)}, indent=1)
+    record(out, command=command, files=files, each=each, stems=stems)

@@ -22,8 +22,10 @@ from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
 from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
+from jaxrat.runtime import output_folder
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
+from jaxrat.tracking.summary import JSON_NAME as SUMMARY_JSON
 from jaxrat.tracking.writers import MetricWriter, check_tracking
 from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
@@ -56,9 +58,19 @@ def check_batch_sizes(config: mlc.ConfigDict, num_devices: int, num_processes: i
                           "use 0 (off) or the number of batches to keep on the devices ahead.")
 
 
+def check_steps(config: mlc.ConfigDict) -> None:
+    """Refuse a negative ``num_train_steps``: it trained nothing and recorded the run as finished.
+    0 stays allowed (a run that only initialises, saves and evaluates)."""
+    steps = config.num_train_steps
+    if not isinstance(steps, int) or steps < 0:
+        raise ConfigError(f"config.num_train_steps={steps!r} is not a number of steps; set it to 0 or more "
+                          f"(e.g. --config.num_train_steps=1000).")
+
+
 def check_run(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, policy: Policy) -> None:
     """The config's refusals on these devices and for this task, before the data is prepared (which can
-    take minutes): the state's settings, the batch sizes, the hooks' settings."""
+    take minutes): the number of steps, the state's settings, the batch sizes, the hooks' settings."""
+    check_steps(config)
     check_state_settings(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     hooks.check_config(config, policy, task)
@@ -87,6 +99,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     config = on_own_data(config)  # before config.json is written: a demo on the user's data is not the demo
     workdir = os.path.abspath(workdir)
     check_is_folder(workdir)
+    check_outside_data(config, workdir)
     existed = os.path.isdir(workdir)
     fresh = not existed or not os.listdir(workdir)
     started: list[bool] = []
@@ -113,6 +126,16 @@ def check_is_folder(workdir: str) -> None:
         what = "is a file, not a folder" if path == workdir else f"is not a folder: {path} is a file"
         raise UserError(f"--workdir {workdir} {what}; pass a folder for the run (a new one, or a run's workdir to "
                         "resume it).")
+
+
+def check_outside_data(config: mlc.ConfigDict, workdir: str) -> None:
+    """Refuse a ``workdir`` that is or lies inside ``config.data.data_dir`` (symlinks resolved) before
+    anything is written: jaxrat only reads a dataset folder, and checkpoints there would change it."""
+    data_dir = config.data.get("data_dir") or ""
+    how = output_folder.overlap(workdir, data_dir) if data_dir else ""
+    if how in ("is", "lies inside"):
+        raise UserError(f"--workdir {workdir} {how} the dataset folder config.data.data_dir={data_dir}, which "
+                        "jaxrat only reads; choose a workdir outside it.")
 
 
 def _clear(workdir: str, remove_folder: bool) -> None:
@@ -172,6 +195,12 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 
 
+def _adds_nothing(workdir: str, first: int, done: int, eval_step: int | None) -> bool:
+    """Whether this run did no step and no evaluation while an earlier run's summary exists: rewriting
+    it would replace that run's metrics and throughput with empty ones (a finished run started again)."""
+    return done == first and eval_step is None and os.path.exists(os.path.join(workdir, SUMMARY_JSON))
+
+
 def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, save_config: Any) -> dict[str, float]:
     watch = PreemptionWatch()  # one counter for every check of the run (a collective's agreed call number)
     w = _start(config, workdir, watch, save_config)
@@ -204,15 +233,18 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         raise
     finally:
         feed.close()
-        try:  # the summary is not worth hiding why a run failed
-            summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
-                                        wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
-                                        kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
-                                        error=error, **run.summary(done))
-            confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
-            run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
-        except Exception as e:
-            logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
+        if _adds_nothing(workdir, first, done, run.evaluation.last_step):
+            logging.info("run summary: kept as it was (this run did no step and no evaluation)")
+        else:
+            try:  # the summary is not worth hiding why a run failed
+                summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
+                                            wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
+                                            kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
+                                            error=error, **run.summary(done))
+                confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
+                run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
+            except Exception as e:
+                logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
         writer.close(status)
         ckpt.close()
     if first >= total:

@@ -20,12 +20,22 @@ import ml_collections as mlc
 import numpy as np
 
 from jaxrat.config_schema import field
+from jaxrat.data.badfiles import SKIPPED_FILES_NAME
+from jaxrat.data.label_check import LABEL_STATS_NAME
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
+from jaxrat.tracking.plots import CURVES_NAME
+from jaxrat.tracking.summary import JSON_NAME, MARKDOWN_NAME
 from jaxrat.trainer.workdir_lock import WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
+# The files a run writes at the top of its workdir besides config.json (the run summary, plots,
+# metrics, the data checks' records, autotune's choice, the trackers' run ids), and its confusion
+# matrices' prefix (confusion_<head>.png).
+RUN_FILES = (JSON_NAME, MARKDOWN_NAME, CURVES_NAME, "metrics.jsonl", LABEL_STATS_NAME, SKIPPED_FILES_NAME,
+             "autotune.json", "mlflow_run.json", "mlflow.db", "wandb_run.json")
+CONFUSION_PREFIX = "confusion_"
 # Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals and
 # checkpoints, where the data is read from and how fast, and how the work is spread over devices
 # and hosts. Anything else changes what is trained (model, task, data, optimizer, seed, batch) and
@@ -112,14 +122,43 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
 
     def save() -> None:
+        if not resuming and (old is None or old != new):  # not an earlier attempt of this run: keep its files
+            keep_aside_run_files(workdir)
         if os.path.exists(path) and (old is None or old != new):
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.stat(path).st_mtime))
-            aside, n = os.path.join(workdir, f"config.{stamp}.json"), 1
-            while os.path.exists(aside):
-                aside, n = os.path.join(workdir, f"config.{stamp}.{n}.json"), n + 1
-            move_into_place(path, aside)
+            keep_aside(path)
         write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
     return save
+
+
+def keep_aside(path: str) -> str:
+    """Rename ``path`` (``NAME.EXT``) to ``NAME.<its UTC mtime>.EXT`` (``.1``, ``.2`` ... when taken); the new path."""
+    folder, name = os.path.split(path)
+    stem, ext = os.path.splitext(name)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(os.stat(path).st_mtime))
+    aside, n = os.path.join(folder, f"{stem}.{stamp}{ext}"), 1
+    while os.path.exists(aside):
+        aside, n = os.path.join(folder, f"{stem}.{stamp}.{n}{ext}"), n + 1
+    move_into_place(path, aside)
+    return aside
+
+
+def _run_file(name: str) -> bool:
+    return name in RUN_FILES or (name.startswith(CONFUSION_PREFIX) and name.endswith(".png"))
+
+
+def keep_aside_run_files(workdir: str) -> list[str]:
+    """Before a new run writes into ``workdir``: keep aside every file there that the run writes at the
+    top level (:data:`RUN_FILES`, ``confusion_*.png``), so a folder of the user's, or an attempt of another
+    config that saved no checkpoint, keeps its summary, plots and metrics (an attempt of the same config
+    is this run's: its caches are reused). Returns the names kept aside."""
+    if not os.path.isdir(workdir):
+        return []
+    names = sorted(n for n in os.listdir(workdir) if _run_file(n) and os.path.isfile(os.path.join(workdir, n)))
+    moved = [f"{n} -> {os.path.basename(keep_aside(os.path.join(workdir, n)))}" for n in names]
+    if moved:
+        logging.warning("%s holds no checkpoint of a run; the files this new run writes are kept aside: %s",
+                        workdir, ", ".join(moved))
+    return names
 
 
 # ------------------------------------------------------------------------------------- the run

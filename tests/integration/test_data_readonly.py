@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jaxrat.config_schema import load_config
 from jaxrat.data import datasets, pipeline, staging
 from jaxrat.data.badfiles import BadFilePolicy
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
-from jaxrat.runtime.errors import DataError
-from runner import REPO, run_main
+from jaxrat.runtime.errors import DataError, UserError
+from jaxrat.trainer.loop import train_and_evaluate
+from runner import REPO, SMOKE, run_main
 
 ISIC_CONFIG = os.path.join(REPO, "configs", "isic.py")
 # Tiny enough to train two steps of each variant in seconds; the model fields are the RAT's.
@@ -110,6 +112,21 @@ def test_synthetic_data_goes_under_the_workdir_without_a_data_dir(tmp_path):
     wd = str(tmp_path / "wd")
     train, _ = datasets.resolve_segmentation(cfg, wd, seed=0, process_index=0)
     assert len(train) == 4 and all(p[0].startswith(os.path.join(wd, "synthetic_data")) for p in train.records)
+
+
+@pytest.mark.parametrize("where", ["{d}", "{d}/images/run", "{link}/run"])
+def test_a_workdir_in_the_dataset_folder_is_refused_before_anything_is_written(user_dataset, tmp_path, where):
+    d, before = user_dataset
+    link = tmp_path / "link"
+    link.symlink_to(d)  # the same folder by another name
+    config = load_config(SMOKE)
+    config.data.data_dir = d
+    workdir = where.format(d=d, link=link)
+    how = "is" if workdir == d else "lies inside"
+    with pytest.raises(UserError, match=rf"^--workdir {workdir} {how} the dataset folder config\.data\.data_dir={d}, "
+                                        r"which jaxrat only reads; choose a workdir outside it\.$"):
+        train_and_evaluate(config, workdir)
+    assert snapshot(d) == before
 
 
 def test_staging_or_converting_into_the_dataset_folder_is_refused(user_dataset):

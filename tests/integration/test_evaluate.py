@@ -65,3 +65,18 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"The output folder {busy} is in use by another command (process {os.getpid()}" in proc.stderr
     assert os.listdir(busy) == []
+
+    # --out: a new folder, then the same folder again only with --overwrite, which replaces the
+    # evaluation's files (TensorBoard's too) and keeps one the user added.
+    out = str(tmp_path / "scores")
+    assert _evaluate(wd, f"--out={out}").returncode == 0
+    open(os.path.join(out, "notes.txt"), "w").write("mine")
+    proc = _evaluate(wd, f"--out={out}")
+    assert proc.returncode == 2 and "exists and is not empty; choose a new folder or pass --overwrite" in proc.stderr
+    events = sorted(os.listdir(os.path.join(out, "tensorboard")))
+    proc = _evaluate(wd, f"--out={out}", "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval/dice" in json.load(open(os.path.join(out, "metrics.json")))["metrics"]
+    assert len(read_metrics(out)) == 1  # not appended to the first evaluation's
+    assert open(os.path.join(out, "notes.txt")).read() == "mine"
+    assert not set(events) & set(os.listdir(os.path.join(out, "tensorboard")))

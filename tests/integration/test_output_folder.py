@@ -109,6 +109,24 @@ def test_evaluate_or_export_out_into_the_workdir_is_refused_before_it_appends_to
     assert open(os.path.join(wd, "metrics.jsonl")).read() == metrics and os.path.isdir(os.path.join(wd, "checkpoints"))
 
 
+def test_evaluate_out_into_a_folder_of_the_users_files_is_refused_before_any_work(tmp_path):
+    wd = _workdir(tmp_path / "run")
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name in ("metrics.json", "per_image.csv"):  # the names evaluate writes, the user's own content
+        (out / name).write_text("the user's own")
+    for extra, says in (((), "exists and is not empty; choose a new folder or pass --overwrite."),
+                        (("--overwrite",), f"holds files jaxrat did not write (it has no {output_folder.MANIFEST}), "
+                                           "which --overwrite never deletes; choose a new folder, or empty this one "
+                                           "yourself.")):
+        proc = subprocess.run([sys.executable, "-m", "jaxrat.evaluate", f"--workdir={wd}", f"--out={out}", *extra],
+                              cwd=REPO, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == f"jaxrat: error: --out {out} {says}"
+        assert _tree(str(out)) == ["metrics.json", "per_image.csv"]
+        assert {p.read_text() for p in out.iterdir()} == {"the user's own"}
+
+
 # ------------------------------------------------------------------------- --overwrite and the manifest
 
 def test_overwrite_removes_only_the_files_jaxrat_listed(tmp_path):

@@ -36,3 +36,15 @@ def test_a_mistake_is_refused_before_the_data_is_prepared(tmp_path, monkeypatch,
     assert says in str(e.value) and str(e.value).count(". ") <= 2
     assert prepared == []  # refused before the data was touched
     assert not workdir.exists()  # a refused new run leaves no folder behind
+
+
+def test_a_negative_number_of_steps_is_refused_before_the_run_starts(tmp_path):
+    from jaxrat.trainer import loop
+
+    config = load_config(SMOKE)
+    config.num_train_steps = -5
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^config\.num_train_steps=-5 is not a number of steps; set it to 0 or more "
+                                          r"\(e\.g\. --config\.num_train_steps=1000\)\.$"):
+        loop.train_and_evaluate(config, str(workdir))
+    assert not workdir.exists()  # no run recorded as finished

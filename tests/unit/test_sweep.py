@@ -319,6 +319,19 @@ def test_min_mode_best_and_plot_skipped_without_matplotlib(tmp_path, monkeypatch
 def test_summary_of_an_empty_folder_says_so(tmp_path):
     with pytest.raises(UserError, match="holds no runs"):
         summary.report(str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+def test_summary_of_a_run_workdir_refuses_without_touching_its_summary(tmp_path):
+    fake_run(tmp_path, "run", [{"step": 4, "train/loss": 0.4}])
+    workdir = tmp_path / "run"
+    (workdir / "summary.md").write_text("the run's own results\n")
+    before = sorted(p.name for p in workdir.iterdir())
+    with pytest.raises(UserError, match=r"is one run's workdir, not a sweep's root .* \(the --root given to jaxrat "
+                                        r"sweep\)\.$"):
+        summary.report(str(workdir))
+    assert (workdir / "summary.md").read_text() == "the run's own results\n"
+    assert sorted(p.name for p in workdir.iterdir()) == before  # no summary.csv/png written
 
 
 FAKE_TRAINER = """#!/bin/bash

@@ -261,6 +261,26 @@ def test_hold_releases_the_lock_when_the_run_fails(tmp_path):
     assert not os.path.exists(os.path.join(wd, LOCK_NAME))
 
 
+def test_a_new_run_keeps_aside_only_the_files_it_writes_and_a_resume_touches_none(tmp_path):
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    for name in ("summary.json", "confusion_label.png", "label_stats.json", "notes.txt"):
+        (wd / name).write_text(name)
+    with wdm.hold(_smoke(), str(wd)):
+        pass
+    names = sorted(p.name for p in wd.iterdir())
+    assert "notes.txt" in names and "summary.json" not in names and "label_stats.json" not in names
+    for stem, ext in (("summary", ".json"), ("confusion_label", ".png"), ("label_stats", ".json")):
+        [aside] = [n for n in names if n.startswith(stem + ".20") and n.endswith(ext)]
+        assert (wd / aside).read_text() == stem + ext
+    os.makedirs(wd / "checkpoints" / "6")  # now a run's workdir: a resume leaves its files as they are
+    (wd / "summary.md").write_text("the run's")
+    before = sorted(p.name for p in wd.iterdir())
+    with wdm.hold(_smoke(), str(wd)):
+        pass
+    assert sorted(p.name for p in wd.iterdir()) == before and (wd / "summary.md").read_text() == "the run's"
+
+
 def test_a_forced_resume_the_restore_refuses_leaves_the_workdir_byte_equal(tmp_path):
     """EMA turned off with allow_config_change on an EMA run: the restore refuses, and config.json
     must still be the run's (it said ema_decay 0 and evaluate then scored the raw weights)."""
@@ -303,3 +323,17 @@ def test_a_workdir_that_is_a_file_says_it_is_not_a_folder(tmp_path):
     with pytest.raises(UserError, match=rf"^--workdir {blocker}/run is not a folder: {blocker} is a file; pass"):
         train_and_evaluate(_smoke(), str(blocker / "run"))
     assert blocker.read_text() == "mine"
+
+
+def test_a_rerun_of_the_same_config_without_checkpoints_keeps_its_files_in_place(tmp_path):
+    config = _smoke()
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    wdm.check_config(config, workdir, allow_change=False)()
+    for name in ("label_stats.json", "metrics.jsonl"):  # what an attempt killed before its first checkpoint left
+        (tmp_path / "run" / name).write_text("{}")
+    wdm.check_config(config, workdir, allow_change=False)()  # the same config again: its caches are its own
+    assert sorted(os.listdir(workdir)) == ["config.json", "label_stats.json", "metrics.jsonl"]
+    wdm.check_config(_smoke("seed=7"), workdir, allow_change=False)()  # another config: kept aside
+    assert sorted(n.split(".")[0] for n in os.listdir(workdir)) == ["config", "config", "label_stats", "metrics"]
+    assert not os.path.exists(os.path.join(workdir, "label_stats.json"))
