@@ -22,7 +22,6 @@ from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
 from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
-from jaxrat.runtime import output_folder
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.summary import JSON_NAME as SUMMARY_JSON
@@ -99,7 +98,6 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     config = on_own_data(config)  # before config.json is written: a demo on the user's data is not the demo
     workdir = os.path.abspath(workdir)
     check_is_folder(workdir)
-    check_outside_data(config, workdir)
     existed = os.path.isdir(workdir)
     fresh = not existed or not os.listdir(workdir)
     started: list[bool] = []
@@ -126,16 +124,6 @@ def check_is_folder(workdir: str) -> None:
         what = "is a file, not a folder" if path == workdir else f"is not a folder: {path} is a file"
         raise UserError(f"--workdir {workdir} {what}; pass a folder for the run (a new one, or a run's workdir to "
                         "resume it).")
-
-
-def check_outside_data(config: mlc.ConfigDict, workdir: str) -> None:
-    """Refuse a ``workdir`` that is or lies inside ``config.data.data_dir`` (symlinks resolved) before
-    anything is written: jaxrat only reads a dataset folder, and checkpoints there would change it."""
-    data_dir = config.data.get("data_dir") or ""
-    how = output_folder.overlap(workdir, data_dir) if data_dir else ""
-    if how in ("is", "lies inside"):
-        raise UserError(f"--workdir {workdir} {how} the dataset folder config.data.data_dir={data_dir}, which "
-                        "jaxrat only reads; choose a workdir outside it.")
 
 
 def _clear(workdir: str, remove_folder: bool) -> None:

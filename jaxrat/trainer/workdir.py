@@ -22,6 +22,7 @@ import numpy as np
 from jaxrat.config_schema import field
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME
 from jaxrat.data.label_check import LABEL_STATS_NAME
+from jaxrat.runtime import output_folder
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
@@ -130,6 +131,18 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
     return save
 
 
+def inside_dataset(config: mlc.ConfigDict, workdir: str) -> str | None:
+    """Why ``workdir`` cannot hold a run of ``config``: it is or lies inside ``config.data.data_dir``
+    (symlinks resolved), which jaxrat only reads, and checkpoints there would change it; None if apart."""
+    data = config.get("data")
+    data_dir = (data.get("data_dir") if data is not None else "") or ""
+    how = output_folder.overlap(workdir, data_dir) if data_dir else ""
+    if how not in ("is", "lies inside"):
+        return None
+    return (f"--workdir {workdir} {how} the dataset folder config.data.data_dir={data_dir}, which jaxrat only "
+            "reads; choose a workdir outside it.")
+
+
 def keep_aside(path: str) -> str:
     """Rename ``path`` (``NAME.EXT``) to ``NAME.<its UTC mtime>.EXT`` (``.1``, ``.2`` ... when taken); the new path."""
     folder, name = os.path.split(path)
@@ -196,6 +209,9 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
     save: Callable[[], None] = lambda: None  # noqa: E731
     if jax.process_index() == 0:
         try:
+            inside = inside_dataset(config, workdir)  # first: the write probe below would create the folder
+            if inside:
+                raise UserError(inside)
             why = unwritable(workdir)
             if why:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
