@@ -138,24 +138,29 @@ def read_config_json(path: str) -> mlc.ConfigDict:
 
 def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
     """``raw`` (a config.json's object) with every field the schema (:func:`base.base_config`) knows
-    checked against the kind of its default, as ``--config.KEY=VALUE`` overrides are, and every one it
-    lacks set to :func:`base.default` (an older jaxrat wrote no such field); a ConfigError names the
-    first wrong one. The task's and model's own fields are not in the schema and are kept as they are.
+    checked against the kind of its default, as ``--config.KEY=VALUE`` overrides are; a ConfigError
+    names the first wrong one. A missing top-level field (read directly) is set to :func:`base.default`;
+    a missing field of a section, or a missing section, stays missing, as in the config that was saved:
+    its readers take the default (:func:`base.field`). The task's and model's own fields are not in the
+    schema and are kept as they are.
     """
     for key, schema_value in flatten(base_config()).items():
         *parents, leaf = key.split(".")
-        node = raw
+        node: Any = raw
         for i, name in enumerate(parents):
-            child = node.setdefault(name, {})
-            if not isinstance(child, dict):
+            node = node.get(name)
+            if node is None:
+                break
+            if not isinstance(node, dict):
                 section = ".".join(parents[:i + 1])
-                raise ConfigError(f"{path}: {section} is {json.dumps(child)}, not a section of fields; write it "
+                raise ConfigError(f"{path}: {section} is {json.dumps(node)}, not a section of fields; write it "
                                   f"as an object of fields, or delete it to take the defaults.")
-            node = child
-        if leaf not in node:
-            node[leaf] = default(key)
-        else:
+        if node is None:
+            continue
+        if leaf in node:
             node[leaf] = _checked_json_value(key, node[leaf], schema_value, path)
+        elif not parents:
+            node[leaf] = default(key)
     return raw
 
 
