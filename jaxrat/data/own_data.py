@@ -11,6 +11,8 @@ the synthetic data's class names are not the user's (their classes are named by
 
 from __future__ import annotations
 
+import os
+
 import ml_collections as mlc
 
 from jaxrat.data.synthetic.classification import LABEL_COLUMNS as SYNTHETIC_HEADS
@@ -18,9 +20,15 @@ from jaxrat.data.synthetic.segmentation import CLASS_NAMES as SYNTHETIC_CLASS_NA
 
 
 def on_own_data(config: mlc.ConfigDict) -> mlc.ConfigDict:
-    """``config`` with synthetic data off when ``data.data_dir`` names a dataset (changed in place; returned)."""
+    """``config`` with ``data.data_dir`` absolute (so the run's config.json names the dataset from any
+    folder: ``jaxrat evaluate`` run elsewhere finds it) and synthetic data off when it names a dataset
+    (changed in place; returned)."""
     data = config.get("data")
-    if data is None or not data.get("synthetic") or not (data.get("data_dir") or ""):
+    data_dir = str(data.get("data_dir") or "") if data is not None else ""
+    if data_dir and "://" not in data_dir:  # a URL (gs://...) is no local path
+        with config.ignore_type():
+            data.data_dir = os.path.abspath(os.path.expanduser(data_dir))
+    if data is None or not data.get("synthetic") or not data_dir:
         return config
     with config.ignore_type():
         data.synthetic = False

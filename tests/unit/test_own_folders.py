@@ -150,3 +150,18 @@ def test_the_classification_demo_on_a_folder_per_class_is_one_head():
     assert not config.data.synthetic and config.task.heads == ("label",)
     assert config.task.num_classes == (0,) and config.task.loss_weights == (1.0,)
     assert config.checkpoint.best_metric == "eval/label/balanced_accuracy"
+
+
+def test_a_relative_dataset_folder_is_saved_absolute(tmp_path, monkeypatch):
+    # config.json names the dataset as the run read it, so `jaxrat evaluate --workdir W` from another folder
+    # finds it (a relative DIR was saved as given and not found from elsewhere).
+    from jaxrat.data.own_data import on_own_data
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config("segmentation")
+    config.data.data_dir = "mine"
+    assert on_own_data(config).data.data_dir == str(tmp_path / "mine")
+    config.data.data_dir = "gs://bucket/isic"  # a URL stays as it is
+    assert on_own_data(config).data.data_dir == "gs://bucket/isic"
+    config.data.data_dir = ""
+    assert on_own_data(config).data.data_dir == ""
