@@ -193,18 +193,11 @@ def _json_kind(value: Any) -> type:
 
 
 def _json_list_misfit(key: str, value: Any, schema_value: tuple) -> str | None:
-    """What a tuple field expects, where ``value`` (from JSON) does not fit it: a range is two ordered
-    numbers, other lists hold items of the default's kind; None where it fits."""
-    if key in RANGES:
-        fits = (isinstance(value, list) and len(value) == 2 and all(_kind(v) is float for v in value)
-                and value[0] <= value[1])
-        return None if fits else "a range [low, high] with low <= high"
-    if not isinstance(value, list):
-        return "a list"
-    kinds = {_kind(v) for v in schema_value}
-    if len(kinds) == 1 and any(_kind(v) not in kinds for v in value):
-        return "a list of " + {float: "numbers", str: "strings", tuple: "lists", bool: "booleans"}[kinds.pop()]
-    return None
+    """What a tuple field expects where ``value`` (from JSON) does not fit it, in JSON's words; None where it fits."""
+    misfit = _sequence_misfit(key, value, schema_value)
+    if misfit is None:
+        return None
+    return misfit.replace("tuple", "list").replace("(low, high)", "[low, high]")
 
 
 def _tuples(x: Any) -> Any:
@@ -274,17 +267,25 @@ def _check_sequence(key: str, current: tuple | list, raw: str) -> None:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         raise _wrong(key, raw, "a tuple", current) from None
+    misfit = _sequence_misfit(key, value, current)
+    if misfit:
+        raise _wrong(key, raw, misfit, current)
+
+
+def _sequence_misfit(key: str, value: object, current: tuple | list) -> str | None:
+    """What a tuple field expects where ``value`` does not fit it: a range is two ordered numbers, other
+    tuples hold items of the default's kind; None where it fits."""
     if key in RANGES:
-        if (not isinstance(value, (tuple, list)) or len(value) != 2 or any(_kind(v) is not float for v in value)
-                or value[0] > value[1]):
-            raise _wrong(key, raw, "a range (low, high) with low <= high", current)
-        return
+        fits = (isinstance(value, (tuple, list)) and len(value) == 2 and all(_kind(v) is float for v in value)
+                and value[0] <= value[1])
+        return None if fits else "a range (low, high) with low <= high"
     if not isinstance(value, (tuple, list)):
-        raise _wrong(key, raw, "a tuple", current)
+        return "a tuple"
     kinds = {_kind(v) for v in current}
     if len(kinds) == 1 and value and any(_kind(v) not in kinds for v in value):
         plural = {float: "numbers", str: "strings", tuple: "tuples", bool: "booleans"}.get(_kind(current[0]), "items")
-        raise _wrong(key, raw, f"a tuple of {plural}", current)
+        return f"a tuple of {plural}"
+    return None
 
 
 def check_value(key: str, current: object, raw: str | None) -> None:
