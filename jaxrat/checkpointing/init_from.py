@@ -13,7 +13,7 @@ from etils import epath
 
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.runtime.errors import ConfigError
-from jaxrat.runtime.tree_paths import named_leaves, path_name
+from jaxrat.runtime.tree_paths import named_leaves, path_name, subtree
 
 
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
@@ -39,26 +39,25 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     (checked against its digests, ``latest`` falling back past damage, held still against a
     training's rotation); ``opened``: one the caller holds already. ``together``: see there.
     """
-    want = named_leaves(abstract_state["params"])
-    select = _selector(include, exclude)
+    select = _selector(include, exclude)  # the user's patterns are refused before anything is read
     renames = _renames(rename)
     if _is_npz(spec) or renames:
         if optimizer:
             raise ConfigError(f"init_from={spec}: a weights file (.npz, .safetensors, .pth) or init_from_rename "
                               f"loads parameters only; drop "
                               f"--config.checkpoint.init_optimizer.")
-        return {"params": _load_arrays(spec, abstract_state["params"], want, select, strict, renames)}
+        return {"params": _load_arrays(spec, abstract_state["params"], select, strict, renames)}
     keys = [params_from] + (["opt_state"] if optimizer else [])
     if opened is None:
         with open_checkpoint(spec, keys, together=together) as held:
-            return _load_opened(held, abstract_state, keys, want, select, strict, optimizer, include, exclude,
+            return _load_opened(held, abstract_state, keys, select, strict, optimizer, bool(include or exclude),
                                 params_from)
-    return _load_opened(opened, abstract_state, keys, want, select, strict, optimizer, include, exclude, params_from)
+    return _load_opened(opened, abstract_state, keys, select, strict, optimizer, bool(include or exclude),
+                        params_from)
 
 
-def _load_opened(opened: Opened, abstract_state: Any, keys: list[str], want: dict[str, Any],
-                 select: Callable[[str], bool], strict: bool, optimizer: bool, include: str, exclude: str,
-                 params_from: str) -> dict[str, Any]:
+def _load_opened(opened: Opened, abstract_state: Any, keys: list[str], select: Callable[[str], bool], strict: bool,
+                 optimizer: bool, patterns: bool, params_from: str) -> dict[str, Any]:
     directory, step, held = opened.directory, opened.step, opened.where
     where = os.path.join(directory, str(step))  # what messages name (``held`` may be a private copy)
     with ocp.PyTreeCheckpointer() as ckptr:
@@ -66,16 +65,12 @@ def _load_opened(opened: Opened, abstract_state: Any, keys: list[str], want: dic
         if params_from not in saved:
             raise ConfigError(f"init_from: the checkpoint {where} holds no {params_from} (the run kept no moving "
                               f"average); load its params instead.")
-        have = {k: tuple(getattr(v, "shape", ())) for k, v in named_leaves(saved[params_from]).items()}
-        if strict and not (include or exclude):
+        if strict and not patterns:
             target = {k: abstract_state["params" if k == params_from else k] for k in keys}
             _check_compatible(target, {k: saved[k] for k in keys if k in saved}, where, optimizer)
         else:
-            chosen = _choose(want, have, select, f"{directory} step {step}", strict)
-            if optimizer and len(chosen) < len(want):
-                raise ConfigError("init_from: --config.checkpoint.init_optimizer needs every parameter loaded, but "
-                                  f"{len(want) - len(chosen)} are not; drop init_optimizer or the patterns.")
-            target = {params_from: _subtree(abstract_state["params"], chosen),
+            target = {params_from: _loadable(abstract_state["params"], saved[params_from], select,
+                                             f"{directory} step {step}", strict, every=optimizer),
                       **({"opt_state": abstract_state["opt_state"]} if optimizer else {})}
         restored = dict(ckptr.restore(os.path.join(held, "state"), args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
@@ -109,9 +104,13 @@ def _selector(include: str, exclude: str) -> Callable[[str], bool]:
     return lambda name: (inc is None or bool(inc.search(name))) and not (exc is not None and exc.search(name))
 
 
-def _choose(want: dict[str, Any], have: dict[str, tuple], select: Callable[[str], bool], where: str,
-            strict: bool) -> list[str]:
-    """The parameter paths to load; logs (or, when ``strict``, raises for) the others."""
+def _loadable(abstract_params: Any, source: Any, select: Callable[[str], bool], where: str, strict: bool, *,
+              every: bool = False) -> Any:
+    """The subtree of ``abstract_params`` that ``source`` (a tree, or ``{path: array}``) fills: each
+    parameter ``select`` admits that ``source`` holds in the same shape. Logs the others, or raises for
+    them when ``strict`` (or, with ``every``, for any: the optimizer state needs every parameter)."""
+    want = named_leaves(abstract_params)
+    have = {k: tuple(getattr(v, "shape", ())) for k, v in named_leaves(source).items()}
     chosen, excluded, missing, differ = [], [], [], []
     for name, leaf in want.items():
         if not select(name):
@@ -129,6 +128,9 @@ def _choose(want: dict[str, Any], have: dict[str, tuple], select: Callable[[str]
         raise ConfigError(f"init_from: no parameter of this model loads from {where} (of {len(want)}: {len(excluded)} "
                           f"excluded by the patterns, {len(missing)} missing there, {len(differ)} of another shape)"
                           f"{hint}.")
+    if every and len(chosen) < len(want):
+        raise ConfigError("init_from: --config.checkpoint.init_optimizer needs every parameter loaded, but "
+                          f"{len(want) - len(chosen)} are not; drop init_optimizer or the patterns.")
     logging.info("init_from: %d of %d parameter tensors load from %s", len(chosen), len(want), where)
     for what, names in (("shape differs", differ), ("not in the checkpoint", missing),
                         ("excluded by init_from_include/exclude", excluded)):
@@ -137,24 +139,7 @@ def _choose(want: dict[str, Any], have: dict[str, tuple], select: Callable[[str]
     unused = sorted(set(have) - set(want))
     if unused:
         logging.info("init_from: %d checkpoint tensors not used, e.g. %s", len(unused), ", ".join(unused[:3]))
-    return chosen
-
-
-def _subtree(tree: Any, names: list[str]) -> Any:
-    """The nested dicts of ``tree`` holding only the leaves at ``names``."""
-    keep = set(names)
-
-    def walk(node: Any, prefix: str) -> Any:
-        if hasattr(node, "shape"):
-            return node if prefix in keep else None
-        out = {}
-        for k, v in node.items():
-            sub = walk(v, f"{prefix}/{k}" if prefix else str(k))
-            if sub is not None and sub != {}:
-                out[k] = sub
-        return out
-
-    return walk(tree, "")
+    return subtree(abstract_params, chosen)
 
 
 def _is_npz(spec: str) -> bool:
@@ -187,8 +172,8 @@ def _source_arrays(spec: str) -> dict[str, Any]:
     return read_arrays(spec) if _is_npz(spec) else read_arrays(spec, "params")
 
 
-def _load_arrays(spec: str, abstract_params: Any, want: dict[str, Any], select: Callable[[str], bool],
-                 strict: bool, renames: list[tuple[str, str]]) -> Any:
+def _load_arrays(spec: str, abstract_params: Any, select: Callable[[str], bool], strict: bool,
+                 renames: list[tuple[str, str]]) -> Any:
     flat = _source_arrays(spec)
     if renames:
         def renamed(k: str) -> str:
@@ -200,19 +185,13 @@ def _load_arrays(spec: str, abstract_params: Any, want: dict[str, Any], select: 
         arrays = {renamed(k): v for k, v in flat.items()}
     else:
         # The prefix under which most of the file's names are this model's parameters.
+        want = named_leaves(abstract_params)
         prefix = max(NPZ_PREFIXES, key=lambda p: sum(f"{p}{k}" in want for k in flat))
         if prefix:
             logging.info("init_from: the names in %s are placed under %s", spec, prefix)
         arrays = {f"{prefix}{k}": v for k, v in flat.items()}
-    chosen = _choose(want, {k: tuple(v.shape) for k, v in arrays.items()}, select, spec, strict)
-    sub = _subtree(abstract_params, chosen)
-
-    def put(path: tuple, leaf: Any) -> Any:
-        value = arrays[path_name(path)].astype(leaf.dtype)
-        return jax.device_put(value, leaf.sharding) if getattr(leaf, "sharding", None) is not None else value
-
-    logging.info("init_from: loaded params from %s", spec)
-    return jax.tree_util.tree_map_with_path(put, sub)
+    logging.info("init_from: loading params from %s", spec)
+    return _placed(arrays, abstract_params, select, spec, strict)
 
 
 def place_arrays(arrays: dict[str, Any], abstract_params: Any, *, include: str = "", exclude: str = "",
@@ -220,16 +199,16 @@ def place_arrays(arrays: dict[str, Any], abstract_params: Any, *, include: str =
     """Parameters (by path) from outside a jaxrat run, e.g. converted pretrained weights, as the
     subtree of ``abstract_params`` they fill, on its shardings; ``include``/``exclude`` as in
     :func:`load_init`. Parameters they do not fill keep their fresh values (:func:`merge_params`)."""
-    want = named_leaves(abstract_params)
-    chosen = _choose(want, {k: tuple(v.shape) for k, v in arrays.items()}, _selector(include, exclude), where,
-                     strict=False)
-    sub = _subtree(abstract_params, chosen)
+    return _placed(arrays, abstract_params, _selector(include, exclude), where, strict=False)
 
+
+def _placed(arrays: dict[str, Any], abstract_params: Any, select: Callable[[str], bool], where: str,
+            strict: bool) -> Any:
     def put(path: tuple, leaf: Any) -> Any:
         value = arrays[path_name(path)].astype(leaf.dtype)
         return jax.device_put(value, leaf.sharding) if getattr(leaf, "sharding", None) is not None else value
 
-    return jax.tree_util.tree_map_with_path(put, sub)
+    return jax.tree_util.tree_map_with_path(put, _loadable(abstract_params, arrays, select, where, strict))
 
 
 def restart_schedules(opt_state: Any) -> tuple[Any, list[str]]:

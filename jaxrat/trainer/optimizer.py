@@ -77,7 +77,7 @@ def layer_scales(params: Any, decay: float) -> Any:
 def _scale_by_layer(decay: float) -> optax.GradientTransformation:
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         scales = layer_scales(updates, decay)
-        return jax.tree.map(lambda u, f: u * jnp.asarray(f, u.dtype), updates, scales), state
+        return jax.tree_util.tree_map(lambda u, f: u * jnp.asarray(f, u.dtype), updates, scales), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -104,7 +104,8 @@ def clip_by_global_norm(max_norm: float, *, concatenate: bool) -> optax.Gradient
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         norm = global_norm(updates, concatenate=concatenate)
         keep = norm < max_norm
-        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+        scaled = jax.tree_util.tree_map(lambda t: jax.lax.select(keep, t, t / norm.astype(t.dtype) * max_norm), updates)
+        return scaled, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -162,4 +163,4 @@ def ema_schedule(cfg: Any) -> Callable[[jax.Array], jax.Array]:
 
 def update_ema(ema: Any, params: Any, decay: jax.Array) -> Any:
     """``decay * ema + (1 - decay) * params``, leaf by leaf in each leaf's dtype."""
-    return jax.tree.map(lambda e, p: (decay * e + (1.0 - decay) * p).astype(e.dtype), ema, params)
+    return jax.tree_util.tree_map(lambda e, p: (decay * e + (1.0 - decay) * p).astype(e.dtype), ema, params)

@@ -39,7 +39,7 @@ def split_microbatches(batch: Any, accum: int, mesh: jax.sharding.Mesh) -> Any:
         x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:])
         return jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), spec)
 
-    return jax.tree.map(one, batch)
+    return jax.tree_util.tree_map(one, batch)
 
 
 def _loss_fn(spec: StateSpec) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, dict]]:
@@ -94,13 +94,13 @@ def accumulated_gradients(grad_fn: Callable, params: Any, batch: Any, rng: jax.A
     def body(carry: Any, xs: Any) -> tuple[Any, None]:
         mb, i = xs
         (loss_i, parts_i), g = grad_fn(params, mb, jax.random.fold_in(rng, i))
-        return jax.tree.map(jnp.add, carry, (g, loss_i, parts_i)), None
+        return jax.tree_util.tree_map(jnp.add, carry, (g, loss_i, parts_i)), None
 
     micro = split_microbatches(batch, accum, mesh)
-    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), rng)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][0], shapes[0][1]))
+    shapes = jax.eval_shape(grad_fn, params, jax.tree_util.tree_map(lambda x: x[0], micro), rng)
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][0], shapes[0][1]))
     (grads, loss, parts), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
-    return jax.tree.map(lambda x: x / accum, (grads, loss, parts))
+    return jax.tree_util.tree_map(lambda x: x / accum, (grads, loss, parts))
 
 
 def make_train_step(spec: StateSpec) -> Callable[[dict, dict], tuple[dict, dict]]:
