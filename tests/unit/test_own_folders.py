@@ -110,6 +110,30 @@ def test_a_converted_copy_beside_its_image_is_one_example_with_a_warning(tmp_pat
     assert "im05.png has the name of" in caplog.text and "im05.jpg" in caplog.text
 
 
+def test_images_added_later_keep_the_split_of_those_already_there(tmp_path):
+    """Adding images to a split-by-fraction folder must not reshuffle it: a resumed run (or a new run
+    on the grown folder) would train on images its validation held. Each added image may move at
+    most one other pair across the boundary; the split keeps its exact size."""
+    root = _pairs(str(tmp_path / "d"), [f"im{i:02d}" for i in range(30)])
+
+    def sides():
+        val = {os.path.basename(i) for i, _ in sf.find_pairs(root, "validation", val_fraction=0.2, seed=4)}
+        train = {os.path.basename(i) for i, _ in sf.find_pairs(root, "train", val_fraction=0.2, seed=4)}
+        assert not val & train
+        return val, train
+
+    first_val, first_train = val, train = sides()
+    assert len(val) == 6 and len(train) == 24
+    for k in range(5):
+        _pairs(root, [f"new{k}"])
+        new_val, new_train = sides()
+        assert len(new_val) == round(0.2 * (31 + k)) and len(new_val) + len(new_train) == 31 + k
+        assert len(val & new_train) + len(train & new_val) <= 1
+        val, train = new_val, new_train
+    assert len(first_val & train) + len(first_train & val) <= 5
+    assert sides() == (val, train)  # the same split at every call (every process, every rerun)
+
+
 def test_a_broken_link_is_a_missing_file_not_a_vanished_image(tmp_path):
     root = _pairs(str(tmp_path / "d"), [f"im{i:02d}" for i in range(6)])
     os.symlink(str(tmp_path / "gone.png"), os.path.join(root, "images", "zz.png"))

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import logging
 import os
-import random
 from typing import Sequence
 
 import grain
@@ -158,16 +158,25 @@ def _check_split_column(path: str, rows: list[dict]) -> None:
 
 
 def _split_pool(pool: list[tuple[str, str]], split: str, fraction: float, seed: int) -> list[tuple[str, str]]:
-    """A seeded split of one pool: the same pairs in validation for every process and rerun."""
+    """A seeded split of one pool: the same pairs in validation for every process and rerun.
+
+    The pairs are ranked by a hash of the seed and the image's name, and the first ``val_fraction``
+    of the ranking is the validation split. A pair's rank does not depend on the others, so images
+    added to (or removed from) the folder later move at most one other pair each across the
+    boundary: a resumed run, or a new run on the grown folder, keeps its validation images out of
+    training (a shuffle of the whole list would move most of them)."""
     if not 0 < fraction < 1:
         raise ConfigError(f"config.data.val_fraction={fraction}; use a fraction between 0 and 1 (e.g. 0.2) to split "
                           f"one folder of pairs, or give train/ and val/ folders.")
-    order = sorted(pool, key=lambda p: _stem(p[0]))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, int(round(len(order) * fraction)))
     if split == "test":
         return []
+    order = sorted(pool, key=lambda p: (_rank(seed, _stem(p[0])), p[0]))
+    n_val = max(1, int(round(len(order) * fraction)))
     return sorted(order[:n_val] if split == "validation" else order[n_val:])
+
+
+def _rank(seed: int, name: str) -> bytes:
+    return hashlib.sha256(f"{seed}/{name}".encode()).digest()
 
 
 def find_pairs(data_dir: str, split: str, *, images: str = "images", masks: str = "masks", pairs_csv: str = "",
