@@ -82,6 +82,15 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
     return fixed, free
 
 
+def _schedule_moves(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """"num_train_steps A -> B" when a resume changes the length its learning rate decays over, else ""."""
+    a, b = old.get("num_train_steps"), new.get("num_train_steps")
+    factor = (new.get("optimizer") or {}).get("end_learning_rate_factor", 0.0)
+    if a is None or b is None or a == b or factor == 1.0:
+        return ""
+    return f"num_train_steps {a} -> {b}"
+
+
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``WORKDIR/checkpoints`` holds a committed step (a folder named by its number)."""
     directory = os.path.join(workdir, "checkpoints")
@@ -119,6 +128,12 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
         if fixed or free:  # operational changes are routine (a new port, more steps): worth a line, not a warning
             logging.log(logging.WARNING if fixed else logging.INFO, "resuming %s with a changed config (%s); the "
                         "previous config is kept aside", workdir, "; ".join(fixed + free))
+        moved = _schedule_moves(old, new)
+        if moved:
+            logging.warning("%s: the learning rate's cosine decays over num_train_steps, so the resumed steps follow "
+                            "the schedule of the new length, not the one the run had been following (the rate "
+                            "changes at the resumed step); keep num_train_steps to continue the same schedule",
+                            moved)
     elif resuming:
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
 

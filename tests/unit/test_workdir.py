@@ -243,6 +243,27 @@ def test_a_changed_config_stops_a_resume_and_an_allowed_change_is_kept_aside(tmp
     assert len([n for n in os.listdir(wd) if n.startswith("config.")]) == 4  # an unchanged config is not kept twice
 
 
+def test_a_resume_with_another_length_warns_that_the_schedule_moves(tmp_path, caplog):
+    """More steps on resume stretch the cosine under the resumed step: the rate jumps. It may change
+    (extending a run is routine), but as a warning that says so, not an INFO line among the ports."""
+    wd = str(tmp_path)
+    wdm.check_and_save_config(_smoke(), wd, allow_change=False)
+    os.makedirs(os.path.join(wd, "checkpoints", "3"))
+    with caplog.at_level(logging.INFO):
+        wdm.check_and_save_config(_smoke("train.log_every=2"), wd, allow_change=False)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        wdm.check_and_save_config(_smoke("num_train_steps=9"), wd, allow_change=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "num_train_steps 6 -> 9" in warned[0] and "keep num_train_steps" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # a constant rate (no decay) has no schedule to move
+        flat = _smoke("num_train_steps=12", "optimizer.end_learning_rate_factor=1.0")
+        wdm.check_and_save_config(flat, wd, allow_change=True)
+    assert not [r for r in caplog.records if "keep num_train_steps" in r.getMessage()]
+
+
 def test_hold_releases_the_lock_when_the_run_fails(tmp_path):
     wd = str(tmp_path / "wd")
     with pytest.raises(RuntimeError, match="boom"):
