@@ -146,6 +146,9 @@ def _evaluate_into(out_dir: str, config: Any, workdir: str, opened: Any, tta: An
         TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
     if _TILE.value and kind != "segmentation":
         raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
+    if _TILE.value and int(config.model.get("num_classes", 1) or 1) > 1:
+        raise UserError("evaluate --tile scores binary masks; this run predicts several classes: drop --tile "
+                        "(jaxrat predict --tile writes the tiled label maps).")
     from jaxrat.inference.split_eval import swap_to_train, use_split
 
     per_image = _PER_IMAGE.value and not _TILE.value

@@ -147,14 +147,18 @@ def tiles(height: int, width: int, window: int, overlap: float) -> list[tuple[in
 
 
 def blend(height: int, width: int, window: int, corners: list[tuple[int, int]], probs: list[np.ndarray]) -> np.ndarray:
-    """The (height, width) map of window probabilities ``probs`` at ``corners``, Gaussian-weighted."""
+    """The (height, width) map of window probabilities ``probs`` at ``corners``, Gaussian-weighted;
+    (height, width, C) for windows of class probabilities (each class blended alike, so each pixel's
+    classes still sum to 1)."""
     weight = gaussian_weight(window)
-    acc = np.zeros((max(height, window), max(width, window)), np.float32)
-    norm = np.zeros_like(acc)
+    classes = np.shape(probs[0])[2:] if probs else ()
+    acc = np.zeros((max(height, window), max(width, window), *classes), np.float32)
+    norm = np.zeros(acc.shape[:2], np.float32)
+    spread = weight.reshape(weight.shape + (1,) * len(classes))
     for (y, x), p in zip(corners, probs):
-        acc[y:y + window, x:x + window] += p * weight
+        acc[y:y + window, x:x + window] += p * spread
         norm[y:y + window, x:x + window] += weight
-    return (acc / np.maximum(norm, 1e-12))[:height, :width]
+    return (acc / np.maximum(norm, 1e-12).reshape(norm.shape + (1,) * len(classes)))[:height, :width]
 
 
 def check_tiling(tile: int, overlap: float) -> None:

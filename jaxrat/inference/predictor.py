@@ -235,9 +235,7 @@ class Predictor:
         content = letterbox_shape(h, w, self.image_size) if self.keep_aspect else None
         prob = np.asarray(prob, np.float32)
         if prob.ndim == 3:  # class probabilities: each resized, then the most likely class per pixel
-            p = np.stack([to_original(prob[..., k], h, w, content) for k in range(prob.shape[-1])], -1)
-            labels = np.argmax(p, -1).astype(np.uint8)
-            return Prediction(w, h, probability=p.max(-1), mask=labels > 0, labels=labels, class_probabilities=p)
+            return of_classes(np.stack([to_original(prob[..., k], h, w, content) for k in range(prob.shape[-1])], -1))
         p = to_original(prob, h, w, content)
         return Prediction(w, h, probability=p, mask=p >= self.threshold)
 
@@ -253,8 +251,6 @@ class Predictor:
         ``overlap``, Gaussian-blended (see :mod:`jaxrat.inference.augment`)."""
         if self.kind != "segmentation":
             raise UserError(f"--tile is for segmentation; this run is {self.kind}: drop --tile.")
-        if getattr(self.task, "num_classes", 1) > 1:
-            raise UserError("--tile blends binary probabilities; this run predicts several classes: drop --tile.")
         augment.check_tiling(tile, overlap)
         from jaxrat.data.transforms import Normalize
 
@@ -267,7 +263,16 @@ class Predictor:
         windows = np.stack([canvas[y:y + tile, x:x + tile] for y, x in corners])
         probs = self.run_batch({"image": windows})
         p = augment.blend(h, w, tile, corners, list(probs))
+        if p.ndim == 3:  # class probabilities, blended per class
+            return of_classes(p)
         return Prediction(w, h, probability=p, mask=p >= self.threshold)
+
+
+def of_classes(p: np.ndarray) -> Prediction:
+    """The prediction of (H, W, C) class probabilities at the image's size: the most likely class per pixel."""
+    labels = np.argmax(p, -1).astype(np.uint8)
+    return Prediction(p.shape[1], p.shape[0], probability=p.max(-1), mask=labels > 0, labels=labels,
+                      class_probabilities=p)
 
 
 def as_rgb(image: np.ndarray) -> np.ndarray:

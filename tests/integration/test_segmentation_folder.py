@@ -190,6 +190,20 @@ def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_pat
     names = [k[len("eval/dice/"):] for k in reported if k.startswith("eval/dice/")]
     assert len(names) == 3 and all(f"dice/{n}" in per_image[0] and f"iou/{n}" in per_image[0] for n in names)
 
+    # Tiled at each photo's own size: the windows' class probabilities blended per class, so label maps
+    # and (H, W, 3) probabilities that sum to 1; evaluate --tile (binary scores) refuses before any work.
+    tiled = tmp_path / "tiled"
+    jaxrat("predict", f"--workdir={work}", f"--input={listing}", f"--out={tiled}", "--tile=32", "--save_probs=npy")
+    for image, _ in val:
+        stem = os.path.splitext(os.path.basename(image))[0]
+        png = Image.open(tiled / "masks" / (stem + ".png"))
+        probs = np.load(tiled / "probs" / (stem + ".npy"))
+        assert png.mode == "P" and png.size == Image.open(image).size and probs.shape == (*png.size[::-1], 3)
+        assert np.allclose(probs.sum(-1), 1, atol=1e-4) and (probs.argmax(-1) == np.asarray(png)).all()
+    refused = subprocess.run([sys.executable, "-m", "jaxrat", "evaluate", f"--workdir={work}", "--tile=32"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "predicts several classes: drop --tile" in refused.stderr
+
     # The export: a (1, S, S, 3) class-probability program, its classes named, and the loader's
     # label map at each photo's size equal to predict's masks, in a process where jaxrat cannot import.
     exp = tmp_path / "export"
