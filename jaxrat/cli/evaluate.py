@@ -74,6 +74,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
             if _TILE.value:
                 check_tiling(_TILE.value, _OVERLAP.value)
             workdir, config = _RUN.open(overrides)
+            _check_tile(config)
             if _OUT.value:  # before the checkpoint is opened: never the run's files, its data, unwritable or full
                 output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="evaluate")
                 output_folder.refuse_taken(_OUT.value, overwrite=_OVERWRITE.value)
@@ -96,6 +97,17 @@ def main(argv: list[str], overrides: list[str]) -> None:
             sys.stderr.write(f"jaxrat: evaluate stopped by {e.name}{part}: run the same command again.\n")
             sys.stderr.flush()
             sys.exit(e.exit_code)
+
+
+def _check_tile(config: Any) -> None:
+    """Refuse --tile for a run it cannot score, before --out is claimed or the checkpoint opened."""
+    if not _TILE.value:
+        return
+    if config.task.name != "segmentation":
+        raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
+    if int(config.model.get("num_classes", 1) or 1) > 1:
+        raise UserError("evaluate --tile scores binary masks; this run predicts several classes: drop --tile "
+                        "(jaxrat predict --tile writes the tiled label maps).")
 
 
 def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
@@ -144,11 +156,6 @@ def _evaluate_into(out_dir: str, config: Any, workdir: str, opened: Any, tta: An
     wrap = (lambda m: TTAModel(m, tta, kind)) if tta.active else None
     if tta.active:
         TTAModel(None, tta, kind)  # refuses detection and custom tasks in one sentence, before any work
-    if _TILE.value and kind != "segmentation":
-        raise UserError(f"--tile is for segmentation; this run's task is {config.task.name}: drop --tile.")
-    if _TILE.value and int(config.model.get("num_classes", 1) or 1) > 1:
-        raise UserError("evaluate --tile scores binary masks; this run predicts several classes: drop --tile "
-                        "(jaxrat predict --tile writes the tiled label maps).")
     from jaxrat.inference.split_eval import swap_to_train, use_split
 
     per_image = _PER_IMAGE.value and not _TILE.value

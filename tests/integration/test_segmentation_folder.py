@@ -200,9 +200,11 @@ def test_trains_evaluates_and_predicts_label_pngs_on_a_multiclass_folder(tmp_pat
         probs = np.load(tiled / "probs" / (stem + ".npy"))
         assert png.mode == "P" and png.size == Image.open(image).size and probs.shape == (*png.size[::-1], 3)
         assert np.allclose(probs.sum(-1), 1, atol=1e-4) and (probs.argmax(-1) == np.asarray(png)).all()
-    refused = subprocess.run([sys.executable, "-m", "jaxrat", "evaluate", f"--workdir={work}", "--tile=32"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    refused = subprocess.run([sys.executable, "-m", "jaxrat", "evaluate", f"--workdir={work}", "--tile=32",
+                              f"--out={tmp_path / 'ev'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
     assert refused.returncode == 2 and "predicts several classes: drop --tile" in refused.stderr
+    assert not (tmp_path / "ev").exists()  # refused before --out was claimed
 
     # The export: a (1, S, S, 3) class-probability program, its classes named, and the loader's
     # label map at each photo's size equal to predict's masks, in a process where jaxrat cannot import.
