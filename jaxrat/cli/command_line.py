@@ -129,10 +129,11 @@ def flag_mistake(argv: list[str], module_file: str) -> str | None:
     import difflib
 
     given = set()
-    for arg in _split(argv)[0]:
+    args = _split(argv)[0]
+    for i, arg in enumerate(args):
         if not arg.startswith("--") or arg == "--" or arg.startswith("--config."):
             continue
-        name = arg[2:].partition("=")[0]
+        name, eq, value = arg[2:].partition("=")
         known = name in flags.FLAGS or (name.startswith("no") and name[2:] in flags.FLAGS)
         if not known:
             own = [f.name for f in flags.FLAGS.get_key_flags_for_module(module_file)]
@@ -140,6 +141,17 @@ def flag_mistake(argv: list[str], module_file: str) -> str | None:
             hint = f"did you mean --{close[0]}?" if close else "--help lists the flags."
             return f"Unknown flag --{name}; {hint}"
         given.add(name)
+        flag = flags.FLAGS[name] if name in flags.FLAGS else None
+        if flag is None or flag.boolean or not (eq or i + 1 < len(args)):
+            continue
+        value = value if eq else args[i + 1]
+        try:
+            flag.parser.parse(value)
+        except ValueError as e:  # absl says it as "FATAL Flags parsing error" and the parser's words
+            kind = {"int": "an integer", "float": "a number"}.get(flag.flag_type())
+            if kind:
+                return f"--{name}={value} is not {kind}; pass {kind} (--help says what it takes)."
+            return f"--{name}={value}: {str(e).rstrip('.')}; --help says what it takes."
     missing = sorted(_required(module_file) - given)
     if missing:
         return f"Pass --{missing[0]}: it is required (--help says what it takes)."

@@ -126,6 +126,12 @@ def test_a_trained_runs_overrides_are_checked_alike(tmp_path):
     (["predict", "--wokdir=x", "--input=y", "--out=z"], "Unknown flag --wokdir; did you mean --workdir?"),
     (["predict", "--input=y", "--out=z"], "Pass --workdir: it is required (--help says what it takes)."),
     (["train", "--config", "isic:smoke", "--workdri=w"], "Unknown flag --workdri; did you mean --workdir?"),
+    (["predict", "--workdir=x", "--input=y", "--out=z", "--batch", "abc"],
+     "--batch=abc is not an integer; pass an integer (--help says what it takes)."),
+    (["evaluate", "--workdir=x", "--overlap=half"], "--overlap=half is not a number; pass a number (--help says "
+                                                   "what it takes)."),
+    (["predict", "--workdir=x", "--input=y", "--out=z", "--save_probs=bmp"],
+     "--save_probs=bmp: value should be one of <|png16|npy>; --help says what it takes."),
 ])
 def test_flag_mistakes_are_one_sentence(args, sentence):
     proc = _run("-m", "jaxrat", *args)
