@@ -37,14 +37,16 @@ CONFIG_NAME = "config.json"
 RUN_FILES = (JSON_NAME, MARKDOWN_NAME, CURVES_NAME, "metrics.jsonl", LABEL_STATS_NAME, SKIPPED_FILES_NAME,
              "autotune.json", "mlflow_run.json", "mlflow.db", "wandb_run.json")
 CONFUSION_PREFIX = "confusion_"
-# Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals and
-# checkpoints, where the data is read from and how fast, and how the work is spread over devices
-# and hosts. Anything else changes what is trained (model, task, data, optimizer, seed, batch) and
-# must match the checkpoint's config.json; a prefix ending in "." covers its whole section.
+# Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals,
+# plots and checkpoints, where the data is read from and how fast, how the work is spread over
+# devices and hosts, and where compiled programs are cached. Anything else changes what is trained
+# (model, task, data, optimizer, seed, batch) and must match the checkpoint's config.json; a prefix
+# ending in "." covers its whole section.
 RESUMABLE = (
     "num_train_steps", "init_from", "init_from_include", "init_from_exclude", "init_from_strict",
     "init_from_rename", "train.log_every", "train.eval_every", "train.eval_at_end",
-    "train.log_images", "checkpoint.", "mesh.", "sharding.", "distributed.", "workdir.", "tracking.",
+    "train.log_images", "train.plots", "train.compilation_cache_dir", "checkpoint.", "mesh.", "sharding.",
+    "distributed.", "workdir.", "tracking.",
     "data.data_dir", "data.stage_to_local_dir", "data.num_threads", "data.prefetch_buffer",
     "data.device_prefetch", "data.num_workers", "data.worker_ram_budget_gb", "data.on_bad_file",
     "data.eval_batch_size", "data.eval_spacing", "optimizer.grad_accum_steps", "train.reduction_shards",
