@@ -288,6 +288,29 @@ def _sequence_misfit(key: str, value: object, current: tuple | list) -> str | No
     return None
 
 
+# Sizes and periods that must be 1 or more, and what to set instead. Below 1 each failed deep in
+# the data pipeline or the loop with a traceback (negative dimensions, a batch of 0, a modulo by
+# zero), most of them after the first checkpoint was written; eval_every=-1 evaluated every step.
+COUNTS = {
+    "data.image_size": ("the side the images are resized to", 256),
+    "data.batch_size": ("the global batch", 32),
+    "data.eval_batch_size": ("the evaluation's global batch", 32),
+    "train.log_every": ("the steps between progress lines", 10),
+    "train.eval_every": ("the steps between evaluations (num_train_steps evaluates once, at the end)", 200),
+}
+
+
+def check_counts(config: mlc.ConfigDict) -> None:
+    """Refuse a size or period of :data:`COUNTS` below 1 (an integer: the config's kind check ran first)."""
+    for key, (what, example) in COUNTS.items():
+        section, name = key.split(".")
+        node = config.get(section)
+        value = node.get(name) if node is not None else None
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"config.{key}={value} must be 1 or more; set it to {what}, such as "
+                              f"--config.{key}={example}.")
+
+
 def check_value(key: str, current: object, raw: str | None) -> None:
     """Refuse ``raw`` unless it parses as the kind (and, for tuples, the shape) of the field's default."""
     if raw is None or current is None:
