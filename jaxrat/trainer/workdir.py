@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.checkpointing.store import COMMIT_FILE, METADATA_FILE
 from jaxrat.config_schema import field
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME
 from jaxrat.data.label_check import LABEL_STATS_NAME
@@ -93,10 +94,26 @@ def _schedule_moves(old: dict[str, Any], new: dict[str, Any]) -> str:
     return f"num_train_steps {a} -> {b}"
 
 
+# What a save of jaxrat's writes into ``checkpoints/<step>/`` (Orbax's items and markers).
+CHECKPOINT_ITEMS = frozenset({"state", "data", "metrics", METADATA_FILE, COMMIT_FILE})
+
+
 def has_checkpoint(workdir: str) -> bool:
-    """Whether ``WORKDIR/checkpoints`` holds a committed step (a folder named by its number)."""
+    """Whether ``WORKDIR/checkpoints`` holds a step of a run: a folder named by its number that is not
+    another tool's (:func:`_foreign_step`)."""
     directory = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+    if not os.path.isdir(directory):
+        return False
+    steps = [os.path.join(directory, n) for n in os.listdir(directory) if n.isdigit()]
+    return any(os.path.isdir(path) and not _foreign_step(path) for path in steps)
+
+
+def _foreign_step(path: str) -> bool:
+    """Whether the numbered folder ``path`` holds files but none a jaxrat save writes (another tool's
+    checkpoint in a folder of yours). Counted as a run's, it made the fresh start a "resume", which
+    keeps nothing aside, so the files already there (your summary.md) were overwritten."""
+    names = set(os.listdir(path))
+    return bool(names) and not names & CHECKPOINT_ITEMS
 
 
 def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> None:

@@ -384,3 +384,19 @@ def test_every_field_the_docs_let_change_on_resume_may_change():
         probe = key + "keep" if key.endswith(".") else key
         assert wdm.resumable(probe), key
     assert wdm.resumable("train.compilation_cache_dir")
+
+
+def test_a_folder_of_yours_with_another_tools_numbered_checkpoints_is_a_fresh_start(tmp_path):
+    """A --workdir holding checkpoints/5/ of another tool (no commit marker) counted as a run to resume:
+    nothing was kept aside, so the user's summary.md was overwritten by the run's."""
+    wd = tmp_path / "home"
+    (wd / "checkpoints" / "5").mkdir(parents=True)
+    (wd / "checkpoints" / "5" / "model.pt").write_text("another tool's weights")
+    (wd / "summary.md").write_text("my notes")
+    assert not wdm.has_checkpoint(str(wd))
+    with wdm.hold(_smoke(), str(wd)):
+        pass
+    [aside] = [p for p in wd.iterdir() if p.name.startswith("summary.20") and p.name.endswith(".md")]
+    assert aside.read_text() == "my notes"
+    (wd / "checkpoints" / "5" / "_CHECKPOINT_METADATA").write_text("{}")  # a save of jaxrat's, even unfinished
+    assert wdm.has_checkpoint(str(wd))
