@@ -214,10 +214,25 @@ class Checkpointer:
                 expected = self.step_metadata(step).get("digest")
                 bad = digest.mismatches(expected, state) if expected else []
                 if not bad:
+                    self._check_step(step, state)
                     return step, state, data_ok
                 problem = f"{bad[0]} reads back different from what was saved ({len(bad)} arrays differ)"
             self._set_aside(step, problem or "another process could not read it")
         return None
+
+    def _check_step(self, step: int, state: Any) -> None:
+        """A ConfigError when the folder ``<step>/`` holds another step's state (renamed by hand).
+
+        Resuming it would train on from the state's own step while the folder stays the newest,
+        so every later resume would go back to it and lose the steps trained since.
+        """
+        saved = state.get("step") if isinstance(state, dict) else None
+        if saved is None or int(jax.device_get(saved)) == step:
+            return
+        saved = int(jax.device_get(saved))
+        raise ConfigError(f"The checkpoint folder {self.directory}/{step} holds the state of step {saved} (it was "
+                          f"renamed or copied by hand): rename it back to {self.directory}/{saved} (or move it out "
+                          f"of {self.directory}), then run the same command to resume.")
 
     def _check_fits(self, step: int, abstract_state: Any) -> None:
         """A ConfigError when this run's state differs from the checkpoint's in names or shapes.

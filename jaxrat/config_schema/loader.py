@@ -133,16 +133,33 @@ def read_config_json(path: str) -> mlc.ConfigDict:
         raise ConfigError(f"{path} is not valid JSON ({e}); it was not written by jaxrat, or was damaged.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds no config object; pass the config.json in a training run's workdir.")
+    check_sections(raw, path)
     return mlc.ConfigDict(_tuples(checked_json(raw, path)))
+
+
+# The sections every run's config.json holds and the commands read directly. Without one (deleted
+# by hand) train, evaluate, predict and export ended in AttributeError: "'model'"; a run's own data,
+# model or optimizer cannot be filled in from defaults. tracking and workdir are read with defaults.
+REQUIRED_SECTIONS = ("model", "task", "data", "train", "optimizer", "checkpoint", "mesh", "sharding", "distributed")
+
+
+def check_sections(raw: dict[str, Any], path: str) -> None:
+    """A ConfigError naming the first of :data:`REQUIRED_SECTIONS` that ``raw`` (a config.json) lacks."""
+    for section in REQUIRED_SECTIONS:
+        if section not in raw:
+            raise ConfigError(f"{path} has no {section} section; put it back, from the config.<time>.json a "
+                              f"resume kept beside it or from the config the run was started with (jaxrat train "
+                              f"--config NAME writes it whole).")
 
 
 def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
     """``raw`` (a config.json's object) with every field the schema (:func:`base.base_config`) knows
     checked against the kind of its default, as ``--config.KEY=VALUE`` overrides are; a ConfigError
     names the first wrong one. A missing top-level field (read directly) is set to :func:`base.default`;
-    a missing field of a section, or a missing section, stays missing, as in the config that was saved:
-    its readers take the default (:func:`base.field`). The task's and model's own fields are not in the
-    schema and are kept as they are.
+    a missing field of a section, or a missing optional section (tracking, workdir), stays missing, as
+    in the config that was saved: its readers take the default (:func:`base.field`); a missing
+    section of :data:`REQUIRED_SECTIONS` was refused before (:func:`check_sections`). The task's and
+    model's own fields are not in the schema and are kept as they are.
     """
     for key, schema_value in flatten(base_config()).items():
         *parents, leaf = key.split(".")
@@ -286,6 +303,29 @@ def _sequence_misfit(key: str, value: object, current: tuple | list) -> str | No
         plural = {float: "numbers", str: "strings", tuple: "tuples", bool: "booleans"}.get(_kind(current[0]), "items")
         return f"a tuple of {plural}"
     return None
+
+
+# Sizes and periods that must be 1 or more, and what to set instead. Below 1 each failed deep in
+# the data pipeline or the loop with a traceback (negative dimensions, a batch of 0, a modulo by
+# zero), most of them after the first checkpoint was written; eval_every=-1 evaluated every step.
+COUNTS = {
+    "data.image_size": ("the side the images are resized to", 256),
+    "data.batch_size": ("the global batch", 32),
+    "data.eval_batch_size": ("the evaluation's global batch", 32),
+    "train.log_every": ("the steps between progress lines", 10),
+    "train.eval_every": ("the steps between evaluations (num_train_steps evaluates once, at the end)", 200),
+}
+
+
+def check_counts(config: mlc.ConfigDict) -> None:
+    """Refuse a size or period of :data:`COUNTS` below 1 (an integer: the config's kind check ran first)."""
+    for key, (what, example) in COUNTS.items():
+        section, name = key.split(".")
+        node = config.get(section)
+        value = node.get(name) if node is not None else None
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"config.{key}={value} must be 1 or more; set it to {what}, such as "
+                              f"--config.{key}={example}.")
 
 
 def check_value(key: str, current: object, raw: str | None) -> None:

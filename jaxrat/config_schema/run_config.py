@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import ml_collections as mlc
 
-from jaxrat.config_schema.loader import check_task_import, check_value, flatten, read_config_json
+from jaxrat.config_schema.loader import check_counts, check_task_import, check_value, flatten, read_config_json
 from jaxrat.runtime.errors import ConfigError, UserError
 
 
@@ -45,6 +45,7 @@ def load_run_config(workdir: str, overrides: Sequence[str] = (), allow_import: S
         for p in parents:
             node = node[p]
         node[leaf] = _parse(value, flat[key], key)
+    check_counts(config)  # a hand-edited size below 1 ended in a traceback from the data pipeline
     return config
 
 

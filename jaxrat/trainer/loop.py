@@ -20,6 +20,7 @@ import numpy as np
 from jaxrat.checkpointing import Checkpointer, Policy
 from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
 from jaxrat.cluster.together import compiled_together
+from jaxrat.config_schema.loader import check_counts
 from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
@@ -70,6 +71,7 @@ def check_run(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, policy
     """The config's refusals on these devices and for this task, before the data is prepared (which can
     take minutes): the number of steps, the state's settings, the batch sizes, the hooks' settings."""
     check_steps(config)
+    check_counts(config)
     check_state_settings(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     hooks.check_config(config, policy, task)

@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections as mlc
 import numpy as np
 
+from jaxrat.checkpointing.store import COMMIT_FILE, METADATA_FILE
 from jaxrat.config_schema import field
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME
 from jaxrat.data.label_check import LABEL_STATS_NAME
@@ -37,14 +38,16 @@ CONFIG_NAME = "config.json"
 RUN_FILES = (JSON_NAME, MARKDOWN_NAME, CURVES_NAME, "metrics.jsonl", LABEL_STATS_NAME, SKIPPED_FILES_NAME,
              "autotune.json", "mlflow_run.json", "mlflow.db", "wandb_run.json")
 CONFUSION_PREFIX = "confusion_"
-# Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals and
-# checkpoints, where the data is read from and how fast, and how the work is spread over devices
-# and hosts. Anything else changes what is trained (model, task, data, optimizer, seed, batch) and
-# must match the checkpoint's config.json; a prefix ending in "." covers its whole section.
+# Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals,
+# plots and checkpoints, where the data is read from and how fast, how the work is spread over
+# devices and hosts, and where compiled programs are cached. Anything else changes what is trained
+# (model, task, data, optimizer, seed, batch) and must match the checkpoint's config.json; a prefix
+# ending in "." covers its whole section.
 RESUMABLE = (
     "num_train_steps", "init_from", "init_from_include", "init_from_exclude", "init_from_strict",
     "init_from_rename", "train.log_every", "train.eval_every", "train.eval_at_end",
-    "train.log_images", "checkpoint.", "mesh.", "sharding.", "distributed.", "workdir.", "tracking.",
+    "train.log_images", "train.plots", "train.compilation_cache_dir", "checkpoint.", "mesh.", "sharding.",
+    "distributed.", "workdir.", "tracking.",
     "data.data_dir", "data.stage_to_local_dir", "data.num_threads", "data.prefetch_buffer",
     "data.device_prefetch", "data.num_workers", "data.worker_ram_budget_gb", "data.on_bad_file",
     "data.eval_batch_size", "data.eval_spacing", "optimizer.grad_accum_steps", "train.reduction_shards",
@@ -91,10 +94,26 @@ def _schedule_moves(old: dict[str, Any], new: dict[str, Any]) -> str:
     return f"num_train_steps {a} -> {b}"
 
 
+# What a save of jaxrat's writes into ``checkpoints/<step>/`` (Orbax's items and markers).
+CHECKPOINT_ITEMS = frozenset({"state", "data", "metrics", METADATA_FILE, COMMIT_FILE})
+
+
 def has_checkpoint(workdir: str) -> bool:
-    """Whether ``WORKDIR/checkpoints`` holds a committed step (a folder named by its number)."""
+    """Whether ``WORKDIR/checkpoints`` holds a step of a run: a folder named by its number that is not
+    another tool's (:func:`_foreign_step`)."""
     directory = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+    if not os.path.isdir(directory):
+        return False
+    steps = [os.path.join(directory, n) for n in os.listdir(directory) if n.isdigit()]
+    return any(os.path.isdir(path) and not _foreign_step(path) for path in steps)
+
+
+def _foreign_step(path: str) -> bool:
+    """Whether the numbered folder ``path`` holds files but none a jaxrat save writes (another tool's
+    checkpoint in a folder of yours). Counted as a run's, it made the fresh start a "resume", which
+    keeps nothing aside, so the files already there (your summary.md) were overwritten."""
+    names = set(os.listdir(path))
+    return bool(names) and not names & CHECKPOINT_ITEMS
 
 
 def check_and_save_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> None:

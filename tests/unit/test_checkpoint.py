@@ -326,3 +326,22 @@ def test_sigusr1_requests_preemption_and_later_signals_are_ignored(fresh_signal_
     os.kill(os.getpid(), signal.SIGTERM)  # a second signal: would end the process without the hold
     os.kill(os.getpid(), signal.SIGUSR1)
     assert watch.requested()
+
+
+def test_a_checkpoint_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp_path):
+    """checkpoints/12 renamed to 20 was resumed as step 20 ("resumed from step 20") while its state
+    trained on from 12; it stayed the newest folder, so every later resume went back to step 12 and
+    the steps trained after it were lost."""
+    mesh = _mesh()
+    ck = Checkpointer(str(tmp_path), Policy())
+    ck.save(1, _state(1, mesh), reason="steps")
+    ck.save(2, _state(2, mesh), reason="steps")
+    ck.wait()
+    ck.close()
+    os.rename(tmp_path / "2", tmp_path / "20")
+    ck = Checkpointer(str(tmp_path), Policy())
+    with pytest.raises(ConfigError, match=r"checkpoints?.*20 holds the state of step 2.*rename it back") as e:
+        ck.restore_latest(_abstract(_state(0, mesh), mesh))
+    ck.close()
+    assert "\n" not in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["1", "20"]  # nothing moved aside as damaged, nothing deleted

@@ -106,3 +106,33 @@ def test_a_packaged_name_wins_over_a_folder_of_that_name(tmp_path, monkeypatch):
     (tmp_path / "coco").mkdir()  # the dataset, say
     packaged = load_config(os.path.join(REPO, "configs", "coco.py") + ":smoke")
     assert load_config("coco:smoke").to_dict() == packaged.to_dict()
+
+
+@pytest.mark.parametrize("key, value", [("data.image_size", -32), ("data.eval_batch_size", 0)])
+def test_a_hand_edited_size_below_one_is_one_sentence_for_the_commands_that_read_a_run(tmp_path, key, value):
+    """evaluate, predict and export on a run whose config.json was edited to image_size -32 ended in a
+    traceback from the data pipeline (ValueError: negative dimensions are not allowed)."""
+    from jaxrat.config_schema.run_config import load_run_config
+
+    _write(tmp_path, _set(key, value))
+    with pytest.raises(ConfigError, match=rf"^config\.{re.escape(key)}={value} must be 1 or more; ") as e:
+        load_run_config(str(tmp_path))
+    assert "\n" not in str(e.value)
+    assert load_run_config(str(tmp_path), [f"--config.{key}=16"]).data[key.split(".")[1]] == 16  # the fix it names
+
+
+@pytest.mark.parametrize("section", ["model", "data", "task", "train", "optimizer", "checkpoint", "mesh", "sharding",
+                                     "distributed"])
+def test_a_section_deleted_by_hand_is_one_sentence_naming_it(tmp_path, section):
+    """train --config WORKDIR/config.json, evaluate, predict and export ended in AttributeError: "'model'"."""
+    from jaxrat.config_schema.run_config import load_run_config
+
+    path = _write(tmp_path, lambda raw: raw.pop(section))
+    for load in (lambda: load_config(path), lambda: load_run_config(str(tmp_path))):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(path)} has no {section} section; ") as e:
+            load()
+        assert "\n" not in str(e.value) and str(e.value).count(". ") == 0
+
+
+def test_the_sections_the_readers_default_may_be_missing(tmp_path):
+    load_config(_write(tmp_path, lambda raw: (raw.pop("tracking"), raw.pop("workdir"))))

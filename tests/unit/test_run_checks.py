@@ -48,3 +48,23 @@ def test_a_negative_number_of_steps_is_refused_before_the_run_starts(tmp_path):
                                           r"\(e\.g\. --config\.num_train_steps=1000\)\.$"):
         loop.train_and_evaluate(config, str(workdir))
     assert not workdir.exists()  # no run recorded as finished
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("data", "image_size", -32), ("data", "image_size", 0), ("data", "batch_size", 0), ("data", "batch_size", -8),
+    ("data", "eval_batch_size", 0), ("train", "log_every", 0), ("train", "eval_every", 0),
+    ("train", "eval_every", -1),
+])
+def test_a_size_or_period_below_one_is_refused_before_the_data_is_prepared(tmp_path, section, key, value):
+    """Each ended in a traceback (ValueError: negative dimensions are not allowed, batch_size must be
+    positive, ZeroDivisionError), most after the first checkpoint was written; eval_every=-1 evaluated
+    after every step."""
+    from jaxrat.trainer import loop
+
+    config = load_config(SMOKE)
+    config[section][key] = value
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf"^config\.{section}\.{key}={value} must be 1 or more; ") as e:
+        loop.train_and_evaluate(config, str(workdir))
+    assert str(e.value).count(". ") == 0 and "\n" not in str(e.value)
+    assert not workdir.exists()  # refused before the synthetic data or a checkpoint was written

@@ -358,3 +358,45 @@ def test_a_rerun_of_the_same_config_without_checkpoints_keeps_its_files_in_place
     wdm.check_config(_smoke("seed=7"), workdir, allow_change=False)()  # another config: kept aside
     assert sorted(n.split(".")[0] for n in os.listdir(workdir)) == ["config", "config", "label_stats", "metrics"]
     assert not os.path.exists(os.path.join(workdir, "label_stats.json"))
+
+
+def _documented_resumable_fields() -> list[str]:
+    """The fields docs/workdir.md's "May change on resume" table names (``section.*`` as ``section.``)."""
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "workdir.md")) as f:
+        text = f.read()
+    table = text.split("**May change on resume**", 1)[1].split("**Must match**", 1)[0]
+    fields = []
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            cell = line.split("|")[1]
+            fields += [name.removesuffix("*") for name in re.findall(r"`([a-z_.*]+)`", cell)]
+    return fields
+
+
+def test_every_field_the_docs_let_change_on_resume_may_change():
+    """docs/workdir.md lets train.plots change on resume, but a resume with it changed was refused
+    (it was missing from RESUMABLE); where compiled programs are cached changes nothing trained either."""
+    fields = _documented_resumable_fields()
+    assert "train.plots" in fields and "checkpoint." in fields, fields
+    for key in fields:
+        probe = key + "keep" if key.endswith(".") else key
+        assert wdm.resumable(probe), key
+    assert wdm.resumable("train.compilation_cache_dir")
+
+
+def test_a_folder_of_yours_with_another_tools_numbered_checkpoints_is_a_fresh_start(tmp_path):
+    """A --workdir holding checkpoints/5/ of another tool (no commit marker) counted as a run to resume:
+    nothing was kept aside, so the user's summary.md was overwritten by the run's."""
+    wd = tmp_path / "home"
+    (wd / "checkpoints" / "5").mkdir(parents=True)
+    (wd / "checkpoints" / "5" / "model.pt").write_text("another tool's weights")
+    (wd / "summary.md").write_text("my notes")
+    assert not wdm.has_checkpoint(str(wd))
+    with wdm.hold(_smoke(), str(wd)):
+        pass
+    [aside] = [p for p in wd.iterdir() if p.name.startswith("summary.20") and p.name.endswith(".md")]
+    assert aside.read_text() == "my notes"
+    (wd / "checkpoints" / "5" / "_CHECKPOINT_METADATA").write_text("{}")  # a save of jaxrat's, even unfinished
+    assert wdm.has_checkpoint(str(wd))
