@@ -100,7 +100,7 @@ CHECKPOINT_ITEMS = frozenset({"state", "data", "metrics", METADATA_FILE, COMMIT_
 
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``WORKDIR/checkpoints`` holds a step of a run: a folder named by its number that is not
-    another tool's (:func:`_foreign_step`)."""
+    another tool's (:func:`foreign_steps`)."""
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         return False
@@ -108,10 +108,18 @@ def has_checkpoint(workdir: str) -> bool:
     return any(os.path.isdir(path) and not _foreign_step(path) for path in steps)
 
 
+def foreign_steps(workdir: str) -> list[str]:
+    """The numbered folders of ``WORKDIR/checkpoints`` that are another tool's checkpoints (a folder of
+    yours used as the workdir): jaxrat saves its own steps there, and would set these aside as damaged."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    steps = [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.isdigit()]
+    return [path for path in steps if os.path.isdir(path) and _foreign_step(path)]
+
+
 def _foreign_step(path: str) -> bool:
-    """Whether the numbered folder ``path`` holds files but none a jaxrat save writes (another tool's
-    checkpoint in a folder of yours). Counted as a run's, it made the fresh start a "resume", which
-    keeps nothing aside, so the files already there (your summary.md) were overwritten."""
+    """Whether the numbered folder ``path`` holds files but none a jaxrat save writes."""
     names = set(os.listdir(path))
     return bool(names) and not names & CHECKPOINT_ITEMS
 
@@ -246,6 +254,12 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
             inside = inside_dataset(config, workdir)  # first: the write probe below would create the folder
             if inside:
                 raise UserError(inside)
+            foreign = foreign_steps(workdir)
+            if foreign:  # a resume's restore would move them into checkpoints/damaged as unreadable steps
+                names = ", ".join(sorted(os.listdir(foreign[0]))[:3])
+                raise UserError(f"{foreign[0]} holds another tool's files ({names}), not a jaxrat checkpoint, and "
+                                f"jaxrat keeps its checkpoints in that folder; pass another --workdir, or move "
+                                f"{os.path.dirname(foreign[0])} out of this one.")
             why = unwritable(workdir)
             if why:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "

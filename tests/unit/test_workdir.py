@@ -386,17 +386,22 @@ def test_every_field_the_docs_let_change_on_resume_may_change():
     assert wdm.resumable("train.compilation_cache_dir")
 
 
-def test_a_folder_of_yours_with_another_tools_numbered_checkpoints_is_a_fresh_start(tmp_path):
-    """A --workdir holding checkpoints/5/ of another tool (no commit marker) counted as a run to resume:
-    nothing was kept aside, so the user's summary.md was overwritten by the run's."""
+def test_a_folder_of_yours_with_another_tools_numbered_checkpoints_is_refused(tmp_path):
+    """A --workdir holding checkpoints/5/ of another tool counted as a run to resume: nothing was kept
+    aside (the user's summary.md was overwritten by the run's) and the restore moved their folder into
+    checkpoints/damaged. It is refused in one sentence, with nothing written or moved."""
     wd = tmp_path / "home"
     (wd / "checkpoints" / "5").mkdir(parents=True)
     (wd / "checkpoints" / "5" / "model.pt").write_text("another tool's weights")
     (wd / "summary.md").write_text("my notes")
+    from jaxrat.runtime.errors import UserError
+
+    before = sorted(str(p.relative_to(wd)) for p in wd.rglob("*"))
     assert not wdm.has_checkpoint(str(wd))
-    with wdm.hold(_smoke(), str(wd)):
-        pass
-    [aside] = [p for p in wd.iterdir() if p.name.startswith("summary.20") and p.name.endswith(".md")]
-    assert aside.read_text() == "my notes"
+    with pytest.raises(UserError, match=r"checkpoints/5 holds another tool's files \(model.pt\), not a jaxrat "
+                                        r"checkpoint.*pass another --workdir"):
+        with wdm.hold(_smoke(), str(wd)):
+            pass
+    assert sorted(str(p.relative_to(wd)) for p in wd.rglob("*")) == before
     (wd / "checkpoints" / "5" / "_CHECKPOINT_METADATA").write_text("{}")  # a save of jaxrat's, even unfinished
-    assert wdm.has_checkpoint(str(wd))
+    assert wdm.has_checkpoint(str(wd)) and not wdm.foreign_steps(str(wd))
