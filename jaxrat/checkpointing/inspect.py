@@ -23,6 +23,7 @@ MAX_METRIC_COLUMNS = 4
 def describe(path: str) -> dict[str, Any]:
     """Everything the CLI prints, as data: rows per step, latest, best, incomplete and damaged folders."""
     directory = store.checkpoint_dir(path)
+    _check_is_run(directory)
     steps = store.committed_steps(directory)
     best = store.best_step(directory)
     rows = []
@@ -46,6 +47,22 @@ def describe(path: str) -> dict[str, Any]:
         "incomplete": store.incomplete_entries(directory),
         "damaged": store.damaged_entries(directory),
     }
+
+
+def _check_is_run(directory: str) -> None:
+    """Refuse a folder that is neither a run's workdir nor its checkpoints/ folder: a listing of "no
+    complete checkpoint" said nothing of a folder of images, or of one step's folder passed by mistake."""
+    if os.path.basename(directory) == "checkpoints" or os.path.isfile(os.path.join(directory, "config.json")):
+        return
+    names = os.listdir(directory)
+    if any(n.isdigit() or n in ("damaged", "best.json") for n in names):
+        return
+    if store.COMMIT_FILE in names or "state" in names:
+        run = os.path.dirname(os.path.dirname(directory))
+        raise UserError(f"{directory} is one checkpoint (step {os.path.basename(directory)}), not a run; pass the "
+                        f"run's workdir, {run}.")
+    raise UserError(f"{directory} is not a training run (no checkpoints/ folder, no config.json, no step folders); "
+                    f"pass a run's --workdir.")
 
 
 def _size(path: str) -> int:

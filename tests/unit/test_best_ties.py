@@ -58,3 +58,26 @@ def test_every_reader_names_the_later_of_two_tied_steps(tmp_path, mode, step):
         "step"] == step  # summary.json, from the checkpoints
     assert run_summary.build(config, str(tmp_path), checkpoint_dir=str(tmp_path / "none"), **kw)["best"][
         "step"] == step  # summary.json, from the training's own record
+
+
+def test_the_listing_refuses_a_folder_that_is_no_run_and_names_the_run_of_a_step(tmp_path):
+    """`jaxrat checkpoints` on a folder of images, or on one step's folder, said "(no complete
+    checkpoint)" and exited 0; each is one sentence saying what to pass instead."""
+    from jaxrat.runtime.errors import UserError
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "a.jpg").write_bytes(b"x")
+    with pytest.raises(UserError, match=r"photos is not a training run .*pass a run's --workdir"):
+        inspect.describe(str(photos))
+    (tmp_path / "run").mkdir()
+    _run(tmp_path / "run", "max")
+    step = tmp_path / "run" / "checkpoints" / "4"
+    with pytest.raises(UserError, match=rf"is one checkpoint \(step 4\), not a run; pass the run's workdir, "
+                                        rf"{tmp_path / 'run'}\."):
+        inspect.describe(str(step))
+    assert inspect.describe(str(tmp_path / "run"))["latest"] == 8
+    fresh = tmp_path / "fresh"  # a run that saved nothing yet: listed, empty
+    fresh.mkdir()
+    (fresh / "config.json").write_text("{}")
+    assert inspect.describe(str(fresh))["steps"] == []
