@@ -123,7 +123,8 @@ def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
         eval_dir(workdir, _NAME.value or _default_name(f"step_{step}"))
     if not _OUT.value:
         output_folder.check(out_dir, output_folder.run_inputs(workdir, config), command="evaluate")
-    lock = OutputFolderLock(out_dir) if jax.process_index() == 0 else None
+    way_around = "" if _OUT.value else "pass another --name (or --out)"
+    lock = OutputFolderLock(out_dir, way_around) if jax.process_index() == 0 else None
     if lock is not None:
         lock.acquire()
     try:

@@ -378,3 +378,9 @@ class OutputFolderLock(WorkdirLock):
     what = "output folder"
     user = "command"
     instead = "pass another --out"
+
+    def __init__(self, folder: str, instead: str = "") -> None:
+        """``instead``: the way around a live holder when it is not another --out (evaluate's own
+        folder under WORKDIR/eval is named by --name)."""
+        super().__init__(folder)
+        self.instead = instead or self.instead

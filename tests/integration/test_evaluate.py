@@ -64,6 +64,7 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
         lock.release()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"The output folder {busy} is in use by another command (process {os.getpid()}" in proc.stderr
+    assert "or pass another --name (or --out)." in proc.stderr  # its own folder: --name is the way around
     assert os.listdir(busy) == []
 
     # --out: a new folder, then the same folder again only with --overwrite, which replaces the
