@@ -108,6 +108,22 @@ def has_checkpoint(workdir: str) -> bool:
     return any(os.path.isdir(path) and not _foreign_step(path) for path in steps)
 
 
+def starts_from_itself(config: mlc.ConfigDict, workdir: str) -> str | None:
+    """Why a new run cannot start: its ``init_from`` names its own ``workdir``, which has no checkpoint
+    yet (a resume ignores init_from); None otherwise."""
+    spec = str(config.get("init_from") or "")
+    if not spec or has_checkpoint(workdir):
+        return None
+    head, sep, tail = spec.rpartition(":")
+    path = os.path.realpath(os.path.expanduser(head if sep and (tail.isdigit() or tail in ("best", "latest"))
+                                               else spec))
+    own = os.path.realpath(workdir)
+    if path not in (own, os.path.join(own, "checkpoints")):
+        return None
+    return (f"--config.init_from={spec} names this run's own workdir, which has no checkpoint to start from; point "
+            f"it at another run's workdir (whose weights start this one), or drop it.")
+
+
 def foreign_steps(workdir: str) -> list[str]:
     """The numbered folders of ``WORKDIR/checkpoints`` that are another tool's checkpoints (a folder of
     yours used as the workdir): jaxrat saves its own steps there, and would set these aside as damaged."""
@@ -260,6 +276,9 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
                 raise UserError(f"{foreign[0]} holds another tool's files ({names}), not a jaxrat checkpoint, and "
                                 f"jaxrat keeps its checkpoints in that folder; pass another --workdir, or move "
                                 f"{os.path.dirname(foreign[0])} out of this one.")
+            itself = starts_from_itself(config, workdir)
+            if itself:
+                raise UserError(itself)
             why = unwritable(workdir)
             if why:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "

@@ -405,3 +405,16 @@ def test_a_folder_of_yours_with_another_tools_numbered_checkpoints_is_refused(tm
     assert sorted(str(p.relative_to(wd)) for p in wd.rglob("*")) == before
     (wd / "checkpoints" / "5" / "_CHECKPOINT_METADATA").write_text("{}")  # a save of jaxrat's, even unfinished
     assert wdm.has_checkpoint(str(wd)) and not wdm.foreign_steps(str(wd))
+
+
+def test_init_from_naming_the_new_runs_own_workdir_is_one_sentence(tmp_path):
+    """It said the folder "holds no complete checkpoint; train that run first", which is this run."""
+    from jaxrat.runtime.errors import UserError
+
+    wd = tmp_path / "run"
+    for spec in (str(wd), f"{wd}/checkpoints:best", f"{wd}:latest"):
+        with pytest.raises(UserError, match=r"names this run's own workdir, which has no checkpoint to start from"):
+            with wdm.hold(_smoke(f"init_from={spec}"), str(wd)):
+                pass
+    with wdm.hold(_smoke(f"init_from={tmp_path / 'other'}"), str(wd)):
+        pass  # another run's workdir: the weights are read later, as before
