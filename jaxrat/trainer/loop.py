@@ -71,7 +71,6 @@ def check_run(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, policy
     """The config's refusals on these devices and for this task, before the data is prepared (which can
     take minutes): the number of steps, the state's settings, the batch sizes, the hooks' settings."""
     check_steps(config)
-    check_counts(config)
     check_state_settings(config, mesh)
     check_batch_sizes(config, mesh.size, jax.process_count())
     hooks.check_config(config, policy, task)
@@ -97,6 +96,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     new or empty ``workdir`` as it found it: a stray config.json would make the fixed rerun a "resume".
     """
     t_created = time.perf_counter()
+    check_counts(config)  # sizes and periods below 1, before the dataset is looked at
     config = on_own_data(config)  # before config.json is written: a demo on the user's data is not the demo
     workdir = os.path.abspath(workdir)
     check_is_folder(workdir)
