@@ -73,6 +73,16 @@ class ClassificationTask(ImageTask):
         classes = ", ".join(f"{h}: {c} classes" for h, c in zip(self.heads, self.num_classes))
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images ({classes})"
 
+    def label_space(self) -> dict[str, Any]:
+        """Each head's class count and names (text labels and class folders; numbers have none)."""
+        return {"heads": {h: {"classes": int(c), "names": [str(x) for x in self.vocabularies.get(h) or []]}
+                          for h, c in zip(self.heads, self.num_classes)}}
+
+    def use_label_space(self, saved: dict[str, Any]) -> None:
+        heads = saved["heads"]
+        self.vocabularies = {h: list(heads[h]["names"]) for h in self.heads}
+        self.num_classes = tuple(int(heads[h]["classes"]) for h in self.heads)
+
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model
 
