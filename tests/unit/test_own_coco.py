@@ -77,8 +77,8 @@ def test_an_annotation_of_a_category_the_file_does_not_list_is_refused(tmp_path)
 
 
 @pytest.mark.parametrize("spec, says", [
-    ([{"image": "a.jpg"}], r"is not a COCO instances file: its top level is a list, not an object with images, "
-                           r"annotations and categories"),
+    ([{"image": "a.jpg"}], r"not supported\): a COCO instances file is an object with images, annotations and "
+                           r"categories; convert it to COCO format\."),
     ({"version": "5.0", "shapes": [], "imagePath": "a.jpg"},
      r"is not a COCO instances file: it has no 'images', 'annotations', 'categories' \(its keys are version, shapes, "
      r"imagePath\)"),

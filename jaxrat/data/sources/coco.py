@@ -89,33 +89,39 @@ def _check_instances(spec: Any, path: str) -> None:
     lack what COCO's have, naming the first such entry; refuse annotations that name an image or a
     category the file does not list (they would be dropped without a word)."""
     what = f"COCO annotation file {path}"
-    if not isinstance(spec, dict):
-        raise DataError(f"{what} is not a COCO instances file: its top level is a {type(spec).__name__}, not an object "
-                        f"with images, annotations and categories; convert it to COCO format.")
-    missing = [k for k in REQUIRED if not isinstance(spec.get(k), list)]
-    if missing:
-        raise DataError(f"{what} is not a COCO instances file: it has no {', '.join(map(repr, missing))} (its keys are "
-                        f"{', '.join(map(str, list(spec)[:8]))}); convert it to COCO format (images, annotations, "
-                        f"categories).")
+    if not isinstance(spec, dict):  # pycocotools' own assertion, and what it means
+        raise DataError(f"{what} is not valid (AssertionError: annotation file format {type(spec)} not supported): "
+                        f"a COCO instances file is an object with images, annotations and categories; convert it to "
+                        f"COCO format.")
+    if not any(k in spec for k in REQUIRED):  # another tool's format (labelme, VOC as JSON, ...)
+        raise DataError(f"{what} is not a COCO instances file: it has no {', '.join(map(repr, REQUIRED))} (its "
+                        f"keys are {', '.join(map(str, list(spec)[:8]))}); convert it to COCO format.")
     for key, fields in REQUIRED.items():
-        for i, entry in enumerate(spec[key]):
-            lacks = [f for f in fields if not isinstance(entry, dict) or f not in entry]
+        for i, entry in enumerate(spec.get(key) or []):
+            lacks = [f for f in fields if f not in entry] if isinstance(entry, dict) else list(fields)
             if lacks:
-                raise DataError(f"{what} is not valid at {key}[{i}]: it has no {lacks[0]!r}; fix it (COCO {key} "
-                                f"entries have {', '.join(fields)}).")
-            if key == "annotations" and not (isinstance(entry["bbox"], list) and len(entry["bbox"]) == 4):
-                raise DataError(f"{what} is not valid at annotations[{i}]: its bbox {entry['bbox']!r} is not "
-                                f"[x, y, width, height]; fix it.")
-    images, categories = {im["id"] for im in spec["images"]}, {c["id"] for c in spec["categories"]}
-    for ann in spec["annotations"]:
-        if ann["category_id"] not in categories:
+                raise DataError(f"{what} is not valid at {_entry(key, i, entry)} {lacks[0]!r}; fix it (COCO's "
+                                f"{key} have {', '.join(fields)}).")
+    images = {im["id"] for im in spec.get("images") or []}
+    categories = {c["id"] for c in spec.get("categories") or []}
+    for ann in spec.get("annotations") or []:
+        if "categories" in spec and ann["category_id"] not in categories:
             raise DataError(f"{path}: annotation {ann['id']} (image {ann['image_id']}) has category_id "
                             f"{ann['category_id']}, which its categories do not list ("
                             f"{', '.join(map(str, sorted(categories)[:10]))}); add it to categories or fix the "
                             f"annotation.")
-        if ann["image_id"] not in images:
+        if "images" in spec and ann["image_id"] not in images:
             raise DataError(f"{path}: annotation {ann['id']} has image_id {ann['image_id']}, which its images do not "
                             f"list; add the image or remove the annotation.")
+
+
+def _entry(key: str, index: int, entry: Any) -> str:
+    """Where an entry is, for a message ending in the field it lacks: by image id where it has one."""
+    if isinstance(entry, dict) and key == "images" and "id" in entry:
+        return f"image id {entry['id']}: it has no"
+    if isinstance(entry, dict) and key == "annotations" and "image_id" in entry:
+        return f"image id {entry['image_id']}: annotation {entry.get('id', f'#{index}')} has no"
+    return f"{key}[{index}]: it has no"
 
 
 @dataclasses.dataclass(frozen=True)
