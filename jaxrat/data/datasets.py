@@ -309,6 +309,7 @@ def _check_learnable(records: list[list[dict]], shared: dict[str, list], heads: 
     for h, head in enumerate(heads):
         seen = sorted({int(r["labels"][h]) for r in train} - {-1})
         name = (lambda c: repr(str(shared[head][c]))) if shared[head] else str
+        _say_near_duplicates(shared[head], head)
         if len(seen) < 2:
             found = f"one class ({name(seen[0])})" if seen else "no labels"
             raise DataError(f"Head {head!r} has {found} in the training split, so there is nothing to tell apart; "
@@ -330,6 +331,19 @@ def _check_learnable(records: list[list[dict]], shared: dict[str, list], heads: 
                             "their %d validation image(s) count as wrong; add training images of them, or remove "
                             "them from the validation split.", ", ".join(name(c) for c in unseen), head, where[1],
                             where[0], n)
+
+
+def _say_near_duplicates(names: list, head: str) -> None:
+    """Warn of class names that differ only in case or spaces ('Cat' and 'cat'): kept apart as written
+    (they may be meant), but more often one class typed two ways, which splits its images."""
+    by_key: dict[str, list[str]] = {}
+    for name in map(str, names):
+        by_key.setdefault(" ".join(name.lower().split()), []).append(name)
+    pairs = [group for group in by_key.values() if len(group) > 1]
+    if pairs:
+        logging.warning("data: head %r has classes that differ only in case or spaces: %s; they are separate "
+                        "classes, so if each is one class typed two ways, write it one way in the labels.", head,
+                        "; ".join(" and ".join(repr(n) for n in group) for group in pairs[:5]))
 
 
 def _classification_folds(data_cfg: Any, records: list[list[dict]], data_dir: str, *, process_index: int,

@@ -95,3 +95,43 @@ def test_windows_paths_in_a_csv_are_read(tmp_path):
     train, _, _, _ = _classify(root, tmp_path / "wd")
     assert [os.path.relpath(r["path"], root) for r in train.records] == ["imgs/a.png", "imgs/b.png"]
     assert folder.DecodeClassification().map(train.records[0])["image"].shape == (6, 8, 3)
+
+
+@pytest.mark.parametrize("sep", [";", "\t"])
+def test_a_csv_from_a_european_excel_or_a_tsv_is_read(tmp_path, sep):
+    root = str(tmp_path / "d")
+    os.makedirs(root)
+    with open(os.path.join(root, "train.csv"), "w") as f:
+        f.write(f"image{sep}label\na.png{sep}cat\nb.png{sep}dog\n")
+    with open(os.path.join(root, "val.csv"), "w") as f:
+        f.write(f"image{sep}label\nc.png{sep}dog\n")
+    _images(root, ["a.png", "b.png", "c.png"])
+    train, _, vocabs, _ = _classify(root, tmp_path / "wd")
+    assert vocabs["label"] == ["cat", "dog"] and len(train.records) == 2
+
+
+def test_class_names_differing_only_in_case_or_spaces_are_said(tmp_path, caplog):
+    root = _csv_dataset(str(tmp_path / "d"), "image,label\na.png,cat\nb.png,Cat\nc.png,dog\n",
+                        "image,label\nd.png,dog\n")
+    with caplog.at_level(logging.WARNING):
+        _, _, vocabs, _ = _classify(root, tmp_path / "wd")
+    assert vocabs["label"] == ["Cat", "cat", "dog"]  # kept apart, as written, but said
+    assert "head 'label' has classes that differ only in case or spaces: 'Cat' and 'cat'" in caplog.text
+
+
+def test_very_unbalanced_classes_without_class_weights_are_said(tmp_path, caplog):
+    from jaxrat.tasks.classification import ClassificationTask
+
+    rows = "".join(f"a{i}.png,cat\n" for i in range(24)) + "b.png,dog\n"
+    root = _csv_dataset(str(tmp_path / "d"), "image,label\n" + rows, "image,label\nb.png,dog\na0.png,cat\n")
+    config = load_config("classification")
+    config.data.data_dir = root
+    with caplog.at_level(logging.WARNING):
+        ClassificationTask(config).prepare_data(str(tmp_path / "wd"))
+    assert ("head 'label' is unbalanced: 24 training images of 'cat' against 1 of 'dog'; "
+            "--config.task.class_weights=inverse") in caplog.text
+    caplog.clear()
+    config.task.class_weights = "inverse"
+    with caplog.at_level(logging.WARNING):
+        ClassificationTask(config).prepare_data(str(tmp_path / "wd"))
+    assert "unbalanced" not in caplog.text

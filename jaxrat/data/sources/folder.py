@@ -89,7 +89,7 @@ def csv_records(
             # A short row gets "" for its missing cells (an empty label: -1), not None. Spaces after
             # the commas ("image, label", '..., "big, cat"') are how many people write CSVs by hand:
             # skipinitialspace keeps such a quoted cell one cell, and the header names are stripped.
-            reader = csv.DictReader(f, restval="", skipinitialspace=True)
+            reader = csv.DictReader(f, restval="", skipinitialspace=True, delimiter=_delimiter(f))
             if reader.fieldnames:
                 reader.fieldnames = [name.strip() if name else name for name in reader.fieldnames]
             rows = list(reader)
@@ -131,6 +131,14 @@ def csv_records(
     if not records:
         raise DataError(f"No usable images listed in {csv_path}; check the image column and --image_root.")
     return records, vocabs
+
+
+def _delimiter(f: Any) -> str:
+    """The separator of the CSV open in ``f`` (rewound): Excel in many European locales writes ``;``
+    (a comma is their decimal mark), and a tab-separated file may be named .csv; the header line says."""
+    header = f.readline()
+    f.seek(0)
+    return max((",", ";", "\t"), key=header.count) if header.strip() else ","
 
 
 def _local_path(path: str, image_root: str) -> str:
