@@ -135,3 +135,15 @@ def test_very_unbalanced_classes_without_class_weights_are_said(tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         ClassificationTask(config).prepare_data(str(tmp_path / "wd"))
     assert "unbalanced" not in caplog.text
+
+
+def test_csv_paths_that_start_with_the_dataset_folder_are_read(tmp_path):
+    # Written from the folder above the dataset (pandas' df.to_csv of glob("mydata/images/*")).
+    root = str(tmp_path / "mydata")
+    _images(root, ["images/a.png", "images/b.png", "images/c.png"])
+    with open(os.path.join(root, "train.csv"), "w") as f:
+        f.write("image,label\nmydata/images/a.png,cat\nmydata/images/b.png,dog\n")
+    with open(os.path.join(root, "val.csv"), "w") as f:
+        f.write("image,label\nmydata/images/c.png,dog\n")
+    train, _, _, _ = _classify(root, tmp_path / "wd")
+    assert [os.path.relpath(r["path"], root) for r in train.records] == ["images/a.png", "images/b.png"]

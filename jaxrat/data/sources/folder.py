@@ -143,11 +143,18 @@ def _delimiter(f: Any) -> str:
 
 def _local_path(path: str, image_root: str) -> str:
     """``path`` from a CSV as a path on this machine: relative ones under ``image_root``; a CSV written
-    on Windows (``images\\cat1.jpg``) has backslashes where this system has slashes."""
+    on Windows (``images\\cat1.jpg``) has backslashes where this system has slashes, and one written
+    from the folder above the dataset starts with the dataset folder's own name (``mydata/images/a.jpg``
+    in ``mydata/train.csv``): both are read where they point, whatever the current folder."""
     joined = path if os.path.isabs(path) else os.path.join(image_root, path)
     if os.sep == "/" and "\\" in path and not os.path.exists(joined):
-        posix = path.replace("\\", "/")
-        joined = posix if os.path.isabs(posix) else os.path.join(image_root, posix)
+        path = path.replace("\\", "/")
+        joined = path if os.path.isabs(path) else os.path.join(image_root, path)
+    first, _, rest = path.partition("/")
+    if (not os.path.exists(joined) and not os.path.isabs(path) and rest
+            and first == os.path.basename(os.path.normpath(image_root))
+            and os.path.exists(os.path.join(image_root, rest))):
+        joined = os.path.join(image_root, rest)
     return joined
 
 
