@@ -113,3 +113,14 @@ def test_boxes_that_cannot_be_learned_are_counted_in_a_warning(tmp_path, caplog)
     assert [len(r["labels"]) for r in ds.records] == [1, 1]
     assert "3 of 5 boxes in" in caplog.text and "have no area inside their image" in caplog.text
     assert np.isfinite(np.concatenate([r["boxes"] for r in ds.records])).all()
+
+
+def test_an_image_of_another_size_than_its_annotations_names_the_annotation_file_as_the_fix(tmp_path):
+    root = str(tmp_path / "d")
+    _coco(root, "train", CATS, [_ann(1, 1, 3)],
+          images=[{"id": 1, "file_name": "1.jpg", "width": 640, "height": 480}])
+    ds = coco.CocoDetection(root, "train")
+    with pytest.raises(DataError, match=r"1.jpg: image is 8x6 but its annotations say 640x480; correct its width and "
+                                        r"height in the annotation file \(or replace the image\), or set "
+                                        r"--config.data.on_bad_file=skip"):
+        ds.loader.map(ds.records[0])

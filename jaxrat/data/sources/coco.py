@@ -138,7 +138,8 @@ class DecodeCoco(grain.transforms.Map):
             turned = (" (they describe it as stored, before its EXIF orientation turns it)"
                       if (h, w) == (rec["width"], rec["height"]) and exif_orientation(rec["path"]) >= 5 else "")
             raise BadFileError(rec["path"], f"image is {w}x{h} but its annotations say {rec['width']}x{rec['height']}"
-                                            f"{turned}")
+                                            f"{turned}", "correct its width and height in the annotation file (or "
+                                            "replace the image), or set --config.data.on_bad_file=skip")
         keep = np.ones(len(rec["labels"]), bool) if self.include_crowd else rec["is_crowd"] == 0
         return {
             "image": image,
