@@ -237,6 +237,9 @@ def resolve_classification(
     else:
         splits = _csv_splits(data_cfg, data_dir, csvs, heads, policy)
     records, shared = _share_vocabularies([r for r, _ in splits], [v for _, v in splits], heads)
+    where = ((os.path.join(data_dir, "train"), os.path.join(data_dir, "val")) if source == "folder"
+             else tuple(os.path.join(data_dir, p) for p in csvs))
+    _check_learnable(records, shared, heads, where, validation=not folds.settings(data_cfg)[0])
     labels = np.stack([r["labels"] for split in records for r in split])
     found = tuple(max(len(shared[h]), int(labels[:, i].max()) + 1) for i, h in enumerate(heads))
     records, names = _classification_folds(data_cfg, records, data_dir, process_index=process_index, workdir=workdir)
@@ -290,6 +293,57 @@ def _csv_splits(data_cfg: Any, data_dir: str, csvs: tuple[str, str], heads: tupl
                             f"class (DIR/train/<class>/*, DIR/val/<class>/*), set --config.data.source=folder.")
     return [folder.csv_records(os.path.join(data_dir, p), image_column=column, label_columns=heads,
                                image_root=data_dir, policy=policy) for p in csvs]
+
+
+# Number labels may leave some classes unused (labels from 1 leave class 0 empty), but not most of a
+# head: ids such as 1001, 2002 would give it thousands of classes that never occur.
+MOST_UNUSED = 10
+
+
+def _check_learnable(records: list[list[dict]], shared: dict[str, list], heads: tuple[str, ...],
+                     where: tuple[str, str], *, validation: bool) -> None:
+    """Refuse a head that cannot be trained as the labels ask: one class or none in the training split,
+    or number labels that are ids rather than class indices; with ``validation``, warn of validation
+    classes that the training split never shows."""
+    train, val = records[0], records[1]
+    for h, head in enumerate(heads):
+        seen = sorted({int(r["labels"][h]) for r in train} - {-1})
+        name = (lambda c: repr(str(shared[head][c]))) if shared[head] else str
+        _say_near_duplicates(shared[head], head)
+        if len(seen) < 2:
+            found = f"one class ({name(seen[0])})" if seen else "no labels"
+            raise DataError(f"Head {head!r} has {found} in the training split, so there is nothing to tell apart; "
+                            f"label images of at least two classes in {where[0]}.")
+        if not shared[head]:
+            distinct = sorted(seen + [int(r["labels"][h]) for r in val if int(r["labels"][h]) >= 0])
+            count = len(set(distinct))
+            if distinct[-1] + 1 - count > max(count, MOST_UNUSED):
+                raise DataError(f"Head {head!r} has number labels up to {distinct[-1]} but only {count} different "
+                                f"ones, so it would get {distinct[-1] + 1} classes, most never seen; number the "
+                                f"classes 0..{count - 1}, or write them as names (e.g. 'c{distinct[-1]}'), which are "
+                                f"indexed in sorted order.")
+        unseen = sorted({int(r["labels"][h]) for r in val} - set(seen) - {-1}) if validation else []
+        if unseen:
+            # Said, not refused: its images still count in the validation metrics (as misses), which
+            # is what a held-out split with a class the training split lacks measures.
+            n = sum(int(r["labels"][h]) in unseen for r in val)
+            logging.warning("data: class(es) %s of head %r are in %s but not in %s, so they cannot be learned and "
+                            "their %d validation image(s) count as wrong; add training images of them, or remove "
+                            "them from the validation split.", ", ".join(name(c) for c in unseen), head, where[1],
+                            where[0], n)
+
+
+def _say_near_duplicates(names: list, head: str) -> None:
+    """Warn of class names that differ only in case or spaces ('Cat' and 'cat'): kept apart as written
+    (they may be meant), but more often one class typed two ways, which splits its images."""
+    by_key: dict[str, list[str]] = {}
+    for name in map(str, names):
+        by_key.setdefault(" ".join(name.lower().split()), []).append(name)
+    pairs = [group for group in by_key.values() if len(group) > 1]
+    if pairs:
+        logging.warning("data: head %r has classes that differ only in case or spaces: %s; they are separate "
+                        "classes, so if each is one class typed two ways, write it one way in the labels.", head,
+                        "; ".join(" and ".join(repr(n) for n in group) for group in pairs[:5]))
 
 
 def _classification_folds(data_cfg: Any, records: list[list[dict]], data_dir: str, *, process_index: int,

@@ -33,6 +33,7 @@ from jaxrat.inference import augment
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
+from jaxrat.trainer import label_space
 from jaxrat.trainer.state import make_state_spec
 
 KINDS = {"SegmentationTask": "segmentation", "ClassificationTask": "classification", "DetectionTask": "detection"}
@@ -62,8 +63,9 @@ class Predictor:
 
     ``batch_size``: images per forward pass over this process's devices (0: the run's
     ``data.eval_batch_size``, rounded up to the device count); ``tta``: test-time augmentation
-    (segmentation, classification); ``data_dir``: where classification and detection runs re-read
-    their label names (a temporary folder when empty; synthetic data is regenerated there).
+    (segmentation, classification); ``data_dir``: where classification and detection runs without a
+    ``WORKDIR/labels.json`` (from before it was written) re-read their label names (a temporary folder
+    when empty; synthetic data is regenerated there).
     """
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
@@ -121,17 +123,21 @@ class Predictor:
 
     # ------------------------------------------------------------------------------- setup
     def _read_label_names(self, data_dir: str) -> None:
-        temp = "" if data_dir else tempfile.mkdtemp(prefix="jaxrat_predict_")
-        try:
-            logging.info("labels: %s", self.task.prepare_data(data_dir or temp))
-        finally:
-            if temp:
-                shutil.rmtree(temp, ignore_errors=True)
+        saved = label_space.saved(self.workdir)
+        if saved is not None:  # what the run was trained with: no dataset needed, and none changed since misread
+            self.task.use_label_space(saved)
+            logging.info("labels: from %s", os.path.join(self.workdir, label_space.LABELS_NAME))
+        else:  # a run from before labels.json: its dataset says
+            temp = "" if data_dir else tempfile.mkdtemp(prefix="jaxrat_predict_")
+            try:
+                logging.info("labels: %s", self.task.prepare_data(data_dir or temp))
+            finally:
+                if temp:
+                    shutil.rmtree(temp, ignore_errors=True)
         if self.kind == "classification":
             self.labels = {h: [str(x) for x in self.task.vocabularies.get(h) or []] for h in self.task.heads}
         else:
-            val = self.task._val
-            self.category_ids, self.category_names = list(val.category_ids), list(val.class_names)
+            self.category_ids, self.category_names = list(self.task.category_ids), list(self.task.class_names)
 
     def _eval_ops(self) -> list:
         d = self.config.data

@@ -102,6 +102,16 @@ class Task(abc.ABC):
         """Find (or generate, or stage) the data before any iterator is made; return a short
         description for the log, e.g. "256 train and 64 validation images"."""
 
+    def label_space(self) -> dict[str, Any] | None:
+        """What each output means once the data is prepared, as JSON (kept as ``WORKDIR/labels.json``
+        for predict and export, and checked when the run is resumed or evaluated); None when the
+        config says it all (the default)."""
+        return None
+
+    def use_label_space(self, saved: dict[str, Any]) -> None:
+        """Take the labels of a :meth:`label_space` a run saved instead of preparing the data."""
+        raise NotImplementedError(f"{type(self).__name__} saves no label space")
+
     def num_train_examples(self) -> int:
         """Examples in one epoch of the training set once prepared (0: unknown), for the progress line."""
         source = getattr(self, "train_source", None)

@@ -14,6 +14,7 @@ accuracy (mean recall over the classes present in the labels) and the loss.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -30,6 +31,9 @@ from jaxrat.tasks.image_task import ImageTask
 from jaxrat.tasks.mixing import mix_batch
 
 PER_HEAD = ("top1", "topk", "macro_f1", "balanced_accuracy", "loss")
+# A head whose largest training class has this many times the images of its smallest is warned about
+# when no class weights are set.
+UNBALANCED = 10
 
 
 class ClassificationTask(ImageTask):
@@ -66,12 +70,44 @@ class ClassificationTask(ImageTask):
                 raise ConfigError(f"config.task.num_classes gives head {head!r} {c} classes but its labels go up to "
                                   f"{f - 1}; raise it or set 0 to take it from the data.")
         labels = np.stack([r["labels"] for r in self.train_source.records])
+        if str(self.config.task.class_weights) == "none":
+            for h, head in enumerate(self.heads):
+                self._say_unbalanced(head, labels[:, h])
         self.weights = tuple(
             class_weights(labels[:, h], self.num_classes[h], self.config.task.class_weights, head,
                           beta=float(self.config.task.effective_beta))
             for h, head in enumerate(self.heads))
         classes = ", ".join(f"{h}: {c} classes" for h, c in zip(self.heads, self.num_classes))
         return f"{len(self.train_source)} train and {len(self.val_source)} validation images ({classes})"
+
+    def _say_unbalanced(self, head: str, labels: np.ndarray) -> None:
+        """Warn when a head's largest training class has UNBALANCED times the images of its smallest and
+        no class weights are set: the loss then mostly rewards predicting the large classes."""
+        counts = np.bincount(labels[labels >= 0])
+        present = np.flatnonzero(counts)
+        if len(present) < 2:
+            return
+        big, small = present[counts[present].argmax()], present[counts[present].argmin()]
+        if counts[big] >= UNBALANCED * counts[small]:
+            names = self.vocabularies.get(head) or []
+
+            def name(c: int) -> str:
+                return repr(str(names[c])) if c < len(names) else str(c)
+
+            logging.warning("data: head %r is unbalanced: %d training images of %s against %d of %s; "
+                            "--config.task.class_weights=inverse (or effective) weighs the loss by class, and "
+                            "eval/%s/balanced_accuracy scores each class equally.", head, counts[big], name(big),
+                            counts[small], name(small), head)
+
+    def label_space(self) -> dict[str, Any]:
+        """Each head's class count and names (text labels and class folders; numbers have none)."""
+        return {"heads": {h: {"classes": int(c), "names": [str(x) for x in self.vocabularies.get(h) or []]}
+                          for h, c in zip(self.heads, self.num_classes)}}
+
+    def use_label_space(self, saved: dict[str, Any]) -> None:
+        heads = saved["heads"]
+        self.vocabularies = {h: list(heads[h]["names"]) for h in self.heads}
+        self.num_classes = tuple(int(heads[h]["classes"]) for h in self.heads)
 
     def build_model(self, *, dtype: Any, rngs: nnx.Rngs, kernels: Any) -> nnx.Module:
         from jaxrat.models import build_model

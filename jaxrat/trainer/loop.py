@@ -27,10 +27,11 @@ from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.summary import JSON_NAME as SUMMARY_JSON
 from jaxrat.tracking.writers import MetricWriter, check_tracking
-from jaxrat.trainer import autotune, hooks, run_summary
+from jaxrat.trainer import autotune, hooks, label_space, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import check_state_settings, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
+from jaxrat.trainer.workdir import has_checkpoint
 from jaxrat.trainer.workdir import hold as hold_workdir
 
 
@@ -164,6 +165,9 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
 
     # ---- data, state
     logging.info("data: %s", task.prepare_data(workdir))
+    if has_checkpoint(workdir):  # a resume trains the outputs it trained: each must still mean the same class
+        label_space.check(task, workdir, fix="restore the dataset's labels as they were, or train in a new "
+                                            "--workdir (with --config.init_from to start from this run's weights)")
     hooks.stop_if_preempted(watch, 0)
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
 
@@ -182,6 +186,8 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(config, spec, ckpt, train_iter)
     save_config()  # only now: a resume the checkpoint refused has left config.json as it was
+    if jax.process_index() == 0:
+        label_space.record(task, workdir)  # what each output means, for predict and export (and a resume's check)
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 
 

@@ -29,14 +29,15 @@ from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
 from jaxrat.tracking.plots import CURVES_NAME
 from jaxrat.tracking.summary import JSON_NAME, MARKDOWN_NAME
+from jaxrat.trainer.label_space import LABELS_NAME
 from jaxrat.trainer.workdir_lock import WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
 # The files a run writes at the top of its workdir besides config.json (the run summary, plots,
-# metrics, the data checks' records, autotune's choice, the trackers' run ids), and its confusion
+# metrics, the data checks' records, autotune's choice, the trackers' run ids, the label names), and its confusion
 # matrices' prefix (confusion_<head>.png).
 RUN_FILES = (JSON_NAME, MARKDOWN_NAME, CURVES_NAME, "metrics.jsonl", LABEL_STATS_NAME, SKIPPED_FILES_NAME,
-             "autotune.json", "mlflow_run.json", "mlflow.db", "wandb_run.json")
+             "autotune.json", "mlflow_run.json", "mlflow.db", "wandb_run.json", LABELS_NAME)
 CONFUSION_PREFIX = "confusion_"
 # Config fields that may change when a run resumes: the run's bounds, schedule of logs, evals,
 # plots and checkpoints, where the data is read from and how fast, how the work is spread over

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
 from typing import Any, Sequence
 
@@ -41,21 +42,86 @@ def annotation_file(root: str, split: str) -> str:
 
 
 def load_annotations(path: str):
-    """The pycocotools ``COCO`` index of an annotation file; a missing or invalid file is a DataError."""
+    """The pycocotools ``COCO`` index of an annotation file; a missing, invalid or non-COCO file is a
+    DataError naming what is wrong and where."""
     from pycocotools.coco import COCO
 
     if not os.path.isfile(path):
-        raise DataError(
-            f"COCO annotation file {path} not found; download COCO 2017 with `python -m jaxrat.data.download "
-            f"coco2017 --dest {os.path.dirname(os.path.dirname(path))}` or fix --config.data.data_dir."
-        )
+        raise DataError(f"COCO annotation file {path} not found; {_layout_hint(path)}")
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
-            return COCO(path)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AssertionError) as e:
-        # pycocotools asserts that the top level is an object
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise DataError(f"COCO annotation file {path} is not valid ({type(e).__name__}: {e}); "
-                        "re-download it.") from None
+                        "fix or re-download it.") from None
+    _check_instances(spec, path)
+    coco = COCO()
+    coco.dataset = spec
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+        coco.createIndex()
+    return coco
+
+
+def _layout_hint(path: str) -> str:
+    """The fix for a missing instances file: where your own COCO-format file goes (naming the JSON
+    files the dataset folder holds instead), or the download of COCO 2017."""
+    root = os.path.dirname(os.path.dirname(path))
+    split_folder = os.path.basename(path)[len("instances_"):-len(".json")]
+    found = sorted(os.path.relpath(os.path.join(d, f), root) for d in (root, os.path.dirname(path)) if os.path.isdir(d)
+                   for f in os.listdir(d) if f.lower().endswith(".json"))
+    if found:
+        return (f"{root} holds {', '.join(found[:3])}: jaxrat reads COCO 2017's layout, so move it to {path} and its "
+                f"images to {os.path.join(root, split_folder)}/ (and the validation split's to instances_val2017.json "
+                f"and val2017/).")
+    return (f"download COCO 2017 with `python -m jaxrat.data.download coco2017 --dest {root}`, put your own "
+            f"COCO-format file there with its images in {os.path.join(root, split_folder)}/, or fix "
+            f"--config.data.data_dir.")
+
+
+# What each entry of a COCO instances file needs, by list (pycocotools and the records read them).
+REQUIRED = {"images": ("id", "file_name", "width", "height"),
+            "annotations": ("id", "image_id", "category_id", "bbox"),
+            "categories": ("id", "name")}
+
+
+def _check_instances(spec: Any, path: str) -> None:
+    """Refuse a JSON that is not a COCO instances file (a list, another tool's format) or whose entries
+    lack what COCO's have, naming the first such entry; refuse annotations that name an image or a
+    category the file does not list (they would be dropped without a word)."""
+    what = f"COCO annotation file {path}"
+    if not isinstance(spec, dict):  # pycocotools' own assertion, and what it means
+        raise DataError(f"{what} is not valid (AssertionError: annotation file format {type(spec)} not supported): "
+                        f"a COCO instances file is an object with images, annotations and categories; convert it to "
+                        f"COCO format.")
+    if not any(k in spec for k in REQUIRED):  # another tool's format (labelme, VOC as JSON, ...)
+        raise DataError(f"{what} is not a COCO instances file: it has no {', '.join(map(repr, REQUIRED))} (its "
+                        f"keys are {', '.join(map(str, list(spec)[:8]))}); convert it to COCO format.")
+    for key, fields in REQUIRED.items():
+        for i, entry in enumerate(spec.get(key) or []):
+            lacks = [f for f in fields if f not in entry] if isinstance(entry, dict) else list(fields)
+            if lacks:
+                raise DataError(f"{what} is not valid at {_entry(key, i, entry)} {lacks[0]!r}; fix it (COCO's "
+                                f"{key} have {', '.join(fields)}).")
+    images = {im["id"] for im in spec.get("images") or []}
+    categories = {c["id"] for c in spec.get("categories") or []}
+    for ann in spec.get("annotations") or []:
+        if "categories" in spec and ann["category_id"] not in categories:
+            raise DataError(f"{path}: annotation {ann['id']} (image {ann['image_id']}) has category_id "
+                            f"{ann['category_id']}, which its categories do not list ("
+                            f"{', '.join(map(str, sorted(categories)[:10]))}); add it to categories or fix the "
+                            f"annotation.")
+        if "images" in spec and ann["image_id"] not in images:
+            raise DataError(f"{path}: annotation {ann['id']} has image_id {ann['image_id']}, which its images do not "
+                            f"list; add the image or remove the annotation.")
+
+
+def _entry(key: str, index: int, entry: Any) -> str:
+    """Where an entry is, for a message ending in the field it lacks: by image id where it has one."""
+    if isinstance(entry, dict) and key == "images" and "id" in entry:
+        return f"image id {entry['id']}: it has no"
+    if isinstance(entry, dict) and key == "annotations" and "image_id" in entry:
+        return f"image id {entry['image_id']}: annotation {entry.get('id', f'#{index}')} has no"
+    return f"{key}[{index}]: it has no"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +138,8 @@ class DecodeCoco(grain.transforms.Map):
             turned = (" (they describe it as stored, before its EXIF orientation turns it)"
                       if (h, w) == (rec["width"], rec["height"]) and exif_orientation(rec["path"]) >= 5 else "")
             raise BadFileError(rec["path"], f"image is {w}x{h} but its annotations say {rec['width']}x{rec['height']}"
-                                            f"{turned}")
+                                            f"{turned}", "correct its width and height in the annotation file (or "
+                                            "replace the image), or set --config.data.on_bad_file=skip")
         keep = np.ones(len(rec["labels"]), bool) if self.include_crowd else rec["is_crowd"] == 0
         return {
             "image": image,
@@ -89,10 +156,12 @@ class CocoDetection:
 
     ``skip_empty`` leaves out images without a non-crowd object (for training). Image files that
     are missing or empty are handled by ``policy`` before training; undecodable ones when read.
+    ``categories``: the training split, whose categories are the labels of this one (a model has one
+    label space; a validation file may list fewer categories, or list them in another order).
     """
 
     def __init__(self, root: str, split: str, *, policy: BadFilePolicy | None = None, skip_empty: bool = False,
-                 include_crowd: bool = False):
+                 include_crowd: bool = False, categories: CocoDetection | None = None):
         if split not in SPLITS:
             raise DataError(f"Unknown COCO split {split!r}; use 'train' or 'validation'.")
         self.policy = policy or BadFilePolicy()
@@ -106,12 +175,15 @@ class CocoDetection:
         try:
             self.category_ids: list[int] = sorted(self.coco.getCatIds())
             self.class_names: list[str] = [self.coco.cats[c]["name"] for c in self.category_ids]
+            if categories is not None:
+                self._take_categories(categories)
             to_label = {c: i for i, c in enumerate(self.category_ids)}
             self.records: list[dict[str, Any]] = []
+            dropped: list[str] = []
             for image_id in sorted(self.coco.getImgIds()):
                 where = f"image id {image_id}"
                 info = self.coco.imgs[image_id]
-                rec = _record(self.coco, info, image_dir, to_label)
+                rec = _record(self.coco, info, image_dir, to_label, dropped)
                 if skip_empty and not (rec["is_crowd"] == 0).any():
                     continue
                 if self._usable(rec["path"]):
@@ -120,9 +192,23 @@ class CocoDetection:
             # A hand-edited or truncated-then-repaired file: a field missing or of the wrong type.
             raise DataError(f"COCO annotation file {self.annotation_file} is not valid at {where} "
                             f"({type(e).__name__}: {e}); fix or re-download it.") from None
+        if dropped:
+            logging.warning("data: %d of %d boxes in %s have no area inside their image (outside it, or a width or "
+                            "height <= 0) and are left out; first: %s.", len(dropped), len(self.coco.anns),
+                            self.annotation_file, dropped[0])
         if not self.records:
             raise DataError(f"No usable COCO images in {image_dir} for {self.annotation_file}; fix the dataset.")
         self.loader = DecodeCoco(include_crowd=include_crowd)
+
+    def _take_categories(self, train: CocoDetection) -> None:
+        """Label this split with ``train``'s categories; one of its own that training lacks cannot be learned."""
+        unknown = [c for c in self.category_ids if c not in train.category_ids]
+        if unknown:
+            c = unknown[0]
+            raise DataError(f"Category {c} ({self.coco.cats[c]['name']!r}) of {self.annotation_file} is not among the "
+                            f"categories of {train.annotation_file}, so it cannot be learned; add it (and its training "
+                            f"boxes) there, or remove it from this file.")
+        self.category_ids, self.class_names = list(train.category_ids), list(train.class_names)
 
     def _usable(self, path: str) -> bool:
         # Existence and size only: opening 118k headers would cost more than it finds.
@@ -146,14 +232,18 @@ class CocoDetection:
         return ExampleSource(self.records, loader=self.loader, policy=self.policy, name=name)
 
 
-def _record(coco, info: dict, image_dir: str, to_label: dict[int, int]) -> dict[str, Any]:
+def _record(coco, info: dict, image_dir: str, to_label: dict[int, int], dropped: list[str]) -> dict[str, Any]:
+    """One image's record; boxes with no area inside the image are left out and described in ``dropped``."""
     w, h = float(info["width"]), float(info["height"])
     boxes, labels, crowd, area = [], [], [], []
     for ann in coco.imgToAnns.get(info["id"], []):
         x, y, bw, bh = ann["bbox"]
         x1, y1, x2, y2 = max(0.0, x), max(0.0, y), min(w, x + bw), min(h, y + bh)
-        if x2 <= x1 or y2 <= y1 or ann["category_id"] not in to_label:
-            continue  # degenerate or outside the image: nothing to learn
+        if x2 <= x1 or y2 <= y1:
+            # Degenerate or outside the image: nothing to learn (counted, so a file of such boxes is seen).
+            dropped.append(f"annotation {ann['id']} (image {info['id']}, {info['width']}x{info['height']}) "
+                           f"bbox {list(ann['bbox'])}")
+            continue
         boxes.append([x1 / w, y1 / h, x2 / w, y2 / h])
         labels.append(to_label[ann["category_id"]])
         crowd.append(int(ann.get("iscrowd", 0)))

@@ -6,7 +6,8 @@
 Each record is {"path", "labels"} with ``labels`` an int32 vector, one entry per label column
 (multi-head classification). Integer columns are used as they are; text columns are mapped to
 indices in sorted order of their values (the vocabularies are returned). An empty cell is -1
-(missing: a loss should ignore it). Non-image files (README, LICENSE, .csv) are ignored.
+(missing: a loss should ignore it), so a negative number label is refused rather than read as
+missing. Non-image files (README, LICENSE, .csv) are ignored.
 """
 
 from __future__ import annotations
@@ -85,8 +86,13 @@ def csv_records(
     try:
         # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark that would rename the first column.
         with open(csv_path, newline="", encoding="utf-8-sig") as f:
-            # A short row gets "" for its missing cells (an empty label: -1), not None.
-            rows = list(csv.DictReader(f, restval=""))
+            # A short row gets "" for its missing cells (an empty label: -1), not None. Spaces after
+            # the commas ("image, label", '..., "big, cat"') are how many people write CSVs by hand:
+            # skipinitialspace keeps such a quoted cell one cell, and the header names are stripped.
+            reader = csv.DictReader(f, restval="", skipinitialspace=True, delimiter=_delimiter(f))
+            if reader.fieldnames:
+                reader.fieldnames = [name.strip() if name else name for name in reader.fieldnames]
+            rows = list(reader)
     except FileNotFoundError:
         raise DataError(f"CSV file {csv_path} not found; fix the path in the config.") from None
     except (UnicodeDecodeError, csv.Error, OSError) as e:
@@ -111,16 +117,45 @@ def csv_records(
             policy.handle(BadFileError(f"{csv_path} line {line}", f"no image path in column {image_column!r}",
                                        "fill it in or delete the row, or set --config.data.on_bad_file=skip"))
             continue
-        path = path if os.path.isabs(path) else os.path.join(image_root, path)
+        path = _local_path(path, image_root)
         labels = []
         for col in label_columns:
             v = r[col].strip()
+            if v and maps[col] is None and int(v) < 0:
+                # -1 is how a missing label is held: a negative class would be ignored without a word.
+                raise DataError(f"{csv_path} line {line}: label {v} in column {col!r} is negative; number the "
+                                f"classes from 0 (leave the cell empty for a missing label).")
             labels.append(-1 if not v else (int(v) if maps[col] is None else maps[col][v]))
         if _usable(path, policy):
             records.append({"path": path, "labels": np.array(labels, np.int32)})
     if not records:
         raise DataError(f"No usable images listed in {csv_path}; check the image column and --image_root.")
     return records, vocabs
+
+
+def _delimiter(f: Any) -> str:
+    """The separator of the CSV open in ``f`` (rewound): Excel in many European locales writes ``;``
+    (a comma is their decimal mark), and a tab-separated file may be named .csv; the header line says."""
+    header = f.readline()
+    f.seek(0)
+    return max((",", ";", "\t"), key=header.count) if header.strip() else ","
+
+
+def _local_path(path: str, image_root: str) -> str:
+    """``path`` from a CSV as a path on this machine: relative ones under ``image_root``; a CSV written
+    on Windows (``images\\cat1.jpg``) has backslashes where this system has slashes, and one written
+    from the folder above the dataset starts with the dataset folder's own name (``mydata/images/a.jpg``
+    in ``mydata/train.csv``): both are read where they point, whatever the current folder."""
+    joined = path if os.path.isabs(path) else os.path.join(image_root, path)
+    if os.sep == "/" and "\\" in path and not os.path.exists(joined):
+        path = path.replace("\\", "/")
+        joined = path if os.path.isabs(path) else os.path.join(image_root, path)
+    first, _, rest = path.partition("/")
+    if (not os.path.exists(joined) and not os.path.isabs(path) and rest
+            and first == os.path.basename(os.path.normpath(image_root))
+            and os.path.exists(os.path.join(image_root, rest))):
+        joined = os.path.join(image_root, rest)
+    return joined
 
 
 def _is_int(v: str) -> bool:

@@ -140,7 +140,7 @@ def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
                           seed=seed, num_classes=data_cfg.get("synthetic_classes", 5))
     root = root or os.path.expanduser("~/data/coco2017")
     train = CocoDetection(root, "train", policy=policy, skip_empty=True)
-    val = CocoDetection(root, "validation", policy=policy)
+    val = CocoDetection(root, "validation", policy=policy, categories=train)
     for ds in (train, val):
         ds.loader = DecodeCocoSized()
     return train, val

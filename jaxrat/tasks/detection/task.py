@@ -55,12 +55,24 @@ class DetectionTask(Task):
                               f"raise the queries or lower max_boxes.")
         self.num_classes = int(config.model.get("num_classes", 0) or 0)
         self._train = self._val = None
+        self.category_ids: list[int] = []
+        self.class_names: list[str] = []
 
     def prepare_data(self, workdir: str) -> str:
         self._train, self._val = data.resolve_coco(self.config.data, workdir, seed=self.config.seed,
                                               process_index=jax.process_index())
         self.num_classes = self._train.num_classes
+        self.category_ids, self.class_names = list(self._train.category_ids), list(self._train.class_names)
         return f"{len(self._train)} train and {len(self._val)} validation images ({self.num_classes} classes)"
+
+    def label_space(self) -> dict[str, Any]:
+        """The categories, by label: COCO ids and names."""
+        return {"categories": [{"id": int(i), "name": str(n)} for i, n in zip(self.category_ids, self.class_names)]}
+
+    def use_label_space(self, saved: dict[str, Any]) -> None:
+        cats = saved["categories"]
+        self.category_ids, self.class_names = [int(c["id"]) for c in cats], [str(c["name"]) for c in cats]
+        self.num_classes = len(cats)
 
     def num_train_examples(self) -> int:
         return len(self._train) if self._train is not None else 0
