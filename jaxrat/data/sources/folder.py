@@ -151,9 +151,8 @@ def _local_path(path: str, image_root: str) -> str:
         path = path.replace("\\", "/")
         joined = path if os.path.isabs(path) else os.path.join(image_root, path)
     first, _, rest = path.partition("/")
-    if (not os.path.exists(joined) and not os.path.isabs(path) and rest
-            and first == os.path.basename(os.path.normpath(image_root))
-            and os.path.exists(os.path.join(image_root, rest))):
+    if (rest and first == os.path.basename(os.path.normpath(image_root)) and not os.path.isabs(path)
+            and not os.path.exists(joined) and os.path.exists(os.path.join(image_root, rest))):
         joined = os.path.join(image_root, rest)
     return joined
 
