@@ -20,9 +20,9 @@ from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime import compile_cache
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import unwritable, write_csv, write_json
+from jaxrat.tasks import label_space
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
-from jaxrat.trainer import label_space
 from jaxrat.trainer.hooks import Evaluation
 from jaxrat.trainer.loop import check_batch_sizes, to_global
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec

@@ -24,10 +24,11 @@ from jaxrat.config_schema.loader import check_counts
 from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
+from jaxrat.tasks import label_space
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.summary import JSON_NAME as SUMMARY_JSON
 from jaxrat.tracking.writers import MetricWriter, check_tracking
-from jaxrat.trainer import autotune, hooks, label_space, run_summary
+from jaxrat.trainer import autotune, hooks, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import check_state_settings, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step

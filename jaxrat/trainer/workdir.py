@@ -27,9 +27,9 @@ from jaxrat.runtime import output_folder
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
+from jaxrat.tasks.label_space import LABELS_NAME
 from jaxrat.tracking.plots import CURVES_NAME
 from jaxrat.tracking.summary import JSON_NAME, MARKDOWN_NAME
-from jaxrat.trainer.label_space import LABELS_NAME
 from jaxrat.trainer.workdir_lock import WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
