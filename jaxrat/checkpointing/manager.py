@@ -213,6 +213,10 @@ class Checkpointer:
                 # Every process holds the same global arrays and reads the same metadata: same verdict.
                 expected = self.step_metadata(step).get("digest")
                 bad = digest.mismatches(expected, state) if expected else []
+                if not expected:  # saved before digests, or its metadata file removed: nothing to check against
+                    logging.warning("checkpoint: step %d has no digests of its arrays (%s missing or without them), "
+                                    "so it is restored unchecked", step, os.path.join(self.directory, str(step),
+                                                                                      store.METADATA_FILE))
                 if not bad:
                     self._check_step(step, state)
                     return step, state, data_ok

@@ -1,6 +1,7 @@
 """Checkpointer in-process: keep policy, best pointer, killed saves, init_from, CLI, no pickle."""
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -345,3 +346,20 @@ def test_a_checkpoint_folder_renamed_by_hand_is_refused_naming_its_real_step(tmp
     ck.close()
     assert "\n" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["1", "20"]  # nothing moved aside as damaged, nothing deleted
+
+
+def test_a_checkpoint_whose_metadata_was_removed_restores_with_a_warning(tmp_path, caplog):
+    """Without its _CHECKPOINT_METADATA a step has no digests to check its arrays against: it was
+    restored without a word (Orbax's own "Metadata file does not exist" aside)."""
+    mesh = _mesh()
+    ck = Checkpointer(str(tmp_path), Policy())
+    ck.save(3, _state(3, mesh), reason="steps")
+    ck.wait()
+    ck.close()
+    os.remove(tmp_path / "3" / "_CHECKPOINT_METADATA")
+    ck = Checkpointer(str(tmp_path), Policy())
+    with caplog.at_level(logging.WARNING):
+        restored = ck.restore_latest(_abstract(_state(0, mesh), mesh))
+    ck.close()
+    assert restored is not None and restored[0] == 3
+    assert "step 3 has no digests of its arrays" in caplog.text and "restored unchecked" in caplog.text
