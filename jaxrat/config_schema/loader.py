@@ -7,6 +7,7 @@ import difflib
 import glob
 import importlib.util
 import json
+import logging
 import os
 from typing import Any, Sequence
 
@@ -178,7 +179,31 @@ def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
             node[leaf] = _checked_json_value(key, node[leaf], schema_value, path)
         elif not parents:
             node[leaf] = default(key)
+    say_unknown_fields(raw, path)
     return raw
+
+
+# The sections jaxrat's schema defines whole (data, model and task also hold the task's own fields).
+SCHEMA_SECTIONS = ("checkpoint", "distributed", "mesh", "optimizer", "sharding", "tracking", "train", "workdir")
+
+
+def say_unknown_fields(raw: dict[str, Any], path: str) -> None:
+    """Warn of the fields of a config.json that this jaxrat does not have, at the top level and in
+    :data:`SCHEMA_SECTIONS`: ignored, so a hand-edited typo (``train.evl_every``) changed nothing
+    without a word. A warning, not a refusal: a config.json written by a newer jaxrat still loads."""
+    known = list(flatten(base_config()))
+    unknown = []
+    for key in flatten(raw):
+        section, dot, _ = key.partition(".")
+        if dot and section not in SCHEMA_SECTIONS:
+            continue
+        field_name = ".".join(key.split(".")[:2])
+        if not any(k == field_name or k.startswith(field_name + ".") for k in known):
+            unknown.append(field_name)
+    for name in sorted(set(unknown)):
+        close = difflib.get_close_matches(name, known, n=1)
+        logging.warning("%s: %s is not a field of this jaxrat's config and is ignored (a typo%s, or a config.json "
+                        "of a newer jaxrat)", path, name, f": did you mean {close[0]}?" if close else "")
 
 
 def _checked_json_value(key: str, value: Any, schema_value: Any, path: str) -> Any:

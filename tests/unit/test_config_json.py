@@ -136,3 +136,36 @@ def test_a_section_deleted_by_hand_is_one_sentence_naming_it(tmp_path, section):
 
 def test_the_sections_the_readers_default_may_be_missing(tmp_path):
     load_config(_write(tmp_path, lambda raw: (raw.pop("tracking"), raw.pop("workdir"))))
+
+
+def test_a_field_this_jaxrat_lacks_is_warned_about_with_the_close_one(tmp_path, caplog):
+    """A hand-edited typo (train.evl_every) was ignored without a word: the run evaluated on the old
+    schedule. Warned about (a newer jaxrat's config.json still loads); the task's own fields are not."""
+    import logging
+
+    def edit(raw):
+        raw["train"]["evl_every"] = 5
+        raw["optimizer"]["learning_rat"] = 0.1
+        raw["sharding"]["zero"] = 1
+        raw["task"]["a_field_of_my_task"] = 3  # the task's and model's own fields are not jaxrat's to judge
+        raw["model"]["depth_of_mine"] = 2
+        raw["seeds"] = 4
+    with caplog.at_level(logging.WARNING):
+        config = load_config(_write(tmp_path, edit))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 3, warned
+    assert "learning_rat is not a field of this jaxrat's config and is ignored (a typo: did you mean " \
+           "optimizer.learning_rate?" in warned[0]
+    assert "seeds is not a field" in warned[1] and "did you mean seed?" in warned[1]
+    assert "train.evl_every" in warned[2] and "train.eval_every" in warned[2]
+    assert config.sharding.zero == 1
+    caplog.clear()
+    from jaxrat.config_schema.loader import load_config_module, packaged_configs
+
+    with caplog.at_level(logging.WARNING):  # a config.json as training writes it, of every packaged config: no word
+        for name in packaged_configs():
+            for variant in load_config_module(name).VARIANTS:
+                saved = load_config(f"{name}:{variant}" if variant else name).to_json_best_effort(sort_keys=True)
+                (tmp_path / "config.json").write_text(saved)
+                load_config(str(tmp_path / "config.json"))
+    assert not caplog.records
