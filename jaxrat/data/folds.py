@@ -14,6 +14,7 @@ others check theirs against it, so the file is the record of which image was in 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -79,6 +80,11 @@ def record(fold_dir: str, ids: Sequence[str], classes: Sequence[int] | None, k: 
                             "--config.data.fold_dir elsewhere.")
         if written is not None:
             return path
+    others = sorted(glob.glob(os.path.join(fold_dir, f"folds-K{k}-seed{seed}-*.json")))
+    if others:  # the same folds of other items: the dataset changed, and the deal with it
+        logging.warning("data: the items differ from those of %s (%d of them now), so the %d folds are dealt anew "
+                        "and a run resumed on them trains on another split; keep the dataset as it was for a "
+                        "resume, or compare runs of one assignment only", others[-1], len(ids), k)
     os.makedirs(fold_dir, exist_ok=True)
     write_json(path, content)  # runs of a job array may write it at once: each its own temporary
     return path

@@ -140,3 +140,23 @@ def test_stats_are_the_mean_sd_and_paired_differences_of_the_last_evals(tmp_path
     # In words, not only in "6/7": the unfinished run is not in the means.
     assert "1 run is not finished (running, failed, preempted or killed) and left out of these means" in text
     assert "eval/loss" in got["paired"]["pe_none"]
+
+
+def test_another_assignment_for_the_same_folds_is_warned_about(tmp_path, caplog):
+    """An image added to the dataset deals the folds anew; written silently beside the old assignment,
+    a resumed fold run went on training on another split."""
+    import logging
+
+    ids = [f"im{i:02d}" for i in range(20)]
+    with caplog.at_level(logging.WARNING):
+        folds.record(str(tmp_path), ids, None, 5, 0, folds.assign(ids, 5, 0))
+        folds.record(str(tmp_path), ids, None, 5, 0, folds.assign(ids, 5, 0))  # the same items: checked, no word
+    assert not caplog.records
+    grown = ids + ["im20"]
+    with caplog.at_level(logging.WARNING):
+        folds.record(str(tmp_path), grown, None, 5, 0, folds.assign(grown, 5, 0))
+    assert "the items differ from those of" in caplog.text and "dealt anew" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # other folds (K=4) are another assignment, not a changed one
+        folds.record(str(tmp_path), ids, None, 4, 0, folds.assign(ids, 4, 0))
+    assert not caplog.records
