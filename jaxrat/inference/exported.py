@@ -60,13 +60,15 @@ class Exported:
         letterboxed, unless the contract says ``letterbox``). Binary segmentation: (H, W)
         foreground probabilities at the photo's size; multi-class segmentation: (H, W, classes)
         class probabilities (``argmax(-1)`` is the label map, ``contract["classes"]`` names them);
-        classification: ``{head: (classes,) probabilities}`` (``contract["labels"]`` names them)."""
+        classification: ``{head: (classes,) probabilities}`` (``contract["labels"]`` names them);
+        detection: ``{"boxes": (K, 4) x1, y1, x2, y2 in the photo's pixels, "scores": (K,), "labels": (K,)
+        indices into contract["categories"]}``, best first."""
         from PIL import Image
 
         task = self.contract.get("task", "segmentation")
-        if task not in ("segmentation", "classification"):
-            raise ValueError(f"predict_image reads one image for segmentation or classification; this export is "
-                             f"{task}: call the model on pixels (and pad_mask) as contract['input'] says.")
+        if task not in ("segmentation", "classification", "detection"):
+            raise ValueError(f"predict_image reads one image for segmentation, classification or detection; this "
+                             f"export is {task}: call the model on pixels as contract['input'] says.")
         image, (h, w) = read_upright(path, self.image_size)
         s = self.image_size
         if self.contract.get("letterbox"):
@@ -78,6 +80,14 @@ class Exported:
             ch, cw = s, s
             pixels = image if image.shape[:2] == (s, s) else np.asarray(
                 Image.fromarray(image).resize((s, s), Image.BILINEAR))
+        if task == "detection":  # the padding masked, the canvas-normalised boxes mapped to the photo
+            pad = np.ones((1, s, s), np.float32)
+            pad[0, :ch, :cw] = 0.0
+            out = self(pixels[None], pad)
+            canvas = np.asarray([s / cw, s / ch, s / cw, s / ch], np.float32)
+            boxes = np.clip(np.asarray(out["boxes"][0], np.float32) * canvas, 0.0, 1.0)
+            return {"boxes": boxes * np.asarray([w, h, w, h], np.float32),
+                    "scores": np.asarray(out["scores"][0], np.float32), "labels": np.asarray(out["labels"][0])}
         out = self(pixels[None])
         if task == "classification":
             return {head: np.asarray(p[0], np.float32) for head, p in zip(self.contract["heads"], out)}

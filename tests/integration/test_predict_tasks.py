@@ -119,6 +119,22 @@ def test_detection_coco_results_in_original_pixels(tmp_path):
         W, H = sizes[r["image_id"]]
         assert -0.01 <= x <= x + w <= W + 0.01 and -0.01 <= y <= y + h <= H + 0.01
     assert len(os.listdir(os.path.join(out, "boxes"))) == 3  # a.jpg, a.png and sub/
+
+    # The export's loader, with jaxrat not importable, gives predict's detections of a photo (EXIF-turned,
+    # letterboxed): its boxes in the photo's pixels, best first.
+    exp = str(tmp_path / "export")
+    proc = _cmd("jaxrat.export", f"--workdir={wd}", f"--out={exp}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = run_exported_loader(exp, os.path.join(src, "sub", "exif6.jpg"), str(tmp_path / "loaded.npz"),
+                              env_with_devices(1))
+    photo = next(i["id"] for i in images["images"] if i["file_name"] == "sub/exif6.jpg")
+    want = sorted((r for r in results if r["image_id"] == photo), key=lambda r: -r["score"])[:3]
+    assert want and list(got["scores"]) == sorted(got["scores"], reverse=True)
+    categories = json.load(open(os.path.join(exp, "model.json")))["categories"]
+    for r, score, label, (x1, y1, x2, y2) in zip(want, got["scores"], got["labels"], got["boxes"]):
+        assert score == pytest.approx(r["score"], abs=1e-4)
+        assert categories[int(label)]["id"] == r["category_id"]
+        assert [x1, y1, x2 - x1, y2 - y1] == pytest.approx(r["bbox"], abs=0.05)
     proc = _cmd("jaxrat.predict", f"--workdir={wd}", f"--input={src}", f"--out={tmp_path / 'o2'}", "--tta=flip")
     assert proc.returncode == 2 and "--tta is not available for detection" in proc.stderr
 
