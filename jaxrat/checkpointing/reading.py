@@ -42,10 +42,10 @@ class Opened:
 
 
 def _asks_latest(spec: str) -> bool:
-    head, sep, tail = spec.rpartition(":")
-    if sep and (tail.isdigit() or tail in ("best", "latest")):
-        return tail == "latest"
-    return not store._STEP_RE.match(os.path.basename(spec.rstrip("/")))
+    path, step = store.split_spec(spec)
+    if step:
+        return step == "latest"
+    return not store._STEP_RE.match(os.path.basename(path.rstrip("/")))
 
 
 def _clean_stale_pins(base: str) -> None:

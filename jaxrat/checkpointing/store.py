@@ -129,15 +129,20 @@ def best_step(directory: str) -> tuple[int, dict[str, Any]] | None:
     return pointer["step"], pointer
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """``PATH[:STEP|:best|:latest]`` -> (PATH, the step part or ""); a colon inside PATH stays in it."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and (tail.isdigit() or tail in ("best", "latest")):
+        return head, tail
+    return spec, ""
+
+
 def resolve(spec: str) -> tuple[str, int]:
     """``PATH[:STEP|:best|:latest]`` -> (checkpoint folder, step); latest when no step is given.
 
     PATH may be a workdir, its ``checkpoints/`` folder, or one ``<step>/`` folder.
     """
-    path, step_spec = spec, ""
-    head, sep, tail = spec.rpartition(":")
-    if sep and (tail.isdigit() or tail in ("best", "latest")):
-        path, step_spec = head, tail
+    path, step_spec = split_spec(spec)
     path = os.path.abspath(os.path.expanduser(path))
     if _STEP_RE.match(os.path.basename(path.rstrip("/"))) and not os.path.isdir(os.path.join(path, "checkpoints")):
         path, implied = os.path.dirname(path.rstrip("/")), os.path.basename(path.rstrip("/"))

@@ -162,7 +162,8 @@ def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
     section of :data:`REQUIRED_SECTIONS` was refused before (:func:`check_sections`). The task's and
     model's own fields are not in the schema and are kept as they are.
     """
-    for key, schema_value in flatten(base_config()).items():
+    schema = flatten(base_config())
+    for key, schema_value in schema.items():
         *parents, leaf = key.split(".")
         node: Any = raw
         for i, name in enumerate(parents):
@@ -179,7 +180,7 @@ def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
             node[leaf] = _checked_json_value(key, node[leaf], schema_value, path)
         elif not parents:
             node[leaf] = default(key)
-    say_unknown_fields(raw, path)
+    say_unknown_fields(raw, path, list(schema))
     return raw
 
 
@@ -187,11 +188,11 @@ def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
 SCHEMA_SECTIONS = ("checkpoint", "distributed", "mesh", "optimizer", "sharding", "tracking", "train", "workdir")
 
 
-def say_unknown_fields(raw: dict[str, Any], path: str) -> None:
+def say_unknown_fields(raw: dict[str, Any], path: str, known: list[str]) -> None:
     """Warn of the fields of a config.json that this jaxrat does not have, at the top level and in
     :data:`SCHEMA_SECTIONS`: ignored, so a hand-edited typo (``train.evl_every``) changed nothing
-    without a word. A warning, not a refusal: a config.json written by a newer jaxrat still loads."""
-    known = list(flatten(base_config()))
+    without a word. A warning, not a refusal: a config.json written by a newer jaxrat still loads.
+    ``known``: the schema's dotted field names."""
     unknown = []
     for key in flatten(raw):
         section, dot, _ = key.partition(".")

@@ -232,14 +232,15 @@ def resolve_classification(
     if not data_dir:
         raise ConfigError("config.data.data_dir is empty; point it at the folder of your images (and CSVs).")
     data_dir = _staged(data_cfg, data_dir)
+    by_folds = bool(folds.settings(data_cfg)[0])  # validation is a fold of train/: no split of its own
     if source == "folder":
-        splits = _class_folder_splits(data_dir, heads, policy, val_needed=not folds.settings(data_cfg)[0])
+        splits = _class_folder_splits(data_dir, heads, policy, val_needed=not by_folds)
     else:
         splits = _csv_splits(data_cfg, data_dir, csvs, heads, policy)
     records, shared = _share_vocabularies([r for r, _ in splits], [v for _, v in splits], heads)
     where = ((os.path.join(data_dir, "train"), os.path.join(data_dir, "val")) if source == "folder"
              else tuple(os.path.join(data_dir, p) for p in csvs))
-    _check_learnable(records, shared, heads, where, validation=not folds.settings(data_cfg)[0])
+    _check_learnable(records, shared, heads, where, validation=not by_folds)
     labels = np.stack([r["labels"] for split in records for r in split])
     found = tuple(max(len(shared[h]), int(labels[:, i].max()) + 1) for i, h in enumerate(heads))
     records, names = _classification_folds(data_cfg, records, data_dir, process_index=process_index, workdir=workdir)

@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections as mlc
 import numpy as np
 
-from jaxrat.checkpointing.store import COMMIT_FILE, METADATA_FILE
+from jaxrat.checkpointing.store import COMMIT_FILE, METADATA_FILE, split_spec
 from jaxrat.config_schema import field
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME
 from jaxrat.data.label_check import LABEL_STATS_NAME
@@ -99,14 +99,19 @@ def _schedule_moves(old: dict[str, Any], new: dict[str, Any]) -> str:
 CHECKPOINT_ITEMS = frozenset({"state", "data", "metrics", METADATA_FILE, COMMIT_FILE})
 
 
+def _step_folders(workdir: str) -> list[str]:
+    """The folders of ``WORKDIR/checkpoints`` named by a number, in name order."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return [p for p in (os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.isdigit())
+            if os.path.isdir(p)]
+
+
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``WORKDIR/checkpoints`` holds a step of a run: a folder named by its number that is not
     another tool's (:func:`foreign_steps`)."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return False
-    steps = [os.path.join(directory, n) for n in os.listdir(directory) if n.isdigit()]
-    return any(os.path.isdir(path) and not _foreign_step(path) for path in steps)
+    return any(not _foreign_step(path) for path in _step_folders(workdir))
 
 
 def starts_from_itself(config: mlc.ConfigDict, workdir: str) -> str | None:
@@ -115,9 +120,7 @@ def starts_from_itself(config: mlc.ConfigDict, workdir: str) -> str | None:
     spec = str(config.get("init_from") or "")
     if not spec or has_checkpoint(workdir):
         return None
-    head, sep, tail = spec.rpartition(":")
-    path = os.path.realpath(os.path.expanduser(head if sep and (tail.isdigit() or tail in ("best", "latest"))
-                                               else spec))
+    path = os.path.realpath(os.path.expanduser(split_spec(spec)[0]))
     own = os.path.realpath(workdir)
     if path not in (own, os.path.join(own, "checkpoints")):
         return None
@@ -128,11 +131,7 @@ def starts_from_itself(config: mlc.ConfigDict, workdir: str) -> str | None:
 def foreign_steps(workdir: str) -> list[str]:
     """The numbered folders of ``WORKDIR/checkpoints`` that are another tool's checkpoints (a folder of
     yours used as the workdir): jaxrat saves its own steps there, and would set these aside as damaged."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    steps = [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.isdigit()]
-    return [path for path in steps if os.path.isdir(path) and _foreign_step(path)]
+    return [path for path in _step_folders(workdir) if _foreign_step(path)]
 
 
 def _foreign_step(path: str) -> bool:
