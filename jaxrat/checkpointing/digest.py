@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrat.runtime.tree_paths import named_leaves
+from jaxrat.checkpointing.named_arrays import named_leaves
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 

@@ -11,9 +11,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxrat.checkpointing.named_arrays import named_leaves, subtree
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.runtime.errors import ConfigError
-from jaxrat.runtime.tree_paths import named_leaves, path_name, subtree
+from jaxrat.runtime.tree_paths import path_name
 
 
 def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, include: str = "", exclude: str = "",
@@ -27,7 +28,7 @@ def load_init(spec: str, abstract_state: Any, *, optimizer: bool = False, includ
     ``.npz`` from ``python -m jaxrat.models.torch_import``, or ``.safetensors``/``.pth``), read by
     :func:`jaxrat.checkpointing.weight_files.read_arrays`; arrays land on the shardings of ``abstract_state``.
     ``include``/``exclude``: regexes searched in parameter paths (``backbone/...``, as
-    :func:`jaxrat.runtime.tree_paths.named_leaves` spells them): only included, not excluded ones load.
+    :func:`jaxrat.checkpointing.named_arrays.named_leaves` spells them): only included, not excluded ones load.
     ``strict``: every parameter must load (a shape difference, or a parameter one side lacks, ends
     with a ConfigError naming it). Otherwise ``params`` holds only the parameters that loaded
     (merge them into a fresh state with :func:`merge_params`) and the log lists the others, which

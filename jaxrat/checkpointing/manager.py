@@ -28,11 +28,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxrat.checkpointing import digest, recovery, store
+from jaxrat.checkpointing.named_arrays import named_leaves
 from jaxrat.checkpointing.schedule import Policy, metric_fn, preservation
 from jaxrat.checkpointing.snapshot import FrozenDataState, Snapshotter, use_distributed_barriers
 from jaxrat.runtime.errors import CheckpointError, ConfigError
 from jaxrat.runtime.fileio import write_json
-from jaxrat.runtime.tree_paths import named_leaves
 
 
 class _Manager(ocp.CheckpointManager):

@@ -109,7 +109,7 @@ def _problem(where: str, items: Sequence[str]) -> str | None:
     from etils import epath
 
     from jaxrat.checkpointing import digest, recovery
-    from jaxrat.runtime.tree_paths import named_leaves
+    from jaxrat.checkpointing.named_arrays import named_leaves
 
     expected = store.step_metadata(os.path.dirname(where), os.path.basename(where)).get("digest") or {}
     try:

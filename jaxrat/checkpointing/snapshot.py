@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrat.checkpointing import digest
-from jaxrat.runtime.tree_paths import named_leaves
+from jaxrat.checkpointing.named_arrays import named_leaves
 
 
 def use_distributed_barriers() -> None:

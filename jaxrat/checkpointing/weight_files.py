@@ -122,8 +122,8 @@ def _read_checkpoint(spec: str, item: str) -> dict[str, np.ndarray]:
     import orbax.checkpoint as ocp
     from etils import epath
 
+    from jaxrat.checkpointing.named_arrays import named_leaves
     from jaxrat.checkpointing.reading import open_checkpoint
-    from jaxrat.runtime.tree_paths import named_leaves
 
     with open_checkpoint(spec, [item]) as opened, ocp.PyTreeCheckpointer() as ckptr:
         where = os.path.join(opened.where, "state")

@@ -7,9 +7,7 @@ in every optimizer moment and in a checkpoint's metadata (where Orbax turns name
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
-import jax
+from typing import Any
 
 
 def key_name(key: Any) -> str:
@@ -23,27 +21,3 @@ def key_name(key: Any) -> str:
 def path_name(path: tuple) -> str:
     """A whole key path as ``"a/0/b"``."""
     return "/".join(key_name(k) for k in path)
-
-
-def named_leaves(tree: Any) -> dict[str, Any]:
-    """``{"params/Conv_0/kernel": leaf}`` for every array-like leaf of ``tree``."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {path_name(path): leaf for path, leaf in leaves}
-
-
-def subtree(tree: Any, names: Iterable[str]) -> Any:
-    """The nested dicts of ``tree`` holding only the leaves at ``names``, empty branches dropped (a
-    partial restore's target; the part of a model that a weights file fills)."""
-    keep = set(names)
-
-    def walk(node: Any, prefix: str) -> Any:
-        if hasattr(node, "shape"):
-            return node if prefix in keep else None
-        out = {}
-        for k, v in node.items():
-            sub = walk(v, f"{prefix}/{k}" if prefix else str(k))
-            if sub is not None and sub != {}:
-                out[k] = sub
-        return out
-
-    return walk(tree, "")

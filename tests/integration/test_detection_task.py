@@ -14,11 +14,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrat import ops
+from jaxrat.checkpointing.named_arrays import named_leaves
 from jaxrat.config_schema import load_config
 from jaxrat.models import build_model
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError
-from jaxrat.runtime.tree_paths import named_leaves
 from jaxrat.tasks.base import load_task
 from jaxrat.tasks.detection.coco_eval import STAT_NAMES
 

@@ -99,8 +99,8 @@ def test_pretrained_arrays_land_under_backbone_and_honour_include_exclude(tmp_pa
     import jax
 
     from jaxrat.checkpointing.init_from import place_arrays
+    from jaxrat.checkpointing.named_arrays import named_leaves
     from jaxrat.models.backbones.weights import pretrained_arrays
-    from jaxrat.runtime.tree_paths import named_leaves
 
     save_file(_timm_state(), str(tmp_path / "w.safetensors"))
     backbone = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), _expected(),

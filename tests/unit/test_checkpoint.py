@@ -120,7 +120,7 @@ def test_init_from_loads_params_or_also_optimizer_onto_new_shardings(tmp_path):
 def test_init_from_with_optimizer_restarts_the_schedule_and_keeps_the_moments(tmp_path):
     import ml_collections as mlc
 
-    from jaxrat.runtime.tree_paths import named_leaves
+    from jaxrat.checkpointing.named_arrays import named_leaves
     from jaxrat.trainer.optimizer import make_optimizer
 
     cfg = mlc.ConfigDict(dict(learning_rate=1e-2, warmup_steps=10, end_learning_rate_factor=0.01, clip_norm=1.0,

@@ -89,7 +89,7 @@ def expected_shapes(model: Any) -> dict[str, tuple]:
     """Parameter path -> shape of an (abstract) backbone."""
     from flax import nnx
 
-    from jaxrat.runtime.tree_paths import named_leaves
+    from jaxrat.checkpointing.named_arrays import named_leaves
 
     return {k: tuple(v.shape) for k, v in named_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
@@ -115,7 +115,7 @@ def pretrained_arrays(path: str | os.PathLike, abstract_params: Any,
     """The file at ``path`` converted for the backbone under ``prefix`` of a model whose parameters
     are ``abstract_params`` (shapes suffice), as ``{prefix + name: array}`` (the trainer places them
     with :func:`jaxrat.checkpointing.init_from.place_arrays`)."""
-    from jaxrat.runtime.tree_paths import named_leaves
+    from jaxrat.checkpointing.named_arrays import named_leaves
 
     expected = {k[len(prefix):]: tuple(v.shape) for k, v in named_leaves(abstract_params).items()
                 if k.startswith(prefix)}
