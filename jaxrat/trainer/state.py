@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrat import ops
 from jaxrat.checkpointing import Checkpointer, load_init
-from jaxrat.checkpointing.init_from import merge_params
+from jaxrat.checkpointing.init_from import merge_params, place_arrays
 from jaxrat.config_schema import field
 from jaxrat.parallel import sharding
 from jaxrat.runtime.compile_options import init_compiler_options
@@ -274,16 +274,26 @@ class Restored:
         return int(jax.device_get(self.state["step"]))
 
 
-def _pretrained(config: mlc.ConfigDict, abstract_params: Any) -> Any:
-    from jaxrat.checkpointing.init_from import place_arrays
+def initial_weights(config: mlc.ConfigDict, spec: StateSpec) -> dict[str, Any]:
+    """What a new run's state starts from besides its fresh initialisation: another run's or a weights
+    file's parameters (and optimizer state) for ``init_from``, a timm / Hugging Face file's for the
+    backbone with ``model.pretrained``, else nothing. Read before anything compiles, so a mismatch
+    fails first; the parameters it holds land on ``spec``'s shardings."""
+    abstract = spec.abstract_with_shardings()
+    include, exclude = field(config, "init_from_include"), field(config, "init_from_exclude")
+    if config.init_from:
+        return load_init(config.init_from, abstract, optimizer=config.checkpoint.init_optimizer, include=include,
+                         exclude=exclude, strict=field(config, "init_from_strict"),
+                         rename=field(config, "init_from_rename"))
+    if not config.model.get("pretrained"):
+        return {}
     from jaxrat.data.hub import resolve_pretrained
     from jaxrat.models.backbones.weights import pretrained_arrays
 
     path = resolve_pretrained(str(config.model.pretrained))  # hf:OWNER/NAME[@REV]: the hub cache's folder
-    arrays = pretrained_arrays(path, abstract_params)
+    arrays = pretrained_arrays(path, abstract["params"])
     logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
-    return place_arrays(arrays, abstract_params, include=field(config, "init_from_include"),
-                        exclude=field(config, "init_from_exclude"), where=path)
+    return {"params": place_arrays(arrays, abstract["params"], include=include, exclude=exclude, where=path)}
 
 
 def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
@@ -304,14 +314,7 @@ def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,
         meta = ckpt.step_metadata(step)
         return Restored(state, data, bool(meta.get("eval_pending")), meta)
     init = spec.initialiser()  # traced and compiled at its call below, after the weights have been read
-    loaded: dict[str, Any] = {}
-    if config.init_from:  # read first: a mismatching checkpoint fails before anything compiles
-        loaded = load_init(config.init_from, spec.abstract_with_shardings(),
-                           optimizer=config.checkpoint.init_optimizer, include=field(config, "init_from_include"),
-                           exclude=field(config, "init_from_exclude"), strict=field(config, "init_from_strict"),
-                           rename=field(config, "init_from_rename"))
-    elif config.model.get("pretrained"):  # a timm / Hugging Face file for the model's backbone
-        loaded = {"params": _pretrained(config, spec.abstract_with_shardings()["params"])}
+    loaded = initial_weights(config, spec)
     state = init(jax.random.key_data(jax.random.key(config.seed)))
     if "params" in loaded:  # the parameters that did not load keep their fresh values
         loaded["params"] = merge_params(state["params"], loaded["params"])

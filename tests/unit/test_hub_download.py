@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import time
+import types
 
 import numpy as np
 import pytest
@@ -274,7 +275,7 @@ def test_pretrained_hf_spec_loads_through_the_trainer(serve, monkeypatch):
     import ml_collections as mlc
     from safetensors.numpy import save as save_arrays
 
-    from jaxrat.trainer.state import _pretrained
+    from jaxrat.trainer.state import initial_weights
     from test_backbone_weights import _expected, _timm_state
 
     state = _timm_state()
@@ -288,8 +289,9 @@ def test_pretrained_hf_spec_loads_through_the_trainer(serve, monkeypatch):
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = jax.ShapeDtypeStruct(shape, np.float32)
-    config = mlc.ConfigDict({"model": {"pretrained": "hf:timm/tiny@main"}})
-    placed = _pretrained(config, abstract)
+    config = mlc.ConfigDict({"init_from": "", "model": {"pretrained": "hf:timm/tiny@main"}})
+    spec = types.SimpleNamespace(abstract_with_shardings=lambda: {"params": abstract})  # what it reads of a spec
+    placed = initial_weights(config, spec)["params"]
     np.testing.assert_array_equal(placed["backbone"]["blocks"]["0"]["attn"]["qkv"]["kernel"],
                                   state["blocks.0.attn.qkv.weight"].T)
 
