@@ -32,8 +32,8 @@ from jaxrat.config_schema import field, load_run_config
 from jaxrat.inference import augment
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError, UserError
-from jaxrat.tasks import label_space
 from jaxrat.tasks.base import load_task
+from jaxrat.trainer import label_space
 from jaxrat.trainer.state import make_state_spec
 
 KINDS = {"SegmentationTask": "segmentation", "ClassificationTask": "classification", "DetectionTask": "detection"}

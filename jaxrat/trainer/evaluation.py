@@ -20,9 +20,9 @@ from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime import compile_cache
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import unwritable, write_csv, write_json
-from jaxrat.tasks import label_space
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.writers import MetricWriter
+from jaxrat.trainer import label_space
 from jaxrat.trainer.hooks import Evaluation
 from jaxrat.trainer.loop import check_batch_sizes, to_global
 from jaxrat.trainer.state import check_kernels_run_here, make_state_spec
@@ -74,7 +74,8 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     task = load_task(config)
     out_dir = _out_dir(workdir, out_dir, name, step)
     logging.info("data: %s", task.prepare_data(data_dir or out_dir))
-    label_space.check(task, workdir, fix="point --config.data.data_dir at data labelled as the run's was")
+    label_space.check(label_space.of(task), workdir,
+                      fix="point --config.data.data_dir at data labelled as the run's was")
     if prepared is not None:
         prepared(task)
     if context is not None:

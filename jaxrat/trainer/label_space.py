@@ -1,11 +1,13 @@
-"""``WORKDIR/labels.json``: what each output of a trained model means, kept with the run.
+"""``WORKDIR/labels.json``: what each output of a trained model means, kept with the run beside its
+``config.json``.
 
-Classification and detection take their label names from the data (a CSV's text labels in sorted
-order, the class folders, COCO's categories), so output 0 means whatever the dataset says when it
-is read. Kept with the run, the names let ``predict`` and ``export`` name classes without the dataset
-(moved, or on another machine), and a dataset whose labels changed since training (a class added
-to the CSV shifts every name after it) is refused instead of naming each output after another class.
-Tasks without such names (segmentation: ``task.class_names`` is in the config) write nothing.
+A task whose label names come from the data (a table's text labels in sorted order, class folders,
+the categories of an annotation file) says them in ``task.label_space()``, so output 0 means
+whatever the dataset says when it is read. Kept with the run, the names let ``predict`` and
+``export`` name classes without the dataset (moved, or on another machine), and a dataset whose
+labels changed since training (a class added to the table shifts every name after it) is refused
+instead of naming each output after another class. Tasks whose names are in the config
+(``task.class_names``) have no label space and write nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 from typing import Any
 
 from jaxrat.runtime.errors import DataError
-from jaxrat.runtime.fileio import write_json
 
 LABELS_NAME = "labels.json"
 
@@ -35,36 +36,31 @@ def saved(workdir: str) -> dict[str, Any] | None:
         return None
 
 
-def check(task: Any, workdir: str, *, fix: str) -> None:
-    """Stop when the labels ``task`` read from its data differ from those the run in ``workdir`` was
-    trained with; ``fix`` ends the sentence (what to do instead)."""
-    before, now = saved(workdir), _space(task)
-    if before is None or now is None or before == now:
+def of(task: Any) -> dict[str, Any] | None:
+    """The label space of ``task`` (its data prepared): what ``labels.json`` keeps; None for a task
+    whose names are in the config."""
+    method = getattr(task, "label_space", None)
+    return method() if method is not None else None
+
+
+def check(space: dict[str, Any] | None, workdir: str, *, fix: str) -> None:
+    """Stop when ``space`` (:func:`of` the task, as its data reads now) differs from the labels the run
+    in ``workdir`` was trained with; ``fix`` ends the sentence (what to do instead)."""
+    before = saved(workdir)
+    if before is None or space is None or before == space:
         return
     raise DataError(f"The labels of the data differ from those the run in {workdir} was trained with "
-                    f"({describe_change(before, now)}), so its outputs would be named after other classes; {fix}.")
-
-
-def record(task: Any, workdir: str) -> None:
-    """Write the label space of ``task`` (its data prepared) to ``WORKDIR/labels.json``."""
-    space = _space(task)
-    if space is not None and space != saved(workdir):
-        write_json(os.path.join(workdir, LABELS_NAME), space, indent=2)
+                    f"({describe_change(before, space)}), so its outputs would be named after other classes; {fix}.")
 
 
 def describe_change(before: dict[str, Any], now: dict[str, Any]) -> str:
-    """The first difference of two label spaces, e.g. "head 'label': 3 classes a, b, c -> 4 classes ..."."""
+    """The first difference of two label spaces, e.g. "head 'kind': 3 classes a, b, c -> 4 classes ..."."""
     for head in sorted(set(before.get("heads", {})) | set(now.get("heads", {}))):
         a, b = before.get("heads", {}).get(head), now.get("heads", {}).get(head)
         if a != b:
             return f"head {head!r}: {_classes(a)} -> {_classes(b)}"
     a, b = before.get("categories"), now.get("categories")
     return f"categories {_categories(a)} -> {_categories(b)}"
-
-
-def _space(task: Any) -> dict[str, Any] | None:
-    method = getattr(task, "label_space", None)
-    return method() if method is not None else None
 
 
 def _classes(head: dict[str, Any] | None) -> str:

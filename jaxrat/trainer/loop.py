@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections as mlc
@@ -24,11 +24,10 @@ from jaxrat.config_schema.loader import check_counts
 from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError
-from jaxrat.tasks import label_space
 from jaxrat.tasks.base import load_task
 from jaxrat.tracking.summary import JSON_NAME as SUMMARY_JSON
 from jaxrat.tracking.writers import MetricWriter, check_tracking
-from jaxrat.trainer import autotune, hooks, run_summary
+from jaxrat.trainer import autotune, hooks, label_space, run_summary
 from jaxrat.trainer.input_feed import DeviceFeed
 from jaxrat.trainer.state import check_state_settings, make_state_spec, restore_or_init
 from jaxrat.trainer.step import make_eval_step, make_train_step
@@ -108,8 +107,8 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     try:
         with hold_workdir(config, workdir) as save_config:  # one run per workdir; a resume keeps the config
 
-            def save_and_mark() -> None:
-                save_config()
+            def save_and_mark(files: dict[str, Any] | None = None) -> None:
+                save_config(files)
                 started.append(True)  # the state exists: from here on a failure keeps what the run wrote
 
             return _train_and_evaluate(config, workdir, t_created, save_and_mark)
@@ -155,7 +154,8 @@ class _Started:
     start: Any
 
 
-def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_config: Any) -> _Started:
+def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch,
+           save_config: Callable[..., None]) -> _Started:
     # ---- task and world, the config checked against both before anything is prepared
     task = load_task(config)
     check_tracking(config.get("tracking"))
@@ -166,9 +166,10 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
 
     # ---- data, state
     logging.info("data: %s", task.prepare_data(workdir))
+    labels = label_space.of(task)  # what each output means: kept with the run for predict, export and a resume
     if has_checkpoint(workdir):  # a resume trains the outputs it trained: each must still mean the same class
-        label_space.check(task, workdir, fix="restore the dataset's labels as they were, or train in a new "
-                                            "--workdir (with --config.init_from to start from this run's weights)")
+        label_space.check(labels, workdir, fix="restore the dataset's labels as they were, or train in a new "
+                                              "--workdir (with --config.init_from to start from this run's weights)")
     hooks.stop_if_preempted(watch, 0)
     on_host = processes_on_this_host() if config.data.num_workers == -1 else 1  # a collective: all call it
 
@@ -186,9 +187,8 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch, save_co
     train_step, eval_step = compiled_together(train_fn, "train step"), compiled_together(eval_fn, "eval step")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(config, spec, ckpt, train_iter)
-    save_config()  # only now: a resume the checkpoint refused has left config.json as it was
-    if jax.process_index() == 0:
-        label_space.record(task, workdir)  # what each output means, for predict and export (and a resume's check)
+    # only now: a resume the checkpoint refused has left config.json and labels.json as they were
+    save_config({label_space.LABELS_NAME: labels})
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
 
 

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ml_collections as mlc
@@ -26,10 +26,10 @@ from jaxrat.data.label_check import LABEL_STATS_NAME
 from jaxrat.runtime import output_folder
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
-from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
-from jaxrat.tasks.label_space import LABELS_NAME
+from jaxrat.runtime.fileio import move_into_place, unwritable, write_json, write_text
 from jaxrat.tracking.plots import CURVES_NAME
 from jaxrat.tracking.summary import JSON_NAME, MARKDOWN_NAME
+from jaxrat.trainer.label_space import LABELS_NAME
 from jaxrat.trainer.workdir_lock import WorkdirInUse, WorkdirLock
 
 CONFIG_NAME = "config.json"
@@ -189,6 +189,23 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
     return save
 
 
+def write_run_files(workdir: str, files: Mapping[str, Any]) -> None:
+    """Write each of ``files`` (name -> JSON object) into ``workdir``; None is skipped, and a file that
+    holds the object already is left as it is (a resume rewrites nothing it need not)."""
+    for name, obj in files.items():
+        path = os.path.join(workdir, name)
+        if obj is not None and _json_or_none(path) != obj:
+            write_json(path, obj, indent=2)
+
+
+def _json_or_none(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def inside_dataset(config: mlc.ConfigDict, workdir: str) -> str | None:
     """Why ``workdir`` cannot hold a run of ``config``: it is or lies inside ``config.data.data_dir``
     (symlinks resolved), which jaxrat only reads, and checkpoints there would change it; None if apart."""
@@ -251,20 +268,21 @@ def _broadcast(kind: int, message: str) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
+def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[..., None]]:
     """Hold ``workdir`` for one run: lock it and check the config (process 0, for all processes).
 
     Raises :class:`WorkdirInUse` or :class:`ConfigChanged` in every process alike; the lock is
-    released on leaving the block, whether the run ended, was preempted or failed. Yields the
-    function that writes ``config.json``: a new run's is written at once, a resume's only when the
-    caller says its restore succeeded, so a resume the checkpoint refuses (EMA turned off, say)
-    leaves the workdir as it was and the original command still runs.
+    released on leaving the block, whether the run ended, was preempted or failed. Yields
+    ``save(files=None)``, which the caller calls once its state exists: it writes ``config.json``
+    and ``files`` (name -> JSON object, the other files that say what the run is; None for none).
+    A new run's config.json is written at once, a resume's only then, so a resume the checkpoint
+    refuses (EMA turned off, say) leaves the workdir as it was and the original command still runs.
     """
     import jax
 
     settings = config.get("workdir") or mlc.ConfigDict()
     lock, failure, kind = None, None, 0
-    save: Callable[[], None] = lambda: None  # noqa: E731
+    save: Callable[..., None] = lambda files=None: None  # noqa: E731  (process 0 alone writes)
     if jax.process_index() == 0:
         try:
             inside = inside_dataset(config, workdir)  # first: the write probe below would create the folder
@@ -288,10 +306,14 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
 
                 lock = WorkdirLock(workdir, field(settings, "workdir.lease_seconds"), preemption.signalled)
                 lock.acquire()
-            save = check_config(config, workdir, bool(field(settings, "workdir.allow_config_change")))
+            save_config = check_config(config, workdir, bool(field(settings, "workdir.allow_config_change")))
             if not has_checkpoint(workdir):
-                save()
-                save = lambda: None  # noqa: E731
+                save_config()
+                save_config = lambda: None  # noqa: E731
+
+            def save(files: Mapping[str, Any] | None = None) -> None:
+                save_config()
+                write_run_files(workdir, files or {})
         except Exception as e:  # every process must hear of it, or the others wait in the next collective
             failure, kind = e, next((k for k, t in _KINDS.items() if isinstance(e, t)), 4)
     kind, message = _broadcast(kind, str(failure or ""))
