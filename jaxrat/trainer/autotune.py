@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -19,12 +20,14 @@ from typing import Any, Callable
 import jax
 import ml_collections as mlc
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrat.config_schema import field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
 
 LR_RULES = ("none", "linear", "sqrt")
+RECORD_NAME = "autotune.json"
 
 
 @dataclasses.dataclass
@@ -137,7 +140,43 @@ def record(choice: Choice, workdir: str) -> None:
     """Log the choice's table and write it to ``WORKDIR/autotune.json`` (process 0)."""
     logging.info("%s", choice.table())
     if jax.process_index() == 0:
-        write_json(os.path.join(workdir, "autotune.json"), dataclasses.asdict(choice), indent=2)
+        write_json(os.path.join(workdir, RECORD_NAME), dataclasses.asdict(choice), indent=2)
+
+
+def recorded(workdir: str) -> Choice | None:
+    """The choice recorded in ``WORKDIR/autotune.json``; None when there is none (or it is unreadable)."""
+    try:
+        with open(os.path.join(workdir, RECORD_NAME), encoding="utf-8") as f:
+            saved = json.load(f)
+        saved["tried"] = [tuple(t) for t in saved["tried"]]
+        return Choice(**saved)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def kept(config: mlc.ConfigDict, devices: int, compile_step: Callable[[int], Any], workdir: str) -> Choice | None:
+    """The choice an earlier start of this run recorded, when it was made for these devices and this
+    target and its micro-batch still fits (one compile): a resume then trains with the batch,
+    accumulation and learning rate it started with, without searching again (a search is a dozen
+    compiles, and another device's memory could choose another batch). None: search. Process 0's
+    record decides for every process (a workdir need not look the same from every host)."""
+    before = recorded(workdir) if jax.process_index() == 0 else None
+    fields = ([before.per_device, before.devices, before.accum, before.global_batch, before.target] if before
+              else [0] * 5)
+    per_device, was_devices, accum, global_batch, target = (
+        int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(fields, np.int64)))
+    now_target = int(field(config.data, "data.target_batch_size") or config.data.batch_size)
+    if not per_device or was_devices != devices or target != now_target:
+        return None
+    budget = budget_bytes(config)
+    need = compiled_bytes(compile_step, per_device)
+    if need > budget:
+        logging.warning("automatic batch size: the recorded micro-batch of %d per device needs %.0f MiB, more than "
+                        "these devices' budget of %.0f MiB; searching again (the global batch and learning rate "
+                        "may change from the ones the run trained with)", per_device, need / 2**20, budget / 2**20)
+        return None
+    return Choice(per_device, devices, accum, global_batch, target, budget, [(per_device, need)],
+                  scaled_learning_rate(config, global_batch))  # the config's rule, as a fresh choice applies it
 
 
 def abstract_batch(example: dict[str, np.ndarray], global_batch: int, sharding: Any) -> dict[str, Any]:
@@ -165,9 +204,9 @@ def train_step_lowering(config: mlc.ConfigDict, mesh: jax.sharding.Mesh,
 
 def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, example: dict[str, np.ndarray],
                workdir: str) -> Choice:
-    """Choose the batch for ``config`` on ``mesh`` and record it (:func:`apply` makes the config that
-    trains with it); ``example`` is a host batch of the task (any size) that gives the fields' shapes
-    and types."""
+    """Choose the batch for ``config`` on ``mesh`` and record it in ``workdir`` (:func:`apply` makes the
+    config that trains with it), or keep the one recorded there (:func:`kept`); ``example`` is a host
+    batch of the task (any size) that gives the fields' shapes and types."""
     if config.train.reduction_shards:
         # The probe sizes would not divide into the shards, and what must fit is one shard's program.
         raise ConfigError(
@@ -180,6 +219,12 @@ def size_batch(config: mlc.ConfigDict, mesh: jax.sharding.Mesh, task: Any, examp
     def compile_step(per_device: int) -> Any:
         return lower(example, per_device * mesh.size).compile()
 
+    again = kept(config, mesh.size, compile_step, workdir)
+    if again is not None:
+        logging.info("automatic batch size: kept from %s: %d per device x %d devices x %d accumulation steps = global "
+                     "batch %d", os.path.join(workdir, RECORD_NAME), again.per_device, again.devices, again.accum,
+                     again.global_batch)
+        return again
     choice = choose(config, mesh.size, compile_step)
     record(choice, workdir)
     return choice

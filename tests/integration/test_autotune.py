@@ -85,3 +85,54 @@ def test_auto_sizing_with_fixed_shards_is_one_sentence(tmp_path):
     assert config.train.reduction_shards
     with pytest.raises(ConfigError, match="multiple of the shards"):
         autotune.size_batch(config, None, None, {}, str(tmp_path))
+
+
+def _fake_lowering(monkeypatch, per_example, fixed, compiles):
+    """size_batch on a fake step whose compiled bytes grow with the batch; ``compiles`` counts them."""
+    step = _compile_step(per_example, fixed)
+
+    class Lowered:
+        def __init__(self, b):
+            self.b = b
+
+        def compile(self):
+            compiles.append(self.b)
+            return step(self.b)
+
+    monkeypatch.setattr(autotune, "train_step_lowering", lambda config, mesh, task: (lambda ex, gb: Lowered(gb)))
+
+
+def test_a_resume_keeps_the_recorded_choice_with_one_compile_and_searches_when_it_cannot(tmp_path, monkeypatch, caplog):
+    # A resume searched again: a dozen compiles per restart, and on a device with less memory another
+    # global batch and learning rate than the checkpoints were trained with, without a word.
+    import types
+
+    config = load_config("configs/isic.py:smoke")
+    config.data.per_device_batch_size = "auto"
+    config.train.memory_budget_gb, config.train.memory_margin = 1.0, 0.0
+    config.data.target_batch_size = 1000
+    mesh, compiles = types.SimpleNamespace(size=8), []
+    # compiled bytes grow by global batch (8 devices x per-device): 36 per device fit a GiB, 37 do not
+    _fake_lowering(monkeypatch, per_example=2**30 // (37 * 8), fixed=1000, compiles=compiles)
+    first = autotune.size_batch(config, mesh, None, {}, str(tmp_path))
+    assert len(compiles) > 5 and (tmp_path / "autotune.json").exists()
+    record = (tmp_path / "autotune.json").read_text()
+
+    compiles.clear()
+    again = autotune.size_batch(config, mesh, None, {}, str(tmp_path))
+    assert compiles == [first.per_device * 8]  # one compile, of the recorded micro-batch
+    assert (again.per_device, again.accum, again.global_batch, again.learning_rate) == \
+           (first.per_device, first.accum, first.global_batch, first.learning_rate)
+    assert (tmp_path / "autotune.json").read_text() == record  # the search's record stays
+
+    compiles.clear()  # another device count: the recorded choice says nothing about it
+    autotune.size_batch(config, types.SimpleNamespace(size=4), None, {}, str(tmp_path))
+    assert len(compiles) > 1
+
+    (tmp_path / "autotune.json").write_text(record)
+    config.train.memory_budget_gb = 0.5  # a device with less memory: the recorded micro-batch no longer fits
+    compiles.clear()
+    with caplog.at_level("WARNING"):
+        smaller = autotune.size_batch(config, mesh, None, {}, str(tmp_path))
+    assert smaller.per_device < first.per_device and len(compiles) > 1
+    assert "searching again" in caplog.text
