@@ -30,6 +30,7 @@ from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.config_schema import field, load_run_config
 from jaxrat.inference import augment
+from jaxrat.inference.batch import check_batch
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks import label_space
@@ -70,9 +71,7 @@ class Predictor:
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
                  tta: augment.TTA = augment.TTA(), data_dir: str = "", opened: Opened | None = None) -> None:
-        if batch_size < 0:
-            raise UserError(f"batch_size={batch_size} is negative; pass the images per forward pass (>= 1), or 0 for "
-                            f"the run's evaluation batch.")
+        check_batch(batch_size, "batch_size")
         self.config, self.workdir, self.tta = config, workdir, tta
         with contextlib.ExitStack() as stack:  # held from resolving to loading: a training may rotate it away
             if opened is None:
