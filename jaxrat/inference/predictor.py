@@ -29,6 +29,7 @@ import numpy as np
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.config_schema import field, load_run_config
+from jaxrat.data.synthetic import location
 from jaxrat.inference import augment
 from jaxrat.inference.batch import check_batch
 from jaxrat.parallel.mesh import make_mesh
@@ -66,7 +67,7 @@ class Predictor:
     ``data.eval_batch_size``, rounded up to the device count); ``tta``: test-time augmentation
     (segmentation, classification); ``data_dir``: where classification and detection runs without a
     ``WORKDIR/labels.json`` (from before it was written) re-read their label names (a temporary folder
-    when empty; synthetic data is regenerated there).
+    when empty; synthetic data is read from the run's copy, or regenerated there when it has none).
     """
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
@@ -129,7 +130,8 @@ class Predictor:
         else:  # a run from before labels.json: its dataset says
             temp = "" if data_dir else tempfile.mkdtemp(prefix="jaxrat_predict_")
             try:
-                logging.info("labels: %s", self.task.prepare_data(data_dir or temp))
+                with location.reading_run(self.workdir):  # the run's synthetic data, when it kept it
+                    logging.info("labels: %s", self.task.prepare_data(data_dir or temp))
             finally:
                 if temp:
                     shutil.rmtree(temp, ignore_errors=True)
