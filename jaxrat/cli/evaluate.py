@@ -77,7 +77,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
             _check_tile(config)
             if _OUT.value:  # before the checkpoint is opened: never the run's files, its data, unwritable or full
                 output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="evaluate")
-                output_folder.refuse_taken(_OUT.value, overwrite=_OVERWRITE.value)
+                output_folder.refuse_taken(_OUT.value, command="evaluate", overwrite=_OVERWRITE.value)
             from jaxrat.checkpointing.reading import open_checkpoint
             from jaxrat.inference.checkpoint_choice import choose
             from jaxrat.trainer.evaluation import READ_ITEMS
@@ -123,6 +123,9 @@ def _evaluate(config: Any, workdir: str, opened: Any, tta: Any) -> None:
         eval_dir(workdir, _NAME.value or _default_name(f"step_{step}"))
     if not _OUT.value:
         output_folder.check(out_dir, output_folder.run_inputs(workdir, config), command="evaluate")
+        # Not claimed (the run's own folder, evaluated into again), but a predict or export --out
+        # may have taken this name: evaluating into it would mix the two commands' files.
+        output_folder.refuse_other(out_dir, command="evaluate", fix="pass another --name (or --out)")
     way_around = "" if _OUT.value else "pass another --name (or --out)"
     lock = OutputFolderLock(out_dir, way_around) if jax.process_index() == 0 else None
     if lock is not None:

@@ -68,8 +68,7 @@ def main(argv: list[str], overrides: list[str]) -> None:
         # refused before this, telling a user who pointed it at the workdir to pass --overwrite.)
         existed = os.path.exists(_OUT.value)
         output_folder.check(_OUT.value, output_folder.run_inputs(workdir, config), command="export", what="export")
-        if existed and os.listdir(_OUT.value) and not _OVERWRITE.value:  # before minutes of converting
-            raise UserError(f"--out {_OUT.value} exists and is not empty; choose a new folder or pass --overwrite.")
+        output_folder.refuse_taken(_OUT.value, command="export", overwrite=_OVERWRITE.value)
         if onnx:
             _export_onnx(workdir, config, existed)
             return

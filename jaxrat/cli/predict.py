@@ -23,7 +23,6 @@ from absl import flags
 from jaxrat.cli.entry import TrainedRunFlags, no_positional, run_with_config_overrides, user_errors
 from jaxrat.runtime import device_errors
 from jaxrat.runtime.console import quiet_libraries
-from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.interrupt import Stopped, raise_on_signals
 
 _RUN = TrainedRunFlags(__name__)
@@ -65,14 +64,13 @@ def _predict(overrides: list[str]) -> None:
     """Check the options, expand the inputs, open the run; then process 0 claims --out under its lock
     (checked before the minutes of loading) while every process predicts its share of the images."""
     from jaxrat.inference.augment import check_tiling, parse_tta
+    from jaxrat.inference.batch import check_batch
     from jaxrat.inference.checkpoint_choice import check_step
     from jaxrat.inference.inputs import expand_inputs
     from jaxrat.inference.run import Options, check_output, claim_output
 
     check_step(_STEP.value)
-    if _BATCH.value < 0:
-        raise UserError(f"--batch {_BATCH.value} is negative; pass the images per forward pass (>= 1), or 0 for "
-                        f"the run's evaluation batch.")
+    check_batch(_BATCH.value)
     tta = parse_tta(_TTA.value)
     options = Options(save_probs=_SAVE_PROBS.value, tile=_TILE.value, overlap=_OVERLAP.value,
                       top_k=_TOP_K.value, min_score=_MIN_SCORE.value)

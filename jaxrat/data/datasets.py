@@ -6,7 +6,8 @@ Handles, in order: the synthetic dataset, staging to node-local disk, the bad-fi
 
 A dataset folder (``config.data.data_dir``) is the user's and only ever read: synthetic data is
 written under the workdir, and only when no ``data_dir`` is given (a given one wins, so any
-variant trains on real data when pointed at it); staged copies go to ``stage_to_local_dir``.
+variant trains on real data when pointed at it; a command reading a trained run reads the run's
+copy, :mod:`jaxrat.data.synthetic.location`); staged copies go to ``stage_to_local_dir``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxrat.data.badfiles import SKIPPED_FILES_NAME, BadFilePolicy, refuse_once
 from jaxrat.data.pipeline import ExampleSource
 from jaxrat.data.sources import isic
 from jaxrat.data.synthetic import isic as synthetic_isic
+from jaxrat.data.synthetic import location
 from jaxrat.runtime.errors import ConfigError, DataError
 
 SEGMENTATION_DATASETS = ("isic2018", "folder")
@@ -48,11 +50,6 @@ def _bad_file_policy(data_cfg: Any, workdir: str, process_index: int) -> BadFile
     """``data.on_bad_file``, recording the skipped files in the workdir from process 0 only."""
     record = os.path.join(workdir, SKIPPED_FILES_NAME) if process_index == 0 else None
     return BadFilePolicy(_get(data_cfg, "on_bad_file", "fail"), record)
-
-
-def _synthetic_dir(workdir: str, process_index: int) -> str:
-    # One copy per process on its own disk: correct whether or not the workdir is shared.
-    return os.path.join(workdir, "synthetic_data", f"process_{process_index}")
 
 
 def _staged(data_cfg: Any, data_dir: str) -> str:
@@ -118,9 +115,9 @@ def _isic_files(data_cfg: Any, workdir: str, policy: BadFilePolicy, eval_split: 
     if data_cfg.synthetic and data_dir:
         note_synthetic_off(data_dir)
     elif data_cfg.synthetic:
-        data_dir = _synthetic_dir(workdir, process_index)
-        synthetic_isic.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
-                                     synthetic_image_size(data_cfg), seed)
+        data_dir = synthetic_isic.write_dataset(location.folder(workdir, process_index), data_cfg.synthetic_train,
+                                                data_cfg.synthetic_val, synthetic_image_size(data_cfg), seed,
+                                                found_in=location.run_copies(process_index))
     data_dir = data_dir or isic.default_data_dir()
     if _get(data_cfg, "stage_to_local_dir", "") and not os.path.isdir(data_dir):
         isic.find_pairs(data_dir, "train")  # raises the helpful "not found" message
@@ -156,9 +153,9 @@ def _folder_segmentation(data_cfg: Any, workdir: str, policy: BadFilePolicy, eva
     if data_cfg.synthetic and data_dir:
         note_synthetic_off(data_dir)
     if data_cfg.synthetic and not data_dir:
-        data_dir = _synthetic_dir(workdir, process_index)
-        synthetic_segmentation.write_dataset(data_dir, data_cfg.synthetic_train + data_cfg.synthetic_val,
-                                             synthetic_image_size(data_cfg), seed)
+        data_dir = synthetic_segmentation.write_dataset(
+            location.folder(workdir, process_index), data_cfg.synthetic_train + data_cfg.synthetic_val,
+            synthetic_image_size(data_cfg), seed, found_in=location.run_copies(process_index))
     if not data_dir:
         raise ConfigError("config.data.data_dir is empty; point it at the folder holding images/ and masks/.")
     data_dir = _staged(data_cfg, data_dir)
@@ -225,9 +222,10 @@ def resolve_classification(
     data_dir = os.path.expanduser(data_cfg.data_dir or "")
     csvs = _get(data_cfg, "train_csv", "train.csv"), _get(data_cfg, "val_csv", "val.csv")
     if data_cfg.synthetic and not data_dir:
-        data_dir = _synthetic_dir(workdir, process_index)
-        written = synthetic_classification.write_dataset(data_dir, data_cfg.synthetic_train, data_cfg.synthetic_val,
-                                                         synthetic_image_size(data_cfg), seed)
+        written = synthetic_classification.write_dataset(
+            location.folder(workdir, process_index), data_cfg.synthetic_train, data_cfg.synthetic_val,
+            synthetic_image_size(data_cfg), seed, found_in=location.run_copies(process_index))
+        data_dir = os.path.dirname(written["train"])
         source, csvs = "csv", (written["train"], written["validation"])
     if not data_dir:
         raise ConfigError("config.data.data_dir is empty; point it at the folder of your images (and CSVs).")

@@ -29,7 +29,9 @@ import numpy as np
 from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.config_schema import field, load_run_config
+from jaxrat.data.synthetic import location
 from jaxrat.inference import augment
+from jaxrat.inference.batch import check_batch
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import load_task
@@ -65,14 +67,12 @@ class Predictor:
     ``data.eval_batch_size``, rounded up to the device count); ``tta``: test-time augmentation
     (segmentation, classification); ``data_dir``: where classification and detection runs without a
     ``WORKDIR/labels.json`` (from before it was written) re-read their label names (a temporary folder
-    when empty; synthetic data is regenerated there).
+    when empty; synthetic data is read from the run's copy, or regenerated there when it has none).
     """
 
     def __init__(self, config: mlc.ConfigDict, workdir: str, step: str = "latest", *, batch_size: int = 0,
                  tta: augment.TTA = augment.TTA(), data_dir: str = "", opened: Opened | None = None) -> None:
-        if batch_size < 0:
-            raise UserError(f"batch_size={batch_size} is negative; pass the images per forward pass (>= 1), or 0 for "
-                            f"the run's evaluation batch.")
+        check_batch(batch_size, "batch_size")
         self.config, self.workdir, self.tta = config, workdir, tta
         with contextlib.ExitStack() as stack:  # held from resolving to loading: a training may rotate it away
             if opened is None:
@@ -130,7 +130,8 @@ class Predictor:
         else:  # a run from before labels.json: its dataset says
             temp = "" if data_dir else tempfile.mkdtemp(prefix="jaxrat_predict_")
             try:
-                logging.info("labels: %s", self.task.prepare_data(data_dir or temp))
+                with location.reading_run(self.workdir):  # the run's synthetic data, when it kept it
+                    logging.info("labels: %s", self.task.prepare_data(data_dir or temp))
             finally:
                 if temp:
                     shutil.rmtree(temp, ignore_errors=True)

@@ -6,9 +6,10 @@ One helper for every command, run before any work:
   inputs, a training run's own files (``config.json``, ``checkpoints/``, ``metrics.jsonl``: every
   entry of a workdir but ``eval/`` and the folders commands wrote there) or a dataset folder; and
   one that cannot be written or is full (a probe of :data:`PROBE_BYTES` is written and removed).
-- :func:`claim` takes an existing folder only when it is empty, or with ``overwrite`` when jaxrat
-  wrote it: ``OUT/.jaxrat-outputs.json`` (:data:`MANIFEST`) lists what a command writes there, and
-  ``--overwrite`` removes exactly those files, never one jaxrat did not write.
+- :func:`claim` takes an existing folder only when it is empty, or with ``overwrite`` when the same
+  command wrote it: ``OUT/.jaxrat-outputs.json`` (:data:`MANIFEST`) names the command and lists what
+  it writes there, and ``--overwrite`` removes exactly those files, never one jaxrat did not write
+  nor another command's results (an export's model is not replaced by a prediction).
 
 Each refusal is one sentence naming the folder and the fix.
 """
@@ -166,16 +167,31 @@ def _remove_listed(out: str, manifest: dict) -> None:
             folder = os.path.dirname(folder)
 
 
-def refuse_taken(out: str, *, overwrite: bool, flag: str = "--out") -> None:
-    """:func:`claim`'s refusals, writing nothing: a non-empty ``out`` without ``overwrite``, or one
-    jaxrat did not write (no :data:`MANIFEST`). For a command that says so before minutes of work."""
+def refuse_taken(out: str, *, command: str, overwrite: bool, flag: str = "--out") -> None:
+    """:func:`claim`'s refusals, writing nothing: a folder holding another command's outputs (its
+    :data:`MANIFEST` names that command), a non-empty ``out`` without ``overwrite``, or one jaxrat did
+    not write (no :data:`MANIFEST`). For a command that says so before minutes of work."""
     if not _present(out):
         return
+    refuse_other(out, command=command, fix="choose a new folder", where=f"{flag} {out}", even=", even with --overwrite")
     if not overwrite:
         raise UserError(f"{flag} {out} exists and is not empty; choose a new folder or pass --overwrite.")
     if read_manifest(out) is None:
         raise UserError(f"{flag} {out} holds files jaxrat did not write (it has no {MANIFEST}), which --overwrite "
                         f"never deletes; choose a new folder, or empty this one yourself.")
+
+
+def refuse_other(out: str, *, command: str, fix: str, where: str = "", even: str = "") -> None:
+    """Refuse (one sentence ending in ``fix``) an ``out`` whose :data:`MANIFEST` names another command
+    than ``command``: --overwrite there would delete that command's results (an export's model, a
+    prediction's masks) and leave a folder of one command's files listed as another's. ``where``:
+    how the sentence names ``out`` (default: the path); ``even``: said after "never replaces"."""
+    # A manifest naming no command (one written by hand) stays what it was before commands were told
+    # apart: a list of files any command's --overwrite may remove.
+    other = str((read_manifest(out) or {}).get("command") or command)
+    if other != command:
+        raise UserError(f"{where or out} holds the outputs of jaxrat {other}, which {command} never replaces{even}; "
+                        f"{fix}.")
 
 
 def _present(out: str) -> list[str]:
@@ -203,10 +219,10 @@ def record(out: str, *, command: str, files: Sequence[str] = (), each: Sequence[
 def claim(out: str, *, command: str, overwrite: bool, files: Sequence[str] = (), each: Sequence[str] = (),
           stems: Sequence[str] = (), flag: str = "--out") -> None:
     """Take ``out`` (checked by :func:`check`) for ``command``: an empty folder as it is; a non-empty
-    one only with ``overwrite`` and only when jaxrat wrote it, removing exactly the files its
-    manifest lists. Then record what this command will write (``files``, and ``each`` template for
-    every one of ``stems``) as the new manifest, before writing any of it."""
-    refuse_taken(out, overwrite=overwrite, flag=flag)
+    one only with ``overwrite`` and only when ``command`` wrote it (:func:`refuse_taken`), removing
+    exactly the files its manifest lists. Then record what this command will write (``files``, and
+    ``each`` template for every one of ``stems``) as the new manifest, before writing any of it."""
+    refuse_taken(out, command=command, overwrite=overwrite, flag=flag)
     manifest = read_manifest(out) if _present(out) else None
     if manifest is not None:
         _remove_listed(out, manifest)

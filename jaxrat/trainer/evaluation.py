@@ -16,6 +16,7 @@ from jaxrat.checkpointing import load_init
 from jaxrat.checkpointing.reading import Opened, open_checkpoint
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config_schema import field, load_run_config
+from jaxrat.data.synthetic import location
 from jaxrat.parallel.mesh import make_mesh
 from jaxrat.runtime import compile_cache
 from jaxrat.runtime.errors import UserError
@@ -53,7 +54,8 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     Writes ``metrics.json`` (and ``metrics.jsonl`` + TensorBoard) to ``out_dir`` (default
     ``workdir/eval/NAME``, NAME defaulting to ``step_<step>``, or ``name(step)`` when callable; it
     must stay inside ``workdir/eval``); the task prepares its data under ``data_dir`` (default
-    ``out_dir``: where synthetic data is written). Checkpoints are only read, as
+    ``out_dir``), where synthetic data is written only when the run's own copy is not the same data
+    (:mod:`jaxrat.data.synthetic.location`). Checkpoints are only read, as
     :func:`jaxrat.checkpointing.reading.open_checkpoint` holds them (``opened``: one held already,
     e.g. for every point of a robustness grid). ``prepared(task)`` runs once the task's data are
     prepared (e.g. to pick another split); ``wrap_model``: see
@@ -73,7 +75,8 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, step_spec: str = "
     check_batch_sizes(config, mesh.size, jax.process_count())
     task = load_task(config)
     out_dir = _out_dir(workdir, out_dir, name, step)
-    logging.info("data: %s", task.prepare_data(data_dir or out_dir))
+    with location.reading_run(workdir):  # the run's own synthetic data, read where it is: not a copy per evaluation
+        logging.info("data: %s", task.prepare_data(data_dir or out_dir))
     label_space.check(label_space.of(task), workdir,
                       fix="point --config.data.data_dir at data labelled as the run's was")
     if prepared is not None:

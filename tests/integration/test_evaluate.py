@@ -81,3 +81,26 @@ def test_evaluate_reproduces_the_last_eval_and_takes_overrides(tmp_path):
     assert len(read_metrics(out)) == 1  # not appended to the first evaluation's
     assert open(os.path.join(out, "notes.txt")).read() == "mine"
     assert not set(events) & set(os.listdir(os.path.join(out, "tensorboard")))
+
+
+def _files(root):
+    return {os.path.relpath(os.path.join(d, n), root): os.stat(os.path.join(d, n)).st_mtime_ns
+            for d, _, names in os.walk(root) for n in names}
+
+
+def test_evaluate_reads_the_runs_synthetic_data_instead_of_copying_it(tmp_path):
+    """Each evaluation folder held a copy of the whole synthetic dataset (9 MB for isic:demo)."""
+    wd = str(tmp_path / "run")
+    run_main(wd, devices=1)
+    last = [r for r in read_metrics(wd) if "eval/dice" in r][-1]
+    data = os.path.join(wd, "synthetic_data")
+    before = _files(data)
+    for args, folder in (((), os.path.join(wd, "eval", "step_6")), ((f"--out={tmp_path / 'scores'}",),
+                                                                    str(tmp_path / "scores"))):
+        proc = _evaluate(wd, "--step=latest", *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not os.path.exists(os.path.join(folder, "synthetic_data")), os.listdir(folder)
+        result = json.load(open(os.path.join(folder, "metrics.json")))
+        for key in ("eval/dice", "eval/iou", "eval/loss", "eval/num_images"):  # the data training scored
+            assert result["metrics"][key] == pytest.approx(last[key], abs=1e-6), key
+    assert _files(data) == before  # only read

@@ -156,6 +156,93 @@ def test_overwrite_of_a_folder_jaxrat_did_not_write_is_refused(tmp_path):
     assert (out / "masks" / "a.png").read_text() == "the user's own"
 
 
+COMMANDS = ("predict", "evaluate", "export")
+
+
+@pytest.mark.parametrize("first, then", [(a, b) for a in COMMANDS for b in COMMANDS if a != b])
+def test_overwrite_never_replaces_another_commands_outputs(tmp_path, first, then):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    output_folder.claim(out, command=first, overwrite=False, files=["result.txt"])
+    open(os.path.join(out, "result.txt"), "w").write(first)
+    for overwrite in (True, False):  # without it too: "pass --overwrite" would only lead to this refusal
+        with pytest.raises(UserError) as refused:
+            output_folder.claim(out, command=then, overwrite=overwrite, files=["result.txt"])
+        assert str(refused.value) == (f"--out {out} holds the outputs of jaxrat {first}, which {then} never "
+                                      f"replaces, even with --overwrite; choose a new folder.")
+    assert _tree(out) == [output_folder.MANIFEST, "result.txt"]
+    assert open(os.path.join(out, "result.txt")).read() == first
+    assert output_folder.read_manifest(out)["command"] == first
+    output_folder.claim(out, command=first, overwrite=True, files=["result.txt"])  # its own command replaces them
+    assert _tree(out) == [output_folder.MANIFEST]
+
+
+def _saved(folder):
+    return {rel: open(os.path.join(folder, rel), "rb").read() for rel in _tree(folder)}
+
+
+def test_each_command_refuses_another_commands_folder_before_any_work(tmp_path):
+    """export --overwrite over a prediction deleted its masks and CSV; predict over an export its model."""
+    src = str(tmp_path / "in")
+    _images(src)
+    wd = _workdir(tmp_path / "run")
+    made = {}
+    for command, files in (("predict", ["predictions.csv", "masks/a.png"]), ("export", ["model.jax", "model.json"]),
+                           ("evaluate", ["metrics.json"])):
+        made[command] = out = str(tmp_path / command)
+        os.makedirs(out)
+        output_folder.claim(out, command=command, overwrite=False, files=files)
+        os.makedirs(os.path.join(out, "masks"))
+        for rel in files:
+            open(os.path.join(out, rel), "w").write(f"{command}'s")
+    before = {c: _saved(out) for c, out in made.items()}
+    for command, over in (("export", "predict"), ("predict", "export"), ("evaluate", "predict")):
+        out = made[over]
+        extra = [f"--input={src}", "--noprogress"] if command == "predict" else []
+        proc = subprocess.run([sys.executable, "-m", f"jaxrat.{command}", f"--workdir={wd}", f"--out={out}",
+                               "--overwrite", *extra], cwd=REPO, env=env_with_devices(1), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"jaxrat: error: --out {out} holds the outputs of jaxrat {over}, which {command} never replaces, even "
+            f"with --overwrite; choose a new folder.")
+    assert {c: _saved(out) for c, out in made.items()} == before
+
+
+EVALUATE_NAME_DRIVER = """
+import contextlib, sys
+from jaxrat.config_schema import load_config
+import jaxrat.trainer.evaluation as ev, jaxrat.checkpointing.reading as rd, jaxrat.inference.checkpoint_choice as cc
+config = load_config(sys.argv.pop())
+ev.open_trained_run = lambda workdir, overrides, allow=(): (workdir, config)
+cc.choose = lambda workdir, step: "2"
+rd.open_checkpoint = lambda spec, items: contextlib.nullcontext(type("Opened", (), {"step": 2})())
+
+def evaluate_checkpoint(*args, **kwargs):
+    raise SystemExit("evaluated into the folder")
+
+ev.evaluate_checkpoint = evaluate_checkpoint
+from jaxrat import evaluate
+evaluate.run()
+"""
+
+
+def test_evaluate_refuses_a_name_whose_folder_another_command_wrote(tmp_path):
+    """WORKDIR/eval/NAME is evaluate's own folder, but predict --out may have taken it: the two mixed."""
+    wd = _workdir(tmp_path / "run")
+    out = os.path.join(wd, "eval", "preds")
+    os.makedirs(out)
+    output_folder.claim(out, command="predict", overwrite=False, files=["predictions.csv"])
+    open(os.path.join(out, "predictions.csv"), "w").write("predict's")
+    proc = subprocess.run([sys.executable, "-c", EVALUATE_NAME_DRIVER, f"--workdir={wd}", "--name=preds", SMOKE],
+                          cwd=REPO, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"jaxrat: error: {out} holds the outputs of jaxrat predict, which evaluate never replaces; pass another "
+        f"--name (or --out).")
+    assert _tree(out) == [output_folder.MANIFEST, "predictions.csv"]
+
+
 def test_a_manifest_cannot_reach_outside_its_folder(tmp_path):
     out, victim = tmp_path / "out", tmp_path / "victim.txt"
     out.mkdir()

@@ -121,7 +121,7 @@ def test_evaluate_per_image_equals_scores_of_the_masks_predict_writes(trained, t
     assert result["metrics"]["eval/orig/dice"] == pytest.approx(logged["eval/orig/dice"], abs=1e-6)
     rows = _rows(os.path.join(out, "per_image.csv"))
     assert len(rows) == 8
-    val = os.path.join(out, "synthetic_data", "process_0")
+    val = os.path.join(trained, "synthetic_data", "process_0")  # the run's own, which evaluate read
     images = os.path.join(val, "ISIC2018_Task1-2_Validation_Input")
     truth_dir = os.path.join(val, "ISIC2018_Task1_Validation_GroundTruth")
     # predict on the validation images, as a user would, at another device count and batch size

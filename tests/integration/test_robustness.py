@@ -43,9 +43,10 @@ def test_robustness_at_three_sizes_writes_the_tables_and_the_plot(tmp_path):
     for size in (24, 32, 48):
         by_spacing = {r["spacing"]: r["metrics"]["eval/loss"] for r in table["rows"] if r["size"] == size}
         assert by_spacing[2.0] != by_spacing[1.0], size
-    # Every size read the images generated at the trained size (resized, like real data).
-    marker = json.load(open(os.path.join(out, "synthetic_data", "process_0", "jaxrat_synthetic.json")))
-    assert marker["image_size"] == 32
+    # Every size read the images generated at the trained size (resized, like real data): the run's own,
+    # which robustness reads where they are (a point asking for other data would have written a copy here).
+    marker = json.load(open(os.path.join(wd, "synthetic_data", "process_0", "jaxrat_synthetic.json")))
+    assert marker["image_size"] == 32 and not os.path.exists(os.path.join(out, "synthetic_data"))
 
     rows = list(csv.DictReader(open(os.path.join(out, "table.csv"))))
     assert len(rows) == 6 and {"eval/dice", "eval/dice_rel_change", "reference"} <= set(rows[0])

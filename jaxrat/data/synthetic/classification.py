@@ -9,12 +9,13 @@ reading and image decoding code.
 from __future__ import annotations
 
 import csv
-import json
 import os
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from jaxrat.data.synthetic import location
 from jaxrat.runtime.fileio import write_json
 
 SHAPES = ("circle", "square", "triangle")
@@ -42,16 +43,18 @@ def make_example(rng: np.random.Generator, size: int) -> tuple[np.ndarray, str, 
     return np.asarray(pil), shape, f"{shape}_{colour}"
 
 
-def write_dataset(root: str, num_train: int, num_val: int, image_size: int, seed: int = 0) -> dict[str, str]:
+def write_dataset(root: str, num_train: int, num_val: int, image_size: int, seed: int = 0, *,
+                  found_in: Sequence[str] = ()) -> dict[str, str]:
     """Write ``root/images/*.png`` and ``root/{train,val}.csv`` (columns image, shape, kind), once
-    per set of parameters; return ``{"train": csv path, "validation": csv path}``."""
+    per set of parameters; return ``{"train": csv path, "validation": csv path}``, in the first of
+    ``found_in`` (a trained run's copy, only read) that already holds them alike, else in ``root``."""
     params = {"num_train": num_train, "num_val": num_val, "image_size": image_size, "seed": seed, "version": 1}
+    ready = location.written([*found_in, root], _MARKER, params)
+    root = ready or root
     csvs = {"train": os.path.join(root, "train.csv"), "validation": os.path.join(root, "val.csv")}
+    if ready:
+        return csvs
     marker = os.path.join(root, _MARKER)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == params:
-                return csvs
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(root, "images"), exist_ok=True)
     index = 0

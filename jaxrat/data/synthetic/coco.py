@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from jaxrat.data.synthetic import location
 from jaxrat.runtime.fileio import write_json
 
 # The 80 COCO 2017 detection categories (id, name).
@@ -42,16 +44,16 @@ def _draw_image(rng: np.random.Generator, h: int, w: int, objects: list[tuple[in
 
 
 def write_coco(root: str, num_train: int = 16, num_val: int = 8, image_size: int = 64, seed: int = 0,
-               num_classes: int = 5) -> str:
+               num_classes: int = 5, *, found_in: Sequence[str] = ()) -> str:
     """Write ``root/{train2017,val2017}/*.jpg`` and ``root/annotations/instances_*.json``; objects
-    use the first ``num_classes`` COCO categories. Skipped when already written; returns ``root``."""
+    use the first ``num_classes`` COCO categories. Returns ``root``, or the first of ``found_in`` (a
+    trained run's copy, only read), else ``root``, that already holds the same data (nothing written)."""
     params = {"num_train": num_train, "num_val": num_val, "image_size": image_size, "seed": seed,
               "num_classes": num_classes, "version": 1}
+    ready = location.written([*found_in, root], _MARKER, params)
+    if ready:
+        return ready
     marker = os.path.join(root, _MARKER)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == params:
-                return root
     rng = np.random.default_rng(seed)
     # Spread over the id range so the contiguous label mapping is exercised (ids 1, 17, 34, ...).
     used = COCO_CATEGORIES[:: max(1, len(COCO_CATEGORIES) // num_classes)][:num_classes]

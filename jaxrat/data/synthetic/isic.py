@@ -7,13 +7,14 @@ as the real data, so they exercise decoding, resizing and the per-host pipeline 
 
 from __future__ import annotations
 
-import json
 import os
+from typing import Sequence
 
 import numpy as np
 from PIL import Image
 
 from jaxrat.data.sources.isic import SPLIT_FOLDERS
+from jaxrat.data.synthetic import location
 from jaxrat.runtime.fileio import write_json
 
 _MARKER = "jaxrat_synthetic.json"
@@ -58,16 +59,17 @@ def make_example(rng: np.random.Generator, height: int, width: int) -> tuple[np.
     return np.clip(img, 0, 255).astype(np.uint8), (mask * 255).astype(np.uint8)
 
 
-def write_dataset(data_dir: str, num_train: int, num_val: int, image_size: int, seed: int = 0) -> str:
-    """Write the synthetic dataset under ``data_dir`` (skipped when already written with the same
-    parameters); return ``data_dir``. Images are a little larger than ``image_size`` and not
-    square, so the pipeline's resize is exercised."""
+def write_dataset(data_dir: str, num_train: int, num_val: int, image_size: int, seed: int = 0, *,
+                  found_in: Sequence[str] = ()) -> str:
+    """Write the synthetic dataset under ``data_dir`` and return ``data_dir``; or return the first of
+    ``found_in`` (a trained run's copy, only read), else ``data_dir``, that already holds it with the
+    same parameters. Images are a little larger than ``image_size`` and not square, so the
+    pipeline's resize is exercised."""
     params = {"num_train": num_train, "num_val": num_val, "image_size": image_size, "seed": seed, "version": 1}
+    ready = location.written([*found_in, data_dir], _MARKER, params)
+    if ready:
+        return ready
     marker = os.path.join(data_dir, _MARKER)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == params:
-                return data_dir
     rng = np.random.default_rng(seed)
     height, width = int(image_size * 1.125), int(image_size * 1.25)
     start = 0

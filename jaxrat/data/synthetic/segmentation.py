@@ -8,12 +8,13 @@ source (:mod:`jaxrat.data.sources.segmentation_folder`) exactly as they would a 
 
 from __future__ import annotations
 
-import json
 import os
+from typing import Sequence
 
 import numpy as np
 from PIL import Image
 
+from jaxrat.data.synthetic import location
 from jaxrat.runtime.fileio import write_json
 
 _MARKER = "jaxrat_synthetic.json"
@@ -53,14 +54,14 @@ def palette_png(mask: np.ndarray) -> Image.Image:
     return img
 
 
-def write_dataset(root: str, num_images: int, size: int, seed: int) -> str:
-    """Write ``root/images/*.jpg`` and ``root/masks/*.png`` (skipped if already written alike)."""
+def write_dataset(root: str, num_images: int, size: int, seed: int, *, found_in: Sequence[str] = ()) -> str:
+    """Write ``root/images/*.jpg`` and ``root/masks/*.png`` and return ``root``; or return the first of
+    ``found_in`` (a trained run's copy, only read), else ``root``, that already holds them alike."""
     spec = {"num_images": num_images, "size": size, "seed": seed, "kind": "multiclass"}
+    ready = location.written([*found_in, root], _MARKER, spec)
+    if ready:
+        return ready
     marker = os.path.join(root, _MARKER)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == spec:
-                return root
     rng = np.random.default_rng(seed)
     for sub in ("images", "masks"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)

@@ -131,13 +131,14 @@ def resolve_coco(data_cfg: Any, workdir: str, *, seed: int, process_index: int):
     root = os.path.expanduser(data_cfg.data_dir or "")
     if data_cfg.synthetic and not root:
         from jaxrat.data.datasets import synthetic_image_size
+        from jaxrat.data.synthetic import location
         from jaxrat.data.synthetic.coco import write_coco
 
         size = synthetic_image_size(data_cfg)
-        # One copy per process on its own disk: correct whether or not the workdir is shared.
-        root = write_coco(os.path.join(workdir, "synthetic_data", f"process_{process_index}"),
-                          num_train=data_cfg.synthetic_train, num_val=data_cfg.synthetic_val, image_size=size,
-                          seed=seed, num_classes=data_cfg.get("synthetic_classes", 5))
+        root = write_coco(location.folder(workdir, process_index), num_train=data_cfg.synthetic_train,
+                          num_val=data_cfg.synthetic_val, image_size=size, seed=seed,
+                          num_classes=data_cfg.get("synthetic_classes", 5),
+                          found_in=location.run_copies(process_index))
     root = root or os.path.expanduser("~/data/coco2017")
     train = CocoDetection(root, "train", policy=policy, skip_empty=True)
     val = CocoDetection(root, "validation", policy=policy, categories=train)
