@@ -25,6 +25,8 @@ from jax.experimental import multihost_utils
 from jaxrat.config_schema import field
 from jaxrat.runtime.errors import ConfigError
 from jaxrat.runtime.fileio import write_json
+from jaxrat.trainer.state import make_state_spec
+from jaxrat.trainer.step import make_train_step
 
 LR_RULES = ("none", "linear", "sqrt")
 RECORD_NAME = "autotune.json"
@@ -190,9 +192,6 @@ def train_step_lowering(config: mlc.ConfigDict, mesh: jax.sharding.Mesh,
     """``lower(example, global_batch)``: the train step of ``config`` on ``mesh`` lowered (``jax.stages.Lowered``)
     for ``global_batch`` examples shaped like the rows of ``example``, from shapes alone: no data, no
     parameters, nothing allocated. ``.compile()`` it for XLA's memory accounting."""
-    from jaxrat.trainer.state import make_state_spec
-    from jaxrat.trainer.step import make_train_step
-
     spec = make_state_spec(config, mesh, task)
     step = make_train_step(spec)
 
