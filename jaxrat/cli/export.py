@@ -47,8 +47,10 @@ def main(argv: list[str], overrides: list[str]) -> None:
 
         check_step(_STEP.value)
         platforms = tuple(p.strip() for p in _PLATFORMS.value.split(",") if p.strip())
-        if not platforms or _BATCH.value < 0:
-            raise UserError("Pass --platforms as e.g. cpu or cpu,cuda and --batch as a number >= 0.")
+        if not platforms:
+            raise UserError(f"--platforms {_PLATFORMS.value!r} names no platform; pass e.g. cpu or cpu,cuda.")
+        if _BATCH.value < 0:
+            raise UserError(f"--batch {_BATCH.value} is negative; pass the exported batch size, or 0 for any.")
         onnx = _FORMAT.value == "onnx"
         if onnx and (flags.FLAGS["batch"].present or flags.FLAGS["platforms"].present):
             raise UserError("--batch and --platforms are for --format jax; an ONNX export takes any batch size and "

@@ -165,6 +165,21 @@ def test_predict_refuses_a_negative_batch_before_writing(tmp_path):
     assert not out.exists(), "a refused prediction leaves no output folder"
 
 
+@pytest.mark.parametrize("flag, needle", [
+    ("--batch=-2", "--batch -2 is negative; pass the exported batch size, or 0 for any."),
+    ("--platforms=,", "--platforms ',' names no platform; pass e.g. cpu or cpu,cuda."),
+])
+def test_export_names_the_flag_that_is_wrong(tmp_path, flag, needle):
+    # One sentence said "Pass --platforms ... and --batch as a number >= 0." for either mistake.
+    (tmp_path / "config.json").write_text(load_config(SMOKE).to_json_best_effort())
+    out = tmp_path / "e"
+    proc = subprocess.run([sys.executable, "-m", "jaxrat.export", f"--workdir={tmp_path}", f"--out={out}", flag],
+                          cwd=REPO, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().endswith(f"jaxrat: error: {needle}"), proc.stderr[-3000:]
+    assert not out.exists(), "a refused export leaves no output folder"
+
+
 @pytest.mark.parametrize("platforms, needle", [
     ("bogus", "--platforms bogus is not a platform jax.export knows; pass cpu, cuda, rocm or tpu (several separated "
               "by commas, e.g. cpu,cuda)."),
