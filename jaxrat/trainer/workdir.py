@@ -23,7 +23,7 @@ from jaxrat.checkpointing.store import COMMIT_FILE, METADATA_FILE, split_spec
 from jaxrat.config_schema import field
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME
 from jaxrat.data.label_check import LABEL_STATS_NAME
-from jaxrat.runtime import output_folder
+from jaxrat.runtime import exit_guard, output_folder
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_text
@@ -181,11 +181,14 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
 
     def save() -> None:
-        if not resuming and (old is None or old != new):  # not an earlier attempt of this run: keep its files
-            keep_aside_run_files(workdir)
-        if os.path.exists(path) and (old is None or old != new):
-            keep_aside(path)
-        write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
+        # One guarded write: a quick exit (a second Ctrl-C during start-up) never falls between moving
+        # the old config.json aside and writing the new one.
+        with exit_guard.whole():
+            if not resuming and (old is None or old != new):  # not an earlier attempt of this run: keep its files
+                keep_aside_run_files(workdir)
+            if os.path.exists(path) and (old is None or old != new):
+                keep_aside(path)
+            write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
     return save
 
 
