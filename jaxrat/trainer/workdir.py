@@ -267,6 +267,7 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
 
     settings = config.get("workdir") or mlc.ConfigDict()
     lock, failure, kind = None, None, 0
+    forget_lock: Callable[[], None] = lambda: None  # noqa: E731
     save: Callable[[], None] = lambda: None  # noqa: E731
     if jax.process_index() == 0:
         try:
@@ -287,9 +288,10 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
                                 "to (--workdir).")
             if field(settings, "workdir.lock"):
-                from jaxrat.cluster import preemption
+                from jaxrat.cluster import preemption, startup_exit
 
                 lock = WorkdirLock(workdir, field(settings, "workdir.lease_seconds"), preemption.signalled)
+                forget_lock = startup_exit.on_exit(lock.release)  # a second Ctrl-C during start-up releases it
                 lock.acquire()
             save = check_config(config, workdir, bool(field(settings, "workdir.allow_config_change")))
             if not has_checkpoint(workdir):
@@ -301,6 +303,7 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
     if kind:
         if lock is not None:
             lock.release()
+        forget_lock()
         if failure is not None:
             raise failure
         raise _KINDS[kind](message if kind != 4 else f"process 0 could not take the workdir: {message}")
@@ -309,3 +312,4 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[[], None]]:
     finally:
         if lock is not None:
             lock.release()
+        forget_lock()
