@@ -209,21 +209,26 @@ def say_unknown_fields(raw: dict[str, Any], path: str, known: list[str]) -> None
 
 def _checked_json_value(key: str, value: Any, schema_value: Any, path: str) -> Any:
     """``value`` if of ``schema_value``'s kind (an integer for a float field made a float), else a ConfigError."""
-    kind, expected = _json_kind(schema_value), None
-    if kind is int:
-        expected = None if _json_kind(value) is int else "an integer"  # a step count, a size: 30, not 30.0
-    elif kind is float:
-        expected = None if _json_kind(value) in (int, float) else "a number"
-        value = float(value) if expected is None else value
-    elif kind is tuple:
-        expected = _json_list_misfit(key, value, schema_value)
-    elif _json_kind(value) is not kind:
-        expected = {bool: "true or false", str: "a string (in double quotes)"}.get(kind, f"a {kind.__name__}")
+    expected = json_misfit(key, value, schema_value)
     if expected:
-        shown = json.dumps(list(schema_value) if isinstance(schema_value, tuple) else schema_value)
         raise ConfigError(f"{path}: {key} is {json.dumps(value)}, not {expected}; write it like the default, "
-                          f"{shown}, or delete the key to take that default.")
-    return value
+                          f"{json.dumps(schema_value)}, or delete the key to take that default.")
+    return float(value) if _json_kind(schema_value) is float else value
+
+
+def json_misfit(key: str, value: Any, reference: Any) -> str | None:
+    """What the field ``key`` should hold, in JSON's words ("an integer", "a list of numbers"), where
+    ``value`` (read from JSON) is not of the kind of ``reference`` (its default); None where it is."""
+    kind = _json_kind(reference)
+    if kind is int:
+        return None if _json_kind(value) is int else "an integer"  # a step count, a size: 30, not 30.0
+    if kind is float:
+        return None if _json_kind(value) in (int, float) else "a number"
+    if kind is tuple:
+        return _json_list_misfit(key, value, reference)
+    if _json_kind(value) is not kind:
+        return {bool: "true or false", str: "a string (in double quotes)"}.get(kind, f"a {kind.__name__}")
+    return None
 
 
 def _json_kind(value: Any) -> type:
