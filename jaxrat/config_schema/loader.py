@@ -135,7 +135,11 @@ def read_config_json(path: str) -> mlc.ConfigDict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds no config object; pass the config.json in a training run's workdir.")
     check_sections(raw, path)
-    return mlc.ConfigDict(_tuples(checked_json(raw, path)))
+    raw = checked_json(raw, path)
+    from jaxrat.config_schema.own_fields import check_own_fields  # it builds the packaged configs with this module
+
+    check_own_fields(raw, path)  # the task's, model's and data's own fields, which the schema does not hold
+    return mlc.ConfigDict(_tuples(raw))
 
 
 # The sections every run's config.json holds and the commands read directly. Without one (deleted
@@ -160,7 +164,8 @@ def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
     a missing field of a section, or a missing optional section (tracking, workdir), stays missing, as
     in the config that was saved: its readers take the default (:func:`base.field`); a missing
     section of :data:`REQUIRED_SECTIONS` was refused before (:func:`check_sections`). The task's and
-    model's own fields are not in the schema and are kept as they are.
+    model's own fields are not in the schema: :func:`jaxrat.config_schema.own_fields.check_own_fields`
+    checks them next.
     """
     schema = flatten(base_config())
     for key, schema_value in schema.items():
