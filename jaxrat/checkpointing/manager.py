@@ -31,6 +31,7 @@ from jaxrat.checkpointing import digest, recovery, store
 from jaxrat.checkpointing.named_arrays import named_leaves
 from jaxrat.checkpointing.schedule import Policy, metric_fn, preservation
 from jaxrat.checkpointing.snapshot import FrozenDataState, Snapshotter, use_distributed_barriers
+from jaxrat.runtime import exit_guard
 from jaxrat.runtime.errors import CheckpointError, ConfigError
 from jaxrat.runtime.fileio import write_json
 
@@ -138,15 +139,16 @@ class Checkpointer:
         if data_iter is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)
         meta = {**meta, "digest": digests()}
-        try:
-            self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
-                            metrics=metrics if self.policy.tracks_best else None)
-        except Exception as e:
-            if self._worker is None:
-                self._save_failed(step, e)
-            raise
-        self._inflight = None
-        self._write_best_pointer()
+        with exit_guard.whole():  # a second Ctrl-C during start-up ends the run after the commit, not in it
+            try:
+                self._mngr.save(step, args=ocp.args.Composite(**items), force=True, custom_metadata=meta,
+                                metrics=metrics if self.policy.tracks_best else None)
+            except Exception as e:
+                if self._worker is None:
+                    self._save_failed(step, e)
+                raise
+            self._inflight = None
+            self._write_best_pointer()
 
     def _write_best_pointer(self) -> None:
         """Point ``best.json`` at the best *committed* checkpoint (process 0 writes it)."""

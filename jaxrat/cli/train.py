@@ -97,7 +97,7 @@ def _allowed_imports(argv: list[str]) -> list[str]:
 def run() -> None:
     """Console entry point (also ``python -m jaxrat.main`` and ``jaxrat train``)."""
     hugepages.reexec_if_wanted()  # first: glibc reads it only at process start (jaxrat/runtime/hugepages.py)
-    preemption.install_handlers()
+    preemption.install_handlers(start_up_exit=True)  # and a second Ctrl-C before the first step ends it cleanly
     argv = [sys.argv[0], *command_line.absl_style(sys.argv[1:])]
     if command_line.wants_help(argv[1:]):
         command_line.print_help_and_exit(command_line.absl_help(

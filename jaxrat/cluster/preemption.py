@@ -8,10 +8,12 @@ the job scripts requeue.
 
 Ctrl-C (SIGINT) is the same stop asked for by a person: the first one saves at the next step
 boundary and the run exits with :data:`INTERRUPTED_EXIT_CODE` (130, as shells report an
-interrupted command) and one line saying how to resume; a second one ends the process at once
-(the default action, restored by the first: no traceback, even inside a compile). Only flags are
-set in the handlers, so a Ctrl-C that arrives while a checkpoint is being written (in a thread, a
-callback, a finaliser) is never raised there and lost: the loop honours it at its next check.
+interrupted command) and one line saying how to resume; a second one during training ends the
+process at once (the default action, restored by the first: no traceback, even inside a compile).
+During start-up, before the first step, a second one ends the run at once too, but with that line
+and the workdir lock released (:mod:`jaxrat.cluster.startup_exit`). Only flags are set in the
+handlers, so a Ctrl-C that arrives while a checkpoint is being written (in a thread, a callback, a
+finaliser) is never raised there and lost: the loop honours it at its next check.
 
 JAX is imported inside the functions: :mod:`jaxrat.launch` reads :data:`PREEMPTED_EXIT_CODE` from
 here to render job scripts without loading JAX.
@@ -24,6 +26,8 @@ import os
 import signal
 import threading
 from typing import Any
+
+from jaxrat.cluster import startup_exit
 
 # Exit status after a preemption checkpoint; the job scripts requeue the job on it.
 PREEMPTED_EXIT_CODE = 42
@@ -62,11 +66,12 @@ def _on_sigusr1(signum: int, frame: Any) -> None:
         _sigterm.set()
 
 
-def _on_sigint(signum: int, frame: Any) -> None:
+def _stop_for_ctrl_c() -> None:
+    """The first Ctrl-C's stop: the flags and the notice, once (from SIGINT's handler, or from the
+    start-up window's thread when it read the Ctrl-C)."""
+    if _sigint.is_set():
+        return
     _sigint.set()
-    # A second Ctrl-C ends the process at once, as the default action does (status 130 in a shell):
-    # no Python code runs for it, so no traceback, and it works inside a long compile or step too.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     # os.write, not logging: a handler may run while the main thread holds the logging lock.
     os.write(2, b"\njaxrat: Ctrl-C: stopping at the next step to save a checkpoint (Ctrl-C again exits now)\n")
     if _processes > 1:  # every process must stop at the same step: JAX's notifier listens for SIGTERM
@@ -75,18 +80,29 @@ def _on_sigint(signum: int, frame: Any) -> None:
         _sigterm.set()
 
 
+def _on_sigint(signum: int, frame: Any) -> None:
+    if startup_exit.handled_here():  # start-up: its thread has read this Ctrl-C already, compile or not
+        return
+    _stop_for_ctrl_c()
+    # A second Ctrl-C ends the process at once, as the default action does (status 130 in a shell):
+    # no Python code runs for it, so no traceback, and it works inside a long compile or step too.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted() -> bool:
     """Whether the stop was asked for with Ctrl-C (SIGINT) in this process."""
     return _sigint.is_set()
 
 
-def install_handlers() -> None:
+def install_handlers(start_up_exit: bool = False) -> None:
     """Handle SIGTERM, SIGUSR1 and SIGINT from here on: call it on the first line of a command's ``main``.
 
     Installed lazily (at the first step's check) they left data preparation and the first compile
     (30-120 s) to the default actions: a SIGTERM ended the run with -15, which the job script does
     not requeue, and SLURM's ``--signal=USR1@T`` warning killed it outright. A signal that arrives
-    now only sets the flag the loop checks before its first step and at every step.
+    now only sets the flag the loop checks before its first step and at every step. With
+    ``start_up_exit`` (the train command) a second Ctrl-C before the first step ends the run at once,
+    with its closing line and the workdir lock released (:mod:`jaxrat.cluster.startup_exit`).
     """
     global _handler_installed
     if _handler_installed or threading.current_thread() is not threading.main_thread():
@@ -94,6 +110,8 @@ def install_handlers() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGUSR1, _on_sigusr1)
     signal.signal(signal.SIGINT, _on_sigint)
+    if start_up_exit:
+        startup_exit.open_window(_stop_for_ctrl_c, INTERRUPTED_EXIT_CODE)
     _handler_installed = True
 
 

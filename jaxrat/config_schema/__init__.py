@@ -1,6 +1,7 @@
 """What a config is and how one is read: the fields and defaults every task shares (``base.py``), the
-one loader of ``path[:variant]`` config files and packaged names (``loader.py``), and a trained run's
-own config read back (``run_config.py``). The named configs themselves are :mod:`jaxrat.configs`."""
+one loader of ``path[:variant]`` config files and packaged names (``loader.py``), the check of the
+fields a task adds by the kinds the packaged configs give them (``own_fields.py``), and a trained
+run's own config read back (``run_config.py``). The named configs themselves are :mod:`jaxrat.configs`."""
 
 from jaxrat.config_schema.base import base_config, default, field
 from jaxrat.config_schema.loader import check_override_args, flatten, load_config, load_config_module

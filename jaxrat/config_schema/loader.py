@@ -135,7 +135,11 @@ def read_config_json(path: str) -> mlc.ConfigDict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds no config object; pass the config.json in a training run's workdir.")
     check_sections(raw, path)
-    return mlc.ConfigDict(_tuples(checked_json(raw, path)))
+    raw = checked_json(raw, path)
+    from jaxrat.config_schema.own_fields import check_own_fields  # it builds the packaged configs with this module
+
+    check_own_fields(raw, path)  # the task's, model's and data's own fields, which the schema does not hold
+    return mlc.ConfigDict(_tuples(raw))
 
 
 # The sections every run's config.json holds and the commands read directly. Without one (deleted
@@ -160,7 +164,8 @@ def checked_json(raw: dict[str, Any], path: str) -> dict[str, Any]:
     a missing field of a section, or a missing optional section (tracking, workdir), stays missing, as
     in the config that was saved: its readers take the default (:func:`base.field`); a missing
     section of :data:`REQUIRED_SECTIONS` was refused before (:func:`check_sections`). The task's and
-    model's own fields are not in the schema and are kept as they are.
+    model's own fields are not in the schema: :func:`jaxrat.config_schema.own_fields.check_own_fields`
+    checks them next.
     """
     schema = flatten(base_config())
     for key, schema_value in schema.items():
@@ -209,21 +214,26 @@ def say_unknown_fields(raw: dict[str, Any], path: str, known: list[str]) -> None
 
 def _checked_json_value(key: str, value: Any, schema_value: Any, path: str) -> Any:
     """``value`` if of ``schema_value``'s kind (an integer for a float field made a float), else a ConfigError."""
-    kind, expected = _json_kind(schema_value), None
-    if kind is int:
-        expected = None if _json_kind(value) is int else "an integer"  # a step count, a size: 30, not 30.0
-    elif kind is float:
-        expected = None if _json_kind(value) in (int, float) else "a number"
-        value = float(value) if expected is None else value
-    elif kind is tuple:
-        expected = _json_list_misfit(key, value, schema_value)
-    elif _json_kind(value) is not kind:
-        expected = {bool: "true or false", str: "a string (in double quotes)"}.get(kind, f"a {kind.__name__}")
+    expected = json_misfit(key, value, schema_value)
     if expected:
-        shown = json.dumps(list(schema_value) if isinstance(schema_value, tuple) else schema_value)
         raise ConfigError(f"{path}: {key} is {json.dumps(value)}, not {expected}; write it like the default, "
-                          f"{shown}, or delete the key to take that default.")
-    return value
+                          f"{json.dumps(schema_value)}, or delete the key to take that default.")
+    return float(value) if _json_kind(schema_value) is float else value
+
+
+def json_misfit(key: str, value: Any, reference: Any) -> str | None:
+    """What the field ``key`` should hold, in JSON's words ("an integer", "a list of numbers"), where
+    ``value`` (read from JSON) is not of the kind of ``reference`` (its default); None where it is."""
+    kind = _json_kind(reference)
+    if kind is int:
+        return None if _json_kind(value) is int else "an integer"  # a step count, a size: 30, not 30.0
+    if kind is float:
+        return None if _json_kind(value) in (int, float) else "a number"
+    if kind is tuple:
+        return _json_list_misfit(key, value, reference)
+    if _json_kind(value) is not kind:
+        return {bool: "true or false", str: "a string (in double quotes)"}.get(kind, f"a {kind.__name__}")
+    return None
 
 
 def _json_kind(value: Any) -> type:

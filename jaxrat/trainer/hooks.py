@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrat.checkpointing import Checkpointer, Policy, SaveSchedule
 from jaxrat.checkpointing.store import rank
-from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch, preemption
+from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch, preemption, startup_exit
 from jaxrat.runtime import console
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.tasks.base import Task
@@ -381,10 +381,9 @@ def stop_if_preempted(watch: PreemptionWatch, step: int) -> None:
     if not watch.requested():
         return
     watch.hold_signals()
-    kept = f"the checkpoint of step {step} is kept" if step else "no checkpoint yet"
     if preemption.interrupted():
-        raise Interrupted(f"interrupted before step {step + 1} (during start-up, {kept}); run the same command to "
-                          "resume")
+        raise Interrupted(startup_exit.closing_line(step))
+    kept = f"the checkpoint of step {step} is kept" if step else "no checkpoint yet"
     raise Preempted(f"preempted before step {step + 1} (during start-up): nothing to save, {kept}; exit for requeue")
 
 

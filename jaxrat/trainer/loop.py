@@ -17,8 +17,8 @@ import jax
 import ml_collections as mlc
 import numpy as np
 
-from jaxrat.checkpointing import Checkpointer, Policy
-from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch
+from jaxrat.checkpointing import Checkpointer, Policy, store
+from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch, startup_exit
 from jaxrat.cluster.together import compiled_together
 from jaxrat.config_schema.loader import check_counts
 from jaxrat.data.own_data import on_own_data
@@ -104,6 +104,7 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
     existed = os.path.isdir(workdir)
     fresh = not existed or not os.listdir(workdir)
     started: list[bool] = []
+    startup_exit.note_step(_newest_step(workdir))  # until the restore says which: for a second Ctrl-C's line
     try:
         with hold_workdir(config, workdir) as save_config:  # one run per workdir; a resume keeps the config
 
@@ -116,6 +117,16 @@ def train_and_evaluate(config: mlc.ConfigDict, workdir: str) -> dict[str, float]
         if fresh and not started and jax.process_index() == 0:
             _clear(workdir, remove_folder=not existed)
         raise
+    finally:
+        startup_exit.done()  # the run is over: what ends it now prints its own closing line
+
+
+def _newest_step(workdir: str) -> int:
+    """The newest committed checkpoint's step in ``workdir`` (0: none, or none readable)."""
+    try:
+        return max(store.committed_steps(os.path.join(workdir, "checkpoints")), default=0)
+    except OSError:  # an unreadable workdir is refused, in one sentence, when the run holds it
+        return 0
 
 
 def check_is_folder(workdir: str) -> None:
@@ -187,6 +198,7 @@ def _start(config: mlc.ConfigDict, workdir: str, watch: PreemptionWatch,
     train_step, eval_step = compiled_together(train_fn, "train step"), compiled_together(eval_fn, "eval step")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), policy)
     start = restore_or_init(config, spec, ckpt, train_iter)
+    startup_exit.note_step(start.step)
     # only now: a resume the checkpoint refused has left config.json and labels.json as they were
     save_config({label_space.LABELS_NAME: labels})
     return _Started(config, mesh, task, policy, spec, train_step, eval_step, ckpt, start)
@@ -211,12 +223,18 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
     run = hooks.RunHooks.create(config, w.task, spec, ckpt, w.policy, writer, watch, w.eval_step, put, start, t_created)
     feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+    # A second Ctrl-C before the first step stops the input workers first: left to die with the
+    # process, their batches' shared memory is reported leaked after the run's closing line.
+    forget_feed = startup_exit.on_exit(feed.close)
     done, status, error = first, "failed", None
     try:
         ended = run.resume(first, state, feed.consumed_state, start.eval_pending)
         for step in range(first, first if ended else total):
             batch, waited = feed.next_timed(run.chrono.devices_busy)
             state, metrics = w.train_step(state, batch)
+            if step == first:  # compiled and started: a second Ctrl-C from here on is training's
+                startup_exit.done()
+                forget_feed()
             done = step + 1
             if run.after_step(done, state, metrics, waited, feed.consumed_state):
                 break
@@ -229,6 +247,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         error = (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
         raise
     finally:
+        forget_feed()
         feed.close()
         if _adds_nothing(workdir, first, done, run.evaluation.last_step):
             logging.info("run summary: kept as it was (this run did no step and no evaluation)")

@@ -23,7 +23,7 @@ from jaxrat.checkpointing.store import COMMIT_FILE, METADATA_FILE, split_spec
 from jaxrat.config_schema import field
 from jaxrat.data.badfiles import SKIPPED_FILES_NAME
 from jaxrat.data.label_check import LABEL_STATS_NAME
-from jaxrat.runtime import output_folder
+from jaxrat.runtime import exit_guard, output_folder
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
 from jaxrat.runtime.fileio import move_into_place, unwritable, write_json, write_text
@@ -181,11 +181,14 @@ def check_config(config: mlc.ConfigDict, workdir: str, allow_change: bool) -> Ca
         logging.warning("%s has checkpoints but no readable %s to compare the config with", workdir, CONFIG_NAME)
 
     def save() -> None:
-        if not resuming and (old is None or old != new):  # not an earlier attempt of this run: keep its files
-            keep_aside_run_files(workdir)
-        if os.path.exists(path) and (old is None or old != new):
-            keep_aside(path)
-        write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
+        # One guarded write: a quick exit (a second Ctrl-C during start-up) never falls between moving
+        # the old config.json aside and writing the new one.
+        with exit_guard.whole():
+            if not resuming and (old is None or old != new):  # not an earlier attempt of this run: keep its files
+                keep_aside_run_files(workdir)
+            if os.path.exists(path) and (old is None or old != new):
+                keep_aside(path)
+            write_text(path, config.to_json_best_effort(indent=2, sort_keys=True))
     return save
 
 
@@ -282,6 +285,7 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[..., None]]:
 
     settings = config.get("workdir") or mlc.ConfigDict()
     lock, failure, kind = None, None, 0
+    forget_lock: Callable[[], None] = lambda: None  # noqa: E731
     save: Callable[..., None] = lambda files=None: None  # noqa: E731  (process 0 alone writes)
     if jax.process_index() == 0:
         try:
@@ -302,9 +306,10 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[..., None]]:
                 raise UserError(f"Cannot write to the workdir {workdir} ({why}); train in a folder you can write "
                                 "to (--workdir).")
             if field(settings, "workdir.lock"):
-                from jaxrat.cluster import preemption
+                from jaxrat.cluster import preemption, startup_exit
 
                 lock = WorkdirLock(workdir, field(settings, "workdir.lease_seconds"), preemption.signalled)
+                forget_lock = startup_exit.on_exit(lock.release)  # a second Ctrl-C during start-up releases it
                 lock.acquire()
             save_config = check_config(config, workdir, bool(field(settings, "workdir.allow_config_change")))
             if not has_checkpoint(workdir):
@@ -312,14 +317,16 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[..., None]]:
                 save_config = lambda: None  # noqa: E731
 
             def save(files: Mapping[str, Any] | None = None) -> None:
-                save_config()
-                write_run_files(workdir, files or {})
+                with exit_guard.whole():  # the run's files are written together or a quick exit waits
+                    save_config()
+                    write_run_files(workdir, files or {})
         except Exception as e:  # every process must hear of it, or the others wait in the next collective
             failure, kind = e, next((k for k, t in _KINDS.items() if isinstance(e, t)), 4)
     kind, message = _broadcast(kind, str(failure or ""))
     if kind:
         if lock is not None:
             lock.release()
+        forget_lock()
         if failure is not None:
             raise failure
         raise _KINDS[kind](message if kind != 4 else f"process 0 could not take the workdir: {message}")
@@ -328,3 +335,4 @@ def hold(config: mlc.ConfigDict, workdir: str) -> Iterator[Callable[..., None]]:
     finally:
         if lock is not None:
             lock.release()
+        forget_lock()

@@ -22,6 +22,7 @@ import uuid
 from typing import Callable
 
 from jaxrat.config_schema import default
+from jaxrat.runtime import exit_guard
 from jaxrat.runtime.errors import UserError
 from jaxrat.runtime.fileio import write_bytes
 
@@ -166,8 +167,11 @@ class WorkdirLock:
         """Take the lock, or raise :class:`WorkdirInUse` naming the live holder and the fix."""
         for attempt in range(10):
             time.sleep(0.05 * attempt)  # a retry follows another starter's takeover: let it finish
-            if self._create():
-                self._start_heartbeat()
+            with exit_guard.whole():  # a quick exit finds the lock either held (and releases it) or not taken
+                created = self._create()
+                if created:
+                    self._start_heartbeat()
+            if created:
                 return
             found = self._read()
             if found is None:  # released (or taken over) while we looked: try again
@@ -177,10 +181,13 @@ class WorkdirLock:
                 f"its lock file is unreadable and {age:.0f} s old" if age > self.lease_s else None)
             if reason is None:
                 raise WorkdirInUse(self._in_use_message(holder, age))
-            if self._take_over(holder):
+            with exit_guard.whole():
+                taken = self._take_over(holder)
+                if taken:
+                    self._start_heartbeat()
+            if taken:
                 logging.warning("took over the workdir lock %s of %s: %s", self.path,
                                 holder.describe() if holder else "an unknown run", reason)
-                self._start_heartbeat()
                 return
         raise WorkdirInUse(f"The {self.what} lock {self.path} keeps changing hands; another {self.user} is starting "
                            f"on this {self.what} at the same time: wait for it or {self.instead}.")

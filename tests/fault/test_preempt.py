@@ -16,7 +16,7 @@ import pytest
 from jaxrat.checkpointing import store
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from jaxrat.experiments.summary import read_metrics
-from runner import REPO, SMOKE, env_with_devices, losses_by_step, main_cmd
+from runner import REPO, SMOKE, env_with_devices, losses_by_step, main_cmd, without_test_flags
 
 REQUEUE = PREEMPTED_EXIT_CODE  # what launch/*.sbatch requeue on
 TIMEOUT = 240
@@ -217,3 +217,38 @@ def test_ctrl_c_saves_at_the_next_step_and_a_second_one_exits_at_once(tmp_path, 
     out = run.output()
     assert f"resumed from step {step}" in out and "Traceback" not in out, out[-4000:]
     assert "jaxrat: interrupted at step" not in out
+
+
+def test_a_second_ctrl_c_during_start_up_ends_the_run_at_once_with_its_line_and_the_lock_released(tmp_path):
+    """Two Ctrl-Cs while the first step compiles (in XLA, where Python runs no signal handler): the run
+    ends within moments, status 130, start-up's closing line last and no traceback, run.lock released
+    and config.json whole; the rerun starts without taking a lock over. (It died by the default
+    action, leaving the lock and no line.)"""
+    from jaxrat.cluster import INTERRUPTED_EXIT_CODE
+
+    wd = str(tmp_path / "wd")
+    # A U-Net whose step compiles for seconds, and no compilation cache, so the compile is never skipped.
+    args = ["--config.num_train_steps=2", "--config.train.compilation_cache_dir=none",
+            "--config.model.features=(16,32,64,128)", "--config.data.image_size=64"]
+    env = env_with_devices(1)
+    env["XLA_FLAGS"] = without_test_flags(env["XLA_FLAGS"])  # XLA's full compile: seconds, not the suite's fast one
+    run = Run(wd, args, env, str(tmp_path / "1.log"))
+    wait_until(lambda: "compiling the train step" in run.output(), [run], what="the first step's compile")
+    run.proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "Ctrl-C again exits now" in run.output(), [run], what="the first Ctrl-C's notice")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == INTERRUPTED_EXIT_CODE, run.output()[-4000:]
+    out = run.output()
+    assert "train step compiled" not in out, out[-3000:]  # it ended inside the compile, not after it
+    assert re.search(r"\njaxrat: interrupted before step 1 \(during start-up, no checkpoint yet\); run the same "
+                     r"command to resume\n$", out), out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    left = sorted(os.listdir(wd))
+    assert not [n for n in left if n.startswith("run.lock") or n.endswith(".tmp")], left
+    assert json.load(open(os.path.join(wd, "config.json")))["num_train_steps"] == 2
+    assert store.committed_steps(os.path.join(wd, "checkpoints")) == []
+
+    run = Run(wd, ["--config.num_train_steps=0", *args[1:]], env, str(tmp_path / "2.log"))
+    assert run.wait() == 0, run.output()[-4000:]
+    assert "took over the workdir lock" not in run.output(), run.output()[-3000:]
+    assert not os.path.exists(os.path.join(wd, "run.lock"))

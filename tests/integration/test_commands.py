@@ -145,3 +145,31 @@ def test_every_listed_variant_loads():
     for name in packaged_configs():
         for variant in load_config_module(name).VARIANTS:
             load_config(f"{name}:{variant}" if variant else name)
+
+
+def test_a_hand_edited_tasks_own_field_is_one_sentence_in_every_command_that_reads_the_run(tmp_path):
+    """evaluate, predict, export and train --config WORKDIR/config.json (the resume) read the task's own
+    fields as they were: task.num_classes "three" ended in a traceback. Each now stops at the read, in one
+    sentence, before anything is written (the workdir keeps its one file, no --out is made)."""
+    from PIL import Image
+
+    from jaxrat.trainer.workdir import config_as_json
+
+    config = config_as_json(load_config("configs/classification.py:smoke"))
+    config["task"]["num_classes"] = "three"
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps(config, indent=2))
+    image = tmp_path / "photo.png"
+    Image.new("RGB", (16, 16)).save(image)
+    sentence = (f"jaxrat: error: {workdir / 'config.json'}: task.num_classes is \"three\", not a list; put back the "
+                f"value the run was trained with (the packaged config classification has [0]).")
+    out = tmp_path / "out"
+    for args in (["evaluate", f"--workdir={workdir}", f"--out={out}"],
+                 ["predict", f"--workdir={workdir}", f"--input={image}", f"--out={out}"],
+                 ["export", f"--workdir={workdir}", f"--out={out}"],
+                 ["train", f"--config={workdir / 'config.json'}", f"--workdir={workdir}"]):
+        proc = _run("-m", "jaxrat", *args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
+        assert proc.stderr.strip().splitlines()[-1] == sentence, (args, proc.stderr[-2000:])
+        assert os.listdir(workdir) == ["config.json"] and not out.exists(), args

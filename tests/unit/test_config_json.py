@@ -12,9 +12,9 @@ from jaxrat.runtime.errors import ConfigError
 from runner import REPO, SMOKE
 
 
-def _write(tmp_path, edit):
-    """A config.json as training writes it (the smoke config), changed by ``edit`` (a dict -> None)."""
-    raw = json.loads(load_config(SMOKE).to_json_best_effort())
+def _write(tmp_path, edit, spec=SMOKE):
+    """A config.json as training writes it (the smoke config, or ``spec``), changed by ``edit`` (a dict -> None)."""
+    raw = json.loads(load_config(spec).to_json_best_effort())
     edit(raw)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
@@ -169,3 +169,52 @@ def test_a_field_this_jaxrat_lacks_is_warned_about_with_the_close_one(tmp_path, 
                 (tmp_path / "config.json").write_text(saved)
                 load_config(str(tmp_path / "config.json"))
     assert not caplog.records
+
+
+CLASSIFICATION = os.path.join(REPO, "configs", "classification.py") + ":smoke"
+COCO = os.path.join(REPO, "configs", "coco.py") + ":smoke"
+
+
+@pytest.mark.parametrize("spec, key, value, expected", [
+    (SMOKE, "task.threshold", "three", "a number"),
+    (SMOKE, "model.num_classes", [3], "an integer"),
+    (SMOKE, "task.eval_original_resolution", "yes", "true or false"),
+    (SMOKE, "model.features", "x", "a list"),
+    (CLASSIFICATION, "task.num_classes", "three", "a list"),
+    (CLASSIFICATION, "task.num_classes", ["a", "b"], "a list of numbers"),
+    (CLASSIFICATION, "task.top_k", 2.5, "an integer"),
+    (CLASSIFICATION, "data.train_csv", 3, "a string (in double quotes)"),
+    (COCO, "model.num_queries", [10], "an integer"),
+    (COCO, "model.rat.feature_dims", "64", "an integer"),
+    (COCO, "task.focal", "yes", "true or false"),
+    (COCO, "data.synthetic_classes", {"a": 1}, "an integer"),
+    (COCO, "model.rat", 5, "a section of fields"),
+])
+def test_a_wrong_kind_in_a_tasks_own_field_is_one_sentence(tmp_path, spec, key, value, expected):
+    """The fields a task, its model and its data add (not in the schema) were read as they were: a
+    string where a number belongs ended in a traceback in evaluate, predict, export or the resume. They
+    are checked by the kinds the packaged configs give them, before anything is written."""
+    from jaxrat.config_schema.run_config import load_run_config
+
+    path = _write(tmp_path, _set(key, value), spec)
+    for load in (lambda: load_config(path), lambda: load_run_config(str(tmp_path))):
+        with pytest.raises(ConfigError) as e:
+            load()
+        message = str(e.value)
+        assert message.startswith(f"{path}: {key} is {json.dumps(value)}, not {expected}; put back the "), message
+        assert message.count(". ") == 0 and message.endswith(".") and "\n" not in message, message
+
+
+def test_a_tasks_own_fields_keep_what_the_configs_leave_open(tmp_path):
+    def edit(raw):
+        raw["task"]["threshold"] = 1  # an integer where the configs have a float: read as one
+        raw["task"]["a_field_of_my_task"] = "anything"  # in no packaged config: not jaxrat's to judge
+    config = load_config(_write(tmp_path, edit))
+    assert config.task.threshold == 1.0 and isinstance(config.task.threshold, float)
+    assert config.task.a_field_of_my_task == "anything"
+
+    def edit_detr(raw):
+        raw["model"]["query_level"] = 1  # None in some configs: any value
+        raw["model"]["rat"]["attention"] = ["sparse", "sparse", "dense", "dense"]  # declared of any type
+    config = load_config(_write(tmp_path, edit_detr, COCO))
+    assert config.model.query_level == 1 and config.model.rat.attention == ("sparse", "sparse", "dense", "dense")
