@@ -17,7 +17,8 @@ from jaxrat.cli import command_line
 from jaxrat.cli.entry import no_positional, user_errors
 from jaxrat.cluster import preemption
 from jaxrat.config_schema import check_override_args, field, load_config
-from jaxrat.config_schema.loader import ALLOW_IMPORT_HELP, describe_packaged
+from jaxrat.config_schema.loader import ALLOW_IMPORT_HELP
+from jaxrat.config_schema.packaged import describe_packaged
 from jaxrat.runtime import device_errors, hugepages, platform_hint
 from jaxrat.runtime.console import quiet_libraries
 from jaxrat.runtime.errors import ConfigError, UserError

@@ -1,11 +1,9 @@
-"""The one loader of config files (``path[:variant]``) and the check of command-line overrides."""
+"""The one loader of config files (``path[:variant]``) and of a run's config.json, and the check of
+command-line overrides (the kinds themselves: :mod:`jaxrat.config_schema.kinds`)."""
 
 from __future__ import annotations
 
-import ast
 import difflib
-import glob
-import importlib.util
 import json
 import logging
 import os
@@ -14,48 +12,11 @@ from typing import Any, Sequence
 import ml_collections as mlc
 
 from jaxrat.config_schema.base import base_config, default
+from jaxrat.config_schema.kinds import check_value, json_kind, json_misfit
+from jaxrat.config_schema.own_fields import check_own_fields
+from jaxrat.config_schema.packaged import PACKAGED_DIR, load_config_module, resolve_config_path
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError
-
-# The config files that ship with the package (a clone's configs/ is a link to this folder).
-PACKAGED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-
-
-def packaged_configs() -> list[str]:
-    """The names of the packaged config files (``isic``, ``coco``, ...), sorted."""
-    paths = glob.glob(os.path.join(PACKAGED_DIR, "*.py"))
-    return sorted(os.path.splitext(os.path.basename(p))[0] for p in paths if not p.endswith("__init__.py"))
-
-
-def resolve_config_path(path: str) -> str:
-    """The file a ``--config`` path names: the path itself when it is a file; else a packaged config
-    named ``NAME`` (or ``NAME.py``, or ``configs/NAME.py`` from outside a clone, as the docs write it).
-
-    A path that names neither is a ConfigError listing the packaged names; a folder is one saying what to pass.
-    """
-    if os.path.isfile(path):
-        return path
-    name = os.path.splitext(os.path.basename(path))[0]
-    folder = os.path.basename(os.path.dirname(os.path.normpath(path)))
-    if (folder in ("", "configs") and path.endswith((".py", name)) and not path.endswith(".json")
-            and name in packaged_configs()):
-        return os.path.join(PACKAGED_DIR, name + ".py")  # even beside a folder of that name (./coco, the data)
-    if os.path.isdir(path):
-        raise ConfigError(_folder_message(path))
-    names = ", ".join(packaged_configs())
-    raise ConfigError(f"Config file {path} does not exist; pass a config file's path or a packaged config's "
-                      f"name ({names}), e.g. --config isic:demo.")
-
-
-def _folder_message(path: str) -> str:
-    """What to pass instead of the folder ``path``: its config.json when it is a run's folder."""
-    run_config = os.path.join(path, "config.json")
-    if os.path.isfile(run_config):
-        return (f"--config {path} is a folder, not a config file; pass {run_config} to train with that run's "
-                f"config.")
-    return (f"--config {path} is a folder, not a config file; pass a config file's path (.py), a run's "
-            f"config.json or a packaged config's name ({', '.join(packaged_configs())}).")
-
 
 ALLOW_IMPORT_HELP = ("A module (or package) whose task a run's config.json may name as task.name='module:Class'; "
                      "repeat for several. A config.json is data: only jaxrat's own tasks are imported without it.")
@@ -136,8 +97,6 @@ def read_config_json(path: str) -> mlc.ConfigDict:
         raise ConfigError(f"{path} holds no config object; pass the config.json in a training run's workdir.")
     check_sections(raw, path)
     raw = checked_json(raw, path)
-    from jaxrat.config_schema.own_fields import check_own_fields  # it builds the packaged configs with this module
-
     check_own_fields(raw, path)  # the task's, model's and data's own fields, which the schema does not hold
     return mlc.ConfigDict(_tuples(raw))
 
@@ -218,39 +177,7 @@ def _checked_json_value(key: str, value: Any, schema_value: Any, path: str) -> A
     if expected:
         raise ConfigError(f"{path}: {key} is {json.dumps(value)}, not {expected}; write it like the default, "
                           f"{json.dumps(schema_value)}, or delete the key to take that default.")
-    return float(value) if _json_kind(schema_value) is float else value
-
-
-def json_misfit(key: str, value: Any, reference: Any) -> str | None:
-    """What the field ``key`` should hold, in JSON's words ("an integer", "a list of numbers"), where
-    ``value`` (read from JSON) is not of the kind of ``reference`` (its default); None where it is."""
-    kind = _json_kind(reference)
-    if kind is int:
-        return None if _json_kind(value) is int else "an integer"  # a step count, a size: 30, not 30.0
-    if kind is float:
-        return None if _json_kind(value) in (int, float) else "a number"
-    if kind is tuple:
-        return _json_list_misfit(key, value, reference)
-    if _json_kind(value) is not kind:
-        return {bool: "true or false", str: "a string (in double quotes)"}.get(kind, f"a {kind.__name__}")
-    return None
-
-
-def _json_kind(value: Any) -> type:
-    """The kind a JSON value (or a schema default) is checked as: bool, int, float, str, tuple (lists) or other."""
-    if isinstance(value, bool):
-        return bool
-    if isinstance(value, (tuple, list)):
-        return tuple
-    return type(value)
-
-
-def _json_list_misfit(key: str, value: Any, schema_value: tuple) -> str | None:
-    """What a tuple field expects where ``value`` (from JSON) does not fit it, in JSON's words; None where it fits."""
-    misfit = _sequence_misfit(key, value, schema_value)
-    if misfit is None:
-        return None
-    return misfit.replace("tuple", "list").replace("(low, high)", "[low, high]")
+    return float(value) if json_kind(schema_value) is float else value
 
 
 def _tuples(x: Any) -> Any:
@@ -260,130 +187,6 @@ def _tuples(x: Any) -> Any:
     if isinstance(x, list):
         return tuple(_tuples(v) for v in x)
     return x
-
-
-def load_config_module(path: str) -> Any:
-    """Import the config file at ``path`` (or the packaged config it names) as a module (for
-    ``get_config``, ``get_sweep``)."""
-    path = resolve_config_path(path)
-    if not path.endswith(".py"):
-        # Only a .py file is imported as code: an image or a YAML file has no loader (spec None) to run it.
-        raise ConfigError(f"--config {path} is neither a Python config file (.py, defining get_config()) nor a "
-                          f"run's config.json; pass one of those, or a packaged config's name such as isic:demo.")
-    name = "_jaxrat_config_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (e.name == "jaxrat.config" or e.name.startswith("jaxrat.config.")):
-            raise ConfigError(f"{path} imports {e.name}, which is now jaxrat.config_schema (renamed so it is not "
-                              f"confused with jaxrat.configs); change the import in that file.") from None
-        raise
-    return module
-
-
-def describe_packaged() -> str:
-    """One line per packaged config: its name, its variants (``VARIANTS``) and its first docstring line."""
-    lines = []
-    for name in packaged_configs():
-        module = load_config_module(os.path.join(PACKAGED_DIR, name + ".py"))
-        summary = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
-        variants = [v or "(none)" for v in getattr(module, "VARIANTS", ("",))]
-        lines.append(f"{name:<16} {summary}")
-        lines.append(f"{'':<16} variants: {', '.join(variants)}   (--config {name}[:VARIANT])")
-    return "\n".join(lines) + "\n"
-
-
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-# Fields whose value is a (low, high) range: two numbers, low <= high.
-RANGES = {"data.random_crop_scale", "data.scale_jitter"}
-
-
-def _kind(value: object) -> type:
-    if isinstance(value, bool):
-        return bool
-    if isinstance(value, (int, float)):
-        return float
-    if isinstance(value, (tuple, list)):
-        return tuple
-    return type(value)
-
-
-def _wrong(key: str, raw: str, what: str, current: object) -> ConfigError:
-    return ConfigError(f"--config.{key}={raw} is not {what}; pass a value like the field's default, {current!r}.")
-
-
-def _check_sequence(key: str, current: tuple | list, raw: str) -> None:
-    """A tuple field takes a Python literal tuple (or list) whose items are of the default's kind."""
-    try:
-        value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        raise _wrong(key, raw, "a tuple", current) from None
-    misfit = _sequence_misfit(key, value, current)
-    if misfit:
-        raise _wrong(key, raw, misfit, current)
-
-
-def _sequence_misfit(key: str, value: object, current: tuple | list) -> str | None:
-    """What a tuple field expects where ``value`` does not fit it: a range is two ordered numbers, other
-    tuples hold items of the default's kind; None where it fits."""
-    if key in RANGES:
-        fits = (isinstance(value, (tuple, list)) and len(value) == 2 and all(_kind(v) is float for v in value)
-                and value[0] <= value[1])
-        return None if fits else "a range (low, high) with low <= high"
-    if not isinstance(value, (tuple, list)):
-        return "a tuple"
-    kinds = {_kind(v) for v in current}
-    if len(kinds) == 1 and value and any(_kind(v) not in kinds for v in value):
-        plural = {float: "numbers", str: "strings", tuple: "tuples", bool: "booleans"}.get(_kind(current[0]), "items")
-        return f"a tuple of {plural}"
-    return None
-
-
-# Sizes and periods that must be 1 or more, and what to set instead. Below 1 each failed deep in
-# the data pipeline or the loop with a traceback (negative dimensions, a batch of 0, a modulo by
-# zero), most of them after the first checkpoint was written; eval_every=-1 evaluated every step.
-COUNTS = {
-    "data.image_size": ("the side the images are resized to", 256),
-    "data.batch_size": ("the global batch", 32),
-    "data.eval_batch_size": ("the evaluation's global batch", 32),
-    "train.log_every": ("the steps between progress lines", 10),
-    "train.eval_every": ("the steps between evaluations (num_train_steps evaluates once, at the end)", 200),
-}
-
-
-def check_counts(config: mlc.ConfigDict) -> None:
-    """Refuse a size or period of :data:`COUNTS` below 1 (an integer: the config's kind check ran first)."""
-    for key, (what, example) in COUNTS.items():
-        section, name = key.split(".")
-        node = config.get(section)
-        value = node.get(name) if node is not None else None
-        if isinstance(value, int) and value < 1:
-            raise ConfigError(f"config.{key}={value} must be 1 or more; set it to {what}, such as "
-                              f"--config.{key}={example}.")
-
-
-def check_value(key: str, current: object, raw: str | None) -> None:
-    """Refuse ``raw`` unless it parses as the kind (and, for tuples, the shape) of the field's default."""
-    if raw is None or current is None:
-        return
-    if isinstance(current, (tuple, list)):
-        _check_sequence(key, current, raw)
-        return
-    kind = type(current)
-    if kind not in _KIND_NAMES or kind is str:
-        return
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-        elif kind is int:
-            int(raw)
-        elif kind is float:
-            float(raw)
-    except ValueError:
-        raise _wrong(key, raw, _KIND_NAMES[kind], current) from None
 
 
 def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None]]]:

@@ -24,7 +24,8 @@ import ml_collections as mlc
 from ml_collections import config_dict
 
 from jaxrat.config_schema.base import base_config, default
-from jaxrat.config_schema.loader import PACKAGED_DIR, json_misfit, load_config_module, packaged_configs
+from jaxrat.config_schema.kinds import json_misfit
+from jaxrat.config_schema.packaged import PACKAGED_DIR, load_config_module, packaged_configs
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError
 

@@ -8,7 +8,8 @@ from typing import Any, Sequence
 
 import ml_collections as mlc
 
-from jaxrat.config_schema.loader import check_counts, check_task_import, check_value, flatten, read_config_json
+from jaxrat.config_schema.kinds import check_counts, check_value
+from jaxrat.config_schema.loader import check_task_import, flatten, read_config_json
 from jaxrat.runtime.errors import ConfigError, UserError
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ml_collections as mlc
 
 from jaxrat.config_schema import load_config
-from jaxrat.config_schema.loader import PACKAGED_DIR
+from jaxrat.config_schema.packaged import PACKAGED_DIR
 from jaxrat.data.synthetic.segmentation import CLASS_NAMES
 
 # What ``jaxrat train --list-configs`` lists ("" is the default variant).

@@ -20,7 +20,7 @@ import numpy as np
 from jaxrat.checkpointing import Checkpointer, Policy, store
 from jaxrat.cluster import Interrupted, Preempted, PreemptionWatch, startup_exit
 from jaxrat.cluster.together import compiled_together
-from jaxrat.config_schema.loader import check_counts
+from jaxrat.config_schema.kinds import check_counts
 from jaxrat.data.own_data import on_own_data
 from jaxrat.parallel.mesh import make_mesh, processes_on_this_host
 from jaxrat.runtime.errors import ConfigError, UserError

@@ -140,7 +140,7 @@ def test_flag_mistakes_are_one_sentence(args, sentence):
 
 
 def test_every_listed_variant_loads():
-    from jaxrat.config_schema.loader import load_config_module, packaged_configs
+    from jaxrat.config_schema.packaged import load_config_module, packaged_configs
 
     for name in packaged_configs():
         for variant in load_config_module(name).VARIANTS:

@@ -160,7 +160,7 @@ def test_a_field_this_jaxrat_lacks_is_warned_about_with_the_close_one(tmp_path, 
     assert "train.evl_every" in warned[2] and "train.eval_every" in warned[2]
     assert config.sharding.zero == 1
     caplog.clear()
-    from jaxrat.config_schema.loader import load_config_module, packaged_configs
+    from jaxrat.config_schema.packaged import load_config_module, packaged_configs
 
     with caplog.at_level(logging.WARNING):  # a config.json as training writes it, of every packaged config: no word
         for name in packaged_configs():

@@ -37,7 +37,7 @@ import sys
 import pytest
 
 from jaxrat.config_schema import base_config, flatten, load_config
-from jaxrat.config_schema.loader import packaged_configs
+from jaxrat.config_schema.packaged import packaged_configs
 from jaxrat.runtime.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
