@@ -174,6 +174,9 @@ def refuse_taken(out: str, *, command: str, overwrite: bool, flag: str = "--out"
     if not _present(out):
         return
     refuse_other(out, command=command, fix="choose a new folder", where=f"{flag} {out}", even=", even with --overwrite")
+    if read_manifest(out) is None and command != "evaluate" and _is_run_evaluation(out):
+        raise UserError(f"{flag} {out} holds an evaluation of the run (jaxrat evaluate writes WORKDIR/eval/NAME), "
+                        f"which {command} never replaces, even with --overwrite; choose a new folder.")
     if not overwrite:
         raise UserError(f"{flag} {out} exists and is not empty; choose a new folder or pass --overwrite.")
     if read_manifest(out) is None:
@@ -192,6 +195,14 @@ def refuse_other(out: str, *, command: str, fix: str, where: str = "", even: str
     if other != command:
         raise UserError(f"{where or out} holds the outputs of jaxrat {other}, which {command} never replaces{even}; "
                         f"{fix}.")
+
+
+def _is_run_evaluation(out: str) -> bool:
+    """Whether ``out`` is an evaluation's folder in a run's workdir (``WORKDIR/eval/NAME``, its scores in
+    it): evaluate writes there without a manifest, as the run's own folder."""
+    parent = os.path.dirname(os.path.normpath(os.path.abspath(out)))
+    return (os.path.basename(parent) == _NOT_RUN_FILES[0] and os.path.isfile(os.path.join(out, "metrics.json"))
+            and os.path.isfile(os.path.join(os.path.dirname(parent), "config.json")))
 
 
 def _present(out: str) -> list[str]:

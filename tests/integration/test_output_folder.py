@@ -425,3 +425,21 @@ def test_a_stopped_evaluate_says_so_in_one_line_and_leaves_no_temporary_file_or_
                                             f"run the same command again.")
     assert "Traceback" not in err
     assert [n for n in _tree(str(tmp_path)) if n.endswith(".tmp") or "lock" in n] == []
+
+
+def test_a_runs_evaluation_folder_is_named_as_such_when_another_command_would_take_it(tmp_path):
+    # export --overwrite --out WORKDIR/eval/step_5 said the folder "holds files jaxrat did not write":
+    # evaluate wrote them, into the run's own folder, which carries no manifest.
+    run = tmp_path / "run"
+    (run / "eval" / "step_5").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "eval" / "step_5" / "metrics.json").write_text("{}")
+    out = str(run / "eval" / "step_5")
+    for command in ("export", "predict"):
+        for overwrite in (False, True):
+            with pytest.raises(UserError, match=rf"--out {out} holds an evaluation of the run .* which {command} never "
+                                                r"replaces, even with --overwrite; choose a new folder\."):
+                output_folder.refuse_taken(out, command=command, overwrite=overwrite)
+    with pytest.raises(UserError, match="holds files jaxrat did not write"):  # evaluate's own --out rule, as before
+        output_folder.refuse_taken(out, command="evaluate", overwrite=True)
+    assert sorted(os.listdir(out)) == ["metrics.json"]
