@@ -13,7 +13,6 @@ wrote (its own images go to ``ROOT/report_files/``), so it works while jobs are 
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 import time
@@ -23,7 +22,7 @@ from jaxrat.experiments import summary as sweep_summary
 from jaxrat.experiments.status import run_status
 from jaxrat.experiments.sweep import MANIFEST
 from jaxrat.runtime.dotted import flatten
-from jaxrat.runtime.fileio import write_text
+from jaxrat.runtime.fileio import read_json, write_text
 
 FILES_DIR = "report_files"
 SKIP = {"checkpoints", "synthetic_data", "tensorboard", "eval", FILES_DIR, "trials", "folds", "wandb", "mlruns"}
@@ -51,12 +50,8 @@ def find(root: str) -> dict[str, list[str]]:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    data = read_json(path)
+    return data if isinstance(data, dict) else {}
 
 
 # Fields that differ between runs without being part of the experiment.

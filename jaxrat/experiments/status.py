@@ -9,7 +9,6 @@ ends (failed, with its reason; preempted). Everything here only reads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 from jaxrat.checkpointing.store import committed_steps, step_metadata, stopped_early
 from jaxrat.config_schema import default
+from jaxrat.runtime.fileio import read_json
 
 LOCK = "run.lock"  # jaxrat.trainer.workdir_lock.LOCK_NAME (a layer this one does not import)
 LEASE_S = default("workdir.lease_seconds")  # a holder elsewhere silent this long is gone
@@ -62,11 +62,7 @@ def run_state(workdir: str, total: int) -> RunState:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
+    data = read_json(path)
     return data if isinstance(data, dict) else {}
 
 

@@ -121,6 +121,15 @@ def write_json(path: str | os.PathLike, obj: Any, **dump_kwargs: Any) -> None:
     write_text(path, json.dumps(obj, **dump_kwargs))
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON object at ``path``; None when there is no such file or it cannot be read as JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def write_csv(path: str | os.PathLike, rows: Iterable[Sequence[Any]], header: Sequence[str] | None = None,
               **writer_kwargs: Any) -> None:
     """Replace ``path`` by a CSV of ``rows`` (after ``header`` if given), whole or not at all."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ from jax.experimental import multihost_utils
 
 from jaxrat.config_schema import field
 from jaxrat.runtime.errors import ConfigError
-from jaxrat.runtime.fileio import write_json
+from jaxrat.runtime.fileio import read_json, write_json
 from jaxrat.trainer.state import make_state_spec
 from jaxrat.trainer.step import make_train_step
 
@@ -147,12 +146,10 @@ def record(choice: Choice, workdir: str) -> None:
 
 def recorded(workdir: str) -> Choice | None:
     """The choice recorded in ``WORKDIR/autotune.json``; None when there is none (or it is unreadable)."""
+    saved = read_json(os.path.join(workdir, RECORD_NAME))
     try:
-        with open(os.path.join(workdir, RECORD_NAME), encoding="utf-8") as f:
-            saved = json.load(f)
-        saved["tried"] = [tuple(t) for t in saved["tried"]]
-        return Choice(**saved)
-    except (OSError, ValueError, TypeError, KeyError):
+        return Choice(**{**saved, "tried": [tuple(t) for t in saved["tried"]]})
+    except (TypeError, KeyError):  # none, or not a record of a choice
         return None
 
 

@@ -26,7 +26,7 @@ from jaxrat.data.label_check import LABEL_STATS_NAME
 from jaxrat.runtime import exit_guard, output_folder
 from jaxrat.runtime.dotted import flatten
 from jaxrat.runtime.errors import ConfigError, UserError
-from jaxrat.runtime.fileio import move_into_place, unwritable, write_json, write_text
+from jaxrat.runtime.fileio import move_into_place, read_json, unwritable, write_json, write_text
 from jaxrat.tracking.plots import CURVES_NAME
 from jaxrat.tracking.summary import JSON_NAME, MARKDOWN_NAME
 from jaxrat.trainer.label_space import LABELS_NAME
@@ -197,16 +197,8 @@ def write_run_files(workdir: str, files: Mapping[str, Any]) -> None:
     holds the object already is left as it is (a resume rewrites nothing it need not)."""
     for name, obj in files.items():
         path = os.path.join(workdir, name)
-        if obj is not None and _json_or_none(path) != obj:
+        if obj is not None and read_json(path) != obj:
             write_json(path, obj, indent=2)
-
-
-def _json_or_none(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def inside_dataset(config: mlc.ConfigDict, workdir: str) -> str | None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import os
 from typing import Iterator, Sequence
+
+from jaxrat.runtime.fileio import read_json
 
 # The trained run whose synthetic data may be read ("" while a training run prepares its own). A
 # context variable rather than an argument: a task's prepare_data(workdir) is a public interface
@@ -48,11 +49,4 @@ def run_copies(process_index: int) -> list[str]:
 def written(folders: Sequence[str], marker: str, params: dict) -> str:
     """The first of ``folders`` that holds the whole dataset of ``params`` (its ``marker`` file, written
     last, records them), or ""."""
-    for path in folders:
-        try:
-            with open(os.path.join(path, marker)) as f:
-                if json.load(f) == params:
-                    return path
-        except (OSError, ValueError):
-            continue
-    return ""
+    return next((path for path in folders if read_json(os.path.join(path, marker)) == params), "")
