@@ -26,7 +26,7 @@ import pytest
 from jaxrat.checkpointing.store import committed_steps
 from jaxrat.cluster import PREEMPTED_EXIT_CODE
 from jaxrat.data.synthetic import isic as synthetic_isic
-from runner import REPO, losses_by_step, main_cmd
+from runner import REPO, fill_disk, losses_by_step, main_cmd
 from test_data_readonly import snapshot
 from test_preempt import Run, cached_env, compile_cache, train_steps_logged, wait_until  # noqa: F401
 
@@ -78,17 +78,6 @@ def _end(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
             p.kill()
             p.wait(30)
     return codes
-
-
-def _fill(path: str) -> None:
-    """Write a ballast file until the filesystem is full."""
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
-        except OSError:
-            pass
 
 
 def _damage_newest(ckdir: str) -> int | None:
@@ -165,7 +154,7 @@ def test_chaos_ends_in_the_uninterrupted_run_and_leaves_the_dataset_alone(tmp_pa
                         time.sleep(0.001)
                     run.proc.send_signal(signal.SIGKILL)
                 elif fault == "disk full":
-                    _fill(ballast)
+                    fill_disk(ballast)
                 code = run.wait(180)
             finally:
                 run.kill()
