@@ -22,6 +22,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
+from jaxrat.checkpointing.hub import is_hub, resolve_pretrained
 from jaxrat.runtime.errors import ConfigError
 
 Batch = Mapping[str, Any]
@@ -237,8 +238,6 @@ def local_model_config(model_config: mlc.ConfigDict) -> mlc.ConfigDict:
     """``model_config`` with a hub ``pretrained`` (``hf:OWNER/NAME[@REV]``) replaced by its local
     folder in the Hugging Face cache (downloaded if needed), so that the model is built from the
     architecture its ``config.json`` states; any other value is returned unchanged (not copied)."""
-    from jaxrat.data.hub import is_hub, resolve_pretrained
-
     pretrained = str(model_config.get("pretrained", "") or "")
     if not is_hub(pretrained):
         return model_config

@@ -23,6 +23,7 @@ from jaxrat import ops
 from jaxrat.checkpointing import Checkpointer, load_init
 from jaxrat.checkpointing.init_from import merge_params, place_arrays
 from jaxrat.config_schema import field
+from jaxrat.models.backbones.weights import pretrained_arrays
 from jaxrat.parallel import sharding
 from jaxrat.runtime.compile_options import init_compiler_options
 from jaxrat.runtime.errors import ConfigError
@@ -275,25 +276,22 @@ class Restored:
 
 
 def initial_weights(config: mlc.ConfigDict, spec: StateSpec) -> dict[str, Any]:
-    """What a new run's state starts from besides its fresh initialisation: another run's or a weights
-    file's parameters (and optimizer state) for ``init_from``, a timm / Hugging Face file's for the
-    backbone with ``model.pretrained``, else nothing. Read before anything compiles, so a mismatch
-    fails first; the parameters it holds land on ``spec``'s shardings."""
+    """What a new run's state starts from besides its fresh initialisation: a timm / Hugging Face
+    file's weights for the backbone with ``model.pretrained``, another run's or a weights file's
+    parameters (and optimizer state) for ``init_from`` (which wins: it holds a backbone too), else
+    nothing. Read before anything compiles, so a mismatch fails first; the parameters it holds land on
+    ``spec``'s shardings."""
     abstract = spec.abstract_with_shardings()
     include, exclude = field(config, "init_from_include"), field(config, "init_from_exclude")
-    if config.init_from:
-        return load_init(config.init_from, abstract, optimizer=config.checkpoint.init_optimizer, include=include,
-                         exclude=exclude, strict=field(config, "init_from_strict"),
-                         rename=field(config, "init_from_rename"))
-    if not config.model.get("pretrained"):
+    pretrained = "" if config.init_from else str(config.model.get("pretrained") or "")
+    if pretrained:
+        arrays = pretrained_arrays(pretrained, abstract["params"])
+        return {"params": place_arrays(arrays, abstract["params"], include=include, exclude=exclude, where=pretrained)}
+    if not config.init_from:
         return {}
-    from jaxrat.data.hub import resolve_pretrained
-    from jaxrat.models.backbones.weights import pretrained_arrays
-
-    path = resolve_pretrained(str(config.model.pretrained))  # hf:OWNER/NAME[@REV]: the hub cache's folder
-    arrays = pretrained_arrays(path, abstract["params"])
-    logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
-    return {"params": place_arrays(arrays, abstract["params"], include=include, exclude=exclude, where=path)}
+    return load_init(config.init_from, abstract, optimizer=config.checkpoint.init_optimizer, include=include,
+                     exclude=exclude, strict=field(config, "init_from_strict"),
+                     rename=field(config, "init_from_rename"))
 
 
 def restore_or_init(config: mlc.ConfigDict, spec: StateSpec, ckpt: Checkpointer,

@@ -23,7 +23,8 @@ import pytest
 from PIL import Image
 
 from fake_hub import FakeHub
-from jaxrat.data import download, hub
+from jaxrat.checkpointing import hub
+from jaxrat.data import download
 from jaxrat.inference import run as predict_run
 from jaxrat.inference.inputs import expand_inputs
 from jaxrat.runtime import output_folder

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import save
 
 from fake_hub import HTML_PAGE, FakeHub, commit_for
-from jaxrat.data import hub
+from jaxrat.checkpointing import hub
 from jaxrat.runtime.errors import DataError, UserError
 
 pytest.importorskip("huggingface_hub")

@@ -17,17 +17,23 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxrat.checkpointing.hub import resolve_pretrained
+from jaxrat.checkpointing.named_arrays import named_leaves
+from jaxrat.checkpointing.weight_files import read_arrays, read_model_folder
 from jaxrat.models.backbones import convert
+from jaxrat.models.backbones.architecture import file_fields
 from jaxrat.runtime.errors import ConfigError
+from jaxrat.runtime.tree_paths import path_name
 
 
 def read_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(state dict as numpy arrays, Hugging Face ``config.json`` or {}) of a file or model folder,
     read by :func:`jaxrat.checkpointing.weight_files.read_arrays`."""
-    from jaxrat.checkpointing.weight_files import read_arrays, read_model_folder
-
     path = Path(os.path.expanduser(str(path)))
     if not path.exists():
         raise ConfigError(f"pretrained weights {path} do not exist; give a .safetensors/.bin/.pth file or a "
@@ -41,8 +47,6 @@ def read_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[s
 
 def origin_of(path: str | os.PathLike, state: Mapping[str, np.ndarray]) -> str:
     """"hf" or "timm": the library the weights at ``path`` come from (their config, else their names)."""
-    from jaxrat.models.backbones.architecture import file_fields
-
     return file_fields(path)[0] or ("hf" if convert.is_hf(state) else "timm")
 
 
@@ -87,21 +91,11 @@ def load_backbone_weights(path: str | os.PathLike, expected: Mapping[str, tuple]
 
 def expected_shapes(model: Any) -> dict[str, tuple]:
     """Parameter path -> shape of an (abstract) backbone."""
-    from flax import nnx
-
-    from jaxrat.checkpointing.named_arrays import named_leaves
-
     return {k: tuple(v.shape) for k, v in named_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
 def set_params(model: Any, arrays: Mapping[str, np.ndarray]) -> None:
     """Write ``arrays`` (path -> array, a subset of the model's parameters) into ``model`` in place."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxrat.runtime.tree_paths import path_name
-
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     params = jax.tree_util.tree_map_with_path(
         lambda p, leaf: jnp.asarray(arrays[path_name(p)], leaf.dtype) if path_name(p) in arrays else leaf, params)
@@ -110,20 +104,19 @@ def set_params(model: Any, arrays: Mapping[str, np.ndarray]) -> None:
     nnx.update(model, state)
 
 
-def pretrained_arrays(path: str | os.PathLike, abstract_params: Any,
+def pretrained_arrays(source: str | os.PathLike, abstract_params: Any,
                       prefix: str = "backbone/") -> dict[str, np.ndarray]:
-    """The file at ``path`` converted for the backbone under ``prefix`` of a model whose parameters
-    are ``abstract_params`` (shapes suffice), as ``{prefix + name: array}`` (the trainer places them
-    with :func:`jaxrat.checkpointing.init_from.place_arrays`)."""
-    from jaxrat.checkpointing.named_arrays import named_leaves
-
+    """The weights ``source`` names (a ``config.model.pretrained`` value: a file, a model folder, or
+    ``hf:OWNER/NAME[@REV]``, taken from the hub's cache or downloaded) converted for the backbone under
+    ``prefix`` of a model whose parameters are ``abstract_params`` (shapes suffice), as
+    ``{prefix + name: array}`` (the trainer places them with
+    :func:`jaxrat.checkpointing.init_from.place_arrays`)."""
     expected = {k[len(prefix):]: tuple(v.shape) for k, v in named_leaves(abstract_params).items()
                 if k.startswith(prefix)}
     if not expected:
         raise ConfigError(f"config.model.pretrained is set but this model has no {prefix.rstrip('/')}; pretrained "
                           f"weights load into a ViT/BEiT/Swin backbone (backbone_classifier, transunet, swin_unet).")
-    from jaxrat.models.backbones.architecture import file_fields
-
+    path = resolve_pretrained(str(source))  # the commit the model's architecture was read from
     _, kind, fields, where = file_fields(path)
     state, _ = read_weights(path)
     if not state:
@@ -136,4 +129,6 @@ def pretrained_arrays(path: str | os.PathLike, abstract_params: Any,
     logging.info("pretrained: position embeddings and bias tables of another size resampled as %s does it (%s)",
                  library, "bicubic; BEiT tables bilinear" if origin == "hf" else
                  "antialiased bicubic; relative tables on BEiT's geometric spacing")
-    return {prefix + k: v for k, v in convert_state(state, expected, str(path), origin).items()}
+    arrays = {prefix + k: v for k, v in convert_state(state, expected, str(path), origin).items()}
+    logging.info("pretrained: %d backbone tensors from %s", len(arrays), path)
+    return arrays

@@ -35,7 +35,7 @@ import shutil
 import sys
 from typing import Any, Iterator
 
-from jaxrat.data.hub_checks import listed_checks, problem
+from jaxrat.checkpointing.hub_checks import listed_checks, problem
 from jaxrat.runtime.errors import DataError, UserError
 
 PREFIX = "hf:"
@@ -386,7 +386,7 @@ def resolve_pretrained(value: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``jaxrat download hf:OWNER/NAME[@REV]`` (also ``python -m jaxrat.data.hub``); user errors print one
+    """``jaxrat download hf:OWNER/NAME[@REV]`` (also ``python -m jaxrat.checkpointing.hub``); user errors print one
     sentence and return 2."""
     p = argparse.ArgumentParser(prog="jaxrat download", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="hf:OWNER/NAME[@REVISION] (the hf: may be left out here)")

@@ -1,5 +1,5 @@
 """What a file fetched from the Hugging Face hub must be: its size, SHA-256 or git object id as the
-hub lists them, and not an HTML or XML page served in its place (:mod:`jaxrat.data.hub` checks every
+hub lists them, and not an HTML or XML page served in its place (:mod:`jaxrat.checkpointing.hub` checks every
 file after a download and whenever it is taken from the cache)."""
 
 from __future__ import annotations
