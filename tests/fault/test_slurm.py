@@ -375,7 +375,12 @@ def test_killed_tasks_requeue_the_job_and_the_reruns_resume_exactly(slurm, tmp_p
                 assert f"jaxrat: error: process 1 of 2 (host {os.uname().nodename}, pid {pids[1]})" in text, \
                     text[-3000:]
                 assert "task 0: Exited with exit code 42" in text, text[-3000:]
-            assert text.count("jaxrat: training step ended with status 137") == restart, text[-3000:]
+            # srun's status is its tasks' highest: the killed task's 137, or 139 where the survivor of process
+            # 0 (the coordination service's host) died of JAX's abort as a segfault (seen once in ~30 runs).
+            ended = re.findall(r"jaxrat: training step ended with status (\d+)", text)
+            allowed = ("137", "139") if victim == 0 else ("137",)
+            assert len(ended) == restart and ended[:-1] == ["137"] * (restart - 1) and ended[-1] in allowed, \
+                text[-3000:]
             assert f"jaxrat: requeue {restart} of at most 2 after a failure (--max-restarts)" in text, text[-3000:]
             # A requeued job is held ~2 min; release it, not in the same second as the requeue (see above).
             time.sleep(3)
