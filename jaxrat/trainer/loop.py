@@ -210,6 +210,25 @@ def _adds_nothing(workdir: str, first: int, done: int, eval_step: int | None) ->
     return done == first and eval_step is None and os.path.exists(os.path.join(workdir, SUMMARY_JSON))
 
 
+def _write_summary(w: _Started, run: hooks.RunHooks, writer: MetricWriter, workdir: str, *, first: int, done: int,
+                   status: str, error: str | None, wall_time_s: float) -> None:
+    """summary.json and summary.md of the run that did steps ``first`` to ``done``, also to the trackers;
+    an earlier run's kept when this one added nothing. A failure to write it only warns: the summary
+    is not worth hiding why a run failed."""
+    if _adds_nothing(workdir, first, done, run.evaluation.last_step):
+        logging.info("run summary: kept as it was (this run did no step and no evaluation)")
+        return
+    try:
+        summary = run_summary.build(w.config, workdir, status=status, mesh=w.mesh, first=first, last=done,
+                                    wall_time_s=wall_time_s, checkpoint_dir=w.ckpt.directory, kernels=w.spec.kernels,
+                                    compute_dtype=jax.numpy.dtype(w.spec.dtype).name, error=error,
+                                    **run.summary(done))
+        confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
+        run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
+    except Exception as e:
+        logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
+
+
 def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, save_config: Any) -> dict[str, float]:
     watch = PreemptionWatch()  # one counter for every check of the run (a collective's agreed call number)
     w = _start(config, workdir, watch, save_config)
@@ -219,10 +238,20 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
 
     # ---- loop
     writer = MetricWriter(workdir, is_main=jax.process_index() == 0, tracking=config.get("tracking"))
-    writer.write_hparams(config.to_dict())
+    # A second Ctrl-C before the first step ends the trackers' runs as interrupted: left open, an
+    # MLflow run stays RUNNING for good and a W&B one ends as crashed.
+    forget_writer = startup_exit.on_exit(lambda: writer.close("interrupted"))
     put = lambda b: to_global(b, spec.batch_sharding)  # noqa: E731
-    run = hooks.RunHooks.create(config, w.task, spec, ckpt, w.policy, writer, watch, w.eval_step, put, start, t_created)
-    feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+    try:
+        writer.write_hparams(config.to_dict())
+        run = hooks.RunHooks.create(config, w.task, spec, ckpt, w.policy, writer, watch, w.eval_step, put, start,
+                                    t_created)
+        feed = DeviceFeed(start.data, put, depth=config.data.device_prefetch)
+    except BaseException:  # e.g. early stopping's record refused: the trackers' runs end as failed
+        forget_writer()
+        writer.close("failed")
+        ckpt.close()
+        raise
     # A second Ctrl-C before the first step stops the input workers first: left to die with the
     # process, their batches' shared memory is reported leaked after the run's closing line.
     forget_feed = startup_exit.on_exit(feed.close)
@@ -235,6 +264,7 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
             if step == first:  # compiled and started: a second Ctrl-C from here on is training's
                 startup_exit.done()
                 forget_feed()
+                forget_writer()
             done = step + 1
             if run.after_step(done, state, metrics, waited, feed.consumed_state):
                 break
@@ -248,19 +278,10 @@ def _train_and_evaluate(config: mlc.ConfigDict, workdir: str, t_created: float, 
         raise
     finally:
         forget_feed()
+        forget_writer()
         feed.close()
-        if _adds_nothing(workdir, first, done, run.evaluation.last_step):
-            logging.info("run summary: kept as it was (this run did no step and no evaluation)")
-        else:
-            try:  # the summary is not worth hiding why a run failed
-                summary = run_summary.build(config, workdir, status=status, mesh=w.mesh, first=first, last=done,
-                                            wall_time_s=time.perf_counter() - t_created, checkpoint_dir=ckpt.directory,
-                                            kernels=spec.kernels, compute_dtype=jax.numpy.dtype(spec.dtype).name,
-                                            error=error, **run.summary(done))
-                confusions = getattr(getattr(run.evaluation, "last_accumulator", None), "confusions", dict)()
-                run_summary.publish(writer, workdir, summary, confusions, w.task.curve_classes)
-            except Exception as e:
-                logging.warning("run summary: not written (%s: %s)", type(e).__name__, e)
+        _write_summary(w, run, writer, workdir, first=first, done=done, status=status, error=error,
+                       wall_time_s=time.perf_counter() - t_created)
         writer.close(status)
         ckpt.close()
     if first >= total:

@@ -222,14 +222,19 @@ def test_ctrl_c_saves_at_the_next_step_and_a_second_one_exits_at_once(tmp_path, 
 def test_a_second_ctrl_c_during_start_up_ends_the_run_at_once_with_its_line_and_the_lock_released(tmp_path):
     """Two Ctrl-Cs while the first step compiles (in XLA, where Python runs no signal handler): the run
     ends within moments, status 130, start-up's closing line last and no traceback, run.lock released
-    and config.json whole; the rerun starts without taking a lock over. (It died by the default
-    action, leaving the lock and no line.)"""
+    and config.json whole, the MLflow run ended as KILLED (not left RUNNING); the rerun starts without
+    taking a lock over. (It died by the default action, leaving the lock and no line.)"""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
     from jaxrat.cluster import INTERRUPTED_EXIT_CODE
 
     wd = str(tmp_path / "wd")
-    # A U-Net whose step compiles for seconds, and no compilation cache, so the compile is never skipped.
+    # A U-Net whose step compiles for seconds, and no compilation cache, so the compile is never skipped;
+    # MLflow in the workdir's own database.
     args = ["--config.num_train_steps=2", "--config.train.compilation_cache_dir=none",
-            "--config.model.features=(16,32,64,128)", "--config.data.image_size=64"]
+            "--config.model.features=(16,32,64,128)", "--config.data.image_size=64",
+            "--config.tracking.backends=('jsonl','mlflow')"]
     env = env_with_devices(1)
     env["XLA_FLAGS"] = without_test_flags(env["XLA_FLAGS"])  # XLA's full compile: seconds, not the suite's fast one
     run = Run(wd, args, env, str(tmp_path / "1.log"))
@@ -247,6 +252,8 @@ def test_a_second_ctrl_c_during_start_up_ends_the_run_at_once_with_its_line_and_
     assert not [n for n in left if n.startswith("run.lock") or n.endswith(".tmp")], left
     assert json.load(open(os.path.join(wd, "config.json")))["num_train_steps"] == 2
     assert store.committed_steps(os.path.join(wd, "checkpoints")) == []
+    run_id = json.load(open(os.path.join(wd, "mlflow_run.json")))["run_id"]
+    assert MlflowClient("sqlite:///" + os.path.join(wd, "mlflow.db")).get_run(run_id).info.status == "KILLED"
 
     run = Run(wd, ["--config.num_train_steps=0", *args[1:]], env, str(tmp_path / "2.log"))
     assert run.wait() == 0, run.output()[-4000:]
