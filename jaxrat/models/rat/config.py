@@ -36,6 +36,27 @@ def as_tuple(value: Any, n: int, cast=None) -> tuple:
     return tuple(cast(v) for v in out) if cast else out
 
 
+def _is_int(value: Any) -> bool:
+    """An integer, or a float that is one (a JSON or command-line 7.0 built the layers as 7)."""
+    return _is_number(value) and float(value).is_integer()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_ints(name: str, value: Any, n: int, least: int, also: str = "") -> None:
+    """Refuse ``value`` unless it is an integer >= ``least`` or ``n`` of them (one per spatial axis)."""
+    try:
+        ok = all(_is_int(v) and v >= least for v in as_tuple(value, n))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        alternative = f"{also}, " if also else ""
+        raise ValueError(f"{name} must be {alternative}an integer >= {least} or {n} of them (one per axis), "
+                         f"got {value!r}")
+
+
 def _frozen(value: Any) -> Any:
     """Lists (as ml_collections and JSON give them) to tuples, so the config stays hashable."""
     if isinstance(value, (list, tuple)):
@@ -123,15 +144,48 @@ class RATConfig:
             raise ValueError(f"spatial_dims must be 1, 2 or 3, got {self.spatial_dims}")
         if self.iters < 0:
             raise ValueError(f"iters must be >= 0, got {self.iters}")
-        if self.feature_dims % self.num_heads:
-            raise ValueError(f"feature_dims={self.feature_dims} must be a multiple of num_heads={self.num_heads}")
         for name, allowed in (("mr_attention", MR_ATTENTION_TYPES), ("remat", REMAT_TYPES),
                               ("positional_encoding", POSITIONAL_ENCODINGS), ("pyramid_spacing", PYRAMID_SPACINGS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.mr_window < 1:
             raise ValueError(f"mr_window must be >= 1, got {self.mr_window}")
+        self._check_sizes()
         self.block_attention()  # validates ``attention``
+
+    def _check_sizes(self) -> None:
+        """Refuse sizes the layers cannot build or run (a kernel of 0, a stride of -1, a scale of 0):
+        each ended in a traceback from inside JAX, or later, in the first step."""
+        sd = self.spatial_dims
+        for name, least in (("input_features", 1), ("feature_dims", 1), ("num_blocks", 1), ("num_heads", 1),
+                            ("leading_tokens", 0)):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {getattr(self, name)!r}")
+        if self.feature_dims % self.num_heads:
+            raise ValueError(f"feature_dims={self.feature_dims} must be a multiple of num_heads={self.num_heads}")
+        if not 0.0 <= self.rotary_ratio <= 1.0:
+            raise ValueError(f"rotary_ratio must be between 0 and 1, got {self.rotary_ratio!r}")
+        if not self.mlp_ratio > 0 or not 0.0 <= self.mlp_dropout < 1.0:
+            raise ValueError(f"mlp_ratio must be > 0 and mlp_dropout in [0, 1), got {self.mlp_ratio!r} and "
+                             f"{self.mlp_dropout!r}")
+        _check_ints("proj_kernel_size", self.proj_kernel_size, sd, 1)
+        if self.proj_padding != "same":
+            _check_ints("proj_padding", self.proj_padding, sd, 0, also='"same"')
+        _check_ints("sga_kernel_size", self.sga_kernel_size, sd, 1)
+        if self.stride is not None:
+            _check_ints("stride", self.stride, sd, 1, also="None (half the kernel)")
+        if self.positional_encoding == "absolute":
+            _check_ints("absolute_pos_grid", self.absolute_pos_grid, sd, 1)
+        if self.spacing is not None:
+            try:
+                ok = all(_is_number(v) and v > 0 for v in as_tuple(self.spacing, sd))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"spacing must be None, a number > 0 or {sd} of them, got {self.spacing!r}")
+        if self.scales is not None and (not isinstance(self.scales, tuple)
+                                        or not all(_is_int(v) and v >= 1 for v in self.scales)):
+            raise ValueError(f"scales must be () or image sizes >= 1 (e.g. (256, 128, 64)), got {self.scales!r}")
 
     def block_attention(self) -> tuple[str, ...]:
         """Per-block SGA form; "mixed" = sparse for the first ceil(n/2) (large-grid) blocks, then dense."""
@@ -143,6 +197,8 @@ class RATConfig:
             if a not in SGA_TYPES:
                 raise ValueError(f"attention must be one of {SGA_TYPES} or one form per block, got {a!r}")
             return (a,) * n
+        if not isinstance(a, tuple):
+            raise ValueError(f"attention must be one of {SGA_TYPES} or one form per block, got {a!r}")
         if len(a) != n or any(t not in BLOCK_SGA_TYPES for t in a):
             raise ValueError(f"a per-block attention needs {n} of {BLOCK_SGA_TYPES}, got {a}")
         return tuple(a)
