@@ -123,6 +123,12 @@ def run_argparse(main, argv: list[str]) -> int:
     return 0
 
 
+# Flags other tools spell differently, too far in letters from ours for difflib to find.
+_MEANT = {"images": "input", "image": "input", "inputs": "input", "source": "input", "src": "input",
+          "output": "out", "outdir": "out", "output_dir": "out", "dest": "out", "work_dir": "workdir",
+          "run": "workdir", "run_dir": "workdir", "checkpoint": "step", "ckpt": "step"}
+
+
 def flag_mistake(argv: list[str], module_file: str) -> str | None:
     """One sentence for an unknown flag or a missing required one in an absl command's ``argv``
     (absl says it in two lines with FATAL and exits 1), or None."""
@@ -137,7 +143,7 @@ def flag_mistake(argv: list[str], module_file: str) -> str | None:
         known = name in flags.FLAGS or (name.startswith("no") and name[2:] in flags.FLAGS)
         if not known:
             own = [f.name for f in flags.FLAGS.get_key_flags_for_module(module_file)]
-            close = difflib.get_close_matches(name, own, n=1)
+            close = [_MEANT[name]] if _MEANT.get(name) in own else difflib.get_close_matches(name, own, n=1)
             hint = f"did you mean --{close[0]}?" if close else "--help lists the flags."
             return f"Unknown flag --{name}; {hint}"
         given.add(name)

@@ -126,6 +126,8 @@ def test_a_trained_runs_overrides_are_checked_alike(tmp_path):
     (["predict", "--wokdir=x", "--input=y", "--out=z"], "Unknown flag --wokdir; did you mean --workdir?"),
     (["predict", "--input=y", "--out=z"], "Pass --workdir: it is required (--help says what it takes)."),
     (["train", "--config", "isic:smoke", "--workdri=w"], "Unknown flag --workdri; did you mean --workdir?"),
+    (["predict", "--workdir=x", "--images=y", "--out=z"], "Unknown flag --images; did you mean --input?"),
+    (["export", "--workdir=x", "--output=z"], "Unknown flag --output; did you mean --out?"),
     (["predict", "--workdir=x", "--input=y", "--out=z", "--batch", "abc"],
      "--batch=abc is not an integer; pass an integer (--help says what it takes)."),
     (["evaluate", "--workdir=x", "--overlap=half"], "--overlap=half is not a number; pass a number (--help says "
