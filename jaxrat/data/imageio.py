@@ -15,12 +15,38 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from typing import Union
+from typing import Sequence, Union
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from jaxrat.runtime.errors import DataError
+
+try:  # HEIC/HEIF, iPhones' photos, through the pillow-heif plugin where it is installed (jaxrat[heic])
+    import pillow_heif
+except ImportError:
+    HEIF = False
+else:
+    pillow_heif.register_heif_opener()
+    HEIF = True
+
+HEIF_EXTENSIONS = (".heic", ".heif")
+RAW_EXTENSIONS = (".dng", ".cr2", ".cr3", ".nef", ".arw", ".raf", ".orf", ".rw2", ".pef", ".srw")
+_HEIF_FIX = "which Pillow reads only with the pillow-heif package: pip install pillow-heif (or 'jaxrat[heic]')"
+_RAW_FIX = "which jaxrat does not read: export them as JPEG, PNG or TIFF"
+
+
+def photos_not_read(names: Sequence[str]) -> str:
+    """What among the file ``names`` this installation cannot read however sound the files are:
+    HEIC/HEIF photos without pillow-heif, camera raw files; "" when none. Listed as images by
+    nobody, they would otherwise vanish from a dataset without a word."""
+    heif = [n for n in names if n.lower().endswith(HEIF_EXTENSIONS)] if not HEIF else []
+    raw = [n for n in names if n.lower().endswith(RAW_EXTENSIONS)]
+    parts = [f"{len(found)} {what} (e.g. {os.path.basename(found[0])}), {fix}"
+             for found, what, fix in ((heif, "HEIC/HEIF photo(s)", _HEIF_FIX), (raw, "camera raw file(s)", _RAW_FIX))
+             if found]
+    return "; ".join(parts)
+
 
 _FIX = "replace or delete the file (or re-download the dataset), or set --config.data.on_bad_file=skip"
 # Modes that carry more than 8 bits per sample: rescaled to 8 bits rather than clipped.
@@ -80,7 +106,7 @@ def _open(path: Source, draft_to: tuple[int, int] | None = None) -> tuple[Image.
             img.draft("RGB", draft_to[::-1] if _orientation(img) in _QUARTER_TURNS else draft_to)
         img.load()  # decode now so truncated files fail here, not later
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise BadFileError(name, f"not a readable image ({type(e).__name__}: {e})") from None
+        raise BadFileError(name, photos_not_read([name]) or f"not a readable image ({type(e).__name__}: {e})") from None
     orientation = _orientation(img)  # after load: a PNG may carry its EXIF after the pixels
     return upright(img, name, orientation), size[::-1] if orientation in _QUARTER_TURNS else size
 
@@ -122,7 +148,7 @@ def probe(path: str) -> tuple[int, int]:
         with Image.open(path) as img:
             return img.size[::-1] if _orientation(img) in _QUARTER_TURNS else img.size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise BadFileError(path, f"not a readable image ({type(e).__name__}: {e})") from None
+        raise BadFileError(path, photos_not_read([path]) or f"not a readable image ({type(e).__name__}: {e})") from None
 
 
 def exif_orientation(path: str) -> int:

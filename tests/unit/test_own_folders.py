@@ -189,3 +189,61 @@ def test_a_relative_dataset_folder_is_saved_absolute(tmp_path, monkeypatch):
     assert on_own_data(config).data.data_dir == "gs://bucket/isic"
     config.data.data_dir = ""
     assert on_own_data(config).data.data_dir == ""
+
+
+def test_heic_photos_are_read_with_pillow_heif_and_named_without_it(tmp_path, caplog):
+    """iPhones save HEIC: with pillow-heif installed a class folder of them trains (turned upright as
+    shown); without it they were passed over as no images at all, and a class of nothing but HEIC
+    said "add its images". Camera raw files are named likewise."""
+    import json
+    import subprocess
+    import sys
+
+    import pillow_heif  # noqa: F401 - jaxrat registers it; the test writes with it
+
+    from jaxrat.data import imageio
+    from jaxrat.data.sources.folder import folder_records
+    from runner import REPO
+
+    root = tmp_path / "train"
+    _png(str(root / "cat" / "a.png"))
+    image = Image.fromarray(np.full((6, 8, 3), 200, np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown a quarter turn from how it is stored
+    image.save(root / "cat" / "b.heic", exif=exif.tobytes())
+    os.makedirs(root / "dog")
+    image.save(root / "dog" / "c.HEIC")
+    (root / "dog" / "d.cr2").write_bytes(b"raw sensor data")
+    with caplog.at_level(logging.WARNING):
+        records, classes = folder_records(str(root))
+    assert classes == ["cat", "dog"] and sorted(os.path.basename(r["path"]) for r in records) == ["a.png", "b.heic",
+                                                                                                  "c.HEIC"]
+    assert "1 camera raw file(s) (e.g. d.cr2), which jaxrat does not read" in caplog.text
+    assert imageio.load_rgb(str(root / "cat" / "b.heic")).shape == (8, 6, 3)
+
+    code = f"""
+import json, logging, sys
+sys.modules["pillow_heif"] = None  # as if not installed
+from jaxrat.data import imageio
+from jaxrat.data.sources.folder import folder_records
+from jaxrat.runtime.errors import DataError
+out = {{}}
+try:
+    folder_records({str(root)!r})
+except DataError as e:
+    out["refused"] = str(e)
+try:
+    imageio.load_rgb({str(root / "cat" / "b.heic")!r})
+except DataError as e:
+    out["read"] = str(e)
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["refused"] == (
+        f"Class folder {root / 'dog'} holds no usable image, so class 'dog' cannot be learned; it holds 1 HEIC/HEIF "
+        "photo(s) (e.g. c.HEIC), which Pillow reads only with the pillow-heif package: pip install pillow-heif (or "
+        "'jaxrat[heic]'); 1 camera raw file(s) (e.g. d.cr2), which jaxrat does not read: export them as JPEG, PNG "
+        "or TIFF.")
+    assert "b.heic: 1 HEIC/HEIF photo(s) (e.g. b.heic), which Pillow reads only with the pillow-heif" in out["read"]

@@ -20,12 +20,15 @@ from typing import Any, Sequence
 
 import grain
 import numpy as np
+from PIL import features
 
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_rgb_with_size
+from jaxrat.data.imageio import HEIF, HEIF_EXTENSIONS, BadFileError, load_rgb_with_size, photos_not_read
 from jaxrat.runtime.errors import DataError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+# AVIF where this Pillow decodes it (11.3 on), HEIC/HEIF where pillow-heif is installed.
+IMAGE_EXTENSIONS = ((".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+                    + ((".avif",) if features.check("avif") else ()) + (HEIF_EXTENSIONS if HEIF else ()))
 
 
 def _is_image_name(name: str) -> bool:
@@ -54,14 +57,17 @@ def folder_records(root: str, *, policy: BadFilePolicy | None = None,
                  and not os.path.isdir(os.path.join(folder, f))]
         usable = [p for p in paths if _usable(p, policy)]
         nested = sum(1 for d, _, files in os.walk(folder) if d != folder for f in files if _is_image_name(f))
+        not_read = photos_not_read(os.listdir(folder))
         if nested and usable:
             logging.warning("data: %d image(s) in sub-folders of %s are not read; move them into %s itself.",
                             nested, folder, name)
+        if not_read and usable:
+            logging.warning("data: %s holds %s; they are left out.", folder, not_read)
         if not usable:
             if empty_classes:
                 continue
             why = (f"its {nested} image(s) are in sub-folders, which are not read; move them into {name}/ itself"
-                   if nested else "add its images, or remove the folder")
+                   if nested else f"it holds {not_read}" if not_read else "add its images, or remove the folder")
             raise DataError(f"Class folder {folder} holds no usable image, so class {name!r} cannot be learned; {why}.")
         label = len(classes)
         classes.append(name)

@@ -27,7 +27,7 @@ import numpy as np
 from PIL import Image
 
 from jaxrat.data.badfiles import BadFilePolicy
-from jaxrat.data.imageio import BadFileError, load_rgb_with_size, source_name, upright
+from jaxrat.data.imageio import BadFileError, load_rgb_with_size, photos_not_read, source_name, upright
 from jaxrat.data.sources.folder import IMAGE_EXTENSIONS
 from jaxrat.runtime.errors import ConfigError, DataError
 
@@ -45,6 +45,9 @@ def _images_in(folder: str) -> list[str]:
                    if not e.is_dir() and e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.name.startswith("."))
     nested = {e.name: n for e in entries if e.is_dir() and not e.name.startswith(".")
               for n in [_count_images(e.path)] if n}
+    not_read = photos_not_read([e.name for e in entries if not e.is_dir()])
+    if not_read:
+        _warn_once(f"data: {folder} holds {not_read}; they are left out.")
     if nested:
         where = ", ".join(f"{name}/ ({n})" for name, n in sorted(nested.items())[:3])
         _warn_once(f"data: {sum(nested.values())} image(s) in sub-folders of {folder} are not read: {where}; move "
