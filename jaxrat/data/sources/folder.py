@@ -53,11 +53,12 @@ def folder_records(root: str, *, policy: BadFilePolicy | None = None,
     records, classes = [], []
     for name in names:
         folder = os.path.join(root, name)
-        paths = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if _is_image_name(f)
+        listed = sorted(os.listdir(folder))
+        paths = [os.path.join(folder, f) for f in listed if _is_image_name(f)
                  and not os.path.isdir(os.path.join(folder, f))]
         usable = [p for p in paths if _usable(p, policy)]
         nested = sum(1 for d, _, files in os.walk(folder) if d != folder for f in files if _is_image_name(f))
-        not_read = photos_not_read(os.listdir(folder))
+        not_read = photos_not_read(listed)
         if nested and usable:
             logging.warning("data: %d image(s) in sub-folders of %s are not read; move them into %s itself.",
                             nested, folder, name)

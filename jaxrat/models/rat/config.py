@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ml_collections as mlc
 from ml_collections import config_dict
@@ -45,16 +45,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_ints(name: str, value: Any, n: int, least: int, also: str = "") -> None:
-    """Refuse ``value`` unless it is an integer >= ``least`` or ``n`` of them (one per spatial axis)."""
+def _check_axes(name: str, value: Any, n: int, good: Callable[[Any], bool], what: str) -> None:
+    """Refuse ``value`` unless it is one ``good`` value or ``n`` of them (one per spatial axis)."""
     try:
-        ok = all(_is_int(v) and v >= least for v in as_tuple(value, n))
+        ok = all(good(v) for v in as_tuple(value, n))
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        alternative = f"{also}, " if also else ""
-        raise ValueError(f"{name} must be {alternative}an integer >= {least} or {n} of them (one per axis), "
-                         f"got {value!r}")
+        raise ValueError(f"{name} must be {what} or {n} of them (one per axis), got {value!r}")
+
+
+def _check_ints(name: str, value: Any, n: int, least: int, also: str = "") -> None:
+    """Refuse ``value`` unless it is an integer >= ``least`` or ``n`` of them."""
+    _check_axes(name, value, n, lambda v: _is_int(v) and v >= least,
+                f"{also}, an integer >= {least}" if also else f"an integer >= {least}")
 
 
 def _frozen(value: Any) -> Any:
@@ -177,12 +181,7 @@ class RATConfig:
         if self.positional_encoding == "absolute":
             _check_ints("absolute_pos_grid", self.absolute_pos_grid, sd, 1)
         if self.spacing is not None:
-            try:
-                ok = all(_is_number(v) and v > 0 for v in as_tuple(self.spacing, sd))
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(f"spacing must be None, a number > 0 or {sd} of them, got {self.spacing!r}")
+            _check_axes("spacing", self.spacing, sd, lambda v: _is_number(v) and v > 0, "None, a number > 0")
         if self.scales is not None and (not isinstance(self.scales, tuple)
                                         or not all(_is_int(v) and v >= 1 for v in self.scales)):
             raise ValueError(f"scales must be () or image sizes >= 1 (e.g. (256, 128, 64)), got {self.scales!r}")
